@@ -1,0 +1,340 @@
+"""Every event Residency records, one Struct per fact, past-tense names.
+
+All events form one tagged union (the tag is the class name). Structs are ``array_like`` so a
+stored payload is a compact msgpack array: ``["MoveAcked", "m-17", 0, 2097152, ...]``.
+NOTE: because payloads are positional, a new field is only ever appended at the end with a
+default; any other change bumps ``SCHEMA_VERSION`` and adds an upcaster in ``events.upcast``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Union
+
+import msgspec
+
+Tier = Literal["device", "host", "disk"]
+TIERS: tuple[str, ...] = ("device", "host", "disk")
+MoveKind = Literal["spill", "evict", "park", "restore", "promote", "demote"]
+MOVE_KINDS: tuple[str, ...] = ("spill", "evict", "park", "restore", "promote", "demote")
+StrandedWhy = Literal["deadline", "worker_lost", "silent_release"]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag=True, array_like=True, gc=False):
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+
+# ---------------------------------------------------------------- server
+class ServerStarted(Event):
+    version: str
+    config_digest: str
+
+
+class ServerStopped(Event):
+    reason: str
+
+
+# ---------------------------------------------------------------- workers
+class WorkerJoined(Event):
+    worker: int
+    device: str                       # "cuda:0", "cpu"
+    tiers: dict[str, int]             # tier -> capacity_bytes
+    block_bytes: int
+
+
+class WorkerHeartbeatMissed(Event):
+    worker: int
+    silent_ms: int
+
+
+class WorkerLost(Event):
+    worker: int
+    reason: str
+
+
+# ---------------------------------------------------------------- budgets
+class BudgetSet(Event):
+    worker: int
+    tier: Tier
+    floor_bytes: int
+    ceiling_bytes: int
+
+
+class PinnedRegistered(Event):
+    worker: int
+    owner: str
+    bytes: int
+
+
+class PinnedReleased(Event):
+    worker: int
+    owner: str
+    bytes: int
+
+
+# ---------------------------------------------------------------- blocks
+class BlocksCommitted(Event):
+    """Blocks came into being on a tier (written by prefill/decode), owned by a session."""
+
+    worker: int
+    session: str | None
+    tier: Tier
+    blocks: list[int]
+    keys: list[str]                   # content keys ("" for a partial block)
+    bytes: int
+
+
+class BlocksFreed(Event):
+    """Copies of blocks were released on one tier. Schema v2 added ``tier`` (v1 meant device)."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2
+    worker: int
+    tier: Tier
+    blocks: list[int]
+    bytes: int
+    reason: str                       # "finished", "disconnected", "dropped", "lost", ...
+
+
+# ---------------------------------------------------------------- moves
+class MoveRequested(Event):
+    move_id: str
+    kind: MoveKind
+    worker: int
+    src: Tier
+    dst: Tier
+    blocks: list[int]
+    bytes_planned: int
+    keep_source: bool
+    deadline_ns: int
+    reason: str
+    session: str | None = None
+
+
+class MoveDispatched(Event):
+    move_id: str
+    worker: int
+
+
+class MoveAcked(Event):
+    move_id: str
+    worker: int
+    bytes_moved: int
+    bytes_freed_src: int
+    checksum_ok: bool
+    started_ns: int
+    finished_ns: int
+    checksums: list[int] = []
+
+
+class MoveFailed(Event):
+    move_id: str
+    worker: int
+    error: str
+    bytes_moved: int | None = None    # None = not measured; 0 = measured nothing
+
+
+class MoveRejected(Event):
+    """The worker refused the command (bad blocks, no room); nothing moved."""
+
+    move_id: str
+    worker: int
+    reason: str
+    asked_bytes: int
+    available_bytes: int | None = None
+    blocks: list[int] = []
+
+
+class MoveRefused(Event):
+    """The control plane declined an ask it could not fund; no MoveRequested exists for it."""
+
+    ask: str                          # who asked for what, e.g. "policy:spill" or "operator:park"
+    worker: int
+    tier: Tier
+    asked_bytes: int
+    available_bytes: int
+    floor_bytes: int
+    reason: str
+    session: str | None = None
+
+
+class MoveStranded(Event):
+    move_id: str
+    worker: int
+    bytes_at_risk: int
+    why: StrandedWhy
+
+
+class MoveLateAcked(Event):
+    move_id: str
+    worker: int
+    bytes_moved: int
+    bytes_freed_src: int
+    checksum_ok: bool
+    started_ns: int
+    finished_ns: int
+
+
+class MoveAbandoned(Event):
+    move_id: str
+    worker: int
+    why: str
+
+
+# ---------------------------------------------------------------- sessions
+class SessionParked(Event):
+    session: str
+    worker: int
+    tier: Tier
+    bytes: int
+    move_id: str
+
+
+class SessionRestored(Event):
+    session: str
+    worker: int
+    restored_tokens: int
+    computed_tokens: int
+    move_id: str | None = None
+
+
+# ---------------------------------------------------------------- requests
+class RequestAdmitted(Event):
+    request_id: str
+    session: str | None
+    prompt_tokens: int
+
+
+class RequestRefused(Event):
+    request_id: str
+    reason: str
+
+
+class RequestFinished(Event):
+    request_id: str
+    reason: str                       # "stop", "length", "disconnected", "error"
+    completion_tokens: int
+
+
+# ---------------------------------------------------------------- steps
+class StepCompleted(Event):
+    worker: int
+    step: int
+    batch_digest: str
+    num_seqs: int
+    num_tokens: int
+    duration_ns: int
+
+
+# ---------------------------------------------------------------- rebind
+class RebindRequested(Event):
+    rebind_id: str
+    worker: int
+    pool: str
+    from_gen: int
+    to_gen: int
+    readers: list[str]
+
+
+class ReaderStamped(Event):
+    rebind_id: str
+    reader: str
+    gen: int
+
+
+class RebindCommitted(Event):
+    rebind_id: str
+
+
+class RebindTorn(Event):
+    rebind_id: str
+    readers_behind: list[str]
+
+
+class PoolResized(Event):
+    worker: int
+    pool: str
+    from_bytes: int
+    to_bytes: int
+    gen: int
+
+
+# ---------------------------------------------------------------- weights and flip
+class WeightsLoaded(Event):
+    worker: int
+    arena: str
+    model: str
+    bytes: int
+
+
+class FlipRequested(Event):
+    flip_id: str
+    worker: int
+    arena: str
+    from_model: str
+    to_model: str
+    bytes_out: int
+    bytes_in: int
+
+
+class FlipCompleted(Event):
+    flip_id: str
+    bytes_out: int
+    bytes_in: int
+    started_ns: int
+    finished_ns: int
+    overlapped_steps: int
+    checksum_ok: bool
+
+
+class FlipFailed(Event):
+    flip_id: str
+    error: str
+
+
+# ---------------------------------------------------------------- groups
+class GroupDiverged(Event):
+    group: str
+    step: int
+    digests_by_rank: dict[str, str]
+
+
+class GroupStopped(Event):
+    group: str
+    reason: str
+
+
+# ---------------------------------------------------------------- integrity
+class StateCheckpoint(Event):
+    through_seq: int
+    state_hash: str
+
+
+AnyEvent = Union[
+    ServerStarted, ServerStopped,
+    WorkerJoined, WorkerHeartbeatMissed, WorkerLost,
+    BudgetSet, PinnedRegistered, PinnedReleased,
+    BlocksCommitted, BlocksFreed,
+    MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,
+    MoveStranded, MoveLateAcked, MoveAbandoned,
+    SessionParked, SessionRestored,
+    RequestAdmitted, RequestRefused, RequestFinished,
+    StepCompleted,
+    RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized,
+    WeightsLoaded, FlipRequested, FlipCompleted, FlipFailed,
+    GroupDiverged, GroupStopped,
+    StateCheckpoint,
+]
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}
+
+# Terminal outcomes of a MoveRequested (MoveStranded is terminal but may be followed by
+# exactly one MoveLateAcked, which re-accounts the stranded bytes).
+TERMINAL_MOVE_EVENTS = ("MoveAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
+
+
+def event_type_name(event: Event) -> str:
+    return type(event).__name__
+
+
+__all__ = [name for name in EVENT_TYPES] + [
+    "Event", "AnyEvent", "EVENT_TYPES", "TERMINAL_MOVE_EVENTS", "Tier", "TIERS",
+    "MoveKind", "MOVE_KINDS", "StrandedWhy", "event_type_name",
+]

@@ -1,0 +1,98 @@
+"""Bytes for events and messages: msgpack for storage and sockets, JSON objects for export.
+
+One encoder and one decoder per union, built once. Decoding never trusts its input: anything
+malformed raises ``DecodeError`` with the reason, which callers turn into a named error.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from events.catalog import EVENT_TYPES, AnyEvent, Event
+from events.commands import AnyMessage, Message
+from events.upcast import upcast
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid event or message; the message says why."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_event_decoder = msgspec.msgpack.Decoder(AnyEvent)
+_message_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_raw_decoder = msgspec.msgpack.Decoder()
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(payload: bytes, type_name: str | None = None, schema_version: int | None = None) -> Event:
+    """Decode a stored payload; ``type_name``/``schema_version`` come from the row's columns.
+
+    A payload stored under an older schema is upcast first. The row's type must match the
+    payload's own tag, so a payload swapped between rows is caught.
+    """
+    cls = EVENT_TYPES.get(type_name) if type_name is not None else None
+    if type_name is not None and cls is None:
+        raise DecodeError(f"unknown event type {type_name!r}")
+    try:
+        if cls is not None and schema_version is not None and schema_version != cls.SCHEMA_VERSION:
+            if schema_version > cls.SCHEMA_VERSION:
+                raise DecodeError(
+                    f"{type_name} schema v{schema_version} is newer than this code (v{cls.SCHEMA_VERSION})"
+                )
+            raw = _raw_decoder.decode(payload)
+            if not isinstance(raw, list) or not raw:
+                raise DecodeError(f"{type_name} payload is not an array")
+            raw = upcast(type_name, schema_version, cls.SCHEMA_VERSION, raw)
+            event = msgspec.convert(raw, type=AnyEvent)
+        else:
+            event = _event_decoder.decode(payload)
+    except DecodeError:
+        raise
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError) as e:
+        raise DecodeError(f"payload does not decode as {type_name or 'an event'}: {e}") from e
+    if type_name is not None and type(event).__name__ != type_name:
+        raise DecodeError(f"row says {type_name} but payload is {type(event).__name__}")
+    return event
+
+
+def encode_message(msg: Message | Event) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_message(data: bytes) -> Message | Event:
+    try:
+        return _message_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DecodeError(f"malformed message: {e}") from e
+
+
+def event_to_json_obj(event: Event) -> dict[str, Any]:
+    obj: dict[str, Any] = {"type": type(event).__name__}
+    obj.update(msgspec.structs.asdict(event))
+    return obj
+
+
+def event_from_json_obj(obj: dict[str, Any]) -> Event:
+    if not isinstance(obj, dict) or "type" not in obj:
+        raise DecodeError("event object has no 'type'")
+    cls = EVENT_TYPES.get(obj["type"])
+    if cls is None:
+        raise DecodeError(f"unknown event type {obj['type']!r}")
+    unknown = set(obj) - {"type"} - set(cls.__struct_fields__)
+    if unknown:
+        raise DecodeError(f"{obj['type']}: unknown fields {sorted(unknown)}")
+    # array_like structs convert from arrays only: lay the object out in field order, stopping
+    # at the first absent field so trailing defaults apply (a missing required one fails).
+    raw: list[Any] = [obj["type"]]
+    for name in cls.__struct_fields__:
+        if name not in obj:
+            break
+        raw.append(obj[name])
+    try:
+        return msgspec.convert(raw, type=AnyEvent)
+    except msgspec.ValidationError as e:
+        raise DecodeError(f"{obj['type']}: {e}") from e

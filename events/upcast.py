@@ -1,0 +1,33 @@
+"""Upcasters: turn a payload stored under an older schema into the current shape.
+
+A payload is a msgpack array ``[type, field1, field2, ...]`` (see ``events.catalog``). An
+upcaster takes that list at version N and returns it at version N+1; they chain until the
+current ``SCHEMA_VERSION``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+Upcaster = Callable[[list], list]
+
+
+def _blocks_freed_v1_to_v2(raw: list) -> list:
+    # v1: [type, worker, blocks, bytes, reason]           (only device copies were ever freed)
+    # v2: [type, worker, tier, blocks, bytes, reason]
+    return [raw[0], raw[1], "device", *raw[2:]]
+
+
+UPCASTERS: dict[tuple[str, int], Upcaster] = {
+    ("BlocksFreed", 1): _blocks_freed_v1_to_v2,
+}
+
+
+def upcast(type_name: str, version: int, current: int, raw: list) -> list:
+    """Apply upcasters from ``version`` to ``current``; KeyError names a missing step."""
+    while version < current:
+        step = UPCASTERS.get((type_name, version))
+        if step is None:
+            raise KeyError(f"no upcaster for {type_name} v{version} -> v{version + 1}")
+        raw = step(raw)
+        version += 1
+    return raw
