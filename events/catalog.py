@@ -46,8 +46,14 @@ class WorkerHeartbeatMissed(Event):
 
 
 class WorkerLost(Event):
+    """A worker is gone. The control process names the consequences from its fold: the blocks
+    whose only copy was on it (``blocks_lost``/``bytes_lost``); its in-flight moves follow as
+    ``MoveStranded(why="worker_lost")`` or ``MoveAbandoned`` events."""
+
     worker: int
     reason: str
+    blocks_lost: list[int] = []
+    bytes_lost: int = 0
 
 
 # ---------------------------------------------------------------- budgets
