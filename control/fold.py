@@ -1,0 +1,460 @@
+"""``fold(state, recorded) -> state``: the one place where ledger events change state.
+
+Deterministic and free of I/O, clocks and randomness: live state and replayed state hash the
+same. For speed it updates the State it is given in place and returns it (a replay of a
+million events cannot copy the state a million times); callers that need the old state keep
+a snapshot (``control.state.encode_state``).
+
+The fold never raises on a surprising event: a ledger that recorded something impossible is
+exactly what an operator needs to replay. It notes the seq and what was impossible in
+``state.anomalies`` and ``check_integrity()`` reports them.
+
+Residency changes only on acked bytes: a MoveRequested books bytes in flight toward the
+destination; the copy appears there (and the source copy goes, unless kept) only when a
+MoveAcked or MoveLateAcked arrives.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from events import catalog as ev
+from events.envelope import Recorded
+from control.state import (
+    MAX_ANOMALIES_KEPT,
+    MAX_REFUSALS_KEPT,
+    ArenaState,
+    BlockState,
+    MoveState,
+    RebindState,
+    RefusalSummary,
+    SessionState,
+    State,
+    new_worker,
+)
+
+
+def fold(state: State, recorded: Recorded) -> State:
+    env = recorded.envelope
+    event = recorded.event
+    handler = _HANDLERS.get(type(event))
+    if handler is not None:
+        handler(state, event, env.seq)
+    state.last_seq = env.seq
+    state.last_ts_ns = env.ts_ns
+    return state
+
+
+def fold_all(state: State, records) -> State:
+    handlers = _HANDLERS
+    for rec in records:
+        env = rec.envelope
+        event = rec.event
+        h = handlers.get(type(event))
+        if h is not None:
+            h(state, event, env.seq)
+        state.last_seq = env.seq
+        state.last_ts_ns = env.ts_ns
+    return state
+
+
+# ---------------------------------------------------------------------- helpers
+def _anomaly(s: State, seq: int, what: str) -> None:
+    if len(s.anomalies) < MAX_ANOMALIES_KEPT:
+        s.anomalies.append((seq, what))
+
+
+def _worker(s: State, worker: int, seq: int, what: str):
+    ws = s.workers.get(worker)
+    if ws is None:
+        _anomaly(s, seq, f"{what} names unknown worker {worker}")
+    return ws
+
+
+def _add_copy(s: State, worker: int, block: int, tier: str, seq: int, session=None, key="") -> None:
+    ws = s.workers[worker]
+    blocks = s.blocks.setdefault(worker, {})
+    b = blocks.get(block)
+    if b is None:
+        b = blocks[block] = BlockState(session=session, key=key, tiers=[])
+    if tier in b.tiers:
+        _anomaly(s, seq, f"block {block} already has a copy on {tier} of worker {worker}")
+        return
+    b.tiers.append(tier)
+    ws.tiers[tier].used_bytes += ws.block_bytes
+
+
+def _drop_copy(s: State, worker: int, block: int, tier: str, seq: int) -> bool:
+    ws = s.workers[worker]
+    blocks = s.blocks.get(worker, {})
+    b = blocks.get(block)
+    if b is None or tier not in b.tiers:
+        _anomaly(s, seq, f"block {block} has no copy on {tier} of worker {worker} to free")
+        return False
+    b.tiers.remove(tier)
+    ws.tiers[tier].used_bytes -= ws.block_bytes
+    if not b.tiers:
+        del blocks[block]
+    return True
+
+
+def _terminal(s: State, move_id: str, outcome: str, seq: int) -> MoveState | None:
+    prior = s.outcomes.get(move_id)
+    if prior is not None:
+        _anomaly(s, seq, f"move {move_id} got {outcome} after its terminal {prior}")
+        return None
+    mv = s.inflight.pop(move_id, None)
+    if mv is None:
+        _anomaly(s, seq, f"{outcome} for move {move_id} that was never requested")
+        return None
+    s.outcomes[move_id] = outcome
+    s.num_moves[outcome] = s.num_moves.get(outcome, 0) + 1
+    ws = s.workers.get(mv.worker)
+    if ws is not None:
+        ws.tiers[mv.dst].inflight_in_bytes -= mv.bytes_planned
+    return mv
+
+
+def _apply_arrival(s: State, mv: MoveState, bytes_freed_src: int, checksum_ok: bool, seq: int) -> None:
+    """The worker reported the copy done: the destination holds it; the source is freed unless kept."""
+    ws = s.workers.get(mv.worker)
+    if ws is None:
+        return
+    blocks = s.blocks.get(mv.worker, {})
+    for bid in mv.blocks:
+        b = blocks.get(bid)
+        if b is None:
+            _anomaly(s, seq, f"move {mv.move_id} acked for block {bid} that no longer exists")
+            continue
+        if mv.dst not in b.tiers:
+            _add_copy(s, mv.worker, bid, mv.dst, seq)
+        if mv.dst == "device":
+            b.device_verified = checksum_ok
+        if not mv.keep_source and mv.src in b.tiers:
+            _drop_copy(s, mv.worker, bid, mv.src, seq)
+    ws.tiers[mv.src].reclaimed_bytes += bytes_freed_src
+
+
+# ---------------------------------------------------------------------- handlers
+def _server_started(s: State, e: ev.ServerStarted, seq: int) -> None:
+    s.server_up = True
+
+
+def _server_stopped(s: State, e: ev.ServerStopped, seq: int) -> None:
+    s.server_up = False
+
+
+def _worker_joined(s: State, e: ev.WorkerJoined, seq: int) -> None:
+    ws = s.workers.get(e.worker)
+    if ws is None:
+        s.workers[e.worker] = new_worker(e.worker, e.device, e.tiers, e.block_bytes)
+        return
+    # A worker coming back: same accounts, fresh capacities. Copies it lost were named by
+    # the WorkerLost / BlocksFreed events before this one.
+    ws.alive, ws.lost_reason, ws.device, ws.silent_ms = True, None, e.device, 0
+    if ws.block_bytes != e.block_bytes and s.blocks.get(e.worker):
+        _anomaly(s, seq, f"worker {e.worker} rejoined with block_bytes {e.block_bytes} != {ws.block_bytes} while holding blocks")
+    ws.block_bytes = e.block_bytes
+    for t, cap in e.tiers.items():
+        ws.tiers[t].capacity_bytes = cap
+
+
+def _heartbeat_missed(s: State, e: ev.WorkerHeartbeatMissed, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "WorkerHeartbeatMissed")
+    if ws is not None:
+        ws.silent_ms = e.silent_ms
+
+
+def _worker_lost(s: State, e: ev.WorkerLost, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "WorkerLost")
+    if ws is None:
+        return
+    ws.alive, ws.lost_reason = False, e.reason
+    ws.bytes_lost += e.bytes_lost
+    # Every copy lived in that worker's memory or disk: gone with it.
+    for t in ws.tiers.values():
+        t.used_bytes = 0
+    s.blocks.pop(e.worker, None)
+    ws.pinned = {}
+
+
+def _budget_set(s: State, e: ev.BudgetSet, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "BudgetSet")
+    if ws is not None:
+        acc = ws.tiers[e.tier]
+        acc.floor_bytes, acc.ceiling_bytes = e.floor_bytes, e.ceiling_bytes
+
+
+def _pinned_registered(s: State, e: ev.PinnedRegistered, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "PinnedRegistered")
+    if ws is not None:
+        ws.pinned[e.owner] = ws.pinned.get(e.owner, 0) + e.bytes
+
+
+def _pinned_released(s: State, e: ev.PinnedReleased, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "PinnedReleased")
+    if ws is None:
+        return
+    left = ws.pinned.get(e.owner, 0) - e.bytes
+    if left < 0:
+        _anomaly(s, seq, f"worker {e.worker} released {e.bytes} pinned bytes of {e.owner}, more than registered")
+        left = 0
+    if left:
+        ws.pinned[e.owner] = left
+    else:
+        ws.pinned.pop(e.owner, None)
+
+
+def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
+    if _worker(s, e.worker, seq, "BlocksCommitted") is None:
+        return
+    keys = e.keys if len(e.keys) == len(e.blocks) else [""] * len(e.blocks)
+    for bid, key in zip(e.blocks, keys):
+        _add_copy(s, e.worker, bid, e.tier, seq, e.session, key)
+    if e.session is not None:
+        sess = s.sessions.get(e.session)
+        if sess is None:
+            sess = s.sessions[e.session] = SessionState(session=e.session)
+        sess.worker = e.worker
+
+
+def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "BlocksFreed")
+    if ws is None:
+        return
+    for bid in e.blocks:
+        _drop_copy(s, e.worker, bid, e.tier, seq)
+    ws.tiers[e.tier].reclaimed_bytes += e.bytes
+
+
+def _move_requested(s: State, e: ev.MoveRequested, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "MoveRequested")
+    if e.move_id in s.inflight or e.move_id in s.outcomes:
+        _anomaly(s, seq, f"move {e.move_id} requested twice")
+        return
+    s.inflight[e.move_id] = MoveState(
+        move_id=e.move_id, kind=e.kind, worker=e.worker, src=e.src, dst=e.dst,
+        blocks=list(e.blocks), bytes_planned=e.bytes_planned, keep_source=e.keep_source,
+        deadline_ns=e.deadline_ns, session=e.session, requested_seq=seq,
+    )
+    if ws is not None:
+        ws.tiers[e.dst].inflight_in_bytes += e.bytes_planned
+
+
+def _move_dispatched(s: State, e: ev.MoveDispatched, seq: int) -> None:
+    mv = s.inflight.get(e.move_id)
+    if mv is None:
+        _anomaly(s, seq, f"MoveDispatched for move {e.move_id} not in flight")
+    else:
+        mv.status = "dispatched"
+
+
+def _move_acked(s: State, e: ev.MoveAcked, seq: int) -> None:
+    mv = _terminal(s, e.move_id, "MoveAcked", seq)
+    if mv is not None:
+        _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
+
+
+def _move_failed(s: State, e: ev.MoveFailed, seq: int) -> None:
+    _terminal(s, e.move_id, "MoveFailed", seq)
+
+
+def _move_rejected(s: State, e: ev.MoveRejected, seq: int) -> None:
+    _terminal(s, e.move_id, "MoveRejected", seq)
+
+
+def _move_abandoned(s: State, e: ev.MoveAbandoned, seq: int) -> None:
+    _terminal(s, e.move_id, "MoveAbandoned", seq)
+
+
+def _move_stranded(s: State, e: ev.MoveStranded, seq: int) -> None:
+    mv = _terminal(s, e.move_id, "MoveStranded", seq)
+    if mv is None:
+        return
+    mv.status = "stranded"
+    s.stranded[e.move_id] = mv
+    ws = s.workers.get(mv.worker)
+    if ws is not None:
+        ws.tiers[mv.src].stranded_bytes += e.bytes_at_risk
+    # remember what was at risk so a late ack can re-account exactly that
+    mv.bytes_planned = e.bytes_at_risk
+
+
+def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
+    mv = s.stranded.pop(e.move_id, None)
+    if mv is None:
+        _anomaly(s, seq, f"MoveLateAcked for move {e.move_id} that is not stranded")
+        return
+    s.outcomes[e.move_id] = "MoveLateAcked"
+    s.num_moves["MoveLateAcked"] = s.num_moves.get("MoveLateAcked", 0) + 1
+    ws = s.workers.get(mv.worker)
+    if ws is not None:
+        ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
+        if ws.alive:
+            _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
+
+
+def _move_refused(s: State, e: ev.MoveRefused, seq: int) -> None:
+    s.num_refusals += 1
+    s.refusals.append(RefusalSummary(
+        seq=seq, ask=e.ask, worker=e.worker, tier=e.tier, asked_bytes=e.asked_bytes,
+        available_bytes=e.available_bytes, floor_bytes=e.floor_bytes, reason=e.reason,
+    ))
+    if len(s.refusals) > MAX_REFUSALS_KEPT:
+        del s.refusals[0]
+
+
+def _session(s: State, name: str) -> SessionState:
+    sess = s.sessions.get(name)
+    if sess is None:
+        sess = s.sessions[name] = SessionState(session=name)
+    return sess
+
+
+def _session_parked(s: State, e: ev.SessionParked, seq: int) -> None:
+    sess = _session(s, e.session)
+    sess.worker, sess.parked_tier, sess.parked_bytes = e.worker, e.tier, e.bytes
+    sess.num_parks += 1
+
+
+def _session_restored(s: State, e: ev.SessionRestored, seq: int) -> None:
+    sess = _session(s, e.session)
+    sess.worker, sess.parked_tier, sess.parked_bytes = e.worker, None, 0
+    sess.num_restores += 1
+    sess.restored_tokens += e.restored_tokens
+    sess.computed_tokens += e.computed_tokens
+
+
+def _request_admitted(s: State, e: ev.RequestAdmitted, seq: int) -> None:
+    s.requests[e.request_id] = seq
+    if e.session is not None:
+        _session(s, e.session)
+
+
+def _request_done(s: State, e, seq: int) -> None:
+    s.requests.pop(e.request_id, None)
+
+
+def _step_completed(s: State, e: ev.StepCompleted, seq: int) -> None:
+    ws = s.workers.get(e.worker)
+    if ws is not None:
+        ws.last_step = e.step
+
+
+def _rebind_requested(s: State, e: ev.RebindRequested, seq: int) -> None:
+    s.rebinds[e.rebind_id] = RebindState(
+        rebind_id=e.rebind_id, worker=e.worker, pool=e.pool, from_gen=e.from_gen,
+        to_gen=e.to_gen, readers={r: e.from_gen for r in e.readers},
+    )
+
+
+def _reader_stamped(s: State, e: ev.ReaderStamped, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is None or e.reader not in rb.readers:
+        _anomaly(s, seq, f"ReaderStamped {e.reader} for unknown rebind {e.rebind_id}")
+        return
+    rb.readers[e.reader] = e.gen
+
+
+def _rebind_committed(s: State, e: ev.RebindCommitted, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is None:
+        _anomaly(s, seq, f"RebindCommitted for unknown rebind {e.rebind_id}")
+        return
+    behind = sorted(r for r, g in rb.readers.items() if g != rb.to_gen)
+    if behind:
+        _anomaly(s, seq, f"rebind {e.rebind_id} committed while readers {behind} are behind gen {rb.to_gen}")
+    rb.status = "committed"
+
+
+def _rebind_torn(s: State, e: ev.RebindTorn, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is not None:
+        rb.status = "torn"
+
+
+def _pool_resized(s: State, e: ev.PoolResized, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "PoolResized")
+    if ws is not None and e.pool in ws.tiers:
+        ws.tiers[e.pool].capacity_bytes = e.to_bytes
+
+
+def _weights_loaded(s: State, e: ev.WeightsLoaded, seq: int) -> None:
+    key = f"{e.worker}:{e.arena}"
+    prior = s.arenas.get(key)
+    s.arenas[key] = ArenaState(worker=e.worker, arena=e.arena, model=e.model, bytes=e.bytes,
+                               gen=(prior.gen + 1) if prior else 0)
+
+
+def _flip_requested(s: State, e: ev.FlipRequested, seq: int) -> None:
+    key = f"{e.worker}:{e.arena}"
+    arena = s.arenas.get(key)
+    if arena is None:
+        _anomaly(s, seq, f"flip {e.flip_id} on unknown arena {key}")
+        return
+    arena.flip_in_flight = e.flip_id
+    arena.incoming_model = e.to_model
+    s.flips[e.flip_id] = key
+
+
+def _flip_completed(s: State, e: ev.FlipCompleted, seq: int) -> None:
+    key = s.flips.pop(e.flip_id, None)
+    arena = s.arenas.get(key) if key else None
+    if arena is None:
+        _anomaly(s, seq, f"FlipCompleted for unknown flip {e.flip_id}")
+        return
+    arena.flip_in_flight = None
+    arena.model, arena.incoming_model = arena.incoming_model or arena.model, None
+    arena.gen += 1
+    arena.bytes = e.bytes_in
+
+
+def _flip_failed(s: State, e: ev.FlipFailed, seq: int) -> None:
+    key = s.flips.pop(e.flip_id, None)
+    if key and key in s.arenas:
+        s.arenas[key].flip_in_flight = None
+        s.arenas[key].incoming_model = None
+
+
+def _state_checkpoint(s: State, e: ev.StateCheckpoint, seq: int) -> None:
+    s.checkpoints.append((seq, e.through_seq, e.state_hash))
+    if len(s.checkpoints) > 16:
+        del s.checkpoints[0]
+
+
+_HANDLERS: dict[type, Callable[[State, object, int], None]] = {
+    ev.ServerStarted: _server_started,
+    ev.ServerStopped: _server_stopped,
+    ev.WorkerJoined: _worker_joined,
+    ev.WorkerHeartbeatMissed: _heartbeat_missed,
+    ev.WorkerLost: _worker_lost,
+    ev.BudgetSet: _budget_set,
+    ev.PinnedRegistered: _pinned_registered,
+    ev.PinnedReleased: _pinned_released,
+    ev.BlocksCommitted: _blocks_committed,
+    ev.BlocksFreed: _blocks_freed,
+    ev.MoveRequested: _move_requested,
+    ev.MoveDispatched: _move_dispatched,
+    ev.MoveAcked: _move_acked,
+    ev.MoveFailed: _move_failed,
+    ev.MoveRejected: _move_rejected,
+    ev.MoveRefused: _move_refused,
+    ev.MoveStranded: _move_stranded,
+    ev.MoveLateAcked: _move_late_acked,
+    ev.MoveAbandoned: _move_abandoned,
+    ev.SessionParked: _session_parked,
+    ev.SessionRestored: _session_restored,
+    ev.RequestAdmitted: _request_admitted,
+    ev.RequestRefused: _request_done,
+    ev.RequestFinished: _request_done,
+    ev.StepCompleted: _step_completed,
+    ev.RebindRequested: _rebind_requested,
+    ev.ReaderStamped: _reader_stamped,
+    ev.RebindCommitted: _rebind_committed,
+    ev.RebindTorn: _rebind_torn,
+    ev.PoolResized: _pool_resized,
+    ev.WeightsLoaded: _weights_loaded,
+    ev.FlipRequested: _flip_requested,
+    ev.FlipCompleted: _flip_completed,
+    ev.FlipFailed: _flip_failed,
+    ev.StateCheckpoint: _state_checkpoint,
+}

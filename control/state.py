@@ -1,0 +1,223 @@
+"""The authoritative state of every byte, as folded from the ledger.
+
+Plain msgspec Structs so a state can be snapshotted (msgpack) and hashed deterministically.
+``control.fold`` is the only code that changes a State; everything here only reads it.
+
+What the state knows, per worker and tier: capacity, the copies resident there (their bytes
+are *used*), bytes in flight toward it (counted on the destination only once acked), bytes
+stranded, bytes reclaimed (as reported in acks). Per block: which tiers hold a copy and whether
+its device copy is verified. Moves in flight, stranded moves awaiting a late ack, sessions,
+requests, rebinds, weights arenas and flips.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from events.catalog import TIERS
+
+
+class IntegrityError(AssertionError):
+    """The folded state breaks an invariant; the message carries the numbers."""
+
+
+class TierAccount(msgspec.Struct, kw_only=True):
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    inflight_in_bytes: int = 0       # planned bytes of moves in flight toward this tier
+    stranded_bytes: int = 0
+    reclaimed_bytes: int = 0
+    floor_bytes: int = 0
+    ceiling_bytes: int = 0
+
+
+class WorkerState(msgspec.Struct, kw_only=True):
+    worker: int
+    device: str
+    block_bytes: int
+    alive: bool = True
+    lost_reason: str | None = None
+    bytes_lost: int = 0
+    silent_ms: int = 0
+    tiers: dict[str, TierAccount] = {}
+    pinned: dict[str, int] = {}       # owner -> pinned host bytes registered
+    last_step: int = -1
+    last_step_ts_ns: int = 0
+
+
+class BlockState(msgspec.Struct, kw_only=True, array_like=True):
+    session: str | None
+    key: str
+    tiers: list[str]                  # tiers holding a copy, in the order they arrived
+    device_verified: bool = True      # written on device, or restored with checksum_ok
+
+
+class MoveState(msgspec.Struct, kw_only=True):
+    move_id: str
+    kind: str
+    worker: int
+    src: str
+    dst: str
+    blocks: list[int]
+    bytes_planned: int
+    keep_source: bool
+    deadline_ns: int
+    session: str | None
+    requested_seq: int
+    status: str = "requested"         # requested | dispatched | stranded
+
+
+class SessionState(msgspec.Struct, kw_only=True):
+    session: str
+    worker: int | None = None
+    parked_tier: str | None = None
+    parked_bytes: int = 0
+    num_parks: int = 0
+    num_restores: int = 0
+    restored_tokens: int = 0
+    computed_tokens: int = 0
+
+
+class RebindState(msgspec.Struct, kw_only=True):
+    rebind_id: str
+    worker: int
+    pool: str
+    from_gen: int
+    to_gen: int
+    readers: dict[str, int]           # reader -> generation it carries
+    status: str = "requested"         # requested | committed | torn
+
+
+class ArenaState(msgspec.Struct, kw_only=True):
+    worker: int
+    arena: str
+    model: str
+    bytes: int
+    gen: int = 0
+    flip_in_flight: str | None = None
+    incoming_model: str | None = None
+
+
+class RefusalSummary(msgspec.Struct, kw_only=True, array_like=True):
+    seq: int
+    ask: str
+    worker: int
+    tier: str
+    asked_bytes: int
+    available_bytes: int
+    floor_bytes: int
+    reason: str
+
+
+class State(msgspec.Struct, kw_only=True):
+    # meta (not hashed): where the fold stands
+    last_seq: int = 0
+    last_ts_ns: int = 0
+    checkpoints: list[tuple[int, int, str]] = []   # (seq, through_seq, state_hash)
+    # hashed content
+    server_up: bool = False
+    workers: dict[int, WorkerState] = {}
+    blocks: dict[int, dict[int, BlockState]] = {}  # worker -> block id -> state
+    inflight: dict[str, MoveState] = {}
+    stranded: dict[str, MoveState] = {}            # stranded, awaiting a possible late ack
+    outcomes: dict[str, str] = {}                  # move_id -> terminal outcome name
+    sessions: dict[str, SessionState] = {}
+    requests: dict[str, int] = {}                  # request_id -> seq admitted (waiting or running)
+    rebinds: dict[str, RebindState] = {}
+    arenas: dict[str, ArenaState] = {}             # "worker:arena" -> arena
+    flips: dict[str, str] = {}                     # flip_id in flight -> arena key
+    refusals: list[RefusalSummary] = []            # the most recent ones (bounded)
+    num_refusals: int = 0
+    num_moves: dict[str, int] = {}                 # outcome -> count
+    anomalies: list[tuple[int, str]] = []          # (seq, what was impossible)
+
+    # ------------------------------------------------------------------ queries
+    def tier(self, worker: int, tier: str) -> TierAccount:
+        return self.workers[worker].tiers[tier]
+
+    def stranded_bytes_total(self) -> int:
+        return sum(w.bytes_lost for w in self.workers.values()) + sum(
+            t.stranded_bytes for w in self.workers.values() for t in w.tiers.values()
+        )
+
+    def state_hash(self) -> str:
+        return state_hash(self)
+
+    def check_integrity(self) -> None:
+        check_integrity(self)
+
+
+MAX_REFUSALS_KEPT = 32
+MAX_ANOMALIES_KEPT = 100
+
+# NOTE: dict order is insertion order, and every fold inserts in ledger order, so two states
+# folded from the same events (live, replayed, or resumed from a snapshot, which keeps order)
+# encode to the same bytes. Sorting is not an option: msgspec sorts str keys only.
+_hash_encoder = msgspec.msgpack.Encoder()
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(State)
+
+
+def state_hash(state: State) -> str:
+    """SHA-256 of the state's content (not of where the fold stands: last_seq, checkpoints)."""
+    content = msgspec.structs.replace(state, last_seq=0, last_ts_ns=0, checkpoints=[])
+    return hashlib.sha256(_hash_encoder.encode(content)).hexdigest()
+
+
+def encode_state(state: State) -> bytes:
+    return _snapshot_encoder.encode(state)
+
+
+def decode_state(data: bytes) -> State:
+    return _snapshot_decoder.decode(data)
+
+
+def check_integrity(state: State) -> None:
+    """Raise IntegrityError naming every broken invariant with its numbers."""
+    problems: list[str] = []
+    for w, ws in state.workers.items():
+        expected = {t: 0 for t in ws.tiers}
+        for bid, b in state.blocks.get(w, {}).items():
+            if len(set(b.tiers)) != len(b.tiers):
+                problems.append(f"worker {w} block {bid}: duplicate copies {b.tiers}")
+            if not b.tiers:
+                problems.append(f"worker {w} block {bid}: freed everywhere but still listed")
+            for t in b.tiers:
+                expected[t] = expected.get(t, 0) + ws.block_bytes
+        for t, acc in ws.tiers.items():
+            if acc.used_bytes != expected.get(t, 0):
+                problems.append(
+                    f"worker {w} {t}: used_bytes {acc.used_bytes} != copies x block_bytes {expected.get(t, 0)}"
+                )
+            if acc.capacity_bytes and acc.used_bytes > acc.capacity_bytes:
+                problems.append(f"worker {w} {t}: used {acc.used_bytes} > capacity {acc.capacity_bytes}")
+            if min(acc.used_bytes, acc.inflight_in_bytes, acc.stranded_bytes, acc.reclaimed_bytes) < 0:
+                problems.append(f"worker {w} {t}: negative account {acc}")
+        for owner, b in ws.pinned.items():
+            if b < 0:
+                problems.append(f"worker {w}: pinned bytes of {owner} negative ({b})")
+    for mid in state.inflight:
+        if mid in state.outcomes:
+            problems.append(f"move {mid} in flight but already has outcome {state.outcomes[mid]}")
+    for mid in state.stranded:
+        if state.outcomes.get(mid) != "MoveStranded":
+            problems.append(f"move {mid} listed stranded but outcome is {state.outcomes.get(mid)}")
+    for rb in state.rebinds.values():
+        if rb.status == "committed":
+            behind = [r for r, g in rb.readers.items() if g != rb.to_gen]
+            if behind:
+                problems.append(f"rebind {rb.rebind_id} committed with readers behind: {behind}")
+    for seq, what in state.anomalies:
+        problems.append(f"seq {seq}: {what}")
+    if problems:
+        raise IntegrityError("; ".join(problems[:20]) + (f" (+{len(problems) - 20} more)" if len(problems) > 20 else ""))
+
+
+def new_worker(worker: int, device: str, tiers: dict[str, int], block_bytes: int) -> WorkerState:
+    return WorkerState(
+        worker=worker,
+        device=device,
+        block_bytes=block_bytes,
+        tiers={t: TierAccount(capacity_bytes=tiers.get(t, 0)) for t in TIERS},
+    )
