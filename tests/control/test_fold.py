@@ -1,0 +1,187 @@
+"""The fold: invariants, determinism, snapshots, and what it does with impossible events."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from control.fold import fold, fold_all
+from control.simulate import Simulator
+from control.state import IntegrityError, State, check_integrity, decode_state, encode_state, state_hash
+from events import catalog as ev
+from events.envelope import Envelope, Recorded
+
+MiB = 1 << 20
+
+
+def _records(pairs):
+    return [Recorded(env, e) for env, e in pairs]
+
+
+class Ledger:
+    """A tiny in-memory event list with seqs, for hand-built stories."""
+
+    def __init__(self):
+        self.items: list[Recorded] = []
+
+    def add(self, event, ts=None):
+        seq = len(self.items) + 1
+        env = Envelope(producer="t", epoch=1, producer_seq=seq, ts_ns=ts or seq * 1000, seq=seq)
+        self.items.append(Recorded(env, event))
+        return seq
+
+    def state(self) -> State:
+        return fold_all(State(), self.items)
+
+
+def _joined(lg: Ledger, block_bytes=MiB, device=8, host=16):
+    lg.add(ev.WorkerJoined(worker=0, device="cpu", tiers={"device": device * block_bytes, "host": host * block_bytes,
+                                                           "disk": 64 * block_bytes}, block_bytes=block_bytes))
+
+
+def _spill(lg, mid, blocks, keep, outcome="ack", src="device", dst="host", bb=MiB):
+    lg.add(ev.MoveRequested(move_id=mid, kind="spill" if keep else "evict", worker=0, src=src, dst=dst,
+                            blocks=blocks, bytes_planned=len(blocks) * bb, keep_source=keep,
+                            deadline_ns=10**18, reason="test"))
+    if outcome == "ack":
+        lg.add(ev.MoveAcked(move_id=mid, worker=0, bytes_moved=len(blocks) * bb,
+                            bytes_freed_src=0 if keep else len(blocks) * bb, checksum_ok=True,
+                            started_ns=1, finished_ns=2))
+
+
+def test_bytes_appear_on_the_destination_only_once_acked():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session="s", tier="device", blocks=[1, 2, 3], keys=["a", "b", "c"],
+                              bytes=3 * MiB))
+    _spill(lg, "m1", [1, 2], keep=False, outcome=None)
+    s = lg.state()
+    assert s.tier(0, "host").used_bytes == 0
+    assert s.tier(0, "host").inflight_in_bytes == 2 * MiB
+    assert s.tier(0, "device").used_bytes == 3 * MiB
+    lg.add(ev.MoveAcked(move_id="m1", worker=0, bytes_moved=2 * MiB, bytes_freed_src=2 * MiB, checksum_ok=True,
+                        started_ns=1, finished_ns=2))
+    s = lg.state()
+    assert (s.tier(0, "host").used_bytes, s.tier(0, "host").inflight_in_bytes) == (2 * MiB, 0)
+    assert s.tier(0, "device").used_bytes == MiB
+    assert s.tier(0, "device").reclaimed_bytes == 2 * MiB
+    check_integrity(s)
+
+
+def test_reclaimed_bytes_come_from_the_ack_not_the_plan():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=[7], keys=[""], bytes=MiB))
+    lg.add(ev.MoveRequested(move_id="m", kind="evict", worker=0, src="device", dst="host", blocks=[7],
+                            bytes_planned=MiB, keep_source=False, deadline_ns=1, reason="t"))
+    lg.add(ev.MoveAcked(move_id="m", worker=0, bytes_moved=MiB, bytes_freed_src=12345, checksum_ok=True,
+                        started_ns=1, finished_ns=2))
+    assert lg.state().tier(0, "device").reclaimed_bytes == 12345
+
+
+def test_a_second_terminal_event_is_an_anomaly_named_by_seq():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=[1], keys=[""], bytes=MiB))
+    _spill(lg, "m1", [1], keep=True)
+    seq = lg.add(ev.MoveFailed(move_id="m1", worker=0, error="late failure"))
+    with pytest.raises(IntegrityError, match=f"seq {seq}: move m1 got MoveFailed after its terminal MoveAcked"):
+        check_integrity(lg.state())
+
+
+def test_a_late_ack_only_follows_a_stranding_and_reaccounts_it():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=[1, 2], keys=["", ""], bytes=2 * MiB))
+    _spill(lg, "m1", [1, 2], keep=False, outcome=None)
+    lg.add(ev.MoveStranded(move_id="m1", worker=0, bytes_at_risk=2 * MiB, why="deadline"))
+    s = lg.state()
+    assert s.tier(0, "device").stranded_bytes == 2 * MiB and "m1" in s.stranded
+    lg.add(ev.MoveLateAcked(move_id="m1", worker=0, bytes_moved=2 * MiB, bytes_freed_src=2 * MiB, checksum_ok=True,
+                            started_ns=1, finished_ns=2))
+    s = lg.state()
+    assert s.tier(0, "device").stranded_bytes == 0 and not s.stranded
+    assert s.tier(0, "host").used_bytes == 2 * MiB and s.tier(0, "device").used_bytes == 0
+    check_integrity(s)
+    seq = lg.add(ev.MoveLateAcked(move_id="m1", worker=0, bytes_moved=1, bytes_freed_src=0, checksum_ok=True,
+                                  started_ns=1, finished_ns=2))
+    with pytest.raises(IntegrityError, match=f"seq {seq}: MoveLateAcked for move m1 that is not stranded"):
+        check_integrity(lg.state())
+
+
+def test_freeing_a_copy_that_is_not_there_is_named():
+    lg = Ledger()
+    _joined(lg)
+    seq = lg.add(ev.BlocksFreed(worker=0, tier="host", blocks=[99], bytes=MiB, reason="finished"))
+    with pytest.raises(IntegrityError, match=f"seq {seq}: block 99 has no copy on host"):
+        check_integrity(lg.state())
+
+
+def test_used_over_capacity_is_reported_with_numbers():
+    lg = Ledger()
+    _joined(lg, device=2)
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=[1, 2, 3], keys=["", "", ""],
+                              bytes=3 * MiB))
+    with pytest.raises(IntegrityError, match=f"used {3 * MiB} > capacity {2 * MiB}"):
+        check_integrity(lg.state())
+
+
+def test_a_lost_worker_takes_its_copies_and_names_the_bytes():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=[1, 2], keys=["", ""], bytes=2 * MiB))
+    lg.add(ev.WorkerLost(worker=0, reason="kill -9", blocks_lost=[1, 2], bytes_lost=2 * MiB))
+    s = lg.state()
+    assert s.tier(0, "device").used_bytes == 0 and not s.blocks.get(0)
+    assert s.stranded_bytes_total() == 2 * MiB
+    check_integrity(s)
+
+
+def test_a_rebind_committed_with_a_reader_behind_is_an_anomaly():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.RebindRequested(rebind_id="r", worker=0, pool="device", from_gen=0, to_gen=1, readers=["a", "b"]))
+    lg.add(ev.ReaderStamped(rebind_id="r", reader="a", gen=1))
+    seq = lg.add(ev.RebindCommitted(rebind_id="r"))
+    with pytest.raises(IntegrityError, match=f"seq {seq}: rebind r committed while readers \\['b'\\]"):
+        check_integrity(lg.state())
+
+
+def test_the_hash_sees_content_and_ignores_position():
+    sim = Simulator(seed=random.randrange(1 << 30))
+    recs = _records(sim.events(3000))
+    a = fold_all(State(), recs)
+    b = fold_all(State(), recs)
+    assert state_hash(a) == state_hash(b)
+    b.workers[0].tiers["device"].reclaimed_bytes += 1
+    assert state_hash(a) != state_hash(b)
+    c = fold_all(State(), recs)
+    c.last_seq += 5
+    assert state_hash(a) == state_hash(c)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(50, 4000), cut=st.floats(0, 1))
+def test_replay_from_a_snapshot_equals_replay_from_zero_equals_live(seed, n, cut):
+    sim = Simulator(seed=seed, checkpoint_every=97)
+    recs = _records(sim.events(n))
+    live = sim.state
+    from_zero = fold_all(State(), recs)
+    k = int(cut * len(recs))
+    head = fold_all(State(), recs[:k])
+    resumed = fold_all(decode_state(encode_state(head)), recs[k:])
+    assert state_hash(from_zero) == state_hash(live) == state_hash(resumed)
+    assert from_zero.last_seq == resumed.last_seq == n
+    check_integrity(from_zero)
+    # every checkpoint the simulator wrote matches a replay to its through_seq
+    for seq, through, h in from_zero.checkpoints:
+        assert state_hash(fold_all(State(), recs[:through])) == h
+
+
+def test_single_fold_and_fold_all_agree():
+    recs = _records(Simulator(seed=random.randrange(1 << 30)).events(2000))
+    one = State()
+    for r in recs:
+        one = fold(one, r)
+    assert state_hash(one) == state_hash(fold_all(State(), recs))
