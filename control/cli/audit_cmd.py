@@ -1,0 +1,76 @@
+"""`residency audit reclaimed|stranded`: totals and the moves behind them.
+
+The answers come from the SQL views ``residency_reclaimed`` and ``residency_stranded`` (created
+by a migration), so the CLI and an auditor's own SQL agree by construction.
+"""
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import text
+
+from control.cli.common import add_db_arg, open_store, parse_time_ns
+from control.cli.main import UserError
+from control.views import human_bytes, iso
+
+GROUP_COLUMNS = {
+    "reclaimed": {"tier": "tier", "worker": "worker", "session": "session", "kind": "cause"},
+    "stranded": {"tier": "tier", "worker": "worker", "session": "session", "kind": "why"},
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("audit", help="reclaimed or stranded bytes: totals and the moves behind them")
+    p.add_argument("what", choices=["reclaimed", "stranded"])
+    add_db_arg(p)
+    p.add_argument("--by", choices=["tier", "worker", "session", "kind"], default="tier")
+    p.add_argument("--since", metavar="TIME", help="ISO 8601 or ns since the epoch")
+    p.add_argument("--until", metavar="TIME", help="ISO 8601 or ns since the epoch")
+    p.add_argument("--limit", type=int, default=20, help="how many rows behind the totals to list (default 20)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def query(store, what: str, by: str, since_ns: int | None, until_ns: int | None, limit: int):
+    view = f"residency_{what}"
+    col = GROUP_COLUMNS[what][by]
+    where, params = [], {}
+    if since_ns is not None:
+        where.append("ts_ns >= :since")
+        params["since"] = since_ns
+    if until_ns is not None:
+        where.append("ts_ns <= :until")
+        params["until"] = until_ns
+    cond = (" WHERE " + " AND ".join(where)) if where else ""
+    with store.engine.connect() as conn:
+        totals = conn.execute(text(
+            f"SELECT {col} AS grp, SUM(bytes) AS total, COUNT(*) AS n FROM {view}{cond} "
+            f"GROUP BY {col} ORDER BY total DESC"), params).all()
+        rows = conn.execute(text(
+            f"SELECT * FROM {view}{cond} ORDER BY bytes DESC, seq LIMIT :limit"), {**params, "limit": limit}
+        ).mappings().all()
+    return [(r.grp, int(r.total or 0), int(r.n)) for r in totals], [dict(r) for r in rows]
+
+
+def run(args) -> int:
+    since = parse_time_ns(args.since) if args.since else None
+    until = parse_time_ns(args.until) if args.until else None
+    if since is not None and until is not None and since > until:
+        raise UserError("--since is after --until")
+    with open_store(args.db) as store:
+        totals, rows = query(store, args.what, args.by, since, until, args.limit)
+    grand = sum(t for _, t, _ in totals)
+    if args.json:
+        print(json.dumps({"what": args.what, "by": args.by, "total_bytes": grand,
+                          "groups": [{"group": g, "bytes": t, "rows": n} for g, t, n in totals],
+                          "behind": rows}, indent=2, default=str))
+        return 0
+    print(f"{args.what} bytes by {args.by}: {human_bytes(grand)} ({grand} B) in all")
+    for g, t, n in totals:
+        print(f"  {str(g):<24} {human_bytes(t):>12}  ({t} B, {n} rows)")
+    if rows:
+        print(f"\nlargest {len(rows)} behind them:")
+        for r in rows:
+            extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("seq", "ts_ns", "bytes") and v is not None)
+            print(f"  seq {r['seq']:>8}  {iso(r['ts_ns'])}  {human_bytes(r['bytes']):>10}  {extra}")
+    return 0
