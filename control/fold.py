@@ -83,20 +83,6 @@ def _add_copy(s: State, worker: int, block: int, tier: str, seq: int, session=No
     ws.tiers[tier].used_bytes += ws.block_bytes
 
 
-def _drop_copy(s: State, worker: int, block: int, tier: str, seq: int) -> bool:
-    ws = s.workers[worker]
-    blocks = s.blocks.get(worker, {})
-    b = blocks.get(block)
-    if b is None or tier not in b.tiers:
-        _anomaly(s, seq, f"block {block} has no copy on {tier} of worker {worker} to free")
-        return False
-    b.tiers.remove(tier)
-    ws.tiers[tier].used_bytes -= ws.block_bytes
-    if not b.tiers:
-        del blocks[block]
-    return True
-
-
 def _terminal(s: State, move_id: str, outcome: str, seq: int) -> MoveState | None:
     prior = s.outcomes.get(move_id)
     if prior is not None:
@@ -120,18 +106,26 @@ def _apply_arrival(s: State, mv: MoveState, bytes_freed_src: int, checksum_ok: b
     if ws is None:
         return
     blocks = s.blocks.get(mv.worker, {})
-    for bid in mv.blocks:
+    src, dst, drop = mv.src, mv.dst, not mv.keep_source
+    added = dropped = 0
+    for bid in mv.blocks:            # hot loop of every replay: inlined copy bookkeeping
         b = blocks.get(bid)
         if b is None:
             _anomaly(s, seq, f"move {mv.move_id} acked for block {bid} that no longer exists")
             continue
-        if mv.dst not in b.tiers:
-            _add_copy(s, mv.worker, bid, mv.dst, seq)
-        if mv.dst == "device":
+        tiers = b.tiers
+        if dst not in tiers:
+            tiers.append(dst)
+            added += 1
+        if dst == "device":
             b.device_verified = checksum_ok
-        if not mv.keep_source and mv.src in b.tiers:
-            _drop_copy(s, mv.worker, bid, mv.src, seq)
-    ws.tiers[mv.src].reclaimed_bytes += bytes_freed_src
+        if drop and src in tiers:
+            tiers.remove(src)
+            dropped += 1
+    accounts = ws.tiers
+    accounts[dst].used_bytes += added * ws.block_bytes
+    accounts[src].used_bytes -= dropped * ws.block_bytes
+    accounts[src].reclaimed_bytes += bytes_freed_src
 
 
 # ---------------------------------------------------------------------- handlers
@@ -221,9 +215,19 @@ def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
     ws = _worker(s, e.worker, seq, "BlocksFreed")
     if ws is None:
         return
+    blocks = s.blocks.get(e.worker, {})
+    tier, dropped = e.tier, 0
     for bid in e.blocks:
-        _drop_copy(s, e.worker, bid, e.tier, seq)
-    ws.tiers[e.tier].reclaimed_bytes += e.bytes
+        b = blocks.get(bid)
+        if b is None or tier not in b.tiers:
+            _anomaly(s, seq, f"block {bid} has no copy on {tier} of worker {e.worker} to free")
+            continue
+        b.tiers.remove(tier)
+        dropped += 1
+        if not b.tiers:
+            del blocks[bid]
+    ws.tiers[tier].used_bytes -= dropped * ws.block_bytes
+    ws.tiers[tier].reclaimed_bytes += e.bytes
 
 
 def _move_requested(s: State, e: ev.MoveRequested, seq: int) -> None:
