@@ -121,3 +121,105 @@ __all__ = [
     "Hello", "Pong", "BlocksWritten", "BlocksReleased", "MovesReport", "ErrorReply",
     "AnyCommand", "AnyReply", "AnyMessage",
 ]
+
+
+# ---------------------------------------------------------------- serving (control <-> worker)
+# Appended for the inference path. A request's life on the wire:
+#   control: Tokenize ─► worker: Tokenized (ids + content keys of its full pages)
+#   control: [ExecuteMove restore … MoveAcked]  Generate ─► worker: TokensGenerated … BlocksWritten …
+#            TokensGenerated(finish_reason)      (CancelGenerate ends it early: finish "cancelled")
+#   worker:  StepCompleted after every batched forward step (the ledger's compact step record)
+class ChatTurn(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """One message of a conversation, as the client sent it (rendered by the model's own template)."""
+
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    max_tokens: int
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None           # None = not seeded (a fresh generator per request)
+    stop: list[str] = []              # stop strings; the text returned ends before the match
+    ignore_eos: bool = False
+
+
+class Tokenize(Message):
+    """Render (chat) and tokenize a prompt the model's way. Exactly one of the three is set."""
+
+    request_id: str
+    messages: list[ChatTurn] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Tokenized(Message):
+    request_id: str
+    worker: int
+    token_ids: list[int]
+    keys: list[str]                   # content keys of token_ids' full pages, in order
+    error: str | None = None          # e.g. "chat_template_missing: ..."; token_ids is then []
+
+
+class ServingReady(Message):
+    """The worker loaded a model and can serve it (sent once, after Hello)."""
+
+    worker: int
+    model: str                        # the id clients name in requests
+    model_digest: str
+    max_context: int                  # positions the model supports (prompt + completion)
+    page_tokens: int
+    block_bytes: int
+    device_blocks: int                # logical blocks the device pool can hold
+    eos_token_ids: list[int]
+
+
+class Generate(Message):
+    """Run one sequence. ``block_ids`` are its pages in order, enough for prompt + max_tokens;
+    the first ``num_cached_tokens // page_tokens`` already hold this prompt's KV (resident, verified)."""
+
+    request_id: str
+    session: str | None
+    token_ids: list[int]
+    block_ids: list[int]
+    num_cached_tokens: int
+    sampling: SamplingParams
+
+
+class CancelGenerate(Message):
+    request_id: str
+    reason: str                       # "disconnected", "shutdown", ...
+
+
+class TokensGenerated(Message):
+    """A chunk of a request's output; its last chunk carries ``finish_reason``.
+
+    Before the last chunk the worker has sent ``BlocksWritten`` for every page it filled (full
+    pages with their content key, the partial tail with ""), and has freed on its own the
+    reserved pages it never wrote (``blocks_unused``: the ledger never heard of them).
+    """
+
+    request_id: str
+    worker: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0      # prompt positions actually prefilled (the rest were cached)
+    blocks_unused: list[int] = []
+
+
+# The serving messages join the unions (appended so existing members keep their order).
+from events.catalog import StepCompleted  # noqa: E402
+
+AnyCommand = Union[AnyCommand, Tokenize, Generate, CancelGenerate]  # type: ignore[misc]
+AnyReply = Union[AnyReply, Tokenized, ServingReady, TokensGenerated, StepCompleted]  # type: ignore[misc]
+AnyMessage = Union[  # type: ignore[misc]
+    AnyMessage, Tokenize, Generate, CancelGenerate, Tokenized, ServingReady, TokensGenerated, StepCompleted,
+]
+__all__ += [
+    "ChatTurn", "SamplingParams", "Tokenize", "Tokenized", "ServingReady", "Generate",
+    "CancelGenerate", "TokensGenerated",
+]
