@@ -1,0 +1,83 @@
+"""Diagnose a ledger: detectors that find wedges, stalls and broken budgets in the event stream.
+
+Each detector is a pure function of the stream and a point in time::
+
+    findings = detect_overdue_moves(events, at_ns=..., params=DiagnoseParams())
+
+and ``diagnose(events, at_ns)`` runs all of them in one pass (a million events in seconds).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from events import Recorded
+from control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
+from control.diagnose.engine import Diagnosis, detect_with, diagnose, run_pass
+from control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
+from control.diagnose.groups import GroupDivergence
+from control.diagnose.moves import OverdueMoves, Pendulum
+from control.diagnose.params import DiagnoseParams
+from control.diagnose.rebind import TornRebind
+from control.diagnose.refusals import RefusalStorm, RetriedSmaller
+from control.diagnose.stall import Hole, Stall
+from control.diagnose.workers import WorkerSilence
+
+ALL_DETECTORS = (
+    OverdueMoves, Stall, WorkerSilence, Pendulum, RefusalStorm, RetriedSmaller,
+    TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence,
+)
+
+_Events = Iterable[Recorded]
+
+
+def detect_overdue_moves(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(OverdueMoves, events, at_ns, params)
+
+
+def detect_stalls(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(Stall, events, at_ns, params)
+
+
+def detect_worker_silence(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(WorkerSilence, events, at_ns, params)
+
+
+def detect_pendulum(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(Pendulum, events, at_ns, params)
+
+
+def detect_refusal_storms(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(RefusalStorm, events, at_ns, params)
+
+
+def detect_retried_smaller(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(RetriedSmaller, events, at_ns, params)
+
+
+def detect_torn_rebinds(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(TornRebind, events, at_ns, params)
+
+
+def detect_pinned_over_budget(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(PinnedOverBudget, events, at_ns, params)
+
+
+def detect_device_below_floor(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(DeviceBelowFloor, events, at_ns, params)
+
+
+def detect_holes(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(Hole, events, at_ns, params)
+
+
+def detect_group_divergence(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(GroupDivergence, events, at_ns, params)
+
+
+__all__ = [
+    "ALL_DETECTORS", "DiagnoseParams", "Diagnosis", "Finding", "diagnose", "run_pass", "sort_findings",
+    "fmt_bytes", "fmt_duration",
+    "detect_overdue_moves", "detect_stalls", "detect_worker_silence", "detect_pendulum",
+    "detect_refusal_storms", "detect_retried_smaller", "detect_torn_rebinds",
+    "detect_pinned_over_budget", "detect_device_below_floor", "detect_holes", "detect_group_divergence",
+]

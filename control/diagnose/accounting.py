@@ -1,0 +1,163 @@
+"""Light bookkeeping the detectors share: block copies per (worker, tier), moves in flight,
+stranded moves, requests waiting.
+
+NOTE: this is deliberately not ``control.fold``. The fold is the authority (hash-checked state,
+integrity invariants); diagnosing a million events in seconds needs only byte counts, so this
+keeps sets of block ids per (worker, tier) and multiplies by ``WorkerJoined.block_bytes``. It
+follows the design's rule that residency changes only on acked bytes: a move's destination gets
+its blocks on ``MoveAcked``/``MoveLateAcked``, never on ``MoveRequested``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from events import (
+    BlocksCommitted,
+    BlocksFreed,
+    MoveAbandoned,
+    MoveAcked,
+    MoveFailed,
+    MoveLateAcked,
+    MoveRejected,
+    MoveRequested,
+    MoveStranded,
+    Recorded,
+    RequestAdmitted,
+    RequestFinished,
+    RequestRefused,
+    WorkerJoined,
+    WorkerLost,
+)
+
+# (the event that changed it, worker, tier, used_bytes after the change)
+UsageListener = Callable[[Recorded, int, str, int], None]
+
+
+class Accounting:
+    def __init__(self) -> None:
+        self.block_bytes: dict[int, int] = {}              # worker -> bytes per block
+        self.capacity: dict[tuple[int, str], int] = {}     # (worker, tier) -> capacity_bytes
+        self.copies: dict[tuple[int, str], set[int]] = {}  # (worker, tier) -> block ids
+        self.lost: set[int] = set()
+        self.resident_at_loss: dict[int, int] = {}         # worker -> bytes of its distinct blocks when lost
+        self.inflight: dict[str, Recorded] = {}            # move_id -> its MoveRequested
+        self.stranded: dict[str, tuple[Recorded, Recorded]] = {}  # move_id -> (MoveStranded, MoveRequested)
+        self.waiting: dict[str, Recorded] = {}             # request_id -> its RequestAdmitted
+        self.usage_listeners: list[UsageListener] = []
+        # NOTE: the move a terminal event just ended (and its stranding, for a late ack), so that
+        # detectors registered after this class can still see what was asked.
+        self.ended: Recorded | None = None
+        self.ended_stranding: Recorded | None = None
+
+    # ------------------------------------------------------------ queries
+    def used_bytes(self, worker: int, tier: str) -> int:
+        s = self.copies.get((worker, tier))
+        return len(s) * self.block_bytes.get(worker, 0) if s else 0
+
+    def free_bytes(self, worker: int, tier: str) -> int | None:
+        cap = self.capacity.get((worker, tier))
+        return None if cap is None else cap - self.used_bytes(worker, tier)
+
+    def workers(self) -> list[int]:
+        return sorted(self.block_bytes)
+
+    # ------------------------------------------------------------ updates
+    def handlers(self):
+        return {
+            WorkerJoined: self._joined,
+            WorkerLost: self._lost,
+            BlocksCommitted: self._committed,
+            BlocksFreed: self._freed,
+            MoveRequested: self._requested,
+            MoveAcked: self._acked,
+            MoveLateAcked: self._late_acked,
+            MoveFailed: self._ended,
+            MoveRejected: self._ended,
+            MoveAbandoned: self._ended,
+            MoveStranded: self._stranded,
+            RequestAdmitted: self._admitted,
+            RequestFinished: self._finished,
+            RequestRefused: self._finished,
+        }
+
+    def _changed(self, rec: Recorded, worker: int, tier: str) -> None:
+        if self.usage_listeners:
+            used = self.used_bytes(worker, tier)
+            for fn in self.usage_listeners:
+                fn(rec, worker, tier, used)
+
+    def _copies(self, worker: int, tier: str) -> set[int]:
+        s = self.copies.get((worker, tier))
+        if s is None:
+            s = self.copies[(worker, tier)] = set()
+        return s
+
+    def _joined(self, rec: Recorded) -> None:
+        ev: WorkerJoined = rec.event
+        self.block_bytes[ev.worker] = ev.block_bytes
+        self.lost.discard(ev.worker)
+        for tier, cap in ev.tiers.items():
+            self.capacity[(ev.worker, tier)] = cap
+            self._copies(ev.worker, tier).clear()
+            self._changed(rec, ev.worker, tier)
+
+    def _lost(self, rec: Recorded) -> None:
+        w = rec.event.worker
+        self.lost.add(w)
+        blocks: set[int] = set()
+        for (worker, _), s in self.copies.items():
+            if worker == w:
+                blocks |= s
+        self.resident_at_loss[w] = len(blocks) * self.block_bytes.get(w, 0)
+        for (worker, tier), s in self.copies.items():
+            if worker == w and s:
+                s.clear()
+                self._changed(rec, w, tier)
+
+    def _committed(self, rec: Recorded) -> None:
+        ev: BlocksCommitted = rec.event
+        if ev.worker not in self.block_bytes and ev.blocks:
+            # a ledger that starts after the join: infer the block size from the first commit
+            self.block_bytes[ev.worker] = ev.bytes // len(ev.blocks)
+        self._copies(ev.worker, ev.tier).update(ev.blocks)
+        self._changed(rec, ev.worker, ev.tier)
+
+    def _freed(self, rec: Recorded) -> None:
+        ev: BlocksFreed = rec.event
+        self._copies(ev.worker, ev.tier).difference_update(ev.blocks)
+        self._changed(rec, ev.worker, ev.tier)
+
+    def _requested(self, rec: Recorded) -> None:
+        self.inflight[rec.event.move_id] = rec
+
+    def _arrive(self, req: MoveRequested, rec: Recorded) -> None:
+        self._copies(req.worker, req.dst).update(req.blocks)
+        self._changed(rec, req.worker, req.dst)
+        if not req.keep_source and req.src != req.dst:
+            self._copies(req.worker, req.src).difference_update(req.blocks)
+            self._changed(rec, req.worker, req.src)
+
+    def _acked(self, rec: Recorded) -> None:
+        req = self.ended = self.inflight.pop(rec.event.move_id, None)
+        if req is not None and rec.event.worker not in self.lost:
+            self._arrive(req.event, rec)
+
+    def _late_acked(self, rec: Recorded) -> None:
+        hit = self.stranded.pop(rec.event.move_id, None)
+        self.ended_stranding, self.ended = hit if hit is not None else (None, None)
+        if hit is not None and rec.event.worker not in self.lost:
+            self._arrive(hit[1].event, rec)
+
+    def _ended(self, rec: Recorded) -> None:
+        self.ended = self.inflight.pop(rec.event.move_id, None)
+
+    def _stranded(self, rec: Recorded) -> None:
+        req = self.ended = self.inflight.pop(rec.event.move_id, None)
+        if req is not None:
+            self.stranded[rec.event.move_id] = (rec, req)
+
+    def _admitted(self, rec: Recorded) -> None:
+        self.waiting[rec.event.request_id] = rec
+
+    def _finished(self, rec: Recorded) -> None:
+        self.waiting.pop(rec.event.request_id, None)

@@ -1,0 +1,303 @@
+"""Detectors over moves: the wedge (a move in flight past its deadline) and the pendulum.
+
+The wedge is the bug every KV-offload system has shipped: a command issued whose completion is
+never recorded. The ledger shows it exactly: a ``MoveRequested`` with no terminal event and a
+deadline behind "now". What matters to the operator is what waits behind it, so the finding
+names the requests and sessions blocked on it and the moves queued after it on the same worker.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from events import (
+    MoveAbandoned,
+    MoveAcked,
+    MoveFailed,
+    MoveLateAcked,
+    MoveRejected,
+    MoveRequested,
+    Recorded,
+)
+from control.diagnose.accounting import Accounting
+from control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
+from control.diagnose.params import DiagnoseParams
+
+
+def _move_words(req: MoveRequested) -> str:
+    return f"{req.kind} {req.src}\u2192{req.dst} of {fmt_bytes(req.bytes_planned)} on worker {req.worker}"
+
+
+class _PerWorker:
+    """Many moves with the same problem on one worker make one finding, not hundreds."""
+
+    def __init__(self) -> None:
+        self.by_worker: dict[int, dict] = {}
+
+    def add(self, worker: int, onset_ns: int, end_ns: int | None, seqs: list[int], nbytes: int,
+            late_ns: int, move_id: str) -> None:
+        agg = self.by_worker.get(worker)
+        if agg is None:
+            agg = self.by_worker[worker] = {"n": 0, "onset_ns": onset_ns, "end_ns": end_ns, "seqs": [],
+                                            "bytes": 0, "worst_ns": -1, "worst": move_id}
+        agg["n"] += 1
+        agg["onset_ns"] = min(agg["onset_ns"], onset_ns)
+        if end_ns is not None:
+            agg["end_ns"] = max(agg["end_ns"] or end_ns, end_ns)
+        agg["bytes"] += nbytes
+        if late_ns > agg["worst_ns"]:
+            agg["worst_ns"], agg["worst"] = late_ns, move_id
+            agg["seqs"] = seqs + agg["seqs"][: MAX_PROOF_SEQS - len(seqs)]
+        elif len(agg["seqs"]) < MAX_PROOF_SEQS:
+            agg["seqs"].extend(seqs)
+
+
+class OverdueMoves:
+    """A move in flight past its deadline, and what waits behind it: one finding per move.
+
+    Per worker, as one finding each: moves that ended past their deadline without the watchdog
+    ever stranding them (the watchdog has a gap), strandings still unresolved (bytes at risk), and
+    strandings resolved by a late ack (how long those wedges lasted).
+    """
+
+    name = "overdue_move"
+
+    def __init__(self, acct: Accounting, params: DiagnoseParams) -> None:
+        self.acct = acct
+        self.params = params
+        self.unstranded = _PerWorker()
+        self.late_acked = _PerWorker()
+
+    def handlers(self):
+        return {
+            MoveAcked: self._terminal,
+            MoveFailed: self._terminal,
+            MoveRejected: self._terminal,
+            MoveAbandoned: self._terminal,
+            MoveLateAcked: self._late_acked,
+        }
+
+    def _terminal(self, rec: Recorded) -> None:
+        req_rec = self.acct.ended
+        if req_rec is None:
+            return
+        req: MoveRequested = req_rec.event
+        ts = rec.envelope.ts_ns
+        late = ts - req.deadline_ns
+        if late > self.params.late_grace_ns:
+            self.unstranded.add(req.worker, req.deadline_ns, ts, [req_rec.envelope.seq, rec.envelope.seq],
+                                req.bytes_planned, late, req.move_id)
+
+    def _late_acked(self, rec: Recorded) -> None:
+        req_rec, stranding = self.acct.ended, self.acct.ended_stranding
+        if req_rec is None or stranding is None:
+            return
+        req: MoveRequested = req_rec.event
+        ts = rec.envelope.ts_ns
+        self.late_acked.add(req.worker, req.deadline_ns, ts,
+                            [req_rec.envelope.seq, stranding.envelope.seq, rec.envelope.seq],
+                            rec.event.bytes_moved, ts - req.deadline_ns, req.move_id)
+
+    def _waiters(self, req_rec: Recorded) -> list[Recorded]:
+        req: MoveRequested = req_rec.event
+        keys = {k for k in (req.session, req.move_id, req_rec.envelope.correlation_id) if k}
+        if not keys:
+            return []
+        return [r for r in self.acct.waiting.values()
+                if r.event.session in keys or r.envelope.correlation_id in keys
+                or r.envelope.causation == req.move_id]
+
+    def finish(self, at_ns: int) -> list[Finding]:
+        return self._wedged(at_ns) + self._stranded(at_ns) + self._aggregates()
+
+    def _wedged(self, at_ns: int) -> list[Finding]:
+        out = []
+        by_worker: dict[int, list[Recorded]] = {}
+        for r in self.acct.inflight.values():
+            by_worker.setdefault(r.event.worker, []).append(r)
+        for req_rec in self.acct.inflight.values():
+            req: MoveRequested = req_rec.event
+            if req.deadline_ns >= at_ns or req.worker in self.acct.lost:
+                continue   # not yet late; a lost worker's moves are the worker detector's to name
+            waiters = self._waiters(req_rec)
+            behind = [r for r in by_worker[req.worker] if r.envelope.seq > req_rec.envelope.seq]
+            blocked = []
+            if waiters:
+                blocked.append(f"{len(waiters)} request(s) waiting on it")
+            if req.session:
+                blocked.append(f"session {req.session}")
+            if behind:
+                blocked.append(f"{len(behind)} move(s) queued behind it")
+            tail = f"; blocked: {', '.join(blocked)}" if blocked else ""
+            out.append(Finding(
+                detector=self.name,
+                severity="critical",
+                title=(f"move {req.move_id} ({_move_words(req)}) in flight "
+                       f"{fmt_duration(at_ns - req.deadline_ns)} past its deadline with no ack{tail}"),
+                seqs=proof([req_rec.envelope.seq] + [r.envelope.seq for r in waiters]),
+                subject=f"move {req.move_id}",
+                onset_ns=req.deadline_ns,
+                until_ns=None,
+                suggestion=(f"worker {req.worker} never answered and no watchdog stranded it: check the worker's copy "
+                            f"stream and the watchdog; strand the move so its {fmt_bytes(req.bytes_planned)} are accounted"),
+                detail={"move_id": req.move_id, "worker": req.worker, "kind": req.kind,
+                        "bytes_planned": req.bytes_planned, "session": req.session,
+                        "requests_blocked": [r.event.request_id for r in waiters][:32],
+                        "moves_behind": [r.event.move_id for r in behind][:32]},
+            ))
+        return out
+
+    def _stranded(self, at_ns: int) -> list[Finding]:
+        agg = _PerWorker()
+        waiting_on: dict[int, int] = {}
+        for move_id, (stranding, req_rec) in self.acct.stranded.items():
+            if stranding.event.why == "worker_lost":
+                continue   # named by the worker detector with the loss
+            req: MoveRequested = req_rec.event
+            agg.add(req.worker, req.deadline_ns, None, [req_rec.envelope.seq, stranding.envelope.seq],
+                    stranding.event.bytes_at_risk, at_ns - req.deadline_ns, move_id)
+            waiting_on[req.worker] = waiting_on.get(req.worker, 0) + len(self._waiters(req_rec))
+        out = []
+        for worker, a in agg.by_worker.items():
+            waiters = f"; {waiting_on[worker]} request(s) waiting on them" if waiting_on.get(worker) else ""
+            out.append(Finding(
+                detector=self.name,
+                severity="warning",
+                title=(f"{a['n']} move(s) on worker {worker} stranded at their deadline and never late-acked: "
+                       f"{fmt_bytes(a['bytes'])} at risk (oldest {a['worst']}){waiters}"),
+                seqs=proof(a["seqs"]),
+                subject=f"worker {worker}",
+                onset_ns=a["onset_ns"],
+                until_ns=None,
+                suggestion=(f"ask worker {worker} what became of these moves; their bytes stay counted as "
+                            f"stranded (`residency audit stranded`) until it answers"),
+                detail={"worker": worker, "num_moves": a["n"], "bytes_at_risk": a["bytes"], "oldest_move": a["worst"]},
+            ))
+        return out
+
+    def _aggregates(self) -> list[Finding]:
+        out = []
+        for worker, a in self.unstranded.by_worker.items():
+            out.append(Finding(
+                detector=self.name,
+                severity="warning",
+                title=(f"{a['n']} move(s) on worker {worker} ended past their deadline and were never stranded "
+                       f"(worst: {a['worst']}, {fmt_duration(a['worst_ns'])} late)"),
+                seqs=proof(a["seqs"]),
+                subject=f"worker {worker}",
+                onset_ns=a["onset_ns"],
+                until_ns=a["end_ns"],
+                suggestion="the watchdog missed these deadlines: check that it runs and that its tick is shorter than move deadlines",
+                detail={"worker": worker, "num_moves": a["n"], "worst_move": a["worst"], "worst_late_ns": a["worst_ns"]},
+            ))
+        for worker, a in self.late_acked.by_worker.items():
+            out.append(Finding(
+                detector=self.name,
+                severity="info",
+                title=(f"{a['n']} stranded move(s) on worker {worker} were late-acked, "
+                       f"up to {fmt_duration(a['worst_ns'])} past the deadline (worst: {a['worst']}); "
+                       f"{fmt_bytes(a['bytes'])} re-accounted"),
+                seqs=proof(a["seqs"]),
+                subject=f"worker {worker}",
+                onset_ns=a["onset_ns"],
+                until_ns=a["end_ns"],
+                suggestion=f"worker {worker}'s copies run slower than the deadlines allow: batch pages or lengthen the deadlines",
+                detail={"worker": worker, "num_moves": a["n"], "worst_move": a["worst"], "worst_late_ns": a["worst_ns"],
+                        "bytes_moved": a["bytes"]},
+            ))
+        return out
+
+
+class Pendulum:
+    """The same blocks sent off the device and brought back, again and again, within a window.
+
+    A block's direction is "out" for a move from the device, "in" for a move to it. Each change of
+    direction is a swing; ``pendulum_round_trips`` round trips (twice as many swings) within
+    ``pendulum_window_ns`` marks the block. Marked blocks on one worker, close in time, are one episode.
+    """
+
+    name = "pendulum"
+
+    def __init__(self, acct: Accounting, params: DiagnoseParams) -> None:
+        self.params = params
+        self.need = 2 * params.pendulum_round_trips
+        self.window = params.pendulum_window_ns
+        self.blocks: dict[int, dict[int, list]] = {}      # worker -> block -> [last_dir, deque[(ts, seq)]]
+        self.open: dict[int, dict] = {}                    # worker -> episode
+        self.done: list[dict] = []
+
+    def handlers(self):
+        return {MoveRequested: self._requested}
+
+    def _requested(self, rec: Recorded) -> None:
+        ev: MoveRequested = rec.event
+        if ev.src == "device" and ev.dst != "device":
+            direction = 0
+        elif ev.dst == "device" and ev.src != "device":
+            direction = 1
+        else:
+            return
+        ts, seq = rec.envelope.ts_ns, rec.envelope.seq
+        states = self.blocks.get(ev.worker)
+        if states is None:
+            states = self.blocks[ev.worker] = {}
+        horizon = ts - self.window
+        marked = []
+        for b in ev.blocks:
+            st = states.get(b)
+            if st is None:
+                states[b] = [direction, deque(((ts, seq),))]
+                continue
+            if st[0] == direction:
+                continue
+            st[0] = direction
+            swings = st[1]
+            swings.append((ts, seq))
+            while swings[0][0] < horizon:
+                swings.popleft()
+            if len(swings) >= self.need:
+                marked.append((b, swings))
+        if marked:
+            self._mark(ev, rec, marked)
+
+    def _mark(self, ev: MoveRequested, rec: Recorded, marked: list) -> None:
+        ts = rec.envelope.ts_ns
+        ep = self.open.get(ev.worker)
+        if ep is not None and ts - ep["last_ns"] > self.window:
+            self.done.append(ep)
+            ep = None
+        if ep is None:
+            ep = self.open[ev.worker] = {"worker": ev.worker, "onset_ns": min(s[0][0] for _, s in marked),
+                                         "blocks": set(), "seqs": [], "num_swings": 0, "bytes": 0,
+                                         "sessions": set(), "last_ns": ts}
+        ep["blocks"].update(b for b, _ in marked)
+        if len(ep["seqs"]) < 64:
+            for _, swings in marked:
+                ep["seqs"].extend(s[1] for s in swings)
+        ep["num_swings"] += 1
+        ep["bytes"] += ev.bytes_planned
+        if ev.session:
+            ep["sessions"].add(ev.session)
+        ep["last_ns"] = ts
+
+    def finish(self, at_ns: int) -> list[Finding]:
+        out = []
+        for ep in [*self.done, *self.open.values()]:
+            ongoing = at_ns - ep["last_ns"] <= self.window
+            sessions = sorted(ep["sessions"])
+            who = f" (sessions {', '.join(sessions[:3])}{'…' if len(sessions) > 3 else ''})" if sessions else ""
+            out.append(Finding(
+                detector=self.name,
+                severity="warning",
+                title=(f"{len(ep['blocks'])} block(s) on worker {ep['worker']} swung between device and a slower "
+                       f"tier {self.params.pendulum_round_trips}+ times within {fmt_duration(self.window)}{who}; "
+                       f"{fmt_bytes(ep['bytes'])} moved by the swinging moves"),
+                seqs=proof(ep["seqs"]),
+                subject=f"worker {ep['worker']}",
+                onset_ns=ep["onset_ns"],
+                until_ns=None if ongoing else ep["last_ns"],
+                suggestion="the policy evicts blocks it needs again: raise the device floor for hot sessions or add hysteresis to spill decisions",
+                detail={"worker": ep["worker"], "num_blocks": len(ep["blocks"]),
+                        "blocks": sorted(ep["blocks"])[:32], "sessions": sessions[:32],
+                        "bytes_moved": ep["bytes"]},
+            ))
+        return out
