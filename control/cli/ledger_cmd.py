@@ -85,7 +85,13 @@ def _verify(args) -> int:
     with open_store(args.db) as store:
         total = store.last_seq()
         with progress_bar(total, "verify") as update:
-            report = store.verify(progress=update)
+            seen = [0]
+
+            def cumulative(done: int, _total: int | None = None) -> None:   # the store reports done-so-far
+                update(done - seen[0])
+                seen[0] = done
+
+            report = store.verify(progress=cumulative)
         if not report.ok:
             print(f"FAILED: {report.problem}", file=sys.stderr)
             return 1

@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, LedgerError) as e:
         print(f"residency {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `residency timeline ... | head`: the reader left; not an error worth a traceback
+        import os  # noqa: PLC0415
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"residency {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,172 @@
+"""The ledger-reading commands as a user runs them: simulate, verify, replay, timeline, audit,
+export/import, and a clear one-line error with a non-zero exit for each kind of bad input."""
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+
+import pytest
+
+from control.cli.main import main
+from control.replay import replay
+from control.simulate import simulate
+from events import catalog as ev
+from events.envelope import Envelope
+from ledger import LedgerStore
+
+
+@pytest.fixture(scope="module")
+def sim_db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "sim.db"
+    url = f"sqlite:///{path}"
+    assert main(["simulate", "--events", "6000", "--db", url, "--seed", str(random.randrange(1 << 20)),
+                 "--snapshot-every", "2000"]) == 0
+    return url, path
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_verify_a_simulated_ledger_checks_chain_and_checkpoints(sim_db, capsys):
+    url, _ = sim_db
+    code, out, err = run(capsys, "ledger", "verify", "--db", url)
+    assert code == 0, err
+    assert "6000 events" in out and "state checkpoints match replay" in out
+
+
+def test_replay_json_at_a_seq_and_at_the_end(sim_db, capsys):
+    url, _ = sim_db
+    code, out, _ = run(capsys, "replay", "--db", url, "--at", "3000", "--json")
+    assert code == 0
+    s = json.loads(out)
+    assert s["seq"] == 3000 and s["integrity"] == "ok"
+    assert {t for w in s["workers"] for t in w["tiers"]} == {"device", "host", "disk"}
+    code, out, _ = run(capsys, "replay", "--db", url, "--json")
+    end = json.loads(out)
+    assert end["seq"] == 6000 and end["snapshot_seq"] == 6000
+
+
+def test_replay_from_snapshot_equals_replay_from_zero(sim_db):
+    url, _ = sim_db
+    with LedgerStore.open(url) as store:
+        for at in (1999, 2000, 4321, 6000):
+            a, snap = replay(store, at)
+            b, none = replay(store, at, use_snapshots=False)
+            assert none == 0 and a.state_hash() == b.state_hash()
+            assert snap == (at // 2000) * 2000
+
+
+def test_replay_diff_names_what_changed(sim_db, capsys):
+    url, _ = sim_db
+    code, out, _ = run(capsys, "replay", "--db", url, "--diff", "100..3000")
+    assert code == 0 and out.startswith("from seq 100")
+    assert "used_bytes" in out
+
+
+def test_timeline_of_a_move_follows_it_to_its_outcome(sim_db, capsys):
+    url, _ = sim_db
+    code, out, _ = run(capsys, "timeline", "--db", url, "--subject", "move:m-5")
+    lines = out.strip().splitlines()
+    assert code == 0 and "MoveRequested" in lines[0]
+    assert any(t in lines[-1] for t in ("MoveAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveLateAcked",
+                                        "SessionParked", "SessionRestored"))
+
+
+def test_timeline_of_a_block_key_starts_where_it_was_committed(sim_db, capsys):
+    url, _ = sim_db
+    with LedgerStore.open(url) as store:
+        committed = next(r for r in store.read() if isinstance(r.event, ev.BlocksCommitted))
+    key = committed.event.keys[0]
+    code, out, _ = run(capsys, "timeline", "--db", url, "--subject", f"block:{key}")
+    assert code == 0 and out.splitlines()[0].split()[0] == str(committed.seq)
+
+
+def test_audit_stranded_agrees_with_the_fold_and_the_sql_view(sim_db, capsys):
+    url, _ = sim_db
+    code, out, _ = run(capsys, "audit", "stranded", "--db", url, "--by", "worker", "--json")
+    assert code == 0
+    audit = json.loads(out)
+    with LedgerStore.open(url) as store:
+        state, _ = replay(store)
+    assert audit["total_bytes"] == state.stranded_bytes_total()
+    code, out, _ = run(capsys, "audit", "reclaimed", "--db", url, "--by", "tier", "--json")
+    rec = json.loads(out)
+    by_tier = {g["group"]: g["bytes"] for g in rec["groups"]}
+    for t in ("device", "host", "disk"):
+        assert by_tier.get(t, 0) == sum(w.tiers[t].reclaimed_bytes for w in state.workers.values())
+
+
+def test_export_import_round_trip_and_a_broken_export_writes_nothing(sim_db, tmp_path, capsys):
+    url, _ = sim_db
+    dump = tmp_path / "l.jsonl"
+    assert main(["ledger", "export", "--db", url, "-o", str(dump)]) == 0
+    copy = f"sqlite:///{tmp_path / 'copy.db'}"
+    assert main(["ledger", "init", "--db", copy]) == 0
+    assert main(["ledger", "import", str(dump), "--db", copy]) == 0
+    code, out, _ = run(capsys, "ledger", "verify", "--db", copy)
+    assert code == 0 and "6000 events" in out
+    lines = dump.read_text().splitlines()
+    victim = random.randrange(10, len(lines))
+    obj = json.loads(lines[victim])
+    obj["ts_ns"] += 1
+    lines[victim] = json.dumps(obj)
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    assert main(["ledger", "init", "--db", fresh]) == 0
+    code, _, err = run(capsys, "ledger", "import", str(tmp_path / "bad.jsonl"), "--db", fresh)
+    assert code != 0 and str(obj["seq"]) in err
+    with LedgerStore.open(fresh) as store:
+        assert store.last_seq() == 0
+
+
+def test_verify_names_the_seq_of_a_row_edited_behind_the_triggers(sim_db, tmp_path, capsys):
+    _, path = sim_db
+    victim = tmp_path / "edited.db"
+    victim.write_bytes(path.read_bytes())
+    seq = random.randrange(100, 5000)
+    con = sqlite3.connect(victim)
+    triggers = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='trigger'")]
+    for t in triggers:
+        con.execute(f"DROP TRIGGER {t}")
+    con.execute("UPDATE events SET ts_ns = ts_ns + 1 WHERE seq = ?", (seq,))
+    con.commit()
+    con.close()
+    code, _, err = run(capsys, "ledger", "verify", "--db", f"sqlite:///{victim}")
+    assert code == 1 and f"seq {seq}" in err
+
+
+def test_verify_catches_a_checkpoint_that_disagrees_with_replay(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    items = list(simulate(300, seed=random.randrange(1 << 20)))
+    lie = ev.StateCheckpoint(through_seq=200, state_hash="%064x" % random.getrandbits(256))
+    items.append((Envelope(producer="control", epoch=1, producer_seq=1, ts_ns=items[-1][0].ts_ns + 1), lie))
+    with LedgerStore.open(url, create=True) as store:
+        store.append(items)
+    code, _, err = run(capsys, "ledger", "verify", "--db", url)
+    assert code == 1 and "seq 301: StateCheckpoint through seq 200" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["replay", "--db", "sqlite:///{tmp}/missing.db"], "no ledger at"),
+    (["replay", "--db", "sqlite:///{tmp}/garbage.db"], "is not a ledger"),
+    (["replay", "--db", "{sim}", "--at", "999999"], "beyond the end of the ledger (last seq 6000)"),
+    (["replay", "--db", "{sim}", "--diff", "5..x"], "--diff wants A..B"),
+    (["replay", "--db", "{sim}", "--at-time", "yesterday"], "not an ISO 8601 time"),
+    (["timeline", "--db", "{sim}", "--subject", "table:1"], "subject must be one of"),
+    (["timeline", "--db", "{sim}", "--subject", "move:no-such-move"], "no event in the ledger touches"),
+    (["audit", "stranded", "--db", "{sim}", "--since", "2030-01-01", "--until", "2029-01-01"], "--since is after"),
+    (["ledger", "verify", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/x"], "cannot reach"),
+    (["simulate", "--events", "10", "--db", "{sim}"], "not empty"),
+])
+def test_bad_input_is_one_clear_line_and_a_nonzero_exit(sim_db, tmp_path, capsys, argv, needle):
+    (tmp_path / "garbage.db").write_bytes(random.randbytes(8192))
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{sim}", sim_db[0]) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "missing.db").exists()
