@@ -1,0 +1,20 @@
+"""The OpenAI-compatible HTTP API (FastAPI). Decides nothing about memory: see ``backend``."""
+from control.api.app import ApiConfig, create_app
+from control.api.backend import (
+    Backend,
+    BackendError,
+    BackendStats,
+    Chunk,
+    GenerateRequest,
+    GenerationStream,
+    Health,
+    ModelCard,
+    SessionInfo,
+    UnknownSession,
+    Usage,
+)
+
+__all__ = [
+    "ApiConfig", "create_app", "Backend", "BackendError", "BackendStats", "Chunk", "GenerateRequest",
+    "GenerationStream", "Health", "ModelCard", "SessionInfo", "UnknownSession", "Usage",
+]

@@ -1,0 +1,77 @@
+"""``/health``, ``/metrics`` and the admin routes that park or restore a session by hand.
+
+Admin routes need ``Authorization: Bearer <admin key>`` when a key is configured (401 otherwise,
+compared in constant time). Parking or restoring is the same write-ahead move the policy makes:
+the ledger records who asked (``operator:park``).
+"""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from control.api.backend import SessionInfo
+from control.api.errors import ApiError
+from control.api.schemas import SESSION_ID_RE, ParkBody, parse_json, validate
+
+router = APIRouter()
+
+
+def session_json(info: SessionInfo) -> dict:
+    return {
+        "session_id": info.session, "tier": info.tier, "num_blocks": info.num_blocks, "num_tokens": info.num_tokens,
+        "bytes": info.bytes, "busy": info.busy, "last_used_ns": info.last_used_ns, "move_id": info.move_id,
+    }
+
+
+def _authorize(request: Request) -> None:
+    key = request.app.state.config.admin_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, "admin routes need 'Authorization: Bearer <admin key>'", code="missing_admin_key")
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise ApiError(401, "the admin key is wrong", code="invalid_admin_key")
+
+
+def _check_session_id(session: str) -> None:
+    if not SESSION_ID_RE.match(session):
+        raise ApiError(404, f"no session named {session!r}", param="session_id", code="session_not_found")
+
+
+@router.get("/health")
+async def health(request: Request):
+    h = request.app.state.backend.health()
+    return JSONResponse({"status": "ok" if h.ok else "unavailable", **h.detail}, status_code=200 if h.ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    data, content_type = request.app.state.metrics.render()
+    return Response(data, media_type=content_type)
+
+
+@router.get("/admin/sessions/{session}")
+async def get_session(request: Request, session: str):
+    _authorize(request)
+    _check_session_id(session)
+    return session_json(await request.app.state.backend.session(session))
+
+
+@router.post("/admin/sessions/{session}/park")
+async def park_session(request: Request, session: str):
+    _authorize(request)
+    _check_session_id(session)
+    raw = await request.body()
+    body = validate(ParkBody, parse_json(raw)) if raw.strip() else ParkBody()
+    return session_json(await request.app.state.backend.park(session, body.tier))
+
+
+@router.post("/admin/sessions/{session}/restore")
+async def restore_session(request: Request, session: str):
+    _authorize(request)
+    _check_session_id(session)
+    return session_json(await request.app.state.backend.restore(session))

@@ -1,0 +1,60 @@
+"""``create_app(backend, config)``: the HTTP face of Residency.
+
+    client ─HTTP─► app (validation, SSE, metrics) ─► Backend.submit ─► control process
+                                                                     (admit, place, run, record)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from control.api import admin_routes, openai_routes
+from control.api.backend import Backend
+from control.api.errors import install_error_handlers
+from control.api.metrics import ApiMetrics
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    admin_key: str | None = None          # None: admin routes are open (the server binds to loopback)
+    title: str = "Residency"
+
+
+class _CountRequests:
+    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from streaming routes)."""
+
+    def __init__(self, app, metrics: ApiMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", None) or "unmatched", str(status)).inc()
+
+
+def create_app(backend: Backend, config: ApiConfig | None = None) -> FastAPI:
+    config = config or ApiConfig()
+    app = FastAPI(title=config.title, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend = backend
+    app.state.config = config
+    app.state.metrics = ApiMetrics(backend)
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+
+    app.add_middleware(_CountRequests, metrics=app.state.metrics)
+    return app

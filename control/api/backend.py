@@ -1,0 +1,146 @@
+"""What the HTTP API needs from the control process: the ``Backend`` protocol and its values.
+
+The API validates, streams and counts; it decides nothing about memory. Everything else (render
+and tokenize the prompt, admit against the budget, reuse or restore a session's prefix, run the
+model, free blocks) happens behind ``Backend.submit``. The control process implements it
+(``control.scheduler.service``); unit tests of the API use a fake at the edge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+
+from events.commands import ChatTurn, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    kind: Literal["chat", "completion"]
+    model: str
+    sampling: SamplingParams
+    messages: list[ChatTurn] | None = None       # chat
+    prompt: str | None = None                    # completion, text
+    prompt_token_ids: list[int] | None = None    # completion, token ids
+    session: str | None = None
+    max_tokens_given: bool = False               # False: max_tokens is "the rest of the context"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0        # prompt positions whose KV was reused (resident or restored)
+    restored_tokens: int = 0      # of those, brought back from host or disk for this request
+    computed_tokens: int = 0      # prompt positions prefilled for this request
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of one generation. The last one has ``finish_reason`` and ``usage``."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None      # "stop" | "length" | "cancelled" | "error"
+    usage: Usage | None = None
+    error: str | None = None              # set with finish_reason "error"
+
+
+@runtime_checkable
+class GenerationStream(Protocol):
+    request_id: str
+    model: str
+
+    def __aiter__(self) -> AsyncIterator[Chunk]: ...
+
+    def cancel(self, reason: str) -> None:
+        """Stop generating (idempotent, thread-safe, never blocks). The blocks are freed with
+        ``reason`` recorded in the ledger; the stream then ends with finish_reason "cancelled"."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    max_context: int
+    created: int
+    owned_by: str = "residency"
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session: str
+    tier: str | None              # "device" | "host" | "disk" | None (holds nothing)
+    num_blocks: int
+    num_tokens: int
+    bytes: int
+    busy: bool
+    last_used_ns: int
+    move_id: str | None = None    # the move the admin call caused, if any
+
+
+@dataclass
+class BackendStats:
+    """What /metrics exports at scrape time, read from the control process's folded state."""
+
+    tier_used_bytes: dict[tuple[str, str], int] = field(default_factory=dict)       # (worker, tier)
+    tier_capacity_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    moves: dict[tuple[str, str], int] = field(default_factory=dict)                 # (kind, outcome)
+    stranded_bytes: int = 0
+    ledger_append_lag_s: float | None = None      # None = not measured
+    ledger_last_seq: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    sessions_by_tier: dict[str, int] = field(default_factory=dict)
+    restore_decisions: dict[str, int] = field(default_factory=dict)                 # restore|recompute
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+class BackendError(Exception):
+    """A request the backend declines or cannot serve; the API renders it OpenAI-shaped."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+
+class UnknownSession(BackendError):
+    def __init__(self, session: str):
+        super().__init__(404, f"no session named {session!r}", code="session_not_found", param="session_id")
+
+
+class Backend(Protocol):
+    def models(self) -> list[ModelCard]:
+        """The models served now (empty while the worker is still loading)."""
+
+    async def submit(self, req: GenerateRequest) -> GenerationStream:
+        """Admit and start one generation. Raises BackendError (context too long, refused,
+        session busy, unknown model) before anything is streamed; never returns a stream
+        that failed admission."""
+
+    async def park(self, session: str, tier: str = "host") -> SessionInfo:
+        """Move an idle session's blocks off the device to ``tier`` (host or disk). Raises
+        UnknownSession; BackendError(409) when the session is busy."""
+
+    async def restore(self, session: str) -> SessionInfo:
+        """Bring a parked session's blocks back to the device (checksum-verified)."""
+
+    async def session(self, session: str) -> SessionInfo:
+        """Where a session's blocks are. Raises UnknownSession."""
+
+    def stats(self) -> BackendStats: ...
+
+    def health(self) -> Health: ...

@@ -1,0 +1,83 @@
+"""Prometheus metrics of one app, on a registry of its own (two apps in a process never collide).
+
+Counted by the API as requests pass: requests by route and status, prompt/completion tokens (and
+how the prompt was served: reused from cache, restored, computed), time to first token and
+inter-token latency. Read from the control process at scrape time (``Backend.stats``): bytes per
+tier, moves by kind and outcome, stranded bytes, ledger append lag, queue depths.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from control.api.backend import Backend, Usage
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class _BackendCollector:
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    def collect(self):
+        s = self.backend.stats()
+        used = GaugeMetricFamily("residency_tier_used_bytes", "Bytes resident per worker and tier (acked copies)",
+                                 labels=["worker", "tier"])
+        for (w, t), v in sorted(s.tier_used_bytes.items()):
+            used.add_metric([w, t], v)
+        yield used
+        cap = GaugeMetricFamily("residency_tier_capacity_bytes", "Capacity per worker and tier", labels=["worker", "tier"])
+        for (w, t), v in sorted(s.tier_capacity_bytes.items()):
+            cap.add_metric([w, t], v)
+        yield cap
+        moves = CounterMetricFamily("residency_moves", "Moves by kind and terminal outcome", labels=["kind", "outcome"])
+        for (k, o), v in sorted(s.moves.items()):
+            moves.add_metric([k, o], v)
+        yield moves
+        yield GaugeMetricFamily("residency_stranded_bytes", "Bytes that left a place and were not reported arriving",
+                                value=s.stranded_bytes)
+        lag = GaugeMetricFamily("residency_ledger_append_lag_seconds",
+                                "Age of the oldest event waiting to be committed to the ledger (NaN = not measured)")
+        lag.add_metric([], float("nan") if s.ledger_append_lag_s is None else s.ledger_append_lag_s)
+        yield lag
+        yield GaugeMetricFamily("residency_ledger_last_seq", "Last committed ledger seq", value=s.ledger_last_seq)
+        yield GaugeMetricFamily("residency_requests_running", "Requests generating now", value=s.running_requests)
+        yield GaugeMetricFamily("residency_requests_waiting", "Requests admitted, waiting for room", value=s.waiting_requests)
+        sess = GaugeMetricFamily("residency_sessions", "Sessions by the tier holding their blocks", labels=["tier"])
+        for t, v in sorted(s.sessions_by_tier.items()):
+            sess.add_metric([t], v)
+        yield sess
+        dec = CounterMetricFamily("residency_prefix_decisions", "Parked prefixes restored or recomputed", labels=["decision"])
+        for d, v in sorted(s.restore_decisions.items()):
+            dec.add_metric([d], v)
+        yield dec
+
+
+class ApiMetrics:
+    def __init__(self, backend: Backend):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("residency_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("residency_prompt_tokens", "Prompt tokens by how they were served",
+                                     ["source"], registry=r)
+        self.completion_tokens = Counter("residency_completion_tokens", "Completion tokens generated", registry=r)
+        self.finished = Counter("residency_generations_finished", "Generations by finish reason", ["reason"], registry=r)
+        self.ttft = Histogram("residency_time_to_first_token_seconds", "Request received to first token sent",
+                              ["endpoint"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("residency_inter_token_latency_seconds", "Time between successive output tokens",
+                             ["endpoint"], buckets=ITL_BUCKETS, registry=r)
+        r.register(_BackendCollector(backend))
+
+    def observe_usage(self, usage: Usage | None) -> None:
+        if usage is None:
+            return
+        self.prompt_tokens.labels("cached_resident").inc(max(0, usage.cached_tokens - usage.restored_tokens))
+        self.prompt_tokens.labels("restored").inc(usage.restored_tokens)
+        self.prompt_tokens.labels("computed").inc(usage.computed_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

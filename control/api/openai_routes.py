@@ -1,0 +1,255 @@
+"""``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: the OpenAI wire format.
+
+A handler validates, turns the body into a ``GenerateRequest``, and asks the backend to admit
+it. Admission errors come back as a proper HTTP status before any byte of a stream is sent.
+Then it relays chunks: as SSE ``data:`` lines (ending with ``[DONE]``) or collected into one
+JSON response. A client that leaves mid-way cancels its generation (blocks freed, recorded).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from control.api.backend import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
+from control.api.errors import ApiError
+from control.api.schemas import SESSION_ID_RE, ChatCompletionBody, CompletionBody, parse_json, validate
+from control.api.sse import SSE_DONE, SSEResponse, sse_data
+from events.commands import ChatTurn, SamplingParams
+
+router = APIRouter()
+
+
+def usage_json(u: Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "restored_tokens": u.restored_tokens,
+        "computed_tokens": u.computed_tokens,
+    }
+
+
+def _session_of(request: Request, body) -> str | None:
+    """The session a request names: the body's ``session_id`` or the ``X-Session-Id`` header."""
+    header = (request.headers.get("x-session-id") or "").strip() or None
+    if header is not None and body.session_id is not None and header != body.session_id:
+        raise ApiError(400, "X-Session-Id header and session_id field name different sessions", param="session_id",
+                       code="invalid_value")
+    if header is not None and not SESSION_ID_RE.match(header):
+        raise ApiError(400, "X-Session-Id must be 1-128 characters of [A-Za-z0-9._:@-]", param="session_id",
+                       code="invalid_value")
+    return body.session_id or header
+
+
+def _check_model(request: Request, model: str) -> None:
+    backend = request.app.state.backend
+    models = backend.models()
+    if not models:
+        raise ApiError(503, "the model is still loading; retry shortly", type="server_error", code="model_loading")
+    if model not in {m.id for m in models}:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(repr(m.id) for m in models)}", param="model", code="model_not_found")
+
+
+def _sampling(body, max_tokens: int | None) -> SamplingParams:
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else 0,   # 0: the backend fills in the context's rest
+        temperature=temperature,
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=body.seed,
+        stop=list(body.stop or []),
+    )
+
+
+async def _start(request: Request, req: GenerateRequest) -> GenerationStream:
+    return await request.app.state.backend.submit(req)
+
+
+async def _watch_disconnect(request: Request, stream: GenerationStream, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            stream.cancel("disconnected")
+            scope.cancel()
+            return
+
+
+async def _collect(request: Request, stream: GenerationStream, endpoint: str, t0: float) -> tuple[str, Chunk]:
+    """Gather a whole generation; a client that leaves meanwhile cancels it."""
+    metrics = request.app.state.metrics
+    parts: list[str] = []
+    last: Chunk | None = None
+    first_at: float | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_disconnect, request, stream, tg.cancel_scope)
+        try:
+            async for chunk in stream:
+                if chunk.token_ids and first_at is None:
+                    first_at = time.perf_counter()
+                    metrics.ttft.labels(endpoint).observe(first_at - t0)
+                parts.append(chunk.text)
+                last = chunk
+        finally:
+            stream.cancel("disconnected")      # no-op once finished
+            tg.cancel_scope.cancel()
+    if last is None:
+        raise ApiError(499, "client disconnected", code="client_disconnected")
+    return "".join(parts), last
+
+
+def _finish(request: Request, last: Chunk) -> None:
+    metrics = request.app.state.metrics
+    metrics.finished.labels(last.finish_reason or "unknown").inc()
+    metrics.observe_usage(last.usage)
+    if last.finish_reason == "error":
+        raise BackendError(500, f"generation failed: {last.error}", type="server_error", code="generation_failed")
+
+
+async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: float, render, include_usage: bool,
+               head: list[bytes]) -> AsyncIterator[bytes]:
+    metrics = request.app.state.metrics
+    prev: float | None = None
+    try:
+        for h in head:
+            yield h
+        async for chunk in stream:
+            now = time.perf_counter()
+            n = len(chunk.token_ids)
+            if n:
+                if prev is None:
+                    metrics.ttft.labels(endpoint).observe(now - t0)
+                else:
+                    for _ in range(n):
+                        metrics.itl.labels(endpoint).observe((now - prev) / n)
+                prev = now
+            if chunk.finish_reason is not None:
+                metrics.finished.labels(chunk.finish_reason).inc()
+                metrics.observe_usage(chunk.usage)
+                if chunk.finish_reason == "error":
+                    yield sse_data({"error": {"message": f"generation failed: {chunk.error}", "type": "server_error",
+                                              "param": None, "code": "generation_failed"}})
+                    yield SSE_DONE
+                    return
+            if chunk.text or chunk.finish_reason is not None:
+                yield sse_data(render(chunk))
+            if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
+                yield sse_data(render(None, usage=chunk.usage))
+        yield SSE_DONE
+    finally:
+        stream.cancel("disconnected")          # no-op when the generation finished
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    t0 = time.perf_counter()
+    body: ChatCompletionBody = validate(ChatCompletionBody, parse_json(await request.body()))
+    session = _session_of(request, body)
+    _check_model(request, body.model)
+    max_tokens = body.effective_max_tokens
+    req = GenerateRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        kind="chat",
+        model=body.model,
+        sampling=_sampling(body, max_tokens),
+        messages=[ChatTurn(role=m.role, content=m.text()) for m in body.messages],
+        session=session,
+        max_tokens_given=max_tokens is not None,
+    )
+    stream = await _start(request, req)
+    created = int(time.time())
+    extra = {"session_id": session} if session else {}
+    headers = {"X-Request-Id": req.request_id, **({"X-Session-Id": session} if session else {})}
+
+    if body.stream:
+        def render(chunk: Chunk | None, usage: Usage | None = None) -> dict:
+            base = {"id": req.request_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                    **extra}
+            if chunk is None:
+                return {**base, "choices": [], "usage": usage_json(usage)}
+            delta = {"content": chunk.text} if chunk.text else {}
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": chunk.finish_reason}]}
+
+        head = [sse_data({"id": req.request_id, "object": "chat.completion.chunk", "created": created,
+                          "model": body.model, **extra,
+                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]})]
+        return SSEResponse(_sse(request, stream, "chat", t0, render, body.include_usage, head),
+                           on_disconnect=lambda: stream.cancel("disconnected"), headers=headers)
+
+    text, last = await _collect(request, stream, "chat", t0)
+    _finish(request, last)
+    return JSONResponse({
+        "id": req.request_id, "object": "chat.completion", "created": created, "model": body.model, **extra,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": last.finish_reason}],
+        "usage": usage_json(last.usage) if last.usage else None,
+    }, headers=headers)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    t0 = time.perf_counter()
+    body: CompletionBody = validate(CompletionBody, parse_json(await request.body()))
+    session = _session_of(request, body)
+    _check_model(request, body.model)
+    max_tokens = body.effective_max_tokens
+    if max_tokens is None:
+        max_tokens = 16                        # the OpenAI default for legacy completions
+    req = GenerateRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
+        kind="completion",
+        model=body.model,
+        sampling=_sampling(body, max_tokens),
+        prompt=body.prompt if isinstance(body.prompt, str) else None,
+        prompt_token_ids=list(body.prompt) if isinstance(body.prompt, list) else None,
+        session=session,
+        max_tokens_given=True,
+    )
+    stream = await _start(request, req)
+    created = int(time.time())
+    extra = {"session_id": session} if session else {}
+    headers = {"X-Request-Id": req.request_id, **({"X-Session-Id": session} if session else {})}
+
+    if body.stream:
+        def render(chunk: Chunk | None, usage: Usage | None = None) -> dict:
+            base = {"id": req.request_id, "object": "text_completion", "created": created, "model": body.model, **extra}
+            if chunk is None:
+                return {**base, "choices": [], "usage": usage_json(usage)}
+            return {**base, "choices": [{"index": 0, "text": chunk.text, "logprobs": None,
+                                         "finish_reason": chunk.finish_reason}]}
+
+        return SSEResponse(_sse(request, stream, "completions", t0, render, body.include_usage, []),
+                           on_disconnect=lambda: stream.cancel("disconnected"), headers=headers)
+
+    text, last = await _collect(request, stream, "completions", t0)
+    _finish(request, last)
+    return JSONResponse({
+        "id": req.request_id, "object": "text_completion", "created": created, "model": body.model, **extra,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}],
+        "usage": usage_json(last.usage) if last.usage else None,
+    }, headers=headers)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [
+        {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by, "max_model_len": m.max_context}
+        for m in request.app.state.backend.models()
+    ]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str):
+    for m in request.app.state.backend.models():
+        if m.id == model_id:
+            return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
+                    "max_model_len": m.max_context}
+    raise ApiError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")

@@ -1,0 +1,166 @@
+"""Request bodies of the OpenAI-compatible routes, validated with pydantic.
+
+Unknown fields are accepted and ignored (clients send many optional knobs), except the ones whose
+non-default value would silently change the answer (``n`` > 1, ``best_of`` > 1, ``logprobs``):
+those are refused by name. Residency's own field is ``session_id`` (the OpenAI client sends it
+through ``extra_body``); the ``X-Session-Id`` header names a session too.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+from control.api.errors import ApiError
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOKENS_LIMIT = 1 << 31            # beyond any context window; the backend checks the real one
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", str_strip_whitespace=False)
+
+    model: str = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    stop: str | list[str] | None = None
+    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    stream: StrictBool | None = False
+    stream_options: dict[str, Any] | None = None
+    session_id: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return stops
+
+    @field_validator("session_id")
+    @classmethod
+    def _session(cls, v):
+        if v is not None and not SESSION_ID_RE.match(v):
+            raise ValueError("session_id must be 1-128 characters of [A-Za-z0-9._:@-]")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionBody(_Body):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: StrictBool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+    echo: StrictBool | None = None
+    logprobs: StrictInt | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], (str, list)):
+                if len(v) != 1:
+                    raise ValueError("exactly one prompt per request is supported")
+                v = v[0]
+        if isinstance(v, str) and v == "":
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and (not v or any(t < 0 for t in v)):
+            raise ValueError("prompt token ids must be a non-empty list of non-negative ints")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ParkBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tier: Literal["host", "disk"] = "host"
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def validate(model: type[BaseModel], obj: Any):
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(obj).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        if err.get("type") == "missing":
+            msg = f"missing required field {loc!r}"
+            code = "missing_required_parameter"
+        else:
+            msg = f"{loc or 'body'}: {err.get('msg', 'invalid value')}"
+            code = "invalid_value"
+        raise ApiError(400, msg, param=loc.split(".")[0] or None, code=code) from None

@@ -1,0 +1,210 @@
+"""The HTTP API against a fake backend: wire format, validation, errors, auth, metrics.
+
+Only the edge is faked; tests/serving runs the real server with the real model.
+"""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from control.api import ApiConfig, create_app
+from tests.api.fake_backend import MODEL, FakeBackend
+
+ADMIN_KEY = "s3cret"
+
+
+@pytest.fixture()
+def backend():
+    return FakeBackend()
+
+
+@pytest.fixture()
+def client(backend):
+    with TestClient(create_app(backend, ApiConfig(admin_key=ADMIN_KEY))) as c:
+        yield c
+
+
+@pytest.fixture()
+def oai(client):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+
+
+def _chat(**kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}
+    body.update(kw)
+    return body
+
+
+def assert_openai_error(r, status, code=None, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# ------------------------------------------------------------------ happy paths, via the official client
+def test_the_openai_client_reads_a_chat_completion_with_usage(oai, backend):
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                    temperature=0, seed=7, extra_body={"session_id": "s1"})
+    assert r.choices[0].message.content == "Hello, world!"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 4
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.model_extra["session_id"] == "s1"
+    req = backend.submitted[-1]
+    assert (req.session, req.sampling.temperature, req.sampling.seed, req.sampling.max_tokens) == ("s1", 0.0, 7, 10)
+
+
+def test_the_openai_client_streams_a_chat_completion(oai):
+    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello, world!"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+
+
+def test_completions_stream_and_not(oai):
+    r = oai.completions.create(model=MODEL, prompt="once upon", max_tokens=2)
+    assert r.choices[0].text == "Hello,"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 2
+    text = "".join(c.choices[0].text for c in oai.completions.create(model=MODEL, prompt=[1, 2, 3], stream=True))
+    assert text == "Hello, world!"
+
+
+def test_models_lists_the_served_model(oai, client):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_openai_error(client.get("/v1/models/nope"), 404, code="model_not_found")
+
+
+def test_the_session_can_come_from_a_header(client, backend):
+    r = client.post("/v1/chat/completions", json=_chat(), headers={"X-Session-Id": "hdr-1"})
+    assert r.status_code == 200 and backend.submitted[-1].session == "hdr-1"
+    assert r.headers["x-session-id"] == "hdr-1"
+    assert_openai_error(client.post("/v1/chat/completions", json=_chat(session_id="a"), headers={"X-Session-Id": "b"}),
+                        400, param="session_id")
+
+
+def test_stop_strings_reach_the_backend(client, backend):
+    r = client.post("/v1/chat/completions", json=_chat(stop="!"))
+    assert r.status_code == 200 and backend.submitted[-1].sampling.stop == ["!"]
+    assert r.json()["choices"][0]["message"]["content"] == "Hello, world"
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
+def test_invalid_json_is_400(client, raw):
+    assert_openai_error(client.post("/v1/chat/completions", content=raw,
+                                    headers={"content-type": "application/json"}), 400, code="invalid_json")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL}, "messages"),
+    (_chat(messages=[]), "messages"),
+    (_chat(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (_chat(max_tokens=-1), "max_tokens"),
+    (_chat(max_tokens=0), "max_tokens"),
+    (_chat(max_tokens=10**40), "max_tokens"),
+    (_chat(max_tokens="many"), "max_tokens"),
+    (_chat(temperature=-0.1), "temperature"),
+    (_chat(top_p=0), "top_p"),
+    (_chat(n=2), "n"),
+    (_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (_chat(session_id="bad id with spaces"), "session_id"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+])
+def test_invalid_fields_are_400_naming_the_param(client, backend, body, param):
+    assert_openai_error(client.post("/v1/chat/completions", json=body), 400, param=param)
+    assert backend.submitted == []
+
+
+def test_an_unknown_model_is_404(client):
+    assert_openai_error(client.post("/v1/chat/completions", json=_chat(model="gpt-9")), 404,
+                        code="model_not_found", param="model")
+
+
+def test_a_prompt_longer_than_the_context_is_400_from_the_backend(client):
+    long = " ".join(["word"] * 100)
+    assert_openai_error(client.post("/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": long}])),
+                        400, code="context_length_exceeded")
+    assert_openai_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000}),
+                        400, code="context_length_exceeded")
+
+
+def test_the_openai_client_raises_its_own_error_types(oai):
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_an_unknown_route_is_an_openai_shaped_404(client):
+    assert_openai_error(client.get("/v1/nothing"), 404)
+
+
+# ------------------------------------------------------------------ admin
+def test_admin_routes_need_the_key(client, backend):
+    assert_openai_error(client.post("/admin/sessions/known/park"), 401, code="missing_admin_key")
+    assert_openai_error(client.post("/admin/sessions/known/park", headers={"Authorization": "Bearer nope"}), 401,
+                        code="invalid_admin_key")
+    assert backend.sessions["known"] == "device"
+    r = client.post("/admin/sessions/known/park", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                    json={"tier": "disk"})
+    assert r.status_code == 200 and r.json()["tier"] == "disk" and r.json()["move_id"] == "m-1"
+    r = client.post("/admin/sessions/known/restore", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200 and r.json()["tier"] == "device"
+
+
+def test_admin_on_an_unknown_session_is_404(client):
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert_openai_error(client.post("/admin/sessions/ghost/park", headers=auth), 404, code="session_not_found")
+    assert_openai_error(client.post("/admin/sessions/ghost/restore", headers=auth), 404, code="session_not_found")
+    assert_openai_error(client.post("/admin/sessions/known/park", headers=auth, json={"tier": "moon"}), 400)
+
+
+def test_admin_routes_are_open_without_a_configured_key():
+    with TestClient(create_app(FakeBackend(), ApiConfig(admin_key=None))) as c:
+        assert c.post("/admin/sessions/known/park").status_code == 200
+
+
+# ------------------------------------------------------------------ health and metrics
+def test_health_and_metrics(client, oai):
+    assert client.get("/health").json()["status"] == "ok"
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True))
+    client.post("/v1/chat/completions", content=b"{")
+    text = client.get("/metrics").text
+    assert 'residency_http_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
+    assert 'residency_http_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
+    assert "residency_time_to_first_token_seconds_count{endpoint=\"chat\"} 2.0" in text
+    assert "residency_inter_token_latency_seconds_count" in text
+    assert 'residency_tier_used_bytes{tier="device",worker="0"} 4096.0' in text
+    assert 'residency_moves_total{kind="park",outcome="MoveAcked"} 1.0' in text
+    assert "residency_stranded_bytes 0.0" in text
+    assert "residency_ledger_append_lag_seconds 0.001" in text
+    assert "residency_completion_tokens_total 8.0" in text
+
+
+def test_a_stream_that_is_closed_early_cancels_its_generation():
+    backend = FakeBackend(words=["w"] * 50, delay_s=0.01)
+    with TestClient(create_app(backend)) as c:
+        with c.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"w"' in line:
+                    break
+        # TestClient closes the response: the app sees http.disconnect
+    assert backend.streams[-1].cancelled == "disconnected"
+    assert json.dumps  # keep import
