@@ -1,0 +1,126 @@
+"""Appending: encode outside the lock, then number, chain and insert inside it.
+
+    prepare(items)             no lock: payload bytes, type, schema version, audit columns
+    write(cur, dialect, rows)  inside the write transaction (see Dialect.begin_write):
+        1. read the tail (last seq, last hash)
+        2. look up any (producer, epoch, producer_seq) already stored     -> idempotent retries
+        3. seq = last+1, +2, ... in item order; hash chained from the tail
+        4. one executemany (SQLite) or COPY (PostgreSQL) of pre-built tuples
+
+Idempotence: the triple names a fact. A retry of a stored triple (or a repeat inside one batch)
+gets the stored seq back and writes nothing; a retry whose type or payload differs is a
+``LedgerConflict`` and the whole batch is rolled back. ``envelope.seq`` is ignored on input.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import msgspec
+
+from events import Envelope, decode_event
+from events.catalog import EVENT_TYPES, Event
+from ledger.chain import GENESIS
+from ledger.columns import columns_of
+from ledger.errors import LedgerConflict
+
+_encode = msgspec.msgpack.Encoder().encode
+_sha256 = hashlib.sha256
+_EVENT_CLASSES = frozenset(EVENT_TYPES.values())
+
+# A prepared row: (ts_ns, producer, epoch, producer_seq, type, schema_version, correlation_id,
+#                  causation, payload, columns)
+Prepared = tuple
+
+
+def prepare(items: Sequence[tuple[Envelope, Event]]) -> list[Prepared]:
+    out = []
+    append = out.append
+    for item in items:
+        env, ev = item
+        cls = type(ev)
+        if cls not in _EVENT_CLASSES:
+            raise TypeError(f"not an event from events.catalog: {cls.__name__}")
+        if not isinstance(env, Envelope):
+            raise TypeError(f"not an events.Envelope: {type(env).__name__}")
+        append((env.ts_ns, env.producer, env.epoch, env.producer_seq, cls.__name__, cls.SCHEMA_VERSION,
+                env.correlation_id, env.causation, _encode(ev), columns_of(ev)))
+    return out
+
+
+def read_tail(cur) -> tuple[int, bytes]:
+    cur.execute("SELECT seq, row_hash FROM events ORDER BY seq DESC LIMIT 1")
+    row = cur.fetchone()
+    return (0, GENESIS) if row is None else (row[0], bytes(row[1]))
+
+
+def _stored(cur, dialect, prepared: list[Prepared]) -> dict[tuple, tuple]:
+    """Already-stored rows among the batch's triples: triple -> (seq, type, schema_version, payload).
+
+    One range query per (producer, epoch) in the batch, on the unique index: in normal operation
+    (new producer_seqs above everything stored) each returns nothing at the cost of one seek.
+    """
+    ranges: dict[tuple, list[int]] = {}
+    for p in prepared:
+        r = ranges.get((p[1], p[2]))
+        if r is None:
+            ranges[(p[1], p[2])] = [p[3], p[3]]
+        elif p[3] < r[0]:
+            r[0] = p[3]
+        elif p[3] > r[1]:
+            r[1] = p[3]
+    found: dict[tuple, tuple] = {}
+    sql = ("SELECT producer_seq, seq, type, schema_version, payload FROM events "
+           f"WHERE producer = {dialect.p} AND epoch = {dialect.p} AND producer_seq BETWEEN {dialect.p} AND {dialect.p}")
+    for (producer, epoch), (lo, hi) in ranges.items():
+        for pseq, seq, type_, version, payload in dialect.fetchall(cur, sql, (producer, epoch, lo, hi)):
+            found[(producer, epoch, pseq)] = (seq, type_, version, bytes(payload))
+    return found
+
+
+def _same(stored: tuple, p: Prepared) -> bool:
+    _seq, type_, version, payload = stored
+    if type_ != p[4]:
+        return False
+    if version == p[5]:
+        return payload == p[8]
+    try:  # stored under an older schema: compare as events
+        return decode_event(payload, type_, version) == decode_event(p[8], p[4], p[5])
+    except Exception:
+        return False
+
+
+def _conflict(p: Prepared, stored: tuple) -> LedgerConflict:
+    return LedgerConflict(
+        f"{p[1]} epoch {p[2]} producer_seq {p[3]} is already seq {stored[0]} ({stored[1]}) "
+        f"and the retry carries a different {p[4]} payload")
+
+
+def write(cur, dialect, prepared: list[Prepared]) -> list[int]:
+    """Number, chain and insert ``prepared`` inside the caller's write transaction; returns seqs."""
+    last_seq, prev = read_tail(cur)
+    stored = _stored(cur, dialect, prepared) if last_seq else {}
+    seqs: list[int] = []
+    rows: list[tuple] = []
+    in_batch: dict[tuple, tuple] = {}
+    sha, enc = _sha256, _encode
+    seq = last_seq
+    for p in prepared:
+        key = (p[1], p[2], p[3])
+        hit = stored.get(key) or in_batch.get(key)
+        if hit is not None:
+            if not _same(hit, p):
+                raise _conflict(p, hit)
+            seqs.append(hit[0])
+            continue
+        seq += 1
+        canon = (seq, *p[:9])
+        h = sha(prev)
+        h.update(enc(canon))
+        prev = h.digest()
+        rows.append((*canon, prev, *p[9]))
+        in_batch[key] = (seq, p[4], p[5], p[8])
+        seqs.append(seq)
+    if rows:
+        dialect.insert_events(cur, rows)
+    return seqs

@@ -1,0 +1,63 @@
+"""Denormalized audit columns, extracted from each event at append time.
+
+The payload is the truth; these columns copy a few of its fields out so an auditor can answer
+"how many bytes, where, by whom" in plain SQL (and so the audit views can join on an index):
+
+    move_id  worker  session  tier  kind  bytes
+
+``kind`` is the event's category where it has one: the move kind on ``MoveRequested``, the free
+reason on ``BlocksFreed``, the ``why`` of a stranding or abandonment, the reason of a lost worker.
+``bytes`` is the byte count the audit definitions sum for that event (e.g. ``bytes_freed_src`` on
+an ack, ``bytes_at_risk`` on a stranding). ``None`` means "this event has no such field", never 0;
+a ``MoveFailed`` that did not measure its bytes stays ``None``.
+
+They are not part of the hash chain (``ledger.chain``): they can always be recomputed from the payload.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from events import catalog as c
+
+Columns = tuple  # (move_id, worker, session, tier, kind, bytes)
+NONE: Columns = (None, None, None, None, None, None)
+NAMES = ("move_id", "worker", "session", "tier", "kind", "bytes")
+
+_EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
+    # moves
+    c.MoveRequested: lambda e: (e.move_id, e.worker, e.session, e.src, e.kind, e.bytes_planned),
+    c.MoveDispatched: lambda e: (e.move_id, e.worker, None, None, None, None),
+    c.MoveAcked: lambda e: (e.move_id, e.worker, None, None, None, e.bytes_freed_src),
+    c.MoveLateAcked: lambda e: (e.move_id, e.worker, None, None, None, e.bytes_freed_src),
+    c.MoveFailed: lambda e: (e.move_id, e.worker, None, None, None, e.bytes_moved),
+    c.MoveRejected: lambda e: (e.move_id, e.worker, None, None, None, e.asked_bytes),
+    c.MoveRefused: lambda e: (None, e.worker, e.session, e.tier, None, e.asked_bytes),
+    c.MoveStranded: lambda e: (e.move_id, e.worker, None, None, e.why, e.bytes_at_risk),
+    c.MoveAbandoned: lambda e: (e.move_id, e.worker, None, None, e.why, None),
+    # blocks
+    c.BlocksCommitted: lambda e: (None, e.worker, e.session, e.tier, None, e.bytes),
+    c.BlocksFreed: lambda e: (None, e.worker, None, e.tier, e.reason, e.bytes),
+    # workers and budgets
+    c.WorkerJoined: lambda e: (None, e.worker, None, None, None, None),
+    c.WorkerHeartbeatMissed: lambda e: (None, e.worker, None, None, None, None),
+    c.WorkerLost: lambda e: (None, e.worker, None, None, e.reason, e.bytes_lost),
+    c.BudgetSet: lambda e: (None, e.worker, None, e.tier, None, None),
+    c.PinnedRegistered: lambda e: (None, e.worker, None, None, None, e.bytes),
+    c.PinnedReleased: lambda e: (None, e.worker, None, None, None, e.bytes),
+    # sessions and requests
+    c.SessionParked: lambda e: (e.move_id, e.worker, e.session, e.tier, None, e.bytes),
+    c.SessionRestored: lambda e: (e.move_id, e.worker, e.session, None, None, None),
+    c.RequestAdmitted: lambda e: (None, None, e.session, None, None, None),
+    # steps, pools, weights
+    c.StepCompleted: lambda e: (None, e.worker, None, None, None, None),
+    c.RebindRequested: lambda e: (None, e.worker, None, None, None, None),
+    c.PoolResized: lambda e: (None, e.worker, None, None, None, e.to_bytes),
+    c.WeightsLoaded: lambda e: (None, e.worker, None, None, None, e.bytes),
+    c.FlipRequested: lambda e: (None, e.worker, None, None, None, e.bytes_in),
+}
+
+
+def columns_of(event: c.Event) -> Columns:
+    """The audit columns of ``event`` (all ``None`` for events that have none)."""
+    fn = _EXTRACT.get(type(event))
+    return NONE if fn is None else fn(event)

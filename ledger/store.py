@@ -1,0 +1,205 @@
+"""LedgerStore: the append-only event store over SQLite or PostgreSQL.
+
+    store = LedgerStore.open(url)              # NotALedger / SchemaOutOfDate / LedgerUnavailable
+    seqs = store.append([(envelope, event), ...])
+    for rec in store.read(from_seq=1): ...
+    report = store.verify()
+
+One writer at a time assigns seqs (see ``Dialect.begin_write`` for why it is a lock, not a
+sequence), so seqs are gapless and in commit order; an append is one transaction. Reads stream in
+keyset batches (``seq >= last + 1 ... LIMIT n``), one short statement each: no cursor or lock is
+held between batches, and since rows never change, batches read at different times still form one
+consistent prefix of the ledger.
+"""
+from __future__ import annotations
+
+from typing import IO, Callable, Iterator, Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import URL
+
+from events import DecodeError, Envelope, Recorded, decode_event
+from events.catalog import Event
+from ledger import append as _append
+from ledger import migrate, snapshots
+from ledger.backend import DURABILITY, Raw, make_engine, parse_url
+from ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
+from ledger.schema import RAW_COLUMNS, RawRow, Snapshot, events
+from ledger.verify import Progress, VerifyReport, verify_batches
+
+READ_BATCH = 10_000
+
+
+class LedgerStore:
+    """An open ledger. Thread-safe: every method may be called from any thread."""
+
+    def __init__(self, raw: Raw):  # use LedgerStore.open
+        self._raw = raw
+        self._d = raw.dialect
+        self._read_sql = (f"SELECT {', '.join(RAW_COLUMNS)} FROM events "
+                          f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq LIMIT {self._d.p}")
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def open(cls, url: str | URL, create: bool = False) -> "LedgerStore":
+        """Open the ledger at ``url``; ``create=True`` first upgrades the schema to head (init).
+
+        Raises NotALedger (no ledger schema, or not a database), SchemaOutOfDate (older or unknown
+        revision), LedgerUnavailable (cannot connect or open).
+        """
+        u = parse_url(url)
+        engine = make_engine(u, must_exist=not create)
+        try:
+            if create:
+                migrate.upgrade(engine)
+            _check_schema(engine, u)
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(Raw(engine, u))
+
+    def close(self) -> None:
+        if not self._raw.closed:
+            self._raw.closed = True
+            self._raw.engine.dispose()
+
+    def __enter__(self) -> "LedgerStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def engine(self):
+        """The SQLAlchemy engine, for plain-SQL audit queries (the events table rejects writes)."""
+        return self._raw.engine
+
+    @property
+    def url(self) -> str:
+        """The URL with the password masked."""
+        return masked(self._raw.url)
+
+    @property
+    def backend(self) -> str:
+        return self._d.name
+
+    def __repr__(self) -> str:
+        return f"LedgerStore({self.url!r})"
+
+    # ------------------------------------------------------------------ writing
+    def append(self, items: Sequence[tuple[Envelope, Event]], *, durability: str = "full") -> list[int]:
+        """Append ``items`` in ONE transaction; returns their seqs, in item order.
+
+        Idempotent per (producer, epoch, producer_seq): a stored triple returns its stored seq and
+        writes nothing. Raises LedgerConflict (a retried triple with another payload; nothing of the
+        batch is written), LedgerUnavailable. ``durability``: "full" or "normal", see ledger.backend.
+        """
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        if not items:
+            return []
+        prepared = _append.prepare(items)
+        with self._raw.write_lock, self._raw.cursor("appending events") as (conn, cur):
+            self._d.begin_write(cur, durability)
+            seqs = _append.write(cur, self._d, prepared)
+            conn.commit()
+        return seqs
+
+    # ------------------------------------------------------------------ reading
+    def last_seq(self) -> int:
+        """The last seq (0 when empty)."""
+        with self._raw.core("reading the last seq") as conn:
+            return conn.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
+
+    def seq_at_time(self, ts_ns: int) -> int:
+        """The last seq whose ``ts_ns <= ts_ns`` (0 when none): replay to this seq to see that instant."""
+        with self._raw.core("finding the seq at a time") as conn:
+            q = select(func.coalesce(func.max(events.c.seq), 0)).where(events.c.ts_ns <= ts_ns)
+            return conn.execute(q).scalar_one()
+
+    def raw_batches(self, from_seq: int = 1, to_seq: int | None = None,
+                    batch: int = READ_BATCH) -> Iterator[list[tuple]]:
+        """Undecoded rows (RawRow-shaped plain tuples) in seq order, ``batch`` at a time."""
+        if to_seq is None:
+            to_seq = self.last_seq()
+        start = max(1, from_seq)
+        while start <= to_seq:
+            with self._raw.cursor("reading events") as (_conn, cur):
+                rows = self._d.fetchall(cur, self._read_sql, (start, to_seq, batch))
+            if not rows:
+                return
+            yield rows
+            start = rows[-1][0] + 1
+
+    def read_raw(self, from_seq: int = 1, to_seq: int | None = None) -> Iterator[RawRow]:
+        """Undecoded rows from ``from_seq`` through ``to_seq`` (default: the last seq now)."""
+        make = RawRow._make
+        for rows in self.raw_batches(from_seq, to_seq):
+            for r in rows:
+                yield make(r)
+
+    def read(self, from_seq: int = 1, to_seq: int | None = None) -> Iterator[Recorded]:
+        """Decoded events (envelope with seq, event, row_hash); older schemas are upcast.
+
+        Raises LedgerCorrupt naming the seq of a payload that does not decode.
+        """
+        for rows in self.raw_batches(from_seq, to_seq):
+            for r in rows:
+                try:
+                    event = decode_event(r[9], r[5], r[6])
+                except DecodeError as e:
+                    raise LedgerCorrupt(f"seq {r[0]} in {self.url}: {e}") from e
+                env = Envelope(producer=r[2], epoch=r[3], producer_seq=r[4], ts_ns=r[1],
+                               correlation_id=r[7], causation=r[8], seq=r[0])
+                yield Recorded(env, event, bytes(r[10]))
+
+    def peek_raw(self, seq: int) -> tuple | None:
+        rows = next(self.raw_batches(seq, seq, 1), [])
+        return rows[0] if rows else None
+
+    # ------------------------------------------------------------------ snapshots
+    def save_snapshot(self, through_seq: int, state_bytes: bytes, state_hash: str) -> None:
+        """Store the folded state through ``through_seq`` (replaces one already there)."""
+        with self._raw.core("saving a snapshot", write=True) as conn:
+            snapshots.save(conn, through_seq, state_bytes, state_hash)
+
+    def load_snapshot(self, at_or_before_seq: int) -> Snapshot | None:
+        """The newest snapshot with ``through_seq <= at_or_before_seq``, or None."""
+        with self._raw.core("loading a snapshot") as conn:
+            return snapshots.load(conn, at_or_before_seq)
+
+    # ------------------------------------------------------------------ integrity and portability
+    def verify(self, progress: Progress | None = None) -> VerifyReport:
+        """Check seq continuity, the hash chain and every payload; ``progress(done, total)`` per batch."""
+        total = self.last_seq()
+        return verify_batches(self.raw_batches(1, total, 20_000), total, self.peek_raw, progress)
+
+    def export_jsonl(self, fp: IO[str]) -> int:
+        """Write every event as one JSON object per line (see ledger.export); returns the count."""
+        from ledger.export import export_jsonl
+        return export_jsonl(self, fp)
+
+    @classmethod
+    def import_jsonl(cls, url: str | URL, fp: IO[str], *, create: bool = False,
+                     progress: Callable[[int], None] | None = None) -> int:
+        """Load an export into the EMPTY ledger at ``url``, all or nothing; returns the count.
+
+        Raises LedgerConflict (target not empty), LedgerCorrupt (a broken line, named; nothing written).
+        """
+        from ledger.export import import_jsonl
+        with cls.open(url, create=create) as store:
+            return import_jsonl(store, fp, progress)
+
+
+def _check_schema(engine, u: URL) -> None:
+    rev = migrate.current(engine)
+    if rev is None:
+        raise NotALedger(f"{masked(u)} has no ledger schema; {init_hint(u)}")
+    head = migrate.head()
+    if rev == head:
+        return
+    if migrate.is_known(rev):
+        raise SchemaOutOfDate(f"the ledger at {masked(u)} is at schema revision {rev} but this code needs {head}; "
+                              f"run `residency ledger upgrade {masked(u)}`")
+    raise SchemaOutOfDate(f"the ledger at {masked(u)} is at schema revision {rev}, which this code does not know "
+                          f"(written by a newer Residency?); upgrade Residency to open it")
