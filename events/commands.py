@@ -331,3 +331,18 @@ __all__ += [
     "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskOutcome",
     "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply",
 ]
+
+
+class CommandFailed(Message):
+    """A worker could not carry out a command that is not a move (a commit with no room, a release
+    of blocks it does not hold); ``ref`` is the command's ``request_id`` or ``release_id``."""
+
+    worker: int
+    ref: str
+    error: str
+    detail: str
+
+
+AnyReply = Union[AnyReply, CommandFailed]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, CommandFailed]  # type: ignore[misc]
+__all__ += ["CommandFailed"]
