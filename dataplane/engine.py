@@ -1,0 +1,342 @@
+"""Engine: the memory of one data-plane worker and the moves between its tiers, in-process.
+
+    cmd ─► validate ─► MoveRejected (nothing changed)
+              │
+              └─► executor.begin()  reserve dst, enqueue copies + checksums on the copy streams
+                  executor.finish() wait, verify, commit (publish dst, free src) ─► MoveAcked
+                                    or roll back (pools unchanged)                ─► MoveFailed
+
+Every outcome is recorded by move_id; a duplicate command is answered with the recorded outcome
+and never moves anything again. ``submit``/``wait`` split a move so that a spill and a restore
+(or any moves in opposite directions) run at once; ``execute`` is both in one call.
+
+The ZMQ process shell that receives commands and sends these replies is another module; it
+calls this class from one thread.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from dataplane.moves import (
+    COPY_MODES,
+    EXECUTORS,
+    CopyStreams,
+    InFlight,
+    IndexUploader,
+    MoveContext,
+    MovePlan,
+    StagingRing,
+    validate,
+)
+from dataplane.pools import (
+    AlreadyResident,
+    BlockBusy,
+    DataPlaneError,
+    DevicePool,
+    DiskTier,
+    HostPool,
+    IntegrityError,
+    KVLayout,
+    NotResident,
+    PinnedBudget,
+)
+from dataplane.pools.budget import page_round
+from events.catalog import MoveAcked, MoveFailed, MoveRejected
+from events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ExecuteMove, MovesReport, ReleaseBlocks
+from kernels.checksum import block_checksums, checksums_to_ints
+
+Outcome = MoveAcked | MoveFailed | MoveRejected
+log = structlog.get_logger("dataplane.engine")
+
+# Measured on the H200 by bench/moves.py (bench/results/moves-2026-12-02-h200.json).
+DEFAULT_COPY_MODES = {"d2h": "kernel", "h2d": "dma"}
+
+
+@dataclass(frozen=True)
+class MoveTicket:
+    move_id: str
+
+
+class Engine:
+    def __init__(
+        self,
+        layout: KVLayout,
+        device_blocks: int,
+        host_bytes: int,
+        disk_dir: str | os.PathLike,
+        pinned_budget_bytes: int,
+        device: str = "cpu",
+        *,
+        worker: int = 0,
+        disk_bytes: int | None = None,
+        copy_modes: dict[str, str] | None = None,
+        staging_blocks: int = 4,
+        pipeline_blocks: int = 32,
+        fsync: bool = True,
+        verify_disk: bool = True,
+        clock: Callable[[], int] = time.time_ns,
+    ):
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise DataPlaneError(f"device {device!r} asked for, but this host has no CUDA device")
+        self.layout = layout
+        self.worker = worker
+        self.torch_device = dev
+        self.clock = clock
+        modes = dict(DEFAULT_COPY_MODES, **(copy_modes or {}))
+        bad = {k: v for k, v in modes.items() if k not in ("d2h", "h2d") or v not in COPY_MODES}
+        if bad:
+            raise DataPlaneError(f"copy_modes {bad} not understood (d2h/h2d -> one of {COPY_MODES})")
+        # NOTE: the pinned budget is the only way pinned memory is made in this process; every
+        # buffer below registers before it allocates, and a refusal raises with its arithmetic.
+        self.pinned = PinnedBudget(pinned_budget_bytes, pin=dev.type == "cuda")
+        self._closers: list = []
+        try:
+            self.device_pool = DevicePool(layout, device_blocks, dev)
+            self.host_pool = HostPool(layout, host_bytes, self.pinned)
+            self._closers.append(self.host_pool)
+            self.streams = CopyStreams(dev)
+            max_blocks = max(device_blocks, self.host_pool.num_slots, 1)
+            self.indexes = {}
+            for d in ("d2h", "h2d", "hash"):
+                self.indexes[d] = IndexUploader(self.pinned, f"index-{d}", 2 * max_blocks, self.streams)
+                self._closers.append(self.indexes[d])
+            self.ring = StagingRing(self.pinned, layout, staging_blocks, self.streams)
+            self._closers.append(self.ring)
+        except BaseException:
+            self.close()
+            raise
+        self.disk_tier = DiskTier(disk_dir, layout, disk_bytes, fsync=fsync)
+        self.disk_report = self.disk_tier.rebuild(verify=self._hash_disk_payload if verify_disk else None)
+        self.ctx = MoveContext(
+            worker=worker, layout=layout, device=self.device_pool, host=self.host_pool, disk=self.disk_tier,
+            streams=self.streams, indexes=self.indexes, ring=self.ring, copy_modes=modes,
+            pipeline_blocks=pipeline_blocks, clock=clock,
+        )
+        self._outcomes: dict[str, Outcome] = {}
+        self._inflight: dict[str, InFlight] = {}
+        self._busy: dict[int, str] = {}
+        self.log = log.bind(worker=worker)
+
+    @staticmethod
+    def pinned_bytes_needed(layout: KVLayout, device_blocks: int, host_bytes: int, staging_blocks: int = 4) -> int:
+        """The pinned budget an Engine with these arguments registers (host pool, ring, index scratch)."""
+        host_slots = host_bytes // layout.block_bytes
+        max_blocks = max(device_blocks, host_slots, 1)
+        return (page_round(max(host_slots * layout.block_bytes, 1))
+                + page_round(staging_blocks * layout.block_bytes)
+                + 3 * page_round(2 * 2 * max_blocks * 8))
+
+    # ------------------------------------------------------------ tiers
+    def pool(self, tier: str):
+        return {"device": self.device_pool, "host": self.host_pool, "disk": self.disk_tier}[tier]
+
+    def capacities(self) -> dict[str, int]:
+        return {t: self.pool(t).capacity_bytes for t in ("device", "host", "disk")}
+
+    def usage(self) -> dict[str, int]:
+        """Bytes taken on each tier, including slots reserved by moves in flight."""
+        return {t: self.pool(t).used_bytes for t in ("device", "host", "disk")}
+
+    # ------------------------------------------------------------ moves
+    def execute(self, cmd: ExecuteMove) -> Outcome:
+        return self.wait(self.submit(cmd))
+
+    def submit(self, cmd: ExecuteMove) -> MoveTicket:
+        """Validate and begin a move; its copies run while the caller does other work."""
+        ticket = MoveTicket(cmd.move_id)
+        if cmd.move_id in self._outcomes or cmd.move_id in self._inflight:
+            self.log.info("move_duplicate", move_id=cmd.move_id)
+            return ticket
+        tiers = {t: self.pool(t) for t in ("device", "host", "disk")}
+        plan = validate(cmd, tiers, self._busy, self.layout.block_bytes, self.worker, self.clock())
+        if isinstance(plan, MoveRejected):
+            self._record(plan)
+            return ticket
+        mv = EXECUTORS[plan.route](self.ctx, plan, self.clock())
+        for b in plan.blocks:
+            self._busy[b] = cmd.move_id
+        self._inflight[cmd.move_id] = mv
+        try:
+            mv.begin()
+        except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
+            self._fail(mv, e)
+        return ticket
+
+    def wait(self, ticket: MoveTicket | str) -> Outcome:
+        """The move's outcome, waiting for its copies if it is in flight."""
+        move_id = ticket.move_id if isinstance(ticket, MoveTicket) else ticket
+        if move_id in self._outcomes:
+            return self._outcomes[move_id]
+        mv = self._inflight.get(move_id)
+        if mv is None:
+            raise DataPlaneError(f"unknown move {move_id!r}: never submitted to this worker")
+        try:
+            outcome = mv.finish()
+        except Exception as e:  # noqa: BLE001
+            return self._fail(mv, e)
+        return self._settle(mv, outcome)
+
+    def outcome_of(self, move_id: str) -> Outcome | None:
+        """The recorded outcome, or None if unknown here or still in flight."""
+        return self._outcomes.get(move_id)
+
+    def report(self, move_ids: Iterable[str]) -> MovesReport:
+        """Answer a QueryMoves after a control restart."""
+        ids = list(move_ids)
+        return MovesReport(worker=self.worker, outcomes=[self._outcomes[m] for m in ids if m in self._outcomes],
+                           unknown=[m for m in ids if m not in self._outcomes and m not in self._inflight])
+
+    def _fail(self, mv: InFlight, e: Exception) -> Outcome:
+        try:
+            mv.abort()
+        except Exception as e2:  # noqa: BLE001
+            self.log.error("move_abort_failed", move_id=mv.cmd.move_id, error=repr(e2))
+        self.log.error("move_raised", move_id=mv.cmd.move_id, error=repr(e))
+        return self._settle(mv, mv.failed(f"{type(e).__name__}: {e}"))
+
+    def _settle(self, mv: InFlight, outcome: Outcome) -> Outcome:
+        self._inflight.pop(mv.cmd.move_id, None)
+        for b in mv.ids:
+            if self._busy.get(b) == mv.cmd.move_id:
+                del self._busy[b]
+        return self._record(outcome)
+
+    def _record(self, outcome: Outcome) -> Outcome:
+        self._outcomes[outcome.move_id] = outcome
+        fields = {"move_id": outcome.move_id}
+        if isinstance(outcome, MoveAcked):
+            fields.update(bytes_moved=outcome.bytes_moved, bytes_freed_src=outcome.bytes_freed_src,
+                          duration_ms=(outcome.finished_ns - outcome.started_ns) / 1e6)
+        else:
+            fields.update(reason=getattr(outcome, "reason", None) or getattr(outcome, "error", None))
+        self.log.info("move_" + type(outcome).__name__.removeprefix("Move").lower(), **fields)
+        return outcome
+
+    # ------------------------------------------------------------ blocks
+    def commit_blocks(self, cmd: CommitBlocks) -> BlocksWritten:
+        """New blocks on ``cmd.tier`` filled with random words seeded by ``cmd.seed``.
+
+        Raises AlreadyResident / NoRoom / BlockBusy (nothing changed); the process shell answers
+        those with an ErrorReply. Keys are "" (test data has no content key).
+        """
+        ids = list(cmd.blocks)
+        if len(set(ids)) != len(ids):
+            raise AlreadyResident(cmd.tier, [b for b in ids if ids.count(b) > 1])
+        self._check_not_busy(cmd.tier, ids)
+        pool = self.pool(cmd.tier)
+        present = [b for b in ids if pool.holds(b)]
+        if present:
+            raise AlreadyResident(cmd.tier, present)
+        refused = pool.room_for(len(ids))
+        if refused is not None:
+            raise refused
+        gen_dev = self.torch_device if cmd.tier == "device" else torch.device("cpu")
+        data = seeded_words(cmd.seed, len(ids), self.layout.block_words, gen_dev)
+        if cmd.tier == "device":
+            slots = self.device_pool.allocate(ids)
+            self.device_pool.words.index_copy_(0, torch.tensor(slots, device=gen_dev), data)
+        else:
+            sums = checksums_to_ints(block_checksums(data, range(len(ids)), ids))
+            if cmd.tier == "host":
+                slots = self.host_pool.reserve(ids)
+                self.host_pool.words.index_copy_(0, torch.tensor(slots), data)
+                self.host_pool.set_checksums(ids, sums)
+                self.host_pool.publish(ids)
+            else:
+                self.disk_tier.reserve(ids)
+                try:
+                    for i, b in enumerate(ids):
+                        self.disk_tier.write(b, data[i], sums[i])
+                    self.disk_tier.publish(ids)
+                except BaseException:
+                    self.disk_tier.cancel(ids)
+                    raise
+        return BlocksWritten(request_id=cmd.request_id, worker=self.worker, tier=cmd.tier, blocks=ids,
+                             bytes=len(ids) * self.layout.block_bytes, keys=[""] * len(ids))
+
+    def adopt_blocks(self, request_id: str, block_ids: list[int], keys: list[str] | None = None) -> BlocksWritten:
+        """Report device blocks the model runner allocated (``device_pool.allocate``) and wrote."""
+        slots_ok = self.device_pool.slots_of(block_ids)  # raises NotResident / BlockNotReady
+        keys = list(keys) if keys is not None else [""] * len(block_ids)
+        if len(keys) != len(slots_ok):
+            raise DataPlaneError(f"adopt_blocks: {len(block_ids)} blocks but {len(keys)} keys")
+        return BlocksWritten(request_id=request_id, worker=self.worker, tier="device", blocks=list(block_ids),
+                             bytes=len(block_ids) * self.layout.block_bytes, keys=keys)
+
+    def release(self, cmd: ReleaseBlocks) -> BlocksReleased:
+        """Drop the named copies on one tier; ``bytes_freed`` is what the pool actually freed.
+
+        All-or-nothing: raises NotResident or BlockBusy (nothing freed) if any block cannot go.
+        """
+        ids = list(cmd.blocks)
+        self._check_not_busy(cmd.tier, ids)
+        freed = self.pool(cmd.tier).free(ids)
+        return BlocksReleased(release_id=cmd.release_id, worker=self.worker, tier=cmd.tier, blocks=ids,
+                              bytes_freed=freed)
+
+    def _check_not_busy(self, tier: str, ids: list[int]) -> None:
+        busy = [b for b in ids if b in self._busy]
+        if busy:
+            raise BlockBusy(tier, busy)
+
+    # ------------------------------------------------------------ disk, invariants, teardown
+    def _hash_disk_payload(self, block_id: int, words: torch.Tensor) -> int:
+        row = words.view(1, -1)
+        if self.torch_device.type == "cuda":
+            row = row.to(self.torch_device)
+        return checksums_to_ints(block_checksums(row, [0], [block_id]))[0]
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError with the numbers if any invariant of the worker's memory is broken."""
+        for t in ("device", "host", "disk"):
+            self.pool(t).check_integrity()
+        self.pinned.check_integrity()
+        live = sum(c.buffer.footprint_bytes for c in self._closers)
+        if live != self.pinned.in_use_bytes:
+            raise IntegrityError(f"pinned: buffers hold {live} bytes, budget counts {self.pinned.in_use_bytes}")
+        in_moves = {b: m for m, mv in self._inflight.items() for b in mv.ids}
+        if in_moves != self._busy:
+            raise IntegrityError(f"busy map ({len(self._busy)} blocks) != blocks of {len(self._inflight)} "
+                                 f"moves in flight ({len(in_moves)} blocks)")
+        for tier, reserved in (("device", self.device_pool.table.reserved_blocks()),
+                               ("host", self.host_pool.table.reserved_blocks())):
+            owned = {b for mv in self._inflight.values() if mv.cmd.dst == tier for b in mv.ids}
+            leaked = sorted(set(reserved) - owned)
+            if leaked:
+                raise IntegrityError(f"{tier}: {len(leaked)} reserved slots belong to no move in flight: {leaked[:16]}")
+        both = set(self._outcomes) & set(self._inflight)
+        if both:
+            raise IntegrityError(f"moves both in flight and settled: {sorted(both)[:8]}")
+        wrong = [m for m, o in self._outcomes.items() if o.move_id != m]
+        if wrong:
+            raise IntegrityError(f"outcomes recorded under another move_id: {wrong[:8]}")
+
+    def close(self) -> None:
+        """Finish moves in flight, then unpin and release every pinned buffer."""
+        for move_id in list(getattr(self, "_inflight", {})):
+            self.wait(move_id)
+        while self._closers:
+            self._closers.pop().close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def seeded_words(seed: int, num_blocks: int, block_words: int, device: torch.device) -> torch.Tensor:
+    """Random int32 words over the full range, reproducible from ``seed`` on a given device."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.randint(-(2**31), 2**31, (num_blocks, block_words), dtype=torch.int32, device=device, generator=g)
+
+
+__all__ = ["Engine", "MoveTicket", "DEFAULT_COPY_MODES", "seeded_words", "MovePlan", "NotResident"]

@@ -1,0 +1,28 @@
+"""Move executors: one class per route, each taking a validated plan and returning an outcome.
+
+    route              kinds                    executor
+    device -> host     spill, evict, park       SpillToHost
+    host   -> device   restore                  RestoreFromHost
+    device -> disk     spill, evict, park       SpillToDisk
+    disk   -> device   restore                  RestoreFromDisk
+    host   -> disk     demote                   Demote
+    disk   -> host     promote                  Promote
+"""
+from dataplane.moves.base import Hasher, InFlight, MoveContext
+from dataplane.moves.copy import COPY_MODES, Copier, coalesce
+from dataplane.moves.device_host import RestoreFromHost, SpillToHost
+from dataplane.moves.disk_routes import Demote, Promote, RestoreFromDisk, SpillToDisk
+from dataplane.moves.indexes import IndexUploader
+from dataplane.moves.plan import FREES_SOURCE, ROUTES, MovePlan, validate
+from dataplane.moves.staging import StagingRing
+from dataplane.moves.streams import CopyStreams, Done
+
+EXECUTORS: dict[tuple[str, str], type[InFlight]] = {
+    cls.route: cls for cls in (SpillToHost, RestoreFromHost, SpillToDisk, RestoreFromDisk, Demote, Promote)
+}
+
+__all__ = [
+    "EXECUTORS", "ROUTES", "FREES_SOURCE", "COPY_MODES", "MovePlan", "validate", "MoveContext",
+    "InFlight", "Hasher", "Copier", "coalesce", "IndexUploader", "StagingRing", "CopyStreams", "Done",
+    "SpillToHost", "RestoreFromHost", "SpillToDisk", "RestoreFromDisk", "Demote", "Promote",
+]

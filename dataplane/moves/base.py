@@ -1,0 +1,124 @@
+"""What every move executor shares: its context, the in-flight protocol, and its outcome values.
+
+A move runs in two halves so that moves in opposite directions overlap:
+
+    begin()   reserve destination slots, enqueue copies and checksums on the copy streams;
+              returns at once on a GPU.
+    finish()  wait for this move's events, verify, then commit: publish the destination copy,
+              free the source if asked, and return ``MoveAcked`` — or roll back and return
+              ``MoveFailed`` naming the blocks.
+    abort()   on any exception: wait for whatever this move enqueued, then drop its reservations,
+              so the pools are exactly as before the move.
+
+Commit happens only at the end of ``finish``, after every check that can fail, so a move is
+all-or-nothing: no outcome ever leaves half its blocks moved.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dataplane.moves.indexes import IndexUploader
+from dataplane.moves.plan import MovePlan
+from dataplane.moves.staging import StagingRing
+from dataplane.moves.streams import CopyStreams
+from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
+from events.catalog import MoveAcked, MoveFailed
+from kernels.checksum import block_checksums, checksums_to_ints
+
+
+@dataclass
+class MoveContext:
+    worker: int
+    layout: KVLayout
+    device: DevicePool
+    host: HostPool
+    disk: DiskTier
+    streams: CopyStreams
+    indexes: dict[str, IndexUploader]      # "d2h", "h2d", "hash"
+    ring: StagingRing
+    copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma"
+    pipeline_blocks: int                   # restore: blocks per copy+hash chunk
+    clock: Callable[[], int]
+
+
+class InFlight:
+    """One move between begin and its outcome. Subclasses implement a route."""
+
+    route: tuple[str, str]
+
+    def __init__(self, ctx: MoveContext, plan: MovePlan, started_ns: int):
+        self.ctx = ctx
+        self.plan = plan
+        self.cmd = plan.cmd
+        self.ids = plan.blocks
+        self.started_ns = started_ns
+        self.compute = ctx.streams.compute_stream()
+        self.bytes_moved: int | None = None     # None = not measured yet
+
+    # ------------------------------------------------------------ protocol
+    def begin(self) -> None:
+        """Enqueue work. May raise; the engine then calls abort()."""
+
+    def finish(self) -> MoveAcked | MoveFailed:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Wait for this move's enqueued work, then undo its reservations. Idempotent."""
+        self.drain()
+        self.rollback()
+
+    def rollback(self) -> None:
+        """Drop destination reservations (subclasses)."""
+
+    def drain(self) -> None:
+        s = self.ctx.streams
+        if s.cuda:
+            for stream in (s.d2h, s.h2d, s.hash):
+                stream.synchronize()
+
+    # ------------------------------------------------------------ outcomes
+    def acked(self, bytes_freed_src: int, checksums: Sequence[int]) -> MoveAcked:
+        return MoveAcked(
+            move_id=self.cmd.move_id, worker=self.ctx.worker, bytes_moved=int(self.bytes_moved or 0),
+            bytes_freed_src=int(bytes_freed_src), checksum_ok=True, started_ns=self.started_ns,
+            finished_ns=self.ctx.clock(), checksums=[int(c) for c in checksums],
+        )
+
+    def failed(self, error: str) -> MoveFailed:
+        return MoveFailed(move_id=self.cmd.move_id, worker=self.ctx.worker, error=error,
+                          bytes_moved=self.bytes_moved)
+
+    def free_source(self) -> int:
+        """Free the source copies if the command says so; returns bytes the source pool freed."""
+        if self.cmd.keep_source:
+            return 0
+        src = {"device": self.ctx.device, "host": self.ctx.host, "disk": self.ctx.disk}[self.cmd.src]
+        return src.free(self.ids)
+
+
+class Hasher:
+    """psum64 of some rows of a table, enqueued on the hash stream in chunks; indices uploaded once."""
+
+    def __init__(self, ctx: MoveContext, words: torch.Tensor, slots: Sequence[int], ids: Sequence[int]):
+        self.ctx = ctx
+        self.words = words
+        self.slots, self.block_ids = ctx.indexes["hash"].upload(ctx.streams.hash, slots, ids)
+        self.parts: list[torch.Tensor] = []
+
+    def enqueue(self, lo: int, hi: int, after=None) -> None:
+        s = self.ctx.streams
+        if after is not None:
+            s.wait_event(s.hash, after)
+        with s.on(s.hash):
+            self.parts.append(block_checksums(self.words, self.slots[lo:hi], self.block_ids[lo:hi]))
+
+    def done(self):
+        """The event after all enqueued hashing (and whatever the hash stream waited on)."""
+        return self.ctx.streams.mark(self.ctx.streams.hash)
+
+    def values(self) -> list[int]:
+        """The checksums as ints; call only after done() completed."""
+        return checksums_to_ints(torch.cat(self.parts)) if self.parts else []

@@ -1,0 +1,67 @@
+"""Copy streams and completion events: one stream per direction, one for hashing.
+
+    caller's compute stream ──(wait)──► d2h stream:  device → host copies (spill, evict, park)
+                            ──(wait)──► h2d stream:  host → device copies (restore)
+                            ──(wait)──► hash stream: checksums, after (or beside) the copies
+
+Copies never run on the compute stream, so they overlap the model's kernels; each copy stream
+first waits for the work already queued on the caller's stream (the producer of the bytes a
+spill reads, and the last readers of the slots a restore overwrites).
+NOTE (vllm#45704): a restore's blocks become visible only after the host has waited on the
+event recorded after its last copy and its checksums matched; the compute stream is then also
+made to wait on that event, so no kernel can read a restored page before its bytes landed.
+
+Completion events are created with ``blocking=True``: a waiting host thread sleeps instead of
+spinning, so host CPU time per GiB moved measures work, not polling.
+On CPU every operation runs synchronously; ``Done`` stands in for an event.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Done:
+    """An already-completed event (CPU path)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class CopyStreams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+            self.hash = torch.cuda.Stream(device)
+        else:
+            self.d2h = self.h2d = self.hash = None
+
+    def compute_stream(self):
+        """The caller's current stream (the model's compute stream), or None on CPU."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def wait_stream(self, stream, other) -> None:
+        if self.cuda and other is not None:
+            stream.wait_stream(other)
+
+    def wait_event(self, stream, event) -> None:
+        if self.cuda and not isinstance(event, Done):
+            stream.wait_event(event)
+
+    def mark(self, stream):
+        """An event recorded on ``stream`` now (a blocking-sync event), or Done on CPU."""
+        if not self.cuda:
+            return Done()
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(stream)
+        return ev

@@ -1,0 +1,243 @@
+"""SlotTable: which logical block lives in which slot of one tier, and in what state.
+
+A tier (device pool, host pool) is a fixed array of equal slots. Each slot is in one state:
+
+    FREE ──reserve──► RESERVED ──publish──► READY (refcount ≥ 1) ──free (last ref)──► FREE
+                         │                                          ▲
+                         └───────────────cancel─────────────────────┘ (to FREE)
+
+RESERVED slots hold bytes that are still arriving (a restore before its checksum verified):
+they count as used for room, but ``slot_of`` refuses them, so no reader can see a block before
+its copy finished and verified. Refcounts count holders of a READY block (the residency itself
+is the first; the model runner may ``incref`` while a step reads it). A slot returns to the
+free list only when its last holder lets go.
+
+Free slots are handed out lowest-first (a heap): successive allocations on a fresh pool get
+consecutive slots, which lets DMA copies coalesce into fewer, longer runs.
+Every mutation is all-or-nothing: it validates every block first and raises without changing
+anything.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from dataplane.pools.errors import (
+    AlreadyResident,
+    BlockNotReady,
+    IntegrityError,
+    NoRoom,
+    NotResident,
+)
+
+
+class SlotTable:
+    def __init__(self, tier: str, num_slots: int, slot_bytes: int):
+        if num_slots < 0:
+            raise ValueError(f"{tier}: num_slots must be >= 0, got {num_slots}")
+        self.tier = tier
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._free: list[int] = list(range(num_slots))  # a heap (already sorted)
+        self._slot: dict[int, int] = {}        # block_id -> slot (READY and RESERVED)
+        self._block: dict[int, int] = {}       # slot -> block_id
+        self._refs: dict[int, int] = {}        # block_id -> refcount (READY only)
+        self._reserved: set[int] = set()       # block_ids RESERVED
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.num_free * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in READY and RESERVED slots (a reserved slot is taken, even if not yet readable)."""
+        return (self.num_slots - self.num_free) * self.slot_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def has(self, block_id: int) -> bool:
+        """READY here (readable)."""
+        return block_id in self._refs
+
+    def holds(self, block_id: int) -> bool:
+        """READY or RESERVED here."""
+        return block_id in self._slot
+
+    def is_reserved(self, block_id: int) -> bool:
+        return block_id in self._reserved
+
+    def slot_of(self, block_id: int) -> int:
+        """The slot of a READY block; raises NotResident, or BlockNotReady while it is arriving."""
+        if block_id in self._refs:
+            return self._slot[block_id]
+        if block_id in self._reserved:
+            raise BlockNotReady(self.tier, [block_id])
+        raise NotResident(self.tier, [block_id])
+
+    def slots_of(self, block_ids: Iterable[int]) -> list[int]:
+        ids = list(block_ids)
+        missing = [b for b in ids if b not in self._refs]
+        if missing:
+            arriving = [b for b in missing if b in self._reserved]
+            if arriving and len(arriving) == len(missing):
+                raise BlockNotReady(self.tier, arriving)
+            raise NotResident(self.tier, missing)
+        return [self._slot[b] for b in ids]
+
+    def reserved_slot(self, block_id: int) -> int:
+        if block_id not in self._reserved:
+            raise NotResident(self.tier, [block_id])
+        return self._slot[block_id]
+
+    def refcount(self, block_id: int) -> int:
+        return self._refs.get(block_id, 0)
+
+    def ready_blocks(self) -> list[int]:
+        return sorted(self._refs)
+
+    def reserved_blocks(self) -> list[int]:
+        return sorted(self._reserved)
+
+    def room_for(self, n: int) -> NoRoom | None:
+        """The refusal ``reserve`` would raise for n new blocks, or None. Pure."""
+        if n > self.num_free:
+            return NoRoom(
+                self.tier, n * self.slot_bytes, self.free_bytes,
+                f"{n} blocks × {self.slot_bytes} B > {self.num_free} free slots × {self.slot_bytes} B",
+            )
+        return None
+
+    # ------------------------------------------------------------ mutations
+    def reserve(self, block_ids: Iterable[int]) -> list[int]:
+        """Take a slot for each new block, not yet readable. Raises AlreadyResident, NoRoom."""
+        ids = list(block_ids)
+        self._check_new(ids)
+        refused = self.room_for(len(ids))
+        if refused is not None:
+            raise refused
+        slots = [heapq.heappop(self._free) for _ in ids]
+        for b, s in zip(ids, slots):
+            self._slot[b] = s
+            self._block[s] = b
+            self._reserved.add(b)
+        return slots
+
+    def publish(self, block_ids: Iterable[int]) -> None:
+        """RESERVED -> READY with refcount 1: from now on readers may see the bytes."""
+        ids = list(block_ids)
+        bad = [b for b in ids if b not in self._reserved]
+        if bad:
+            raise NotResident(self.tier, bad)
+        for b in ids:
+            self._reserved.discard(b)
+            self._refs[b] = 1
+
+    def cancel(self, block_ids: Iterable[int]) -> None:
+        """RESERVED -> FREE: the arriving bytes are dropped, as if the reservation never happened."""
+        ids = list(block_ids)
+        bad = [b for b in ids if b not in self._reserved]
+        if bad:
+            raise NotResident(self.tier, bad)
+        for b in ids:
+            self._reserved.discard(b)
+            self._release_slot(b)
+
+    def allocate(self, block_ids: Iterable[int]) -> list[int]:
+        """Reserve and publish at once (the writer fills the slots itself). Raises like reserve."""
+        ids = list(block_ids)
+        slots = self.reserve(ids)
+        self.publish(ids)
+        return slots
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        bad = [b for b in ids if b not in self._refs]
+        if bad:
+            raise NotResident(self.tier, bad)
+        for b in ids:
+            self._refs[b] += 1
+
+    def free(self, block_ids: Iterable[int]) -> int:
+        """Drop one reference per listed block; returns the bytes whose slots became free.
+
+        All-or-nothing: raises NotResident (nothing changed) if any block is not READY here.
+        A block listed twice drops two references.
+        """
+        ids = list(block_ids)
+        bad = [b for b in ids if b not in self._refs]
+        if bad:
+            raise NotResident(self.tier, bad)
+        need: dict[int, int] = {}
+        for b in ids:
+            need[b] = need.get(b, 0) + 1
+        over = [b for b, k in need.items() if k > self._refs[b]]
+        if over:
+            raise NotResident(self.tier, over)
+        freed = 0
+        for b in ids:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                del self._refs[b]
+                self._release_slot(b)
+                freed += self.slot_bytes
+        return freed
+
+    def _release_slot(self, block_id: int) -> None:
+        s = self._slot.pop(block_id)
+        del self._block[s]
+        heapq.heappush(self._free, s)
+
+    def _check_new(self, ids: list[int]) -> None:
+        if len(set(ids)) != len(ids):
+            seen: set[int] = set()
+            dup = [b for b in ids if b in seen or seen.add(b)]
+            raise AlreadyResident(self.tier, dup)
+        present = [b for b in ids if b in self._slot]
+        if present:
+            raise AlreadyResident(self.tier, present)
+
+    # ------------------------------------------------------------ invariants
+    def check_integrity(self) -> None:
+        """Raises IntegrityError with the numbers if any invariant is broken."""
+        t = self.tier
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            raise IntegrityError(f"{t}: free list has duplicates: {len(self._free)} entries, {len(free_set)} distinct")
+        taken = set(self._block)
+        if free_set & taken:
+            raise IntegrityError(f"{t}: slots both free and taken: {sorted(free_set & taken)[:16]}")
+        if len(free_set) + len(taken) != self.num_slots:
+            raise IntegrityError(
+                f"{t}: free {len(free_set)} + taken {len(taken)} != total {self.num_slots}")
+        if any(s < 0 or s >= self.num_slots for s in free_set | taken):
+            raise IntegrityError(f"{t}: slot out of range [0, {self.num_slots})")
+        if len(self._slot) != len(self._block) or any(self._block.get(s) != b for b, s in self._slot.items()):
+            raise IntegrityError(
+                f"{t}: block->slot ({len(self._slot)}) and slot->block ({len(self._block)}) maps disagree")
+        ready, reserved = set(self._refs), set(self._reserved)
+        if ready & reserved:
+            raise IntegrityError(f"{t}: blocks both ready and reserved: {sorted(ready & reserved)[:16]}")
+        if ready | reserved != set(self._slot):
+            raise IntegrityError(
+                f"{t}: ready {len(ready)} + reserved {len(reserved)} != mapped {len(self._slot)}")
+        low = {b: r for b, r in self._refs.items() if r < 1}
+        if low:
+            raise IntegrityError(f"{t}: ready blocks with refcount < 1: {dict(list(low.items())[:16])}")
+        if self.used_bytes + self.free_bytes != self.capacity_bytes:
+            raise IntegrityError(
+                f"{t}: used {self.used_bytes} + free {self.free_bytes} != capacity {self.capacity_bytes}")
