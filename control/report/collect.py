@@ -1,0 +1,203 @@
+"""What the report plots, collected during the same single pass as the diagnosis.
+
+Series are kept as change points (``array('q')`` of ts and values: compact, appended in C) and
+binned once at the end (``control.report.bins``). Audit totals follow the design's definitions:
+reclaimed bytes come from acks (``bytes_freed_src``) and ``BlocksFreed``, never from plans;
+stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late ack, plus the bytes that
+were only on a lost worker.
+"""
+from __future__ import annotations
+
+from array import array
+
+from events import (
+    EVENT_TYPES,
+    BlocksFreed,
+    BudgetSet,
+    MoveAbandoned,
+    MoveAcked,
+    MoveFailed,
+    MoveLateAcked,
+    MoveRefused,
+    MoveRejected,
+    MoveRequested,
+    MoveStranded,
+    Recorded,
+    RequestAdmitted,
+    RequestFinished,
+    RequestRefused,
+    StepCompleted,
+    WorkerLost,
+)
+from control.diagnose.accounting import Accounting
+
+OUTCOMES = ("MoveAcked", "MoveLateAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
+
+
+class Changes:
+    """A step function as change points: value ``vals[i]`` holds from ``ts[i]`` on."""
+
+    __slots__ = ("ts", "vals")
+
+    def __init__(self) -> None:
+        self.ts = array("q")
+        self.vals = array("q")
+
+    def set(self, ts: int, value: int) -> None:
+        self.ts.append(ts)
+        self.vals.append(value)
+
+
+class Times:
+    """Instants of one kind of event (binned into counts per interval)."""
+
+    __slots__ = ("ts",)
+
+    def __init__(self) -> None:
+        self.ts = array("q")
+
+
+class ReportCollector:
+    def __init__(self, acct: Accounting) -> None:
+        self.acct = acct
+        acct.usage_listeners.append(self._usage)
+        self.usage: dict[tuple[int, str], Changes] = {}       # (worker, tier) -> used bytes
+        self.budgets: dict[tuple[int, str], tuple[int, int]] = {}  # (worker, tier) -> (floor, ceiling)
+        self.requested: dict[str, Times] = {}                  # move kind -> instants
+        self.outcomes: dict[str, Times] = {o: Times() for o in OUTCOMES}
+        self.inflight = Changes()                               # moves in flight (count)
+        self.inflight_bytes = Changes()
+        self._inflight_bytes = 0
+        self.stranded = Changes()                               # stranded bytes outstanding
+        self._stranded_bytes = 0
+        self.refusals: dict[str, Times] = {}                    # "move refused: device" / "request refused"
+        self.waiting = Changes()                                # requests waiting
+        self.steps = Times()
+        self.counts: dict[str, int] = {}                        # events by type
+        # audit totals
+        self.reclaimed: dict[tuple[str, str], int] = {}         # (tier, cause) -> bytes
+        self.stranded_by_why: dict[str, int] = {}               # why -> bytes outstanding
+        self.num_moves: dict[str, int] = {}                     # kind -> moves requested
+        self.bytes_moved = 0
+
+    def handlers(self):
+        table = {t: self._count for t in EVENT_TYPES.values()}
+        table.update({
+            BudgetSet: self._budget,
+            MoveRequested: self._requested,
+            MoveAcked: self._acked,
+            MoveLateAcked: self._late_acked,
+            MoveFailed: self._ended,
+            MoveRejected: self._ended,
+            MoveAbandoned: self._ended,
+            MoveStranded: self._stranded,
+            WorkerLost: self._lost,
+            BlocksFreed: self._freed,
+            MoveRefused: self._move_refused,
+            RequestRefused: self._request_refused,
+            RequestAdmitted: self._waiting,
+            RequestFinished: self._waiting,
+            StepCompleted: self._step,
+        })
+        return table
+
+    # ------------------------------------------------------------ series
+    def _count(self, rec: Recorded) -> None:
+        name = rec.event.__class__.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def _usage(self, rec: Recorded, worker: int, tier: str, used: int) -> None:
+        ch = self.usage.get((worker, tier))
+        if ch is None:
+            ch = self.usage[(worker, tier)] = Changes()
+        ch.set(rec.envelope.ts_ns, used)
+
+    def _budget(self, rec: Recorded) -> None:
+        self._count(rec)
+        ev: BudgetSet = rec.event
+        self.budgets[(ev.worker, ev.tier)] = (ev.floor_bytes, ev.ceiling_bytes)
+
+    def _inflight_changed(self, ts: int, delta_bytes: int) -> None:
+        self._inflight_bytes += delta_bytes
+        self.inflight.set(ts, len(self.acct.inflight))
+        self.inflight_bytes.set(ts, self._inflight_bytes)
+
+    def _requested(self, rec: Recorded) -> None:
+        self._count(rec)
+        ev: MoveRequested = rec.event
+        t = self.requested.get(ev.kind)
+        if t is None:
+            t = self.requested[ev.kind] = Times()
+        t.ts.append(rec.envelope.ts_ns)
+        self.num_moves[ev.kind] = self.num_moves.get(ev.kind, 0) + 1
+        self._inflight_changed(rec.envelope.ts_ns, ev.bytes_planned)
+
+    def _ended(self, rec: Recorded) -> None:
+        self._count(rec)
+        self.outcomes[rec.event.__class__.__name__].ts.append(rec.envelope.ts_ns)
+        req = self.acct.ended
+        if req is not None:
+            self._inflight_changed(rec.envelope.ts_ns, -req.event.bytes_planned)
+
+    def _reclaim(self, tier: str, cause: str, nbytes: int) -> None:
+        if nbytes:
+            self.reclaimed[(tier, cause)] = self.reclaimed.get((tier, cause), 0) + nbytes
+
+    def _acked(self, rec: Recorded) -> None:
+        self._ended(rec)
+        req = self.acct.ended
+        if req is not None:
+            self._reclaim(req.event.src, req.event.kind, rec.event.bytes_freed_src)
+        self.bytes_moved += rec.event.bytes_moved
+
+    def _stranded_changed(self, ts: int, why: str, delta: int) -> None:
+        self._stranded_bytes += delta
+        self.stranded_by_why[why] = self.stranded_by_why.get(why, 0) + delta
+        self.stranded.set(ts, self._stranded_bytes)
+
+    def _stranded(self, rec: Recorded) -> None:
+        self._ended(rec)
+        self._stranded_changed(rec.envelope.ts_ns, rec.event.why, rec.event.bytes_at_risk)
+
+    def _late_acked(self, rec: Recorded) -> None:
+        self._count(rec)
+        self.outcomes["MoveLateAcked"].ts.append(rec.envelope.ts_ns)
+        stranding, req = self.acct.ended_stranding, self.acct.ended
+        if stranding is not None:
+            self._stranded_changed(rec.envelope.ts_ns, stranding.event.why, -stranding.event.bytes_at_risk)
+        if req is not None:
+            self._reclaim(req.event.src, req.event.kind, rec.event.bytes_freed_src)
+        self.bytes_moved += rec.event.bytes_moved
+
+    def _lost(self, rec: Recorded) -> None:
+        self._count(rec)
+        if rec.event.bytes_lost:
+            self._stranded_changed(rec.envelope.ts_ns, "only copy on a lost worker", rec.event.bytes_lost)
+
+    def _freed(self, rec: Recorded) -> None:
+        self._count(rec)
+        self._reclaim(rec.event.tier, rec.event.reason, rec.event.bytes)
+
+    def _move_refused(self, rec: Recorded) -> None:
+        self._count(rec)
+        key = f"move refused: {rec.event.tier}"
+        t = self.refusals.get(key)
+        if t is None:
+            t = self.refusals[key] = Times()
+        t.ts.append(rec.envelope.ts_ns)
+
+    def _request_refused(self, rec: Recorded) -> None:
+        self._count(rec)
+        t = self.refusals.get("request refused")
+        if t is None:
+            t = self.refusals["request refused"] = Times()
+        t.ts.append(rec.envelope.ts_ns)
+        self.waiting.set(rec.envelope.ts_ns, len(self.acct.waiting))
+
+    def _waiting(self, rec: Recorded) -> None:
+        self._count(rec)
+        self.waiting.set(rec.envelope.ts_ns, len(self.acct.waiting))
+
+    def _step(self, rec: Recorded) -> None:
+        self._count(rec)
+        self.steps.ts.append(rec.envelope.ts_ns)
