@@ -1,0 +1,257 @@
+"""Model weights in the runner's layout, from GGUF, safetensors, or random.
+
+The runner keeps each layer's Q, K and V projections as one matrix and gate/up as another, so a
+step launches one matmul where a checkpoint has three (or two):
+
+    wqkv    [(num_heads + 2·num_kv_heads)·head_dim, hidden]    rows: Q heads | K heads | V heads
+    w_gate_up [2·intermediate, hidden]                          rows: gate | up
+``to_hf_state_dict`` gives transformers' names back as views (no copy), for tests and the bench.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dataplane.model.config import ModelConfig
+from dataplane.model.errors import ModelFileError, UnsupportedModel
+from dataplane.model.gguf_file import GGUFFile
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor          # [hidden]
+    wqkv: torch.Tensor               # [qkv_rows, hidden]
+    bqkv: torch.Tensor | None        # [qkv_rows] (Qwen2) or None
+    wo: torch.Tensor                 # [hidden, num_heads·head_dim]
+    mlp_norm: torch.Tensor           # [hidden]
+    w_gate_up: torch.Tensor          # [2·intermediate, hidden]
+    w_down: torch.Tensor             # [hidden, intermediate]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor              # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor         # [hidden]
+    lm_head: torch.Tensor            # [vocab, hidden]; the same tensor as ``embed`` when tied
+    rope_freq_factors: torch.Tensor | None = None   # GGUF ``rope_freqs`` (Llama 3 scaling), float32
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "Weights":
+        def cv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        embed = cv(self.embed)
+        lm_head = embed if self.lm_head is self.embed else cv(self.lm_head)
+        layers = [LayerWeights(*(cv(getattr(lw, f)) for f in LayerWeights.__dataclass_fields__))
+                  for lw in self.layers]
+        ff = None if self.rope_freq_factors is None else self.rope_freq_factors.float()
+        return Weights(embed, layers, cv(self.final_norm), lm_head, ff)
+
+    def num_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in [self.embed, self.final_norm, self.lm_head] + [
+            getattr(lw, f) for lw in self.layers for f in LayerWeights.__dataclass_fields__
+        ]:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def to_hf_state_dict(w: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers ``LlamaForCausalLM`` names for the same tensors (views, no copies)."""
+    nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm,
+          "lm_head.weight": w.lm_head}
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        q, k, v = lw.wqkv.split([nq, nkv, nkv], dim=0)
+        gate, up = lw.w_gate_up.chunk(2, dim=0)
+        sd.update({
+            p + "input_layernorm.weight": lw.attn_norm,
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": lw.wo,
+            p + "post_attention_layernorm.weight": lw.mlp_norm,
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": lw.w_down,
+        })
+        if lw.bqkv is not None:
+            bq, bk, bv = lw.bqkv.split([nq, nkv, nkv])
+            sd.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
+                       p + "self_attn.v_proj.bias": bv})
+    return sd
+
+
+# ------------------------------------------------------------ GGUF
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of Q/K rows.
+
+    ``convert_hf_to_gguf.py`` permutes each head's rows so its RoPE can rotate adjacent pairs
+    (x0,x1),(x2,x3)…; transformers rotates halves (x_i, x_{i+d/2}). Per head, GGUF row 2i+j holds
+    HF row j·(d/2)+i, so we view [head, d/2, 2, …] and swap the middle axes back:
+
+        GGUF rows  0 1 2 3 4 5 6 7        (d = 8)
+        HF rows    0 4 1 5 2 6 3 7   ->   HF order 0 1 2 3 | 4 5 6 7
+    """
+    rows = w.shape[0]
+    d = rows // n_head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def config_from_gguf(f: GGUFFile, name: str) -> ModelConfig:
+    meta = f.metadata
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise UnsupportedModel(f"{name}: GGUF architecture {arch!r} is not Llama-family (llama, mistral, qwen2)")
+    a = arch
+
+    def g(key: str, default=None):
+        v = meta.get(f"{a}.{key}", default)
+        if v is None:
+            raise ModelFileError(f"{name}: GGUF metadata lacks {a}.{key}")
+        return v
+
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)
+    scaling = None
+    stype = meta.get(f"{a}.rope.scaling.type")
+    if stype == "linear":
+        from dataplane.model.config import RopeScaling
+        scaling = RopeScaling("linear", float(g("rope.scaling.factor")))
+    elif stype not in (None, "none"):
+        raise UnsupportedModel(f"{name}: GGUF RoPE scaling {stype!r} (supported: none, linear, rope_freqs)")
+    vocab = meta.get(f"{a}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        name=name, num_layers=int(g("block_count")), hidden=hidden, num_heads=heads,
+        num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv") or heads), head_dim=head_dim,
+        intermediate=int(g("feed_forward_length")), vocab_size=int(vocab),
+        rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rms_eps=float(g("attention.layer_norm_rms_epsilon")),
+        max_position=int(meta.get(f"{a}.context_length", 4096)),
+        tie_embeddings="output.weight" not in f.tensors,
+        attention_bias=arch == "qwen2",
+    )
+
+
+def weights_from_gguf(f: GGUFFile, config: ModelConfig) -> Weights:
+    """Dequantized float32 weights, Q/K rows back in transformers' order."""
+    def t(name: str) -> torch.Tensor:
+        if name not in f.tensors:
+            raise ModelFileError(f"{f.path}: missing tensor {name}")
+        return f.load(name)
+
+    # llama.cpp's converter permutes Q/K for the llama and mistral architectures; qwen2 files
+    # keep transformers' order (its graph uses the NEOX rotation).
+    permuted = f.metadata.get("general.architecture") in ("llama", "mistral")
+    layers = []
+    for i in range(config.num_layers):
+        p = f"blk.{i}."
+        q, k = t(p + "attn_q.weight"), t(p + "attn_k.weight")
+        if permuted:
+            q = unpermute_rope_rows(q, config.num_heads)
+            k = unpermute_rope_rows(k, config.num_kv_heads)
+        bqkv = None
+        if config.attention_bias:
+            bqkv = torch.cat([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
+        layers.append(LayerWeights(
+            attn_norm=t(p + "attn_norm.weight"),
+            wqkv=torch.cat([q, k, t(p + "attn_v.weight")]),
+            bqkv=bqkv,
+            wo=t(p + "attn_output.weight"),
+            mlp_norm=t(p + "ffn_norm.weight"),
+            w_gate_up=torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]),
+            w_down=t(p + "ffn_down.weight"),
+        ))
+    embed = t("token_embd.weight")
+    lm_head = t("output.weight") if "output.weight" in f.tensors else embed
+    ff = t("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+    return Weights(embed, layers, t("output_norm.weight"), lm_head, ff)
+
+
+# ------------------------------------------------------------ safetensors
+def weights_from_safetensors(path: str, config: ModelConfig) -> Weights:
+    """Weights of a Hugging Face directory (one or several ``*.safetensors`` files)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelFileError(f"{path}: no *.safetensors files")
+    where: dict[str, str] = {}
+    for fn in files:
+        with safe_open(fn, framework="pt") as sf:
+            for k in sf.keys():
+                where[k] = fn
+    handles: dict[str, object] = {}
+
+    def t(name: str) -> torch.Tensor:
+        if name not in where:
+            raise ModelFileError(f"{path}: missing tensor {name}")
+        fn = where[name]
+        if fn not in handles:
+            handles[fn] = safe_open(fn, framework="pt")
+        return handles[fn].get_tensor(name).float()
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bqkv = None
+        if config.attention_bias:
+            bqkv = torch.cat([t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")])
+        layers.append(LayerWeights(
+            attn_norm=t(p + "input_layernorm.weight"),
+            wqkv=torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
+            bqkv=bqkv,
+            wo=t(a + "o_proj.weight"),
+            mlp_norm=t(p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
+            w_down=t(p + "mlp.down_proj.weight"),
+        ))
+    embed = t("model.embed_tokens.weight")
+    if config.tie_embeddings or "lm_head.weight" not in where:
+        lm_head = embed
+    else:
+        lm_head = t("lm_head.weight")
+    return Weights(embed, layers, t("model.norm.weight"), lm_head)
+
+
+def read_hf_config(path: str) -> dict:
+    fn = os.path.join(path, "config.json")
+    if not os.path.exists(fn):
+        raise ModelFileError(f"{path}: no config.json")
+    with open(fn) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------ random
+def random_weights(config: ModelConfig, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32, seed: int = 0) -> Weights:
+    """Weights of ``config``'s shape drawn on ``device``: N(0, 0.02²) matrices, norms near 1.
+
+    Used where real weights cannot go (the GPU bench) and for tiny test models. The scale keeps
+    activations finite through any depth, so logits are meaningful enough to compare.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, i = config.hidden, config.intermediate
+
+    def mat(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def norm() -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(h, generator=g, device=device)).to(dtype)
+
+    layers = [LayerWeights(
+        attn_norm=norm(), wqkv=mat(config.qkv_rows, h),
+        bqkv=mat(config.qkv_rows) if config.attention_bias else None,
+        wo=mat(h, config.num_heads * config.head_dim), mlp_norm=norm(),
+        w_gate_up=mat(2 * i, h), w_down=mat(h, i),
+    ) for _ in range(config.num_layers)]
+    embed = mat(config.vocab_size, h)
+    lm_head = embed if config.tie_embeddings else mat(config.vocab_size, h)
+    return Weights(embed, layers, norm(), lm_head)
