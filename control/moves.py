@@ -1,0 +1,262 @@
+"""The life of a move, as the control process lives it (DESIGN.md "Life of a move"). Pure.
+
+    ask ──validate──► invalid: answered with a named error, nothing recorded
+        ──fund──────► MoveRefused{asked, available, floor}; nothing else happens
+        ──request───► MoveRequested{move_id, ..., deadline}   committed BEFORE the command is sent
+                      ExecuteMove (or ReleaseBlocks)  ──►  worker
+        ◄──────────── MoveAcked | MoveFailed | MoveRejected   (idempotent by move_id)
+        ──classify──► the terminal event, once; a duplicate is ignored; an ack for a stranded
+                      move becomes MoveLateAcked; park/restore acks are followed by
+                      SessionParked / SessionRestored
+
+``MoveBook`` holds what the control process knows about moves that the ledger does not: which
+requests are still waiting for their commit (not sent yet), which were sent, and who is waiting
+for an outcome. It is rebuilt empty on restart; recovery asks the workers instead.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import msgspec
+
+from events import catalog as ev
+from events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
+from control.budget import Refusal, can_fund
+from control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, split_for_destination
+from control.policy.restore import plan_restore
+from control.state import MoveState, State
+
+S = 1_000_000_000
+
+
+class MoveConfig(msgspec.Struct, kw_only=True):
+    deadline_base_s: float = 5.0               # every move gets this much ...
+    deadline_bytes_per_s: float = 1.0e9        # ... plus its bytes at this (pessimistic) rate
+    page_tokens: int = 16                      # tokens per block, for SessionRestored.restored_tokens
+
+
+class InvalidAsk(Exception):
+    """An ask that names something the state does not have (unknown worker, block, tier, or a
+    block already busy in another move). Nothing is recorded; the asker gets the reason."""
+
+
+def move_id(epoch: int, n: int) -> str:
+    """Unique across restarts: the control epoch is part of it."""
+    return f"m-{epoch:x}-{n}"
+
+
+# ------------------------------------------------------------------ ask -> asks
+def resolve(state: State, msg: AskMove, asker: str) -> list[Ask]:
+    """The asks an ``AskMove`` means, against the current state; raises InvalidAsk."""
+    if msg.kind not in KIND_DEFAULTS:
+        raise InvalidAsk(f"unknown move kind {msg.kind!r}")
+    ws = state.workers.get(msg.worker)
+    if ws is None or not ws.alive:
+        raise InvalidAsk(f"worker {msg.worker} is not serving (known: {sorted(state.workers)})")
+    src0, dst0, keep0 = KIND_DEFAULTS[msg.kind]
+    src = msg.src or src0
+    dst = msg.dst or dst0
+    keep = keep0 if msg.keep_source is None else msg.keep_source
+    wb = state.blocks.get(msg.worker, {})
+    if msg.blocks:
+        blocks = list(dict.fromkeys(msg.blocks))
+        missing = [b for b in blocks if b not in wb]
+        if missing:
+            raise InvalidAsk(f"worker {msg.worker} has no blocks {missing[:16]}")
+    elif msg.session is not None:
+        blocks = [b for b, st in wb.items() if st.session == msg.session]
+        if not blocks:
+            raise InvalidAsk(f"session {msg.session!r} has no blocks on worker {msg.worker}")
+    else:
+        raise InvalidAsk("name the blocks or the session to move")
+    if msg.kind == "restore":
+        asks = plan_restore(state, asker, msg.worker, blocks, msg.session, keep, msg.src)
+        if not asks:
+            raise InvalidAsk(f"nothing to restore: blocks {blocks[:16]} are on the device or have no copy"
+                             f"{' on ' + msg.src if msg.src else ''}")
+    else:
+        if src == dst:
+            raise InvalidAsk(f"a {msg.kind} needs two tiers, got {src} -> {dst}")
+        on_src = [b for b in blocks if src in wb[b].tiers]
+        if msg.blocks and len(on_src) != len(blocks):
+            raise InvalidAsk(f"blocks {[b for b in blocks if b not in on_src][:16]} have no copy on {src}")
+        if not on_src:
+            raise InvalidAsk(f"session {msg.session!r} has no blocks on {src}")
+        asks = split_for_destination(state, asker, msg.kind, msg.worker, src, dst, on_src, keep,
+                                     msg.session, asker)
+        if not asks:
+            raise InvalidAsk(f"blocks {on_src[:16]} already have a copy on {dst}")
+    for a in asks:
+        validate(state, a)
+    return asks
+
+
+def validate(state: State, ask: Ask, busy: dict[int, set[int]] | None = None) -> None:
+    """Raise InvalidAsk unless every block has a copy on src (and none on dst, for a copy) and no
+    other unresolved move names it."""
+    ws = state.workers.get(ask.worker)
+    if ws is None or not ws.alive:
+        raise InvalidAsk(f"worker {ask.worker} is not serving")
+    for t in (ask.src, ask.dst):
+        if t not in ws.tiers:
+            raise InvalidAsk(f"no tier {t!r}")
+    if ws.tiers[ask.dst].capacity_bytes == 0:
+        raise InvalidAsk(f"worker {ask.worker} has no {ask.dst} tier")
+    if not ask.blocks:
+        raise InvalidAsk("no blocks")
+    wb = state.blocks.get(ask.worker, {})
+    bad = [b for b in ask.blocks if b not in wb or ask.src not in wb[b].tiers]
+    if bad:
+        raise InvalidAsk(f"blocks {bad[:16]} have no copy on {ask.src} of worker {ask.worker}")
+    if not ask.is_release:
+        there = [b for b in ask.blocks if ask.dst in wb[b].tiers]
+        if there:
+            raise InvalidAsk(f"blocks {there[:16]} already have a copy on {ask.dst}")
+    taken = (busy if busy is not None else busy_blocks(state)).get(ask.worker, set())
+    clash = [b for b in ask.blocks if b in taken]
+    if clash:
+        raise InvalidAsk(f"blocks {clash[:16]} are busy in another move that has no outcome yet")
+
+
+def fund(state: State, asks: list[Ask]) -> Refusal | None:
+    """All or nothing: the asks' total per destination must fit, or the whole ask is refused
+    with the total's arithmetic (never a smaller part of it). Releases need no funding."""
+    totals: dict[tuple[int, str], int] = {}
+    for a in asks:
+        if not a.is_release:
+            key = (a.worker, a.dst)
+            totals[key] = totals.get(key, 0) + len(a.blocks) * state.workers[a.worker].block_bytes
+    for (w, tier), asked in totals.items():
+        refusal = can_fund(state, w, tier, asked)
+        if refusal is not None:
+            return refusal
+    return None
+
+
+# ------------------------------------------------------------------ requested -> command
+def requested(state: State, ask: Ask, mid: str, now_ns: int, cfg: MoveConfig) -> ev.MoveRequested:
+    nbytes = len(ask.blocks) * state.workers[ask.worker].block_bytes
+    deadline = now_ns + int(cfg.deadline_base_s * S) + int(nbytes / cfg.deadline_bytes_per_s * S)
+    return ev.MoveRequested(move_id=mid, kind=ask.kind, worker=ask.worker, src=ask.src, dst=ask.dst,
+                            blocks=list(ask.blocks), bytes_planned=nbytes, keep_source=ask.keep_source,
+                            deadline_ns=deadline, reason=ask.reason or ask.asker, session=ask.session)
+
+
+def command_for(req: ev.MoveRequested) -> ExecuteMove | ReleaseBlocks:
+    if req.src == req.dst:
+        return ReleaseBlocks(release_id=req.move_id, tier=req.src, blocks=req.blocks)
+    return ExecuteMove(move_id=req.move_id, kind=req.kind, src=req.src, dst=req.dst, blocks=req.blocks,
+                       keep_source=req.keep_source, deadline_ns=req.deadline_ns, session=req.session)
+
+
+def release_outcome(msg: BlocksReleased, now_ns: int) -> ev.MoveAcked:
+    """A release's answer as the move outcome it settles. ``bytes_freed`` is what the worker
+    measured: 0 is an accounting (recorded as 0), silence is not (the watchdog strands it)."""
+    return ev.MoveAcked(move_id=msg.release_id, worker=msg.worker, bytes_moved=0,
+                        bytes_freed_src=msg.bytes_freed, checksum_ok=True, started_ns=now_ns, finished_ns=now_ns)
+
+
+# ------------------------------------------------------------------ outcome -> event
+Outcome = ev.MoveAcked | ev.MoveFailed | ev.MoveRejected
+
+TERMINAL = "terminal"           # the move was in flight: record the outcome as it came
+LATE = "late"                   # the move was stranded and this is its ack: record MoveLateAcked
+LATE_FAILURE = "late_failure"   # stranded, then reported failed: the stranding stands (logged)
+DUPLICATE = "duplicate"         # the move already has its outcome: nothing to record
+UNKNOWN = "unknown_move"        # never requested in this ledger
+WRONG_WORKER = "wrong_worker"   # requested of another worker
+
+
+def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event | None]:
+    mid = outcome.move_id
+    mv = state.inflight.get(mid)
+    if mv is not None:
+        if mv.worker != worker:
+            return WRONG_WORKER, None
+        return TERMINAL, outcome
+    mv = state.stranded.get(mid)
+    if mv is not None:
+        if mv.worker != worker:
+            return WRONG_WORKER, None
+        if type(outcome) is ev.MoveAcked:
+            return LATE, ev.MoveLateAcked(
+                move_id=mid, worker=worker, bytes_moved=outcome.bytes_moved, bytes_freed_src=outcome.bytes_freed_src,
+                checksum_ok=outcome.checksum_ok, started_ns=outcome.started_ns, finished_ns=outcome.finished_ns)
+        return LATE_FAILURE, None
+    if mid in state.outcomes:
+        return DUPLICATE, None
+    return UNKNOWN, None
+
+
+def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
+    """Session facts an acked park or restore implies (recorded right after the ack)."""
+    if mv.session is None or type(event) not in (ev.MoveAcked, ev.MoveLateAcked):
+        return []
+    if mv.kind == "park":
+        return [ev.SessionParked(session=mv.session, worker=mv.worker, tier=mv.dst, bytes=event.bytes_moved,
+                                 move_id=mv.move_id)]
+    if mv.kind == "restore" and mv.dst == "device" and event.checksum_ok:
+        return [ev.SessionRestored(session=mv.session, worker=mv.worker,
+                                   restored_tokens=len(mv.blocks) * cfg.page_tokens, computed_tokens=0,
+                                   move_id=mv.move_id)]
+    return []
+
+
+# ------------------------------------------------------------------ control-side bookkeeping
+class AskWaiter:
+    """Someone waiting for an ask's outcome: answered once every move it started has its terminal
+    event (or at once with the refusal), after those events are committed."""
+
+    __slots__ = ("ask_id", "answer", "wait", "move_ids", "open", "events", "refs")
+
+    def __init__(self, ask_id: str, answer: Callable, wait: bool = True):
+        self.ask_id = ask_id
+        self.answer = answer            # called with (events [(seq, event)], move_ids, error, detail)
+        self.wait = wait
+        self.move_ids: list[str] = []
+        self.open: set[str] = set()     # move ids (or command refs) still without an outcome
+        self.events: list[tuple[int, ev.Event]] = []
+        self.refs: set[str] = set()
+
+    @property
+    def done(self) -> bool:
+        return not self.open
+
+
+class MoveBook:
+    def __init__(self) -> None:
+        self.awaiting_commit: collections.deque[tuple[int, ev.MoveRequested]] = collections.deque()
+        self.undispatched: set[str] = set()              # requested, command not sent yet
+        self.dispatched: dict[str, int] = {}             # move_id -> sent at (monotonic ns)
+        self.waiters: dict[str, AskWaiter] = {}          # move_id or command ref -> its asker
+
+    def requested(self, seq: int, req: ev.MoveRequested, waiter: AskWaiter | None) -> None:
+        self.awaiting_commit.append((seq, req))
+        self.undispatched.add(req.move_id)
+        if waiter is not None:
+            waiter.move_ids.append(req.move_id)
+            waiter.open.add(req.move_id)
+            self.waiters[req.move_id] = waiter
+
+    def committed(self, through_seq: int) -> list[ev.MoveRequested]:
+        """Requests whose MoveRequested is now committed: their commands may be sent."""
+        out = []
+        q = self.awaiting_commit
+        while q and q[0][0] <= through_seq:
+            out.append(q.popleft()[1])
+        return out
+
+    def sent(self, mid: str, at_ns: int) -> None:
+        self.undispatched.discard(mid)
+        self.dispatched[mid] = at_ns
+
+    def settled(self, mid: str) -> AskWaiter | None:
+        """The move has its terminal outcome: forget it; return its waiter (if any)."""
+        self.undispatched.discard(mid)
+        self.dispatched.pop(mid, None)
+        return self.waiters.pop(mid, None)
+
+    def ours(self, mid: str) -> bool:
+        """Requested by this incarnation of the control process."""
+        return mid in self.undispatched or mid in self.dispatched
