@@ -65,8 +65,10 @@ class DualModeKernel:
 
     ``triton.jit`` picks the interpreter at decoration time from TRITON_INTERPRET; we keep the
     undecorated function and build each flavour on first use instead.
-    NOTE: kernel bodies wrapped this way must not call other ``@triton.jit`` helpers (the two
-    flavours cannot call each other); the mixing functions are therefore written inline.
+    NOTE: kernel bodies wrapped this way must not call ``@triton.jit`` functions, ours or the
+    library's (``tl.zeros``, ``tl.sum``, ``tl.cdiv`` are JIT functions built at import time and
+    fail inside an interpreter switched on later): mixing is written inline, accumulators start
+    from ``tl.full`` and reductions use ``tl.reduce(x, axis, SUM_COMBINE)``.
     """
 
     def __init__(self, fn: Callable[..., Any]):
@@ -94,6 +96,13 @@ class DualModeKernel:
 
 def dual_mode_kernel(fn: Callable[..., Any]) -> DualModeKernel:
     return DualModeKernel(fn)
+
+
+# The combine function of reductions inside dual-mode kernels. The library's ``tl.sum`` is a JIT
+# function built at import time and fails inside an interpreter switched on later, but
+# ``tl.reduce(x, axis, SUM_COMBINE)`` works in both flavours: compiled, it is an ordinary
+# combine function (integer adds wrap); interpreted, Triton recognises it and calls np.sum.
+SUM_COMBINE = triton.language.standard._sum_combine if triton is not None else None
 
 
 # ---------------------------------------------------------------- checks

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels._common import (
+    SUM_COMBINE,
     KernelInputError,
     check_rows,
     dual_mode_kernel,
@@ -62,7 +63,7 @@ def _checksum_partial_kernel(
     seed = (seed ^ (seed >> 27)) * 0x94D049BB133111EB
     seed = seed ^ (seed >> 31)
     row = words_ptr + slot * row_stride
-    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+    acc = tl.full([BLOCK], 0, dtype=tl.uint64)
     for k in range(0, CHUNK, BLOCK):
         offs = c * CHUNK + k + tl.arange(0, BLOCK)
         mask = offs < row_words
@@ -73,14 +74,14 @@ def _checksum_partial_kernel(
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         z = z ^ (z >> 31)
         acc += tl.where(mask, z, 0)
-    tl.store(partial_ptr + i * num_chunks + c, tl.sum(acc, axis=0))
+    tl.store(partial_ptr + i * num_chunks + c, tl.reduce(acc, 0, SUM_COMBINE))
 
 
 def _checksum_fold_kernel(partial_ptr, out_ptr, row_words, num_chunks, BLOCK_C: tl.constexpr):
     i = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     p = tl.load(partial_ptr + i * num_chunks + offs, mask=offs < num_chunks, other=0)
-    z = tl.sum(p, axis=0) + row_words
+    z = tl.reduce(p, 0, SUM_COMBINE) + row_words
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
     z = z ^ (z >> 31)
