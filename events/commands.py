@@ -346,3 +346,22 @@ class CommandFailed(Message):
 AnyReply = Union[AnyReply, CommandFailed]  # type: ignore[misc]
 AnyMessage = Union[AnyMessage, CommandFailed]  # type: ignore[misc]
 __all__ += ["CommandFailed"]
+
+
+class QueryInventory(Message):
+    """Which blocks do you hold on each tier? (Checks the ledger's accounts against the memory.)"""
+
+    nonce: int = 0
+
+
+class Inventory(Message):
+    worker: int
+    nonce: int
+    blocks: dict[str, list[int]]      # tier -> block ids held (ready)
+    used_bytes: dict[str, int]        # tier -> bytes taken, including slots reserved by moves in flight
+
+
+AnyCommand = Union[AnyCommand, QueryInventory]  # type: ignore[misc]
+AnyReply = Union[AnyReply, Inventory]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, QueryInventory, Inventory]  # type: ignore[misc]
+__all__ += ["QueryInventory", "Inventory"]
