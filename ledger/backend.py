@@ -176,14 +176,14 @@ class Raw:
         self._mem_lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self.closed = False
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise LedgerError(f"the ledger store for {masked(self.url)} is closed")
 
     @contextlib.contextmanager
     def core(self, doing: str, write: bool = False) -> Iterator[Connection]:
         """A Core connection; ``write=True``: one transaction, committed on exit (SQLite: BEGIN IMMEDIATE)."""
-        self._check_open()
+        self.check_open()
         with (self.write_lock if write else contextlib.nullcontext()), self._mem_lock, \
                 translating(self.url, doing, self.dialect.dbapi_error):
             with self.engine.connect() as conn:
@@ -197,7 +197,7 @@ class Raw:
     @contextlib.contextmanager
     def cursor(self, doing: str) -> Iterator[tuple]:
         """(dbapi_connection, cursor); rolls back whatever is uncommitted on the way out."""
-        self._check_open()
+        self.check_open()
         with self._mem_lock, translating(self.url, doing, self.dialect.dbapi_error):
             conn = self.engine.raw_connection()
             try:

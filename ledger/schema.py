@@ -43,7 +43,7 @@ events = Table(
     Column("row_hash", LargeBinary, nullable=False),
     # denormalized audit columns (ledger.columns), not hashed
     Column("move_id", Text),
-    Column("worker", Integer),
+    Column("worker", BigInteger),
     Column("session", Text),
     Column("tier", Text),
     Column("kind", Text),

@@ -96,6 +96,7 @@ class LedgerStore:
         """
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        self._raw.check_open()
         if not items:
             return []
         prepared = _append.prepare(items)

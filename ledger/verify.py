@@ -47,9 +47,11 @@ def diagnose_hash(seq: int, stored: bytes, computed: bytes, nxt: tuple | None) -
     """One sentence for a row whose stored hash is not what its contents imply."""
     if len(stored) != HASH_BYTES:
         return f"seq {seq}: row_hash is {len(stored)} bytes, not {HASH_BYTES}"
-    if nxt is not None and bytes(nxt[10]) == row_hash(computed, nxt):
+    if nxt is None:
+        return f"seq {seq}: the row does not match its stored row_hash (it is the last row: its contents or its hash changed)"
+    if bytes(nxt[10]) == row_hash(computed, nxt):
         return f"seq {seq}: its stored row_hash was altered (seq {seq + 1} chains from the hash its contents imply)"
-    if nxt is not None and bytes(nxt[10]) == row_hash(stored, nxt):
+    if bytes(nxt[10]) == row_hash(stored, nxt):
         return (f"seq {seq}: the row no longer matches its stored row_hash: it was edited after it was written "
                 f"(or the row before it was rewritten together with its hash)")
     return f"seq {seq}: the row does not match its stored row_hash and seq {seq + 1} does not chain from it either"

@@ -53,7 +53,7 @@ def upgrade() -> None:
         sa.Column("payload", sa.LargeBinary(), nullable=False),
         sa.Column("row_hash", sa.LargeBinary(), nullable=False),
         sa.Column("move_id", sa.Text(), nullable=True),
-        sa.Column("worker", sa.Integer(), nullable=True),
+        sa.Column("worker", sa.BigInteger(), nullable=True),
         sa.Column("session", sa.Text(), nullable=True),
         sa.Column("tier", sa.Text(), nullable=True),
         sa.Column("kind", sa.Text(), nullable=True),

@@ -1,0 +1,148 @@
+"""verify() names the first bad seq for every kind of damage, on every backend."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from events import encode_event
+from ledger import LedgerCorrupt, LedgerStore
+from ledger.chain import GENESIS, row_hash
+from tests.ledger.factories import random_event, random_items
+from tests.ledger.tamper import rechain, run_unguarded
+
+
+@pytest.fixture
+def filled(ledger_store, rng):
+    n = rng.randint(30, 60)
+    ledger_store.append(random_items(rng, n))
+    assert ledger_store.verify().ok
+    return ledger_store, n
+
+
+def test_a_sound_ledger_verifies_and_reports_progress_and_its_last_hash(filled):
+    store, n = filled
+    seen = []
+    report = store.verify(progress=lambda done, total: seen.append((done, total)))
+    assert report.ok and report.num_events == n and report.first_bad_seq is None and report.problem is None
+    assert report.last_hash == list(store.read_raw())[-1].row_hash
+    assert seen[-1] == (n, n)
+
+
+def test_a_flipped_payload_bit_is_named_by_its_seq(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n)
+    payload = bytearray(store.peek_raw(seq)[9])
+    i = rng.randrange(len(payload))
+    payload[i] ^= 1 << rng.randrange(8)
+    run_unguarded(store, "UPDATE events SET payload = :p WHERE seq = :s", {"p": bytes(payload), "s": seq})
+    report = store.verify()
+    assert not report.ok and report.first_bad_seq == seq and report.num_events == seq - 1
+    assert report.problem.startswith(f"seq {seq}: ")
+    if seq < n:
+        assert "edited after it was written" in report.problem
+    else:
+        assert "it is the last row" in report.problem
+
+
+def test_an_edited_hash_is_named_by_its_seq(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n - 1)
+    run_unguarded(store, "UPDATE events SET row_hash = :h WHERE seq = :s", {"h": rng.randbytes(32), "s": seq})
+    report = store.verify()
+    assert report.first_bad_seq == seq
+    assert report.problem == f"seq {seq}: its stored row_hash was altered (seq {seq + 1} chains from the hash its contents imply)"
+
+
+def test_a_missing_seq_is_named(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n - 1)
+    run_unguarded(store, "DELETE FROM events WHERE seq = :s", {"s": seq})
+    report = store.verify()
+    assert report.first_bad_seq == seq and not report.ok
+    where = "first" if seq == 1 else "next"
+    assert report.problem == f"seq {seq} is missing (the {where} stored row is seq {seq + 1})"
+
+
+def test_an_unknown_event_type_is_named_even_with_a_forged_chain(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n)
+    run_unguarded(store, "UPDATE events SET type = :t WHERE seq = :s", {"t": "MoveTeleported", "s": seq})
+    rechain(store, seq)
+    report = store.verify()
+    assert report.first_bad_seq == seq
+    assert report.problem == f"seq {seq}: unknown event type 'MoveTeleported'"
+    with pytest.raises(LedgerCorrupt, match=f"seq {seq}"):
+        list(store.read())
+
+
+def test_a_payload_swapped_under_another_type_is_named(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n)
+    row = store.peek_raw(seq)
+    other = random_event(rng, "ServerStopped" if row[5] != "ServerStopped" else "ServerStarted")
+    run_unguarded(store, "UPDATE events SET payload = :p WHERE seq = :s", {"p": encode_event(other), "s": seq})
+    rechain(store, seq)
+    report = store.verify()
+    assert report.first_bad_seq == seq
+    assert report.problem == f"seq {seq}: row says {row[5]} but payload is {type(other).__name__}"
+
+
+def test_a_payload_that_is_not_msgpack_is_named(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n)
+    run_unguarded(store, "UPDATE events SET payload = :p WHERE seq = :s", {"p": b"\xc1" + rng.randbytes(9), "s": seq})
+    rechain(store, seq)
+    report = store.verify()
+    assert report.first_bad_seq == seq and report.problem.startswith(f"seq {seq}: payload does not decode")
+
+
+def test_a_row_rewritten_with_its_own_hash_breaks_the_next_link(filled, rng):
+    store, n = filled
+    seq = rng.randint(1, n - 1)
+    row = store.peek_raw(seq)
+    run_unguarded(store, "UPDATE events SET ts_ns = :t WHERE seq = :s", {"t": row[1] + rng.randint(1, 10**6), "s": seq})
+    prev = store.peek_raw(seq - 1)[10] if seq > 1 else GENESIS
+    run_unguarded(store, "UPDATE events SET row_hash = :h WHERE seq = :s", {"h": row_hash(prev, store.peek_raw(seq)), "s": seq})
+    report = store.verify()
+    assert report.first_bad_seq == seq + 1
+    assert "or the row before it was rewritten together with its hash" in report.problem
+
+
+def test_a_forged_suffix_verifies_but_changes_last_hash(filled, rng):
+    store, n = filled
+    anchor = store.verify().last_hash          # what a careful operator keeps elsewhere
+    seq = rng.randint(1, n)
+    run_unguarded(store, "UPDATE events SET producer = :p WHERE seq = :s", {"p": "mallory", "s": seq})
+    rechain(store, seq)
+    report = store.verify()
+    assert report.ok and report.last_hash != anchor
+
+
+def test_state_checkpoints_are_handed_to_the_caller(ledger_store, rng):
+    items = random_items(rng, 12, exclude=("StateCheckpoint",))
+    checkpoint_at = sorted(rng.sample(range(12), 3))
+    for i in checkpoint_at:
+        env, _ = items[i]
+        items[i] = (env, random_event(rng, "StateCheckpoint", through_seq=i))
+    ledger_store.append(items)
+    report = ledger_store.verify()
+    assert report.ok
+    assert report.checkpoints == [(i + 1, i, items[i][1].state_hash) for i in checkpoint_at]
+
+
+def test_a_row_edited_through_raw_sqlite3_after_dropping_the_trigger(tmp_path, rng):
+    path = tmp_path / "ledger.db"
+    with LedgerStore.open(f"sqlite:///{path}", create=True) as store:
+        store.append(random_items(rng, 40))
+    seq = rng.randint(1, 39)
+    conn = sqlite3.connect(path)
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        conn.execute("UPDATE events SET producer = 'mallory' WHERE seq = ?", (seq,))
+    conn.execute("DROP TRIGGER events_no_update")
+    conn.execute("UPDATE events SET producer = 'mallory' WHERE seq = ?", (seq,))
+    conn.commit()
+    conn.close()
+    with LedgerStore.open(f"sqlite:///{path}") as store:
+        report = store.verify()
+    assert report.first_bad_seq == seq and "edited after it was written" in report.problem
