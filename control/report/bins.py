@@ -36,8 +36,9 @@ def step_bins(ch: Changes, edges: np.ndarray, initial: int = 0) -> tuple[np.ndar
     end_idx = np.searchsorted(ts, edges[1:], side="right") - 1
     carried = np.where(start_idx >= 0, vals[np.maximum(start_idx, 0)], initial)
     last = np.where(end_idx >= 0, vals[np.maximum(end_idx, 0)], initial)
-    inside = (ts >= edges[0]) & (ts <= edges[-1])
-    b = np.clip(np.searchsorted(edges, ts[inside], side="right") - 1, 0, nb - 1)
+    # a change inside bin i is one with edges[i] < t <= edges[i+1]; one exactly on edges[i] is carried in
+    inside = (ts > edges[0]) & (ts <= edges[-1])
+    b = np.clip(np.searchsorted(edges, ts[inside], side="left") - 1, 0, nb - 1)
     low, high = carried.copy(), carried.copy()
     np.minimum.at(low, b, vals[inside])
     np.maximum.at(high, b, vals[inside])

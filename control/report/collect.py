@@ -172,7 +172,7 @@ class ReportCollector:
     def _lost(self, rec: Recorded) -> None:
         self._count(rec)
         if rec.event.bytes_lost:
-            self._stranded_changed(rec.envelope.ts_ns, "only copy on a lost worker", rec.event.bytes_lost)
+            self._stranded_changed(rec.envelope.ts_ns, "blocks_lost", rec.event.bytes_lost)
 
     def _freed(self, rec: Recorded) -> None:
         self._count(rec)

@@ -121,3 +121,16 @@ class Ledger:
             self.add(ev.StateCheckpoint(through_seq=self.seq, state_hash=f"{self.rng.getrandbits(128):032x}"),
                      dt_ms=every_ms)
         self.now = t_end
+
+
+_SIMULATED: dict[tuple[int, int], list[Recorded]] = {}
+
+
+def simulated(n: int, seed: int) -> list[Recorded]:
+    """A simulated ledger as Recorded rows, built once per process (the simulator folds as it goes)."""
+    from control.simulate import simulate  # noqa: PLC0415
+
+    key = (n, seed)
+    if key not in _SIMULATED:
+        _SIMULATED[key] = [Recorded(env, e) for env, e in simulate(n, seed=seed)]
+    return _SIMULATED[key]

@@ -1,18 +1,12 @@
 import msgspec
 
-from events import Recorded
 from control.diagnose import ALL_DETECTORS, detect_with, diagnose
 from control.diagnose.accounting import Accounting
 from control.diagnose.engine import run_pass
 from control.fold import fold_all
-from control.simulate import simulate
 from control.state import State
-from tests.diagnose.ledgers import SECOND
+from tests.diagnose.ledgers import SECOND, simulated
 from tests.diagnose.test_moves import _swing
-
-
-def simulated(n, seed):
-    return [Recorded(env, e) for env, e in simulate(n, seed=seed)]
 
 
 def test_one_pass_over_all_detectors_finds_what_each_finds_alone(L):
@@ -40,7 +34,7 @@ def test_now_defaults_to_the_last_event_and_never_to_the_clock(L):
 
 
 def test_the_accounting_agrees_with_the_fold_on_bytes_per_worker_and_tier():
-    events = simulated(20_000, seed=3)
+    events = simulated(30_000, seed=5)
     acct = Accounting()
     run_pass(events, [acct])
     state = State()

@@ -1,0 +1,1 @@
+from tests.diagnose.conftest import L  # noqa: F401  (the hand-built ledger fixture)
