@@ -177,7 +177,11 @@ class ServingReady(Message):
 
 class Generate(Message):
     """Run one sequence. ``block_ids`` are its pages in order, enough for prompt + max_tokens;
-    the first ``num_cached_tokens // page_tokens`` already hold this prompt's KV (resident, verified)."""
+    the first ``num_cached_tokens // page_tokens`` already hold this prompt's KV (resident, verified).
+
+    When it ends, the worker frees the pages it wrote if ``free_on_finish`` (a request outside a
+    session) or if it did not finish normally (cancelled, failed); a session's turn keeps them.
+    The reused pages are never freed by the worker: they belong to earlier turns."""
 
     request_id: str
     session: str | None
@@ -185,6 +189,7 @@ class Generate(Message):
     block_ids: list[int]
     num_cached_tokens: int
     sampling: SamplingParams
+    free_on_finish: bool = False
 
 
 class CancelGenerate(Message):
@@ -193,11 +198,14 @@ class CancelGenerate(Message):
 
 
 class TokensGenerated(Message):
-    """A chunk of a request's output; its last chunk carries ``finish_reason``.
+    """Progress of one sequence, once per step it took part in; the last one has ``finish_reason``.
 
-    Before the last chunk the worker has sent ``BlocksWritten`` for every page it filled (full
-    pages with their content key, the partial tail with ""), and has freed on its own the
-    reserved pages it never wrote (``blocks_unused``: the ledger never heard of them).
+    It carries the pages the step filled (``blocks_written``: full pages with their content key;
+    at the end, the partial tail with key ""), so the control process commits them to the ledger,
+    owned by the request's session, in the order they were written. The last report also names
+    the pages the worker freed (``blocks_freed``/``bytes_freed``, measured by the pool: see
+    ``Generate.free_on_finish``) and the reserved pages it never reached (``blocks_unused``: never
+    given a slot, never in the ledger).
     """
 
     request_id: str
@@ -209,6 +217,10 @@ class TokensGenerated(Message):
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0      # prompt positions actually prefilled (the rest were cached)
     blocks_unused: list[int] = []
+    blocks_written: list[int] = []
+    keys_written: list[str] = []
+    blocks_freed: list[int] = []
+    bytes_freed: int = 0
 
 
 # The serving messages join the unions (appended so existing members keep their order).
