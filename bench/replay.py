@@ -1,0 +1,101 @@
+"""Replay bench: decode + fold of a simulated ledger from zero, and `replay --at` with snapshots.
+
+Targets (issue 2): replay from zero >= 300k events/s; `replay --at` the last seq with
+snapshots <= 2 s. Prints a table; writes bench/results/replay-<date>-<machine>.json.
+
+    python bench/replay.py [--events 1000000] [--db sqlite:////tmp/replay-bench.db] [--machine cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from control.replay import replay, write_snapshots  # noqa: E402
+from control.simulate import simulate  # noqa: E402
+from ledger import LedgerStore  # noqa: E402
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--db", default="sqlite:////tmp/residency-replay-bench.db")
+    ap.add_argument("--machine", default="cpu")
+    ap.add_argument("--snapshot-every", type=int, default=100_000)
+    args = ap.parse_args()
+    if args.db.startswith("sqlite:///"):
+        for suffix in ("", "-wal", "-shm"):
+            p = args.db[len("sqlite:///"):] + suffix
+            if os.path.exists(p):
+                os.remove(p)
+    results: dict = {"bench": "replay", "date": dt.date.today().isoformat(), "machine": args.machine,
+                     "commit": git_commit(), "events": args.events, "db": args.db.split("://")[0]}
+    with LedgerStore.open(args.db, create=True) as store:
+        t = time.perf_counter()
+        batch = []
+        for item in simulate(args.events, seed=7):
+            batch.append(item)
+            if len(batch) == 10_000:
+                store.append(batch, durability="normal")
+                batch = []
+        if batch:
+            store.append(batch, durability="normal")
+        results["simulate_and_append_s"] = time.perf_counter() - t
+
+        runs = []
+        for _ in range(2):
+            t = time.perf_counter()
+            state, snap = replay(store, use_snapshots=False)
+            runs.append(time.perf_counter() - t)
+        results["replay_from_zero_s"] = min(runs)
+        results["replay_from_zero_events_per_s"] = args.events / min(runs)
+        results["replay_state_hash"] = state.state_hash()
+
+        t = time.perf_counter()
+        saved = write_snapshots(store, args.snapshot_every)
+        results["write_snapshots_s"] = time.perf_counter() - t
+        results["snapshots"] = saved
+
+        for label, at in (("last", args.events), ("mid_after_snapshot", args.events - args.snapshot_every // 2)):
+            t = time.perf_counter()
+            st, snap = replay(store, at)
+            results[f"replay_at_{label}_with_snapshots_s"] = time.perf_counter() - t
+            results[f"replay_at_{label}_snapshot_seq"] = snap
+        assert st is not None
+        state_at_last, _ = replay(store, args.events)
+        results["snapshot_replay_matches_zero_replay"] = state_at_last.state_hash() == results["replay_state_hash"]
+
+    rows = [
+        ("events", f"{args.events:,}", ""),
+        ("replay from zero (decode+fold)", f"{results['replay_from_zero_events_per_s']:,.0f} ev/s", ">= 300,000"),
+        ("replay --at last, with snapshots", f"{results['replay_at_last_with_snapshots_s']:.3f} s", "<= 2 s"),
+        ("replay --at mid, from snapshot", f"{results['replay_at_mid_after_snapshot_with_snapshots_s']:.3f} s", ""),
+        ("snapshot == zero replay", str(results["snapshot_replay_matches_zero_replay"]), "True"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{w}}  {'value':>22}  target")
+    for name, val, target in rows:
+        print(f"{name:<{w}}  {val:>22}  {target}")
+    out = Path(__file__).parent / "results" / f"replay-{results['date']}-{args.machine}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
