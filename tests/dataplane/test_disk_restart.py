@@ -1,0 +1,56 @@
+"""After a worker restart the disk index is rebuilt from the files and verified."""
+import os
+
+import torch
+
+from dataplane.pools import KVLayout
+from dataplane.pools.disk import HEADER_BYTES
+from events.catalog import MoveAcked
+from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, words_of
+
+
+def test_a_new_engine_on_the_same_directory_finds_and_restores_every_block(tmp_path, engine_device):
+    with make_engine(tmp_path, device=engine_device) as first:
+        data = commit(first, "device", [3, 14, 15, 92])
+        first.execute(move("evict", "device", "disk", [3, 14, 15, 92]))
+        sums = {b: first.disk_tier.checksum_of(b) for b in data}
+    with make_engine(tmp_path, device=engine_device) as second:
+        assert sorted(second.disk_report.indexed) == [3, 14, 15, 92]
+        assert second.disk_report.quarantined == []
+        assert {b: second.disk_tier.checksum_of(b) for b in data} == sums
+        assert second.usage()["disk"] == 4 * LAYOUT.block_bytes
+        assert isinstance(second.execute(move("restore", "disk", "device", [92, 3, 15, 14])), MoveAcked)
+        for b in data:
+            assert torch.equal(words_of(second, "device", b), data[b])
+        second.check_integrity()
+
+
+def test_restart_quarantines_bad_files_and_drops_temporaries(tmp_path):
+    with make_engine(tmp_path) as first:
+        commit(first, "device", [1, 2, 3, 4])
+        first.execute(move("evict", "device", "disk", [1, 2, 3, 4]))
+        d = first.disk_tier
+        with open(d.path_of(2), "r+b") as f:           # payload bit rot: caught by re-hashing
+            f.seek(HEADER_BYTES + 7)
+            f.write(b"\x99")
+        os.truncate(d.path_of(3), HEADER_BYTES + 5)     # torn file
+        with open(os.path.join(d.directory, ".block-9.kv.tmp"), "wb") as f:   # never published
+            f.write(b"half a block")
+    with make_engine(tmp_path) as second:
+        rep = second.disk_report
+        assert sorted(rep.indexed) == [1, 4]
+        reasons = dict(rep.quarantined)
+        assert "fails its checksum" in reasons["block-2.kv"]
+        assert "truncated" in reasons["block-3.kv"]
+        assert rep.removed_temporaries == [".block-9.kv.tmp"]
+        assert sorted(os.listdir(os.path.join(second.disk_tier.directory, "quarantine"))) == ["block-2.kv", "block-3.kv"]
+        second.check_integrity()
+
+
+def test_files_of_another_layout_are_not_loaded(tmp_path):
+    with make_engine(tmp_path) as first:
+        commit(first, "disk", [5])
+    other = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.float16)
+    with make_engine(tmp_path, layout=other) as second:
+        assert second.disk_report.indexed == []
+        assert "another layout" in dict(second.disk_report.quarantined)["block-5.kv"]

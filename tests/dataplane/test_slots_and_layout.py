@@ -1,0 +1,94 @@
+"""SlotTable bookkeeping and the block-first KV layout."""
+import pytest
+import torch
+
+from dataplane.pools import (
+    AlreadyResident,
+    BlockNotReady,
+    DevicePool,
+    IntegrityError,
+    KVLayout,
+    LayoutError,
+    NoRoom,
+    NotResident,
+    SlotTable,
+)
+
+
+def test_slots_go_lowest_first_and_come_back_on_the_last_reference():
+    t = SlotTable("device", 5, 100)
+    assert t.allocate([10, 11, 12]) == [0, 1, 2]
+    t.incref([11])
+    assert t.free([11]) == 0 and t.has(11)               # still held
+    assert t.free([10, 11]) == 200
+    assert t.allocate([13]) == [0]
+    t.check_integrity()
+
+
+def test_a_reserved_block_has_a_slot_but_cannot_be_read():
+    t = SlotTable("device", 3, 8)
+    t.reserve([7])
+    with pytest.raises(BlockNotReady):
+        t.slot_of(7)
+    assert t.used_bytes == 8
+    t.cancel([7])
+    assert t.used_bytes == 0 and not t.holds(7)
+    t.reserve([7])
+    t.publish([7])
+    assert t.slot_of(7) == 0 and t.refcount(7) == 1
+
+
+def test_mutations_are_all_or_nothing():
+    t = SlotTable("host", 3, 8)
+    t.allocate([1, 2])
+    with pytest.raises(NotResident):
+        t.free([1, 99])
+    assert t.has(1)
+    with pytest.raises(AlreadyResident):
+        t.allocate([3, 2])
+    assert not t.holds(3)
+    with pytest.raises(NoRoom, match="asked 16 bytes, available 8 bytes"):
+        t.allocate([4, 5])
+    with pytest.raises(NotResident):
+        t.free([1, 1])                                   # one reference cannot be dropped twice
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("breakage,needle", [
+    (lambda t: t._free.append(0), "free list has duplicates|both free and taken"),
+    (lambda t: t._free.pop(), r"free \d+ \+ taken \d+ != total 4"),
+    (lambda t: t._refs.__setitem__(1, 0), "refcount < 1"),
+    (lambda t: t._block.__setitem__(0, 99), "maps disagree"),
+])
+def test_check_integrity_raises_with_the_numbers(breakage, needle):
+    t = SlotTable("device", 4, 8)
+    t.allocate([1, 2])
+    breakage(t)
+    with pytest.raises(IntegrityError, match=needle):
+        t.check_integrity()
+
+
+def test_layout_sizes_and_the_pool_shape():
+    lay = KVLayout(num_layers=32, page_tokens=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    assert lay.block_shape == (32, 2, 16, 8, 128)
+    assert lay.page_bytes == 32 * 1024 and lay.block_bytes == 64 * 32 * 1024   # 64 chunks of 32 KiB
+    assert KVLayout(3, 5, 2, 6, "float32").block_bytes == 3 * 2 * 5 * 2 * 6 * 4
+    with pytest.raises(LayoutError, match="head_dim"):
+        KVLayout(1, 1, 1, 0)
+    with pytest.raises(LayoutError, match="not supported"):
+        KVLayout(1, 1, 1, 2, torch.float64)
+
+
+def test_a_block_is_one_contiguous_span_and_attention_pages_are_contiguous():
+    lay = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.float16)
+    pool = DevicePool(lay, 4)
+    assert pool.tensor.shape == (4, 3, 2, 5, 2, 6)
+    s = pool.allocate([42])[0]
+    blk = pool.tensor[s]
+    assert blk.is_contiguous() and blk.untyped_storage().data_ptr() == pool.tensor.untyped_storage().data_ptr()
+    assert blk.data_ptr() - pool.tensor.data_ptr() == s * lay.block_bytes
+    page = pool.tensor[s, 2, 1]                              # layer 2, V
+    assert page.is_contiguous() and page.numel() * 2 == lay.page_bytes
+    pool.tensor[s].copy_(torch.randn(lay.block_shape).half())
+    assert torch.equal(pool.words[s].view(torch.float16).view(lay.block_shape), pool.tensor[s])
+    assert pool.block_table([42]).tolist() == [s]
