@@ -1,0 +1,318 @@
+"""The serving scheduler: admission, page allocation, prefix reuse, restore-or-recompute. Pure.
+
+It reads the folded ``State`` (where every page is, what is in flight, the device's limit) and
+its own soft tables (session page order and keys, running requests), and returns values:
+
+    plan(state, ask)  ─► Admit   pages for the sequence, what to free first, what to restore
+                      ─► Wait    not enough room now; which idle sessions to park to make it
+                      ─► Refuse  can never fit, or the session is busy (with the numbers)
+    start(admit)      the request runs: its session is busy, its new pages are reserved
+    written(...)      pages the worker filled (committed to the ledger by the caller)
+    finish(...)       the session keeps the turn's pages (or only its reused prefix, when the
+                      turn was cancelled or failed: the worker freed the rest)
+
+Device room is counted as the worker will see it:
+
+    limit (ceiling or capacity) ─ used (acked copies) ─ in flight toward the device
+                                ─ reserved (pages of running requests not yet committed)
+
+No clocks, sockets or threads: ``now_ns`` comes in as an argument.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from control.budget import limit_bytes
+from control.policy.asks import busy_blocks
+from control.scheduler.config import SchedulerConfig
+from control.scheduler.cost import CostModel, PrefixDecision
+from control.scheduler.prefix import num_matching_pages, pages_needed
+from control.scheduler.sessions import SessionEntry
+from control.state import State
+
+RESTORE_SOURCES = ("host", "disk")
+
+
+class GenerateAsk(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    session: str | None
+    worker: int
+    prompt_tokens: int
+    prompt_keys: list[str]            # content keys of the prompt's full pages
+    max_tokens: int                   # resolved (never 0)
+
+
+class Admit(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    session: str | None
+    worker: int
+    blocks: list[int]                 # every page of the sequence, in order
+    num_cached_tokens: int            # leading positions already computed (whole pages)
+    reused: list[int]                 # the first pages of ``blocks``: the session's prefix
+    restore: dict[str, list[int]]     # source tier -> reused pages to bring back first
+    drop: dict[str, list[int]]        # tier -> session pages to free first (not reused)
+    decision: PrefixDecision | None   # set when a parked prefix was priced
+    restored_tokens: int
+    new_blocks: list[int]
+
+
+class Wait(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    reason: str
+    park: list[str] = []              # idle sessions whose device pages would make room
+    asked_blocks: int = 0
+    free_blocks: int = 0
+
+
+class Refuse(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    status: int                       # the HTTP status the API answers with
+    code: str
+    reason: str
+    asked_blocks: int = 0
+    available_blocks: int = 0
+
+
+class Running(msgspec.Struct, kw_only=True):
+    request_id: str
+    session: str | None
+    worker: int
+    reused: list[int]
+    new_blocks: list[int]
+    written: list[int] = []
+    written_keys: list[str] = []
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, cost: CostModel | None = None):
+        self.cfg = cfg
+        self.cost = cost or CostModel()
+        self.sessions: dict[str, SessionEntry] = {}
+        self.running: dict[str, Running] = {}
+        self._next_block: dict[int, int] = {}
+        self.decisions: dict[str, int] = {"restore": 0, "recompute": 0}
+
+    # ------------------------------------------------------------------ queries
+    def device_room(self, state: State, worker: int) -> tuple[int, int]:
+        """(limit pages, free pages) of the worker's device tier, as the next admission sees it."""
+        ws = state.workers[worker]
+        bb = ws.block_bytes
+        acc = ws.tiers["device"]
+        limit = limit_bytes(acc) // bb
+        inflight = -(-acc.inflight_in_bytes // bb)
+        wb = state.blocks.get(worker, {})
+        reserved = sum(1 for r in self.running.values() if r.worker == worker for b in r.new_blocks if b not in wb)
+        return limit, limit - acc.used_bytes // bb - inflight - reserved
+
+    def busy_blocks(self) -> dict[int, set[int]]:
+        """Pages running requests read or write: no move may take them off the device."""
+        out: dict[int, set[int]] = {}
+        for r in self.running.values():
+            out.setdefault(r.worker, set()).update(r.reused)
+            out[r.worker].update(r.new_blocks)
+        return out
+
+    def busy_sessions(self) -> set[str]:
+        return {s for s, e in self.sessions.items() if e.busy is not None}
+
+    # ------------------------------------------------------------------ block ids
+    def allocate_ids(self, state: State, worker: int, n: int) -> list[int]:
+        """Fresh logical page ids: never one the ledger or a running request has used."""
+        nxt = self._next_block.get(worker)
+        if nxt is None:
+            wb = state.blocks.get(worker, {})
+            nxt = (max(wb) + 1) if wb else 0
+        ids = list(range(nxt, nxt + n))
+        self._next_block[worker] = nxt + n
+        return ids
+
+    def reserve_ids_above(self, worker: int, block_id: int) -> None:
+        """Someone else (an operator's CommitBlocks) used ``block_id``: never hand it out."""
+        if self._next_block.get(worker, 0) <= block_id:
+            self._next_block[worker] = block_id + 1
+
+    # ------------------------------------------------------------------ admission
+    def plan(self, state: State, ask: GenerateAsk) -> Admit | Wait | Refuse:
+        cfg, P, w = self.cfg, self.cfg.page_tokens, ask.worker
+        ws = state.workers.get(w)
+        if ws is None or not ws.alive:
+            return Refuse(request_id=ask.request_id, status=503, code="worker_unavailable",
+                          reason=f"worker {w} is not serving")
+        entry = self.sessions.get(ask.session) if ask.session else None
+        if entry is not None and entry.busy is not None:
+            return Refuse(request_id=ask.request_id, status=409, code="session_busy",
+                          reason=f"session {ask.session!r} is generating for request {entry.busy}; "
+                                 "send the next turn when it has finished")
+        held_keys: list[str] = []
+        held_blocks: list[int] = []
+        if entry is not None:
+            if entry.worker == w:
+                present = entry.present_prefix(state)
+                held_blocks, held_keys = entry.blocks[:present], entry.keys[:present]
+            moving = busy_blocks(state).get(entry.worker, set())
+            if any(b in moving for b in entry.blocks):
+                return Wait(request_id=ask.request_id, reason=f"a move of session {ask.session!r} is in flight")
+
+        n = num_matching_pages(held_keys, ask.prompt_keys, ask.prompt_tokens, P)
+        reused = held_blocks[:n]
+        wb = state.blocks.get(w, {})
+        restore: dict[str, list[int]] = {}
+        for b in reused:
+            st = wb[b]
+            if "device" in st.tiers and st.device_verified:
+                continue
+            src = next((t for t in RESTORE_SOURCES if t in st.tiers), None)
+            if src is None:               # an unverified device copy and nothing else: unusable
+                reused = reused[:reused.index(b)]
+                break
+            restore.setdefault(src, []).append(b)
+        restore = {t: [b for b in bl if b in reused] for t, bl in restore.items()}
+        restore = {t: bl for t, bl in restore.items() if bl}
+        n = len(reused)
+
+        decision = None
+        if restore:
+            bytes_by_tier = {t: len(bl) * ws.block_bytes for t, bl in restore.items()}
+            decision = self.cost.decide(cached_tokens=n * P, new_tokens=ask.prompt_tokens - n * P,
+                                        bytes_by_tier=bytes_by_tier)
+            if cfg.restore_policy != "cost":
+                decision = msgspec.structs.replace(decision, choice=cfg.restore_policy,
+                                                   reason=f"restore_policy={cfg.restore_policy}; " + decision.reason)
+            if decision.choice == "recompute":
+                reused, restore, n = [], {}, 0
+
+        drop: dict[str, list[int]] = {}
+        if entry is not None:
+            for b in entry.blocks:
+                st = wb.get(b)
+                if st is None or b in reused:
+                    continue
+                for t in st.tiers:
+                    drop.setdefault(t, []).append(b)
+
+        total = pages_needed(ask.prompt_tokens, ask.max_tokens, P)
+        num_new = total - n
+        num_restore = sum(len(bl) for bl in restore.values())
+        asked = num_new + num_restore
+        limit, free = self.device_room(state, w)
+        if asked > limit:
+            return Refuse(request_id=ask.request_id, status=503, code="insufficient_kv_capacity",
+                          reason=f"the sequence needs {asked} pages on the device; its limit is {limit} pages",
+                          asked_blocks=asked, available_blocks=free)
+        if asked > free:
+            short = asked - free
+            park: list[str] = []
+            busy = busy_blocks(state).get(w, set())
+            idle = sorted((e for e in self.sessions.values()
+                           if e.busy is None and e.session != ask.session and e.worker == w),
+                          key=lambda e: e.last_used_ns)
+            for e in idle:
+                on_device = [b for b in e.blocks if b in wb and "device" in wb[b].tiers and b not in busy]
+                if on_device:
+                    park.append(e.session)
+                    short -= len(on_device)
+                    if short <= 0:
+                        break
+            return Wait(request_id=ask.request_id, park=park, asked_blocks=asked, free_blocks=free,
+                        reason=f"needs {asked} device pages, {free} free")
+
+        new_blocks = self.allocate_ids(state, w, num_new)
+        if decision is not None:
+            self.decisions[decision.choice] += 1
+        return Admit(
+            request_id=ask.request_id, session=ask.session, worker=w, blocks=reused + new_blocks,
+            num_cached_tokens=n * P, reused=reused, restore=restore, drop=drop, decision=decision,
+            restored_tokens=num_restore * P, new_blocks=new_blocks,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, admit: Admit, now_ns: int) -> None:
+        self.running[admit.request_id] = Running(
+            request_id=admit.request_id, session=admit.session, worker=admit.worker,
+            reused=list(admit.reused), new_blocks=list(admit.new_blocks),
+        )
+        if admit.session is not None:
+            entry = self.sessions.get(admit.session)
+            if entry is None:
+                entry = self.sessions[admit.session] = SessionEntry(session=admit.session, worker=admit.worker)
+            n = len(admit.reused)
+            entry.worker = admit.worker
+            entry.blocks, entry.keys = list(admit.reused), list(entry.keys[:n])
+            entry.num_tokens = admit.num_cached_tokens
+            entry.busy = admit.request_id
+            entry.last_used_ns = now_ns
+
+    def written(self, request_id: str, blocks: list[int], keys: list[str]) -> None:
+        r = self.running.get(request_id)
+        if r is None:
+            return
+        for b, k in zip(blocks, keys):
+            if b in r.new_blocks and b not in r.written:
+                r.written.append(b)
+                r.written_keys.append(k)
+
+    def finish(self, request_id: str, reason: str, num_tokens: int, now_ns: int) -> None:
+        """The request ended (``reason``: stop, length, cancelled, error). A session turn that
+        finished keeps its pages for the next turn; otherwise the session keeps only the prefix it
+        reused (the worker freed what the request wrote: ``Generate.free_on_finish``)."""
+        r = self.running.pop(request_id, None)
+        if r is None or r.session is None:
+            return
+        entry = self.sessions[r.session]
+        entry.busy = None
+        entry.last_used_ns = now_ns
+        n = len(r.reused)
+        if reason in ("stop", "length"):
+            order = {b: i for i, b in enumerate(r.new_blocks)}
+            pairs = sorted(zip(r.written, r.written_keys), key=lambda p: order[p[0]])
+            entry.blocks = list(r.reused) + [b for b, _ in pairs]
+            entry.keys = entry.keys[:n] + [k for _, k in pairs]
+            entry.num_tokens = num_tokens
+        else:
+            entry.blocks, entry.keys = list(r.reused), entry.keys[:n]
+            entry.num_tokens = n * self.cfg.page_tokens
+
+    def recompute_instead(self, state: State, request_id: str) -> Admit:
+        """A restore that failed (refused, rejected, checksum): compute the whole prompt instead.
+        The prefix pages are given up (``drop``), fresh pages take their place."""
+        r = self.running[request_id]
+        wb = state.blocks.get(r.worker, {})
+        drop: dict[str, list[int]] = {}
+        for b in r.reused:
+            for t in (wb[b].tiers if b in wb else ()):
+                drop.setdefault(t, []).append(b)
+        fresh = self.allocate_ids(state, r.worker, len(r.reused))
+        r.reused, r.new_blocks = [], fresh + r.new_blocks
+        if r.session is not None:
+            entry = self.sessions[r.session]
+            entry.blocks, entry.keys, entry.num_tokens = [], [], 0
+        self.decisions["restore_failed"] = self.decisions.get("restore_failed", 0) + 1
+        return Admit(request_id=request_id, session=r.session, worker=r.worker, blocks=list(r.new_blocks),
+                     num_cached_tokens=0, reused=[], restore={}, drop=drop, decision=None, restored_tokens=0,
+                     new_blocks=list(r.new_blocks))
+
+    def rebuild(self, state: State) -> None:
+        """After a restart: sessions from the ledger (pages with a session, in id order, which is
+        sequence order because ids only grow), so a surviving worker's pages are reused."""
+        for w, wb in state.blocks.items():
+            by_session: dict[str, list[int]] = {}
+            for b, st in wb.items():
+                if st.session is not None:
+                    by_session.setdefault(st.session, []).append(b)
+            for session, blocks in by_session.items():
+                blocks.sort()
+                keys = [wb[b].key for b in blocks]
+                full = next((i for i, k in enumerate(keys) if not k), len(keys))
+                self.sessions[session] = SessionEntry(session=session, worker=w, blocks=blocks, keys=keys,
+                                                      num_tokens=full * self.cfg.page_tokens)
+
+    def forget_blocks(self, worker: int, blocks: set[int]) -> None:
+        """Pages that no longer exist (freed by an operator, lost with a worker): cut every
+        session's chain at the first one."""
+        for e in self.sessions.values():
+            if e.worker != worker:
+                continue
+            for i, b in enumerate(e.blocks):
+                if b in blocks:
+                    e.truncate(i, self.cfg.page_tokens)
+                    break

@@ -1,0 +1,78 @@
+"""Restore or recompute a parked prefix: price the time each choice adds to this request. Pure.
+
+    recompute  ─ prefill the cached tokens again:            cached_tokens / prefill_tokens_per_s
+    restore    ─ copy the pages back, minus what hides        max(0, transfer_s - hidden_s) + fixed_s
+                 behind the prefill of the new tokens:        hidden_s = new_tokens / prefill_tokens_per_s
+                                                                         (0 when the worker cannot overlap)
+    transfer_s = Σ bytes_from_tier / bandwidth(tier→device)   (disk pages cross disk→host→device)
+
+A transfer hidden behind compute is nearly free, so raw bytes are never the price: only the
+unhidden remainder is. Bandwidths and prefill speed start from configured values and follow what
+the workers measure (``MoveAcked`` times, step durations) as an exponentially weighted average.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class PrefixDecision(msgspec.Struct, frozen=True, kw_only=True):
+    choice: str                       # "restore" | "recompute"
+    restore_s: float
+    recompute_s: float
+    transfer_s: float
+    hidden_s: float
+    reason: str
+
+
+class CostModel:
+    """Mutable only through ``observe_*`` (the measurements); ``decide`` is a pure function of them."""
+
+    def __init__(self, *, host_to_device_bytes_per_s: float = 8e9, disk_to_host_bytes_per_s: float = 1e9,
+                 prefill_tokens_per_s: float = 2000.0, fixed_restore_s: float = 0.002, overlap: bool = False,
+                 smoothing: float = 0.3):
+        self.bandwidth = {"host": float(host_to_device_bytes_per_s), "disk": float(disk_to_host_bytes_per_s)}
+        self.prefill_tokens_per_s = float(prefill_tokens_per_s)
+        self.fixed_restore_s = float(fixed_restore_s)
+        self.overlap = overlap
+        self.smoothing = smoothing
+
+    # ------------------------------------------------------------------ decision
+    def transfer_s(self, bytes_by_tier: dict[str, int]) -> float:
+        t = 0.0
+        for tier, n in bytes_by_tier.items():
+            if n <= 0:
+                continue
+            if tier == "disk":                      # disk → host, then host → device
+                t += n / self.bandwidth["disk"] + n / self.bandwidth["host"]
+            else:
+                t += n / self.bandwidth["host"]
+        return t
+
+    def decide(self, *, cached_tokens: int, new_tokens: int, bytes_by_tier: dict[str, int]) -> PrefixDecision:
+        """Which choice adds less time to this request. Ties go to restore (no recompute work)."""
+        transfer = self.transfer_s(bytes_by_tier)
+        hidden = new_tokens / self.prefill_tokens_per_s if self.overlap else 0.0
+        restore = max(0.0, transfer - hidden) + self.fixed_restore_s
+        recompute = cached_tokens / self.prefill_tokens_per_s
+        choice = "restore" if restore <= recompute else "recompute"
+        reason = (f"restore {restore * 1e3:.2f} ms (transfer {transfer * 1e3:.2f} - hidden {hidden * 1e3:.2f} "
+                  f"+ fixed {self.fixed_restore_s * 1e3:.2f}) vs recompute {recompute * 1e3:.2f} ms "
+                  f"({cached_tokens} tokens at {self.prefill_tokens_per_s:.0f}/s)")
+        return PrefixDecision(choice=choice, restore_s=restore, recompute_s=recompute, transfer_s=transfer,
+                              hidden_s=hidden, reason=reason)
+
+    # ------------------------------------------------------------------ measurements
+    def _ewma(self, old: float, new: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_transfer(self, src: str, nbytes: int, seconds: float) -> None:
+        """A restore (src → device) or promote (disk → host) the worker timed."""
+        if nbytes <= 0 or seconds <= 0 or src not in self.bandwidth:
+            return
+        self.bandwidth[src] = self._ewma(self.bandwidth[src], nbytes / seconds)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that prefilled ``num_tokens`` prompt tokens in ``seconds``."""
+        if num_tokens < 16 or seconds <= 0:        # decode-sized steps say little about prefill speed
+            return
+        self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, num_tokens / seconds)

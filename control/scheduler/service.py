@@ -1,0 +1,566 @@
+"""``ServingService``: the control process's side of inference; implements the API's ``Backend``.
+
+Everything that decides or records runs on the control loop thread (handlers of worker messages,
+``proc.call``), where the folded state is consistent; the API's coroutines only post work there
+and await the answer (``bridge``). The pure decisions are ``Scheduler``'s.
+
+A request, as the ledger sees it:
+
+    Tokenize ─► Tokenized ─► plan ─► Refuse: RequestRefused                      (HTTP 400/409/503)
+                                 ─► Wait:   parks of idle sessions, retried when room appears
+                                 ─► Admit:  RequestAdmitted
+                                            [release superseded pages]  MoveRequested(evict, T→T) …
+                                            [restore the prefix]        MoveRequested(restore) … MoveAcked,
+                                                                        SessionRestored
+                                            Generate ─► TokensGenerated …  BlocksCommitted (as pages fill)
+                                            last TokensGenerated ─►       BlocksFreed(finished|disconnected|error)
+                                                                          RequestFinished
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+
+import msgspec
+import structlog
+
+from control.api.backend import (
+    BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, UnknownSession, Usage,
+)
+from control.scheduler.bridge import Pending, Stream
+from control.scheduler.config import SchedulerConfig
+from control.scheduler.core import Admit, GenerateAsk, Refuse, Scheduler, Wait
+from control.scheduler.cost import CostModel
+from control.scheduler.sessions import tier_of
+from events import catalog as ev
+from events.commands import (
+    AskAnswered, AskMove, AskReleaseBlocks, CancelGenerate, Generate, ServingReady, Tokenize, Tokenized,
+    TokensGenerated,
+)
+
+log = structlog.get_logger("control.serving")
+TERMINAL = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, ev.MoveStranded, ev.MoveAbandoned, ev.MoveLateAcked)
+FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
+
+
+class ServingService:
+    def __init__(self, proc, *, restore_policy: str = "cost", cost: CostModel | None = None,
+                 wait_timeout_s: float = 120.0, max_waiting: int = 256, tick_s: float = 0.25,
+                 api_timeout_s: float = 600.0):
+        self.proc = proc
+        self.restore_policy = restore_policy
+        self.cost = cost or CostModel()
+        self.wait_timeout_ns = int(wait_timeout_s * 1e9)
+        self.max_waiting = max_waiting
+        self.api_timeout_s = api_timeout_s
+        self.ready: dict[int, ServingReady] = {}
+        self.sched: Scheduler | None = None
+        self.pending: dict[str, Pending] = {}
+        self.waiting: list[Pending] = []
+        self.moves: collections.Counter = collections.Counter()     # (kind, outcome)
+        self._kind_of: dict[str, str] = {}
+        self._src_of: dict[str, str] = {}                          # restore move -> source tier
+        self._retry_posted = False
+        self._ask_ids = itertools.count(1)
+        self._stats = BackendStats()
+        self._stop = threading.Event()
+        for msg_type, handler in ((ServingReady, self._on_ready), (Tokenized, self._on_tokenized),
+                                  (TokensGenerated, self._on_tokens), (ev.StepCompleted, self._on_step)):
+            proc.on_worker_message(msg_type, handler)
+        proc.add_listener(self._on_recorded)
+        proc.blocks_in_use = self._blocks_in_use
+        self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
+        self._ticker.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ================================================================== Backend (API thread)
+    def models(self) -> list[ModelCard]:
+        seen: dict[str, ModelCard] = {}
+        for r in list(self.ready.values()):
+            seen.setdefault(r.model, ModelCard(id=r.model, max_context=r.max_context, created=0))
+        return list(seen.values())
+
+    async def submit(self, req: GenerateRequest) -> Stream:
+        p = Pending(req, asyncio.get_running_loop())
+        self.proc.call(lambda _proc: self._begin(p))
+        try:
+            await asyncio.wait_for(asyncio.shield(p.admitted), self.api_timeout_s)
+        except asyncio.TimeoutError:
+            self._post_cancel(req.request_id, "timeout")
+            raise BackendError(503, "the control process did not admit the request in time", type="server_error",
+                               code="admission_timeout") from None
+        except asyncio.CancelledError:
+            self._post_cancel(req.request_id, "disconnected")
+            raise
+        return Stream(p, self._post_cancel)
+
+    async def park(self, session: str, tier: str = "host") -> SessionInfo:
+        return await self._on_loop(lambda done: self._park(session, tier, done))
+
+    async def restore(self, session: str) -> SessionInfo:
+        return await self._on_loop(lambda done: self._restore(session, done))
+
+    async def session(self, session: str) -> SessionInfo:
+        return await self._on_loop(lambda done: done(self._info_or_404(session)))
+
+    def stats(self) -> BackendStats:
+        try:
+            self._stats = self.proc.call(lambda _proc: self._collect_stats()).result(timeout=2.0)
+        except Exception as e:  # noqa: BLE001 - a stuck loop must not hang /metrics; health says why
+            log.warning("stats_unavailable", error=repr(e))
+        return self._stats
+
+    def health(self) -> Health:
+        h = self.proc.health()
+        detail: dict[str, object] = {"models": [m.id for m in self.models()], "problems": list(h.problems)}
+        if not self.ready:
+            detail["problems"].append("no worker serves a model yet")
+        return Health(ok=h.healthy and bool(self.ready), detail=detail)
+
+    def _post_cancel(self, request_id: str, reason: str) -> None:
+        self.proc.call(lambda _proc: self._cancel(request_id, reason))
+
+    async def _on_loop(self, start):
+        """Run ``start(done)`` on the loop thread; ``done(value_or_exception)`` resolves the await."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(value) -> None:
+            def settle():
+                if fut.done():
+                    return
+                if isinstance(value, BaseException):
+                    fut.set_exception(value)
+                else:
+                    fut.set_result(value)
+            loop.call_soon_threadsafe(settle)
+
+        def run(_proc):
+            try:
+                start(done)
+            except BackendError as e:
+                done(e)
+        self.proc.call(run)
+        return await asyncio.wait_for(fut, self.api_timeout_s)
+
+    def _tick_loop(self, tick_s: float) -> None:
+        while not self._stop.wait(tick_s):
+            if not self.proc.running:
+                continue
+            self.proc.call(lambda _proc: self._tick())
+
+    # ================================================================== loop thread: requests
+    def _begin(self, p: Pending) -> None:
+        if p.cancelled:
+            return
+        worker = self._choose_worker(p.req.session)
+        if self.sched is None or worker is None:
+            p.reject(BackendError(503, "no worker is serving a model yet; retry shortly", type="server_error",
+                                  code="model_loading"))
+            return
+        p.worker, p.phase = worker, "tokenizing"
+        self.pending[p.request_id] = p
+        req = p.req
+        msg = Tokenize(request_id=p.request_id, messages=req.messages, prompt=req.prompt,
+                       prompt_token_ids=req.prompt_token_ids)
+        if not self.proc.send_to_worker(worker, msg):
+            self._forget(p)
+            p.reject(BackendError(503, f"worker {worker} is unreachable", type="server_error",
+                                  code="worker_unavailable"))
+
+    def _choose_worker(self, session: str | None) -> int | None:
+        alive = [w for w in self.ready if (ws := self.proc.state.workers.get(w)) is not None and ws.alive]
+        if not alive:
+            return None
+        if session is not None and self.sched is not None:
+            entry = self.sched.sessions.get(session)
+            if entry is not None and entry.worker in alive:
+                return entry.worker
+        load = collections.Counter(p.worker for p in self.pending.values())
+        return min(alive, key=lambda w: (load[w], w))
+
+    def _on_tokenized(self, link, msg: Tokenized) -> None:
+        p = self.pending.get(msg.request_id)
+        if p is None or p.phase != "tokenizing":
+            return
+        if p.cancelled:
+            self._forget(p)
+            return
+        req = p.req
+        param = "messages" if req.kind == "chat" else "prompt"
+        if msg.error is not None:
+            code, _, detail = msg.error.partition(": ")
+            self._refuse(p, 400, code, detail or msg.error, param)
+            return
+        n, ctx = len(msg.token_ids), self.ready[p.worker].max_context
+        if n >= ctx:
+            self._refuse(p, 400, "context_length_exceeded",
+                         f"this model's context window is {ctx} tokens; the prompt is {n} tokens", param)
+            return
+        max_tokens = req.sampling.max_tokens if req.max_tokens_given else ctx - n
+        if n + max_tokens > ctx:
+            self._refuse(p, 400, "context_length_exceeded",
+                         f"this model's context window is {ctx} tokens; the prompt ({n}) plus max_tokens "
+                         f"({max_tokens}) is {n + max_tokens}", "max_tokens")
+            return
+        p.token_ids, p.keys, p.max_tokens = list(msg.token_ids), list(msg.keys), max_tokens
+        self._admit(p)
+
+    def _admit(self, p: Pending) -> None:
+        now = time.time_ns()
+        ask = GenerateAsk(request_id=p.request_id, session=p.req.session, worker=p.worker,
+                          prompt_tokens=len(p.token_ids), prompt_keys=p.keys, max_tokens=p.max_tokens)
+        plan = self.sched.plan(self.proc.state, ask)
+        if isinstance(plan, Refuse):
+            self._refuse(p, plan.status, plan.code, plan.reason, "session_id" if plan.code == "session_busy" else None)
+            return
+        if isinstance(plan, Wait):
+            if p.phase != "waiting":
+                if len(self.waiting) >= self.max_waiting:
+                    self._refuse(p, 503, "server_overloaded", f"{len(self.waiting)} requests are already waiting")
+                    return
+                p.phase, p.wait_since_ns = "waiting", now
+                self.waiting.append(p)
+                log.info("request_waiting", request_id=p.request_id, reason=plan.reason, park=plan.park)
+            for s in plan.park:
+                if s not in p.parks_asked:
+                    p.parks_asked.add(s)
+                    self._ask(AskMove(ask_id=self._ask_id("park"), kind="park", worker=p.worker, session=s),
+                              "serving", lambda ans: None)
+            return
+        if p in self.waiting:
+            self.waiting.remove(p)
+        self._record(ev.RequestAdmitted(request_id=p.request_id, session=p.req.session,
+                                        prompt_tokens=len(p.token_ids)), p.request_id)
+        self.sched.start(plan, now)
+        p.admit = plan
+        if plan.decision is not None:
+            log.info("prefix_decision", request_id=p.request_id, session=p.req.session, choice=plan.decision.choice,
+                     reason=plan.decision.reason)
+        self._release(p.worker, plan.drop, "superseded", p.req.session)
+        if plan.restore:
+            p.phase = "restoring"
+            blocks = [b for bl in plan.restore.values() for b in bl]
+            self._ask(AskMove(ask_id=self._ask_id("restore"), kind="restore", worker=p.worker, blocks=blocks,
+                              session=p.req.session), "serving", lambda ans: self._restored(p, ans))
+        else:
+            self._run(p)
+
+    def _restored(self, p: Pending, ans: AskAnswered) -> None:
+        acked = [e for e in ans.events if type(e) is ev.MoveAcked]
+        ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(e.checksum_ok for e in acked)
+        for e in acked:
+            src = self._src_of.pop(e.move_id, None)
+            if src is not None:
+                self.cost.observe_transfer(src, e.bytes_moved, (e.finished_ns - e.started_ns) / 1e9)
+        if p.cancelled:
+            self._end_unstarted(p)
+            return
+        if not ok:
+            why = ans.error or ", ".join(type(e).__name__ for e in ans.events) or "no answer"
+            log.warning("restore_failed_recomputing", request_id=p.request_id, session=p.req.session, why=why,
+                        detail=ans.detail)
+            admit = self.sched.recompute_instead(self.proc.state, p.request_id)
+            self._release(p.worker, admit.drop, "restore_failed", p.req.session)
+            p.admit = admit
+        self._run(p)
+
+    def _run(self, p: Pending) -> None:
+        a: Admit = p.admit
+        if p.cancelled:
+            self._end_unstarted(p)
+            return
+        p.phase = "running"
+        sampling = msgspec.structs.replace(p.req.sampling, max_tokens=p.max_tokens)
+        cmd = Generate(request_id=p.request_id, session=p.req.session, token_ids=p.token_ids, block_ids=a.blocks,
+                       num_cached_tokens=a.num_cached_tokens, sampling=sampling,
+                       free_on_finish=p.req.session is None)
+        if not self.proc.send_to_worker(p.worker, cmd):
+            self._end_unstarted(p, reason="error")
+            p.reject(BackendError(503, f"worker {p.worker} is unreachable", type="server_error",
+                                  code="worker_unavailable"))
+            return
+        p.accept()
+
+    def _on_tokens(self, link, msg: TokensGenerated) -> None:
+        p = self.pending.get(msg.request_id)
+        session = p.req.session if p is not None else None
+        bb = self.proc.state.workers[link.worker].block_bytes
+        if msg.blocks_written:
+            self._record(ev.BlocksCommitted(worker=link.worker, session=session, tier="device",
+                                            blocks=list(msg.blocks_written), keys=list(msg.keys_written),
+                                            bytes=len(msg.blocks_written) * bb), msg.request_id)
+            self.sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
+        if p is None:
+            if msg.blocks_freed:
+                self._record(ev.BlocksFreed(worker=link.worker, tier="device", blocks=list(msg.blocks_freed),
+                                            bytes=msg.bytes_freed, reason="orphaned"), msg.request_id)
+            return
+        p.num_generated += len(msg.token_ids)
+        if msg.finish_reason is None:
+            if msg.token_ids or msg.text:
+                p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids)))
+            return
+        reason = msg.finish_reason
+        why = (p.cancelled or "cancelled") if reason == "cancelled" else FREE_REASON.get(reason, reason)
+        if msg.blocks_freed:
+            self._record(ev.BlocksFreed(worker=link.worker, tier="device", blocks=list(msg.blocks_freed),
+                                        bytes=msg.bytes_freed, reason=why), msg.request_id)
+        self._record(ev.RequestFinished(request_id=p.request_id, reason=reason if reason != "cancelled" else why,
+                                        completion_tokens=p.num_generated), p.request_id)
+        a: Admit = p.admit
+        self.sched.finish(p.request_id, reason, len(p.token_ids) + max(0, p.num_generated - 1), time.time_ns())
+        self._forget(p)
+        usage = Usage(prompt_tokens=len(p.token_ids), completion_tokens=p.num_generated,
+                      cached_tokens=a.num_cached_tokens, restored_tokens=a.restored_tokens,
+                      computed_tokens=msg.num_computed_tokens)
+        p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), finish_reason=reason, usage=usage,
+                     error=msg.error))
+        self._post_retry()
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        p = self.pending.get(request_id)
+        if p is None or p.cancelled:
+            return
+        p.cancelled = reason
+        if p.phase == "running":
+            self.proc.send_to_worker(p.worker, CancelGenerate(request_id=request_id, reason=reason))
+        elif p.phase in ("new", "tokenizing", "waiting"):
+            self._forget(p)              # never admitted: nothing to record
+            p.reject(BackendError(499, "the client went away", code="client_disconnected"))
+        # restoring: _restored sees it and ends the request
+
+    def _end_unstarted(self, p: Pending, reason: str | None = None) -> None:
+        """An admitted request that never reached the worker: finish it by the book."""
+        why = reason or p.cancelled or "cancelled"
+        self._record(ev.RequestFinished(request_id=p.request_id, reason=why, completion_tokens=0), p.request_id)
+        self.sched.finish(p.request_id, "cancelled", 0, time.time_ns())
+        self._forget(p)
+        p.reject(BackendError(499, "the client went away", code="client_disconnected"))
+        self._post_retry()
+
+    def _refuse(self, p: Pending, status: int, code: str, message: str, param: str | None = None) -> None:
+        self._record(ev.RequestRefused(request_id=p.request_id, reason=f"{code}: {message}"), p.request_id)
+        self._forget(p)
+        p.reject(BackendError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
+                              code=code, param=param))
+
+    def _forget(self, p: Pending) -> None:
+        p.phase = "done"
+        self.pending.pop(p.request_id, None)
+        if p in self.waiting:
+            self.waiting.remove(p)
+
+    # ================================================================== loop thread: sessions
+    def _session_pages(self, session: str) -> tuple[int | None, list[int]]:
+        for w, wb in self.proc.state.blocks.items():
+            pages = [b for b, st in wb.items() if st.session == session]
+            if pages:
+                return w, sorted(pages)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        return (entry.worker if entry else None), []
+
+    def _info_or_404(self, session: str, move_id: str | None = None) -> SessionInfo:
+        w, pages = self._session_pages(session)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        if entry is None and not pages:
+            raise UnknownSession(session)
+        ws = self.proc.state.workers.get(w) if w is not None else None
+        return SessionInfo(
+            session=session, tier=tier_of(self.proc.state, w, pages) if pages else None, num_blocks=len(pages),
+            num_tokens=entry.num_tokens if entry else 0, bytes=len(pages) * (ws.block_bytes if ws else 0),
+            busy=bool(entry and entry.busy), last_used_ns=entry.last_used_ns if entry else 0, move_id=move_id)
+
+    def _park(self, session: str, tier: str, done) -> None:
+        self._info_or_404(session)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        if entry is not None and entry.busy:
+            raise BackendError(409, f"session {session!r} is generating; park it when it is idle",
+                               code="session_busy", param="session_id")
+        moved: list[str] = []
+
+        def step(ans: AskAnswered | None) -> None:
+            try:
+                advance(ans)
+            except BackendError as e:
+                done(e)
+
+        def advance(ans: AskAnswered | None) -> None:
+            if ans is not None:
+                if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
+                    done(_ask_error(ans))
+                    return
+                moved.extend(ans.move_ids)
+            w, pages = self._session_pages(session)
+            wb = self.proc.state.blocks.get(w, {})
+            on_device = [b for b in pages if "device" in wb[b].tiers]
+            on_host = [b for b in pages if "host" in wb[b].tiers and "disk" not in wb[b].tiers]
+            if on_device:
+                self._ask(AskMove(ask_id=self._ask_id("park"), kind="park", worker=w, blocks=on_device,
+                                  session=session), "operator", step)
+            elif tier == "disk" and on_host:
+                self._ask(AskMove(ask_id=self._ask_id("demote"), kind="demote", worker=w, blocks=on_host,
+                                  session=session), "operator", step)
+            else:
+                done(self._info_or_404(session, moved[-1] if moved else None))
+        step(None)
+
+    def _restore(self, session: str, done) -> None:
+        self._info_or_404(session)
+        w, pages = self._session_pages(session)
+        wb = self.proc.state.blocks.get(w, {})
+        off = [b for b in pages if "device" not in wb[b].tiers]
+        if not off:
+            done(self._info_or_404(session))
+            return
+
+        def answered(ans: AskAnswered) -> None:
+            if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
+                done(_ask_error(ans))
+                return
+            try:
+                done(self._info_or_404(session, ans.move_ids[-1] if ans.move_ids else None))
+            except BackendError as e:
+                done(e)
+        self._ask(AskMove(ask_id=self._ask_id("restore"), kind="restore", worker=w, blocks=off, session=session),
+                  "operator", answered)
+
+    # ================================================================== loop thread: plumbing
+    def _ask(self, ask, asker: str, then) -> None:
+        fut: Future = self.proc.submit(ask, asker)
+        fut.add_done_callback(lambda f: self._answered(f, then))
+
+    def _answered(self, fut: Future, then) -> None:
+        try:
+            ans = fut.result()
+        except Exception as e:  # noqa: BLE001
+            ans = AskAnswered(ask_id="", error="ask_failed", detail=repr(e))
+        try:
+            then(ans)
+        except Exception:  # noqa: BLE001 - one request's bug must not stop the control loop
+            log.exception("serving_callback_failed")
+
+    def _ask_id(self, what: str) -> str:
+        return f"serving-{what}-{next(self._ask_ids)}"
+
+    def _release(self, worker: int, by_tier: dict[str, list[int]], reason: str, session: str | None) -> None:
+        for tier, blocks in by_tier.items():
+            if blocks:
+                self._ask(AskReleaseBlocks(ask_id=self._ask_id("release"), worker=worker, tier=tier, blocks=blocks,
+                                           reason=reason), "serving",
+                          lambda ans, t=tier: ans.error and log.warning("release_failed", tier=t, error=ans.error,
+                                                                        detail=ans.detail))
+
+    def _record(self, event: ev.Event, correlation: str | None = None) -> int:
+        return self.proc.record(event, correlation=correlation)
+
+    def _on_ready(self, link, msg: ServingReady) -> None:
+        if self.sched is None:
+            self.sched = Scheduler(SchedulerConfig(page_tokens=msg.page_tokens, max_context=msg.max_context,
+                                                   restore_policy=self.restore_policy), self.cost)
+            self.sched.rebuild(self.proc.state)
+        elif msg.page_tokens != self.sched.cfg.page_tokens:
+            log.error("worker_page_size_mismatch", worker=link.worker, page_tokens=msg.page_tokens,
+                      expected=self.sched.cfg.page_tokens)
+            return
+        self.ready[link.worker] = msg
+        log.info("serving_ready", worker=link.worker, model=msg.model, max_context=msg.max_context,
+                 device_blocks=msg.device_blocks)
+
+    def _on_step(self, link, msg: ev.StepCompleted) -> None:
+        self._record(msg)
+        self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
+
+    def _on_recorded(self, seq: int, event: ev.Event) -> None:
+        t = type(event)
+        if t is ev.MoveRequested:
+            self._kind_of[event.move_id] = event.kind
+            if event.kind == "restore":
+                self._src_of[event.move_id] = event.src
+        elif t in TERMINAL:
+            kind = self._kind_of.get(event.move_id, "unknown")
+            self.moves[(kind, t.__name__)] += 1
+            if t is not ev.MoveStranded:
+                self._kind_of.pop(event.move_id, None)
+            self._post_retry()
+        elif t is ev.BlocksFreed:
+            self._post_retry()
+        elif t is ev.WorkerLost:
+            self._worker_lost(event.worker)
+
+    def _worker_lost(self, worker: int) -> None:
+        self.ready.pop(worker, None)
+        for p in [p for p in self.pending.values() if p.worker == worker]:
+            if p.phase == "running":
+                p.push(Chunk(text="", finish_reason="error", error=f"worker {worker} was lost",
+                             usage=Usage(prompt_tokens=len(p.token_ids), completion_tokens=p.num_generated)))
+                self._record(ev.RequestFinished(request_id=p.request_id, reason="error",
+                                                completion_tokens=p.num_generated), p.request_id)
+                self.sched.finish(p.request_id, "error", 0, time.time_ns())
+                self._forget(p)
+            elif p.phase in ("tokenizing", "waiting"):
+                self._forget(p)
+                p.reject(BackendError(503, f"worker {worker} was lost", type="server_error", code="worker_lost"))
+        if self.sched is not None:
+            lost = {b for e in self.sched.sessions.values() if e.worker == worker for b in e.blocks}
+            self.sched.forget_blocks(worker, lost)
+
+    def _post_retry(self) -> None:
+        if self.waiting and not self._retry_posted:
+            self._retry_posted = True
+            self.proc.call(lambda _proc: self._retry_waiting())
+
+    def _retry_waiting(self) -> None:
+        self._retry_posted = False
+        for p in list(self.waiting):
+            if p.phase == "waiting" and not p.cancelled:
+                self._admit(p)
+
+    def _tick(self) -> None:
+        now = time.time_ns()
+        for p in list(self.waiting):
+            if now - p.wait_since_ns > self.wait_timeout_ns:
+                self._refuse(p, 503, "insufficient_kv_capacity",
+                             f"waited {self.wait_timeout_ns // 10**9} s for room on the device")
+        if self.waiting:
+            self._retry_waiting()
+
+    def _blocks_in_use(self) -> dict[int, set[int]]:
+        return self.sched.busy_blocks() if self.sched is not None else {}
+
+    def _collect_stats(self) -> BackendStats:
+        st = self.proc.state
+        used, cap = {}, {}
+        for w, ws in st.workers.items():
+            for t, acc in ws.tiers.items():
+                used[(str(w), t)] = acc.used_bytes
+                cap[(str(w), t)] = acc.capacity_bytes
+        by_tier: collections.Counter = collections.Counter()
+        if self.sched is not None:
+            for e in self.sched.sessions.values():
+                by_tier[tier_of(st, e.worker, [b for b in e.blocks if b in st.blocks.get(e.worker, {})]) or "none"] += 1
+        h = self.proc.health()
+        lag_ms = h.metrics.get("commit_lag_ms")
+        return BackendStats(
+            tier_used_bytes=used, tier_capacity_bytes=cap, moves=dict(self.moves),
+            stranded_bytes=st.stranded_bytes_total(),
+            ledger_append_lag_s=None if lag_ms is None else lag_ms / 1e3, ledger_last_seq=st.last_seq,
+            running_requests=sum(1 for p in self.pending.values() if p.phase == "running"),
+            waiting_requests=len(self.waiting), sessions_by_tier=dict(by_tier),
+            restore_decisions=dict(self.sched.decisions) if self.sched else {},
+        )
+
+
+def _ask_error(ans: AskAnswered) -> BackendError:
+    refused = next((e for e in ans.events if type(e) is ev.MoveRefused), None)
+    if refused is not None:
+        return BackendError(503, f"refused: {refused.reason}", type="server_error", code="move_refused")
+    return BackendError(409 if ans.error == "invalid_ask" else 503, f"{ans.error}: {ans.detail}",
+                        type="invalid_request_error" if ans.error == "invalid_ask" else "server_error",
+                        code=ans.error)

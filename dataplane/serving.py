@@ -1,0 +1,313 @@
+"""The inference loop of a worker: continuous batching over the Engine's device pool.
+
+    handle(Tokenize)        ─► Tokenized (ids + content keys of the full pages)
+    handle(Generate)        a sequence joins: its reused pages must be resident and verified
+    handle(CancelGenerate)  it leaves at once: TokensGenerated("cancelled"), its new pages freed
+    step()                  one forward for every running sequence: decodes (1 token each) and
+                            prefill chunks, up to ``max_step_tokens`` new tokens in all
+                            ─► TokensGenerated per sequence (with the pages the step filled),
+                               StepCompleted (the ledger's compact step record)
+
+The model reads and writes the same tensor the Engine moves (``engine.device_pool.tensor``):
+a page parked, spilled to disk and restored is, byte for byte, the page the model wrote.
+
+Pages of a sequence (``Generate.block_ids``) are logical ids chosen by the control process; a
+page is given a pool slot when the first position in it is written, so a reserved page the
+sequence never reached costs nothing and is handed back in ``blocks_unused``.
+
+    positions: 0 ............ num_cached ............ num_prompt ........ num_computed
+    pages:     [ reused, resident ][ new: allocated as the positions reach them ][ unused ]
+
+No sockets here: the worker process shell feeds messages in and sends what comes out.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from dataplane.model.runner import ModelRunner, SeqInput
+from dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample
+from dataplane.pools import DataPlaneError
+from dataplane.serving_text import TextStream
+from events.catalog import StepCompleted
+from events.commands import (
+    CancelGenerate, Generate, ServingReady, Tokenize, Tokenized, TokensGenerated,
+)
+
+log = structlog.get_logger("dataplane.serving")
+
+KeysFn = Callable[[Sequence[int], int, str], list[str]]
+
+
+@dataclass
+class _Seq:
+    cmd: Generate
+    tokens: list[int]                 # prompt, then every sampled token
+    num_prompt: int
+    num_computed: int                 # positions whose K/V is in the pool
+    num_allocated: int                # pages of block_ids given a slot (the reused ones included)
+    num_reported: int                 # pages reported written to the control process (the reused ones included)
+    text: TextStream
+    sampling: ModelSampling
+    generator: torch.Generator | None
+    num_generated: int = 0
+    t_start_ns: int = field(default_factory=time.monotonic_ns)
+
+    @property
+    def request_id(self) -> str:
+        return self.cmd.request_id
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt
+
+
+class ServingLoop:
+    def __init__(
+        self,
+        *,
+        worker: int,
+        runner: ModelRunner,
+        tokenizer,
+        device_pool,
+        model_id: str,
+        model_digest: str,
+        page_tokens: int,
+        keys_fn: KeysFn,
+        eos_token_ids: Sequence[int] | None = None,
+        max_step_tokens: int = 256,
+        max_seqs: int = 64,
+        clock: Callable[[], int] = time.time_ns,
+    ):
+        self.worker = worker
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.pool = device_pool
+        self.model_id = model_id
+        self.model_digest = model_digest
+        self.page = page_tokens
+        self.keys_fn = keys_fn
+        self.eos = set(eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids)
+        self.max_step_tokens = max_step_tokens
+        self.max_seqs = max_seqs
+        self.clock = clock
+        self.max_positions = runner.max_positions
+        self.vocab_size = runner.config.vocab_size
+        self.seqs: dict[str, _Seq] = {}           # running, in arrival order (decodes and prefills)
+        self.num_steps = 0
+        self.log = log.bind(worker=worker)
+        if tuple(device_pool.tensor.shape[1:]) != runner.kv_pool_shape(1, page_tokens)[1:]:
+            raise DataPlaneError(f"device pool {tuple(device_pool.tensor.shape)} does not fit the model's "
+                                 f"KV pages {runner.kv_pool_shape(1, page_tokens)}")
+
+    # ------------------------------------------------------------------ queries
+    def ready(self, block_bytes: int) -> ServingReady:
+        return ServingReady(
+            worker=self.worker, model=self.model_id, model_digest=self.model_digest,
+            max_context=self.max_positions, page_tokens=self.page, block_bytes=block_bytes,
+            device_blocks=self.pool.num_slots, eos_token_ids=sorted(self.eos),
+        )
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def holding(self, blocks: Sequence[int]) -> list[int]:
+        """Which of ``blocks`` a running sequence reads or writes (a move must not take them)."""
+        held = set()
+        for s in self.seqs.values():
+            held.update(s.cmd.block_ids[:s.num_allocated])
+        return [b for b in blocks if b in held]
+
+    # ------------------------------------------------------------------ commands
+    def handle(self, msg) -> list:
+        if isinstance(msg, Tokenize):
+            return [self.tokenize(msg)]
+        if isinstance(msg, Generate):
+            return self.start(msg)
+        if isinstance(msg, CancelGenerate):
+            s = self.seqs.get(msg.request_id)
+            return [self._finish(s, "cancelled")] if s is not None else []
+        raise TypeError(f"ServingLoop does not handle {type(msg).__name__}")
+
+    def tokenize(self, msg: Tokenize) -> Tokenized:
+        def refuse(error: str) -> Tokenized:
+            return Tokenized(request_id=msg.request_id, worker=self.worker, token_ids=[], keys=[], error=error)
+
+        try:
+            if msg.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt=True)
+                ids = self.tokenizer.encode(text, add_special=False)
+            elif msg.prompt is not None:
+                ids = self.tokenizer.encode(msg.prompt, add_special=True)
+            elif msg.prompt_token_ids is not None:
+                ids = list(msg.prompt_token_ids)
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    return refuse(f"invalid_token_id: {bad[:4]} not in [0, {self.vocab_size})")
+            else:
+                return refuse("empty_prompt: no messages, prompt or prompt_token_ids")
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception, a missing template
+            name = type(e).__name__
+            kind = "chat_template_missing" if name == "ChatTemplateMissing" else "invalid_messages"
+            return refuse(f"{kind}: {e}")
+        if not ids:
+            return refuse("empty_prompt: the prompt renders to no tokens")
+        return Tokenized(request_id=msg.request_id, worker=self.worker, token_ids=ids,
+                         keys=self.keys_fn(ids, self.page, self.model_digest))
+
+    def start(self, cmd: Generate) -> list:
+        P = self.page
+        n = len(cmd.token_ids)
+        max_tokens = cmd.sampling.max_tokens
+        need = -(-(n + max(0, max_tokens - 1)) // P)
+        problem = None
+        if cmd.request_id in self.seqs:
+            problem = f"request {cmd.request_id} is already running"
+        elif n == 0 or cmd.num_cached_tokens % P or not 0 <= cmd.num_cached_tokens < n:
+            problem = f"num_cached_tokens {cmd.num_cached_tokens} must be whole pages below the prompt's {n} tokens"
+        elif max_tokens < 1 or n + max_tokens > self.max_positions:
+            problem = f"prompt {n} + max_tokens {max_tokens} does not fit the context of {self.max_positions}"
+        elif len(cmd.block_ids) < need or len(set(cmd.block_ids)) != len(cmd.block_ids):
+            problem = f"{len(cmd.block_ids)} distinct pages given, the sequence may need {need}"
+        elif len(self.seqs) >= self.max_seqs:
+            problem = f"{len(self.seqs)} sequences running, the most this worker batches is {self.max_seqs}"
+        if problem is None:
+            reused = cmd.block_ids[:cmd.num_cached_tokens // P]
+            try:
+                self.pool.slots_of(reused)     # resident and verified, or this raises
+            except DataPlaneError as e:
+                problem = f"reused pages not usable: {e}"
+            new_present = [b for b in cmd.block_ids[len(reused):] if self.pool.has(b)]
+            if problem is None and new_present:
+                problem = f"pages {new_present[:8]} are already in the pool"
+        if problem is not None:
+            self.log.warning("generate_refused", request_id=cmd.request_id, problem=problem)
+            return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
+                                    finish_reason="error", error=problem, num_prompt_tokens=n,
+                                    blocks_unused=list(cmd.block_ids[cmd.num_cached_tokens // P:]))]
+        cached_pages = cmd.num_cached_tokens // P
+        sp = cmd.sampling
+        sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, max_tokens=max_tokens,
+                                 ignore_eos=sp.ignore_eos)
+        self.seqs[cmd.request_id] = _Seq(
+            cmd=cmd, tokens=list(cmd.token_ids), num_prompt=n, num_computed=cmd.num_cached_tokens,
+            num_allocated=cached_pages, num_reported=cached_pages,
+            text=TextStream(self.tokenizer, cmd.sampling.stop), sampling=sampling,
+            generator=make_generator(sampling, "cpu"),
+        )
+        return []
+
+    # ------------------------------------------------------------------ the step
+    def _plan(self) -> list[tuple[_Seq, int]]:
+        """(sequence, new tokens) for this step: every decode, then prefill chunks in arrival order."""
+        budget = self.max_step_tokens
+        plan = [(s, 1) for s in self.seqs.values() if not s.prefilling]
+        budget -= len(plan)
+        for s in self.seqs.values():
+            if s.prefilling and budget > 0:
+                n = min(s.num_prompt - s.num_computed, budget)
+                plan.append((s, n))
+                budget -= n
+        return plan
+
+    def step(self) -> list:
+        plan = self._plan()
+        if not plan:
+            return []
+        t0 = time.perf_counter_ns()
+        out: list = []
+        batch: list[SeqInput] = []
+        try:
+            for s, n in plan:
+                end = s.num_computed + n
+                pages = -(-end // self.page)
+                if pages > s.num_allocated:
+                    self.pool.allocate(s.cmd.block_ids[s.num_allocated:pages])
+                    s.num_allocated = pages
+                batch.append(SeqInput(s.tokens[s.num_computed:end], s.num_computed,
+                                      self.pool.slots_of(s.cmd.block_ids[:pages])))
+            logits = self.runner.forward(batch, self.pool.tensor)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its sequences, never the worker
+            self.log.error("step_failed", error=repr(e), num_seqs=len(plan))
+            for s, _ in plan:
+                out += self._finish(s, "error", error=f"{type(e).__name__}: {e}")
+            return out
+        duration = time.perf_counter_ns() - t0
+        self.num_steps += 1
+        digest = hashlib.blake2b(";".join(f"{s.request_id}:{s.num_computed}+{n}" for s, n in plan).encode(),
+                                 digest_size=8).hexdigest()
+        out.append(StepCompleted(worker=self.worker, step=self.num_steps, batch_digest=digest, num_seqs=len(plan),
+                                 num_tokens=sum(n for _, n in plan), duration_ns=duration))
+        ready = []
+        for i, (s, n) in enumerate(plan):
+            s.num_computed += n
+            if s.num_computed == len(s.tokens):          # every known token is in: sample the next
+                ready.append((i, s))
+            else:                                        # a prefill chunk: report the pages it filled
+                blocks, keys = self._full_pages(s)
+                if blocks:
+                    out.append(TokensGenerated(request_id=s.request_id, worker=self.worker, token_ids=[], text="",
+                                               blocks_written=blocks, keys_written=keys))
+        if ready:
+            rows = logits[[i for i, _ in ready]] if len(ready) < len(plan) else logits
+            tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
+            for (_, s), t in zip(ready, tokens):
+                out.append(self._advance(s, t))
+        return out
+
+    def _full_pages(self, s: _Seq) -> tuple[list[int], list[str]]:
+        full = s.num_computed // self.page
+        if full <= s.num_reported:
+            return [], []
+        keys = self.keys_fn(s.tokens[:full * self.page], self.page, self.model_digest)
+        blocks = list(s.cmd.block_ids[s.num_reported:full])
+        out = blocks, keys[s.num_reported:full]
+        s.num_reported = full
+        return out
+
+    def _advance(self, s: _Seq, token: int) -> TokensGenerated:
+        s.tokens.append(token)
+        s.num_generated += 1
+        sp = s.cmd.sampling
+        if token in self.eos and not sp.ignore_eos:
+            return self._finish(s, "stop", last=[token])
+        delta = s.text.push(token)
+        if s.text.stopped is not None:
+            return self._finish(s, "stop", last=[token], text=delta)
+        if s.num_generated >= sp.max_tokens or len(s.tokens) >= self.max_positions:
+            return self._finish(s, "length", last=[token], text=delta)
+        blocks, keys = self._full_pages(s)
+        return TokensGenerated(request_id=s.request_id, worker=self.worker, token_ids=[token], text=delta,
+                               blocks_written=blocks, keys_written=keys)
+
+    def _finish(self, s: _Seq, reason: str, *, last: list[int] | None = None, text: str = "",
+                error: str | None = None) -> TokensGenerated:
+        """The sequence leaves: report its last pages, free what it must, hand back the rest."""
+        self.seqs.pop(s.request_id, None)
+        if reason in ("stop", "length"):
+            text += s.text.flush()
+        blocks, keys = self._full_pages(s)
+        pages = s.cmd.block_ids
+        if s.num_allocated > s.num_reported:    # the partial tail (or, after a failed step, unwritten pages)
+            tail = list(pages[s.num_reported:s.num_allocated])
+            blocks, keys = blocks + tail, keys + [""] * len(tail)
+            s.num_reported = s.num_allocated
+        freed, bytes_freed = [], 0
+        if s.cmd.free_on_finish or reason not in ("stop", "length"):
+            freed = list(pages[s.cmd.num_cached_tokens // self.page:s.num_allocated])
+            bytes_freed = self.pool.free(freed) if freed else 0
+        self.log.info("generate_finished", request_id=s.request_id, reason=reason, num_generated=s.num_generated,
+                      ms=round((time.monotonic_ns() - s.t_start_ns) / 1e6, 1), pages_freed=len(freed))
+        return TokensGenerated(
+            request_id=s.request_id, worker=self.worker, token_ids=list(last or []), text=text,
+            finish_reason=reason, error=error, num_prompt_tokens=s.num_prompt,
+            num_computed_tokens=max(0, min(s.num_computed, s.num_prompt) - s.cmd.num_cached_tokens),
+            blocks_unused=list(pages[s.num_allocated:]), blocks_written=blocks, keys_written=keys,
+            blocks_freed=freed, bytes_freed=bytes_freed,
+        )
