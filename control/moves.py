@@ -47,7 +47,7 @@ def move_id(epoch: int, n: int) -> str:
 
 
 # ------------------------------------------------------------------ ask -> asks
-def resolve(state: State, msg: AskMove, asker: str) -> list[Ask]:
+def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | None = None) -> list[Ask]:
     """The asks an ``AskMove`` means, against the current state; raises InvalidAsk."""
     if msg.kind not in KIND_DEFAULTS:
         raise InvalidAsk(f"unknown move kind {msg.kind!r}")
@@ -88,7 +88,7 @@ def resolve(state: State, msg: AskMove, asker: str) -> list[Ask]:
         if not asks:
             raise InvalidAsk(f"blocks {on_src[:16]} already have a copy on {dst}")
     for a in asks:
-        validate(state, a)
+        validate(state, a, busy)
     return asks
 
 
@@ -151,8 +151,8 @@ def command_for(req: ev.MoveRequested) -> ExecuteMove | ReleaseBlocks:
 
 
 def release_outcome(msg: BlocksReleased, now_ns: int) -> ev.MoveAcked:
-    """A release's answer as the move outcome it settles. ``bytes_freed`` is what the worker
-    measured: 0 is an accounting (recorded as 0), silence is not (the watchdog strands it)."""
+    """A release's answer as the move outcome it settles, carrying the freed bytes the worker
+    measured (``settle_events`` moves them into the BlocksFreed that follows)."""
     return ev.MoveAcked(move_id=msg.release_id, worker=msg.worker, bytes_moved=0,
                         bytes_freed_src=msg.bytes_freed, checksum_ok=True, started_ns=now_ns, finished_ns=now_ns)
 
@@ -189,6 +189,20 @@ def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event
     return UNKNOWN, None
 
 
+def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
+    """What to record for a move's outcome: the outcome itself, then the facts it implies.
+
+    A release's ack becomes ``MoveAcked(bytes_freed_src=0)`` + ``BlocksFreed(bytes=measured)``:
+    0 measured is recorded as 0 (an accounting); silence never gets here (the watchdog strands it).
+    """
+    if mv.src == mv.dst and type(event) in (ev.MoveAcked, ev.MoveLateAcked):
+        freed = event.bytes_freed_src
+        return [msgspec.structs.replace(event, bytes_freed_src=0),
+                ev.BlocksFreed(worker=mv.worker, tier=mv.src, blocks=list(mv.blocks), bytes=freed,
+                               reason="release")]      # the why is on the MoveRequested (causation)
+    return [event, *followups(mv, event, cfg)]
+
+
 def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
     """Session facts an acked park or restore implies (recorded right after the ack)."""
     if mv.session is None or type(event) not in (ev.MoveAcked, ev.MoveLateAcked):
@@ -222,6 +236,28 @@ class AskWaiter:
     @property
     def done(self) -> bool:
         return not self.open
+
+
+class BusyIndex:
+    """Blocks named by a move without a settled outcome, per worker, kept as moves come and go
+    (``policy.asks.busy_blocks`` recomputes the same from the state, for the pure callers).
+
+    A stranded move keeps its blocks busy until its worker has answered for it (a late ack, or a
+    report saying it failed or never arrived: the worker then never runs it), because until then
+    the copy might still be happening.
+    """
+
+    def __init__(self, state: State):
+        self.by_worker: dict[int, set[int]] = busy_blocks(state)
+
+    def add(self, worker: int, blocks) -> None:
+        self.by_worker.setdefault(worker, set()).update(blocks)
+
+    def remove(self, worker: int, blocks) -> None:
+        self.by_worker.get(worker, set()).difference_update(blocks)
+
+    def drop_worker(self, worker: int) -> None:
+        self.by_worker.pop(worker, None)
 
 
 class MoveBook:

@@ -123,19 +123,37 @@ class ControlFaults:
 
 
 class Recorder:
-    """The producer side of the ledger: fold now, commit through the group-commit writer."""
+    """The producer side of the ledger: fold now, commit at the end of the loop's iteration.
 
-    def __init__(self, writer, state: State, recency: Recency, epoch: int, faults: ControlFaults):
+        record(event)   folds it into the live state with the seq it will get; buffers it
+        flush()         writer idle (nothing of ours committing): append the buffer here, in one
+                        transaction, now -- the lowest latency for a lone move;
+                        otherwise hand it to the group-commit writer's thread, whose next batch
+                        takes it -- commits overlap with the loop's own work under load
+        advance()       settle the writer's futures in order; the highest committed seq
+
+    NOTE: both paths keep seq order: the inline path is taken only when no writer future of ours
+    is unresolved, and only this thread records.
+    """
+
+    def __init__(self, store, writer, state: State, recency: Recency, epoch: int, faults: ControlFaults,
+                 durability: str = "normal", inline_max: int = 1000):
+        self.store = store
         self.writer = writer
         self.state = state
         self.recency = recency
         self.epoch = epoch
         self.faults = faults
+        self.durability = durability
+        self.inline_max = inline_max
         self.producer_seq = 0
         self.next_seq = state.last_seq + 1
         self.committed = state.last_seq
+        self._buffer: list[tuple[Envelope, ev.Event]] = []
         self._pending: collections.deque[tuple[int, Future, int]] = collections.deque()
         self._armed: Future | None = None
+        self._inline_since = 0
+        self.num_inline = self.num_handed = 0
 
     def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
         ts = time.time_ns()
@@ -146,10 +164,32 @@ class Recorder:
                        correlation_id=correlation, causation=causation, seq=seq)
         self.recency.observe(self.state, event, ts)
         fold(self.state, Recorded(env, event))
-        # NOTE: blocks while the writer's queue is full (back-pressure); health() shows it.
-        self._pending.append((seq, self.writer.submit(env, event), time.monotonic_ns()))
+        self._buffer.append((env, event))
         self.faults.hit("crash_after_events")
         return seq
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        batch, self._buffer = self._buffer, []
+        if not self._pending and len(batch) <= self.inline_max:
+            self._inline_since = time.monotonic_ns()
+            try:
+                seqs = self.store.append(batch, durability=self.durability)
+            finally:
+                self._inline_since = 0
+            if seqs[0] != batch[0][0].seq or seqs[-1] != batch[-1][0].seq:
+                raise LedgerDiverged(f"events folded as seqs {batch[0][0].seq}..{batch[-1][0].seq} were committed "
+                                     f"as {seqs[0]}..{seqs[-1]}: another writer appended to this ledger")
+            self.committed = seqs[-1]
+            self.num_inline += 1
+            return
+        now = time.monotonic_ns()
+        for env, event in batch:
+            # NOTE: blocks while the writer's queue is full (back-pressure: its log line and
+            # stats say so, and health() reports the loop stalled).
+            self._pending.append((env.seq, self.writer.submit(env, event), now))
+        self.num_handed += 1
 
     def advance(self) -> int:
         """Settle committed futures in order; raises the ledger's error or LedgerDiverged."""
@@ -164,17 +204,19 @@ class Recorder:
         return self.committed
 
     def arm(self, wake: Callable[[], None]) -> None:
-        """Wake the loop when everything submitted so far has committed (commits are in order)."""
+        """Wake the loop when everything handed over so far has committed (commits are in order)."""
         if self._pending and self._pending[-1][1] is not self._armed:
             self._armed = self._pending[-1][1]
             self._armed.add_done_callback(lambda _f: wake())
 
     def lag_ns(self, now_ns: int) -> int:
-        return now_ns - self._pending[0][2] if self._pending else 0
+        """How long the oldest uncommitted event of ours has waited (inline commit included)."""
+        oldest = [t for t in (self._inline_since, self._pending[0][2] if self._pending else 0) if t]
+        return now_ns - min(oldest) if oldest else 0
 
     @property
     def uncommitted(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._buffer)
 
 
 class WorkerLink:
@@ -217,6 +259,9 @@ class ControlProc:
             ErrorReply: self._on_worker_error,
         }
         self._unhandled_logged: set[type] = set()
+        self._listeners: list[Callable[[int, ev.Event], None]] = []
+        # Blocks the serving path is using right now (worker -> ids): policies never move them.
+        self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
         self.metrics: collections.Counter = collections.Counter()
         # set by _recover()
         self.state = State()
@@ -238,6 +283,14 @@ class ControlProc:
         fut: Future = Future()
         self._post(("ask", ask, asker, fut.set_result))
         return fut
+
+    def submit_many(self, asks, asker: str = "api") -> list["Future"]:
+        """``submit`` for many asks at once: one wake of the loop, and their events share commits."""
+        futs = [Future() for _ in asks]
+        for ask, fut in zip(asks, futs):
+            self._inbox.put(("ask", ask, asker, fut.set_result))
+        self._wake()
+        return futs
 
     def call(self, fn: Callable[["ControlProc"], Any]) -> "Future":
         """Run ``fn(self)`` on the loop's thread (the one place it may touch state and sockets)."""
@@ -307,8 +360,9 @@ class ControlProc:
             self._ready.set()
             while self._stop_reason is None:
                 self._poll()
-                self._commits()
                 self._tick()
+                self._recorder.flush()
+                self._commits()
             self._shutdown(self._stop_reason)
         except BaseException as e:  # noqa: BLE001 - reported through health/fatal and the log, once
             self._fatal = e
@@ -355,8 +409,10 @@ class ControlProc:
         self.recovered = rec
         self.state, self.recency, self.epoch, self.roster = rec.state, rec.recency, rec.epoch, dict(rec.roster)
         self._writer = self._writer_factory(self.store)
-        self._recorder = Recorder(self._writer, self.state, self.recency, self.epoch, self.faults)
+        self._recorder = Recorder(self.store, self._writer, self.state, self.recency, self.epoch, self.faults,
+                                  self.cfg.durability)
         self.book = moves.MoveBook()
+        self.busy = moves.BusyIndex(self.state)
         self.memo = RefusalMemo()
         self._links: dict[bytes, WorkerLink] = {}
         self._by_worker: dict[int, WorkerLink] = {}
@@ -375,6 +431,7 @@ class ControlProc:
         alive = [w for w, ws in self.state.workers.items() if ws.alive]
         self._adopting: dict[int, int] = {w: now + int(self.cfg.adopt_grace_s * S) for w in alive} if rec.crashed else {}
         self._record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
+        self._recorder.flush()
         log.info("control_recovered", last_seq=rec.last_seq, replayed=rec.num_replayed, snapshot=rec.from_snapshot,
                  epoch=self.epoch, crashed=rec.crashed, in_flight=len(self.state.inflight),
                  stranded=len(self.state.stranded), adopting=sorted(self._adopting),
@@ -383,8 +440,7 @@ class ControlProc:
     def _poll(self) -> None:
         self._beat_ns = now = time.monotonic_ns()
         timeout_ms = max(0, min(self._next.values()) - now) // MS
-        if self._recorder.uncommitted:
-            self._recorder.arm(self._wake)
+        self._recorder.arm(self._wake)
         events = dict(self._poller.poll(min(timeout_ms, 50)))
         if self._wake_r in events:
             try:
@@ -461,9 +517,24 @@ class ControlProc:
             self._checkpoint(now)
 
     # ================================================================== recording
-    def _record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
+    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
+        """Fold ``event`` into the live state and queue it for the ledger; returns its seq.
+        Loop thread only (handlers, ``call``). It is committed by the end of this loop iteration
+        (or handed to the group-commit writer, when commits are already in flight)."""
         self.metrics[f"recorded_{type(event).__name__}"] += 1
-        return self._recorder.record(event, correlation, causation)
+        seq = self._recorder.record(event, correlation, causation)
+        for listener in self._listeners:
+            try:
+                listener(seq, event)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the ledger's writer
+                log.exception("listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
+        return seq
+
+    _record = record
+
+    def add_listener(self, fn: Callable[[int, ev.Event], None]) -> None:
+        """``fn(seq, event)`` on the loop thread after each event is folded (before its commit)."""
+        self._listeners.append(fn)
 
     def _checkpoint(self, now: int) -> None:
         through = self.state.last_seq
@@ -631,6 +702,7 @@ class ControlProc:
         self._adopting.pop(worker, None)
         for e in watchdog.loss(self.state, worker, reason, self.book.undispatched):
             if type(e) is ev.WorkerLost:
+                self.busy.drop_worker(worker)
                 log.warning("worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
                             bytes_lost=e.bytes_lost)
                 self._record(e)
@@ -649,6 +721,7 @@ class ControlProc:
         req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
         seq = self._record(req, correlation=ask.session, causation=ask.asker)
         self.book.requested(seq, req, waiter)
+        self.busy.add(ask.worker, ask.blocks)
         return mid
 
     def _dispatch(self, req: ev.MoveRequested) -> None:
@@ -683,6 +756,10 @@ class ControlProc:
         for verdict, event in settled:
             self.metrics[f"reconciled_{verdict}"] += 1
             self._settle(event.move_id, event)
+        for mid in [*msg.unknown, *(o.move_id for o in msg.outcomes)]:
+            mv = self.state.stranded.get(mid)
+            if mv is not None and mv.worker == link.worker:   # answered for: it will never run now
+                self.busy.remove(mv.worker, mv.blocks)
         link.asked.difference_update(msg.unknown)
         link.asked.difference_update(o.move_id for o in msg.outcomes)
         if settled:
@@ -693,10 +770,10 @@ class ControlProc:
         mv = self.state.inflight.get(mid) or self.state.stranded.get(mid)
         if mv is None:
             return
-        seq = self._record(event, correlation=mv.session, causation=mid)
-        recorded = [(seq, event)]
-        for f in moves.followups(mv, event, self.cfg.moves):
-            recorded.append((self._record(f, correlation=mv.session, causation=mid), f))
+        recorded = [(self._record(e, correlation=mv.session, causation=mid), e)
+                    for e in moves.settle_events(mv, event, self.cfg.moves)]
+        if type(event) is not ev.MoveStranded:
+            self.busy.remove(mv.worker, mv.blocks)
         if type(event) is ev.MoveLateAcked:
             return
         waiter = self.book.settled(mid)
@@ -731,9 +808,13 @@ class ControlProc:
 
     def _run_policies(self) -> None:
         now = time.time_ns()
-        for ask in plan(self.state, self.recency, now, self.cfg.policy, self.memo):
+        busy = self.busy.by_worker
+        in_use = self.blocks_in_use()
+        if in_use:
+            busy = {w: busy.get(w, set()) | in_use.get(w, set()) for w in set(busy) | set(in_use)}
+        for ask in plan(self.state, self.recency, now, self.cfg.policy, self.memo, busy):
             try:
-                moves.validate(self.state, ask)
+                moves.validate(self.state, ask, busy)
             except moves.InvalidAsk:
                 continue
             refusal = moves.fund(self.state, [ask])
@@ -774,7 +855,7 @@ class ControlProc:
                 self._ask_move(msg, f"{asker}:{msg.kind}", waiter)
             elif type(msg) is AskReleaseBlocks:
                 ask = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason)
-                moves.validate(self.state, ask)
+                moves.validate(self.state, ask, self.busy.by_worker)
                 self._request(ask, waiter)
             elif type(msg) is AskSetBudget:
                 problem = budget.check_budget(self.state, msg.worker, msg.tier, msg.floor_bytes, msg.ceiling_bytes)
@@ -799,7 +880,7 @@ class ControlProc:
             self._answer_after(waiter)
 
     def _ask_move(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
-        asks = moves.resolve(self.state, msg, asker)
+        asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)
         refusal = moves.fund(self.state, asks)
         if refusal is not None:
             e = refusal.event(asker, msg.session)
@@ -907,6 +988,7 @@ class ControlProc:
                 self._settle(mid, ev.MoveStranded(move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned,
                                                   why="silent_release"))
         self._record(ev.ServerStopped(reason=reason))
+        self._recorder.flush()
         self._writer.flush(timeout=30)
         self._recorder.advance()
         for link in list(self._links.values()):
@@ -918,6 +1000,7 @@ class ControlProc:
         deadline = time.monotonic() + timeout_s
         while not done() and time.monotonic() < deadline:
             self._poll()
+            self._recorder.flush()
             self._commits()
 
     def _answers_flush(self) -> None:

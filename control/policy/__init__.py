@@ -44,9 +44,9 @@ class RefusalMemo:
 
 
 def plan(state: State, recency: Recency, now_ns: int, cfg: PolicyConfig,
-         memo: RefusalMemo | None = None) -> list[Ask]:
+         memo: RefusalMemo | None = None, busy: dict[int, set[int]] | None = None) -> list[Ask]:
     """Every ask the policies want now, pressure first (it protects the serving path)."""
-    busy = busy_blocks(state)
+    busy = busy_blocks(state) if busy is None else busy
     asks: list[Ask] = []
     if cfg.pressure:
         asks += plan_pressure(state, recency, busy, leaving_bytes(state), now_ns, cfg)

@@ -1,10 +1,13 @@
 """What a policy, an operator or the API asks for, before the budget authority sees it. Pure.
 
 An ``Ask`` is one move on one worker: blocks, source, destination, whether the source copy stays.
-A *release* (free copies on one tier, nothing copied) is an ask with ``src == dst``: the catalog
-has no release kind, so it is recorded as ``MoveRequested(kind="evict", src=T, dst=T,
-keep_source=False)``. That keeps write-ahead for releases, and makes "a release whose worker never
-answered" expressible as ``MoveStranded(why="silent_release")``, exactly like any other move.
+A *release* (free copies on one tier, nothing copied) is an ask with ``src == dst``. The catalog has
+no release kind, so it is recorded as a move that copies nothing and keeps what it has,
+``MoveRequested(kind="evict", src=T, dst=T, keep_source=True, reason="release:...")``, and its
+answer as ``MoveAcked(bytes_moved=0, bytes_freed_src=0)`` followed by ``BlocksFreed`` with the
+bytes the worker measured (``control.moves.settle_events``). That keeps write-ahead for releases,
+makes "a release whose worker never answered" a ``MoveStranded(why="silent_release")`` like any
+other move, and puts the freed bytes where every reader of the ledger already sums them.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ class Ask(msgspec.Struct, frozen=True, kw_only=True):
 
 def release(asker: str, worker: int, tier: str, blocks, reason: str, session: str | None = None) -> Ask:
     return Ask(asker=asker, kind="evict", worker=worker, src=tier, dst=tier, blocks=tuple(blocks),
-               keep_source=False, session=session, reason=f"release:{reason}")
+               keep_source=True, session=session, reason=f"release:{reason}")
 
 
 def busy_blocks(state: State) -> dict[int, set[int]]:
@@ -60,7 +63,7 @@ def leaving_bytes(state: State) -> dict[tuple[int, str], int]:
     """Bytes that in-flight moves will free on their source tier once acked, per (worker, tier)."""
     out: dict[tuple[int, str], int] = {}
     for mv in state.inflight.values():
-        if not mv.keep_source:
+        if not mv.keep_source or mv.src == mv.dst:      # a move that frees its source, or a release
             key = (mv.worker, mv.src)
             out[key] = out.get(key, 0) + mv.bytes_planned
     return out

@@ -1,0 +1,355 @@
+"""A data-plane worker process: ``python -m dataplane.proc --worker N --control ipc://... --device cpu``.
+
+Two threads:
+
+    I/O thread (main)   DEALER to the control process. Answers Ping and QueryMoves at once, even
+                        while a large move runs; hands every other command to the engine thread;
+                        sends what comes back (acks pass through the fault hooks, off by default).
+    engine thread       the only thread that touches the engine: runs commands in arrival order.
+
+    start:  Hello{worker, epoch, device, tiers, block_bytes}
+    loop:   commands in ─► engine thread ─► replies out
+            control silent > control_silent_s ─► Hello again (a restarted control adopts us)
+            control silent > orphan_exit_s    ─► exit (nobody will ever ask for our memory again)
+    stop:   Shutdown or SIGTERM ─► finish the command running, close the engine, exit 0
+
+The process is started in its own session by ``residency serve`` so a terminal's Ctrl-C reaches
+only the control process, which stops the workers by message after freeing their memory by the book.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import structlog
+import zmq
+
+from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
+from dataplane.worker import NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord
+from events import catalog as ev
+from events.codec import encode_message
+from events.commands import (
+    BlocksReleased, ErrorReply, ExecuteMove, Hello, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+)
+from events.logconfig import configure_logging
+
+log = structlog.get_logger("dataplane.proc")
+MS = 1_000_000
+OUTCOMES = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, BlocksReleased)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _ref(cmd) -> str | None:
+    return getattr(cmd, "move_id", None) or getattr(cmd, "release_id", None) or getattr(cmd, "request_id", None)
+
+
+class WorkerProc:
+    def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
+                 faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
+                 ctx: zmq.Context | None = None):
+        self.worker, self.epoch, self.endpoint = worker, epoch, endpoint
+        self.core, self.device, self.block_bytes = core, device, block_bytes
+        self.faults = faults
+        self.control_silent_ns = int(control_silent_s * 1e9)
+        self.orphan_exit_ns = int(orphan_exit_s * 1e9)
+        self.ctx = ctx or zmq.Context.instance()
+        self.record = WorkerRecord(worker)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._delayed: list[tuple[int, int, bytes]] = []     # (due monotonic ns, n, payload)
+        self._held: tuple[bytes, int] | None = None           # a reordered ack and when it must go
+        self._n = 0
+        self._stop: str | None = None
+        self._last_control_ns = time.monotonic_ns()
+        self._last_hello_ns = 0
+        self._silent_logged = False
+        self.log = log.bind(worker=worker, epoch=epoch)
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        self.link = ControlLink(self.ctx, self.endpoint, self.worker)
+        engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        engine_thread.start()
+        poller = zmq.Poller()
+        poller.register(self.link.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self._hello()
+        self.log.info("worker_started", endpoint=self.endpoint, device=self.device, faults=self.faults.enabled)
+        try:
+            while self._stop is None:
+                ready = dict(poller.poll(self._timeout_ms()))
+                if self._wake_r in ready:
+                    self._drain_wake()
+                self._send_results()
+                if self.link.sock in ready:
+                    for _ in range(1024):
+                        if not self._recv():
+                            break
+                self._timers()
+        finally:
+            self._jobs.put(None)
+            engine_thread.join(timeout=30)
+            self._send_results()
+            try:
+                self.core.engine.close()
+            except Exception as e:  # noqa: BLE001 - logged once, the process is ending anyway
+                self.log.warning("engine_close_failed", error=repr(e))
+            self.link.close()
+            self.log.info("worker_stopped", reason=self._stop, faults=self.faults.counts)
+        return 0
+
+    def stop(self, reason: str) -> None:
+        if self._stop is None:
+            self._stop = reason
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _hello(self) -> None:
+        self._last_hello_ns = time.monotonic_ns()
+        self.link.send(Hello(worker=self.worker, epoch=self.epoch, device=self.device,
+                             tiers=dict(self.core.engine.capacities()), block_bytes=self.block_bytes))
+
+    # ------------------------------------------------------------------ engine thread
+    def _engine_loop(self) -> None:
+        while True:
+            cmd = self._jobs.get()
+            if cmd is None:
+                return
+            try:
+                replies = self.core.run(cmd)
+            except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the worker
+                self.log.error("command_raised", type=type(cmd).__name__, ref=_ref(cmd), error=repr(e), exc_info=True)
+                replies = [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {_ref(cmd)}: {e!r}")]
+            self._results.put((cmd, replies))
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ I/O thread
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _recv(self) -> bool:
+        try:
+            cmd = self.link.recv()
+        except zmq.Again:
+            return False
+        except WorkerTransportError as e:
+            self.log.warning("bad_control_message", error=e.name, detail=e.detail)
+            self.link.send(ErrorReply(error=e.name, detail=e.detail))
+            return True
+        self._last_control_ns = time.monotonic_ns()
+        self._silent_logged = False
+        t = type(cmd)
+        if t is Ping:
+            self.link.send(Pong(worker=self.worker, nonce=cmd.nonce, ts_ns=time.time_ns()))
+        elif t is QueryMoves:
+            self.link.send(self.record.report(cmd.move_ids))
+        elif t is Shutdown:
+            self.log.info("shutdown_asked", reason=cmd.reason)
+            self.stop(f"asked: {cmd.reason}")
+        elif t is ErrorReply:
+            self._on_error(cmd)
+        elif t is ExecuteMove or t is ReleaseBlocks:
+            ref = _ref(cmd)
+            if ref in self.record.replies:          # a duplicate command: the same answer again
+                for r in self.record.replies[ref]:
+                    self.link.send(r)
+            elif ref in self.record.tombstones:
+                self.log.warning("tombstoned_command_refused", ref=ref)
+                self._send_replies(cmd, self.record.refusal(cmd))
+            elif ref not in self.record.running:
+                self.record.running.add(ref)
+                self._jobs.put(cmd)
+        elif t in self.core.handlers:
+            self._jobs.put(cmd)
+        else:
+            self.link.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on this worker"))
+        return True
+
+    def _on_error(self, err: ErrorReply) -> None:
+        if err.error == "unknown_worker":
+            if time.monotonic_ns() - self._last_hello_ns > 200 * MS:
+                self.log.info("control_does_not_know_us", detail=err.detail)
+                self._hello()
+        else:
+            self.log.warning("control_error", error=err.error, detail=err.detail)
+
+    def _send_results(self) -> None:
+        while True:
+            try:
+                cmd, replies = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._send_replies(cmd, replies)
+
+    def _send_replies(self, cmd, replies: list) -> None:
+        silent = False
+        if type(cmd) is ReleaseBlocks and replies and type(replies[0]) is BlocksReleased:
+            if self.faults.roll("zero_release"):
+                replies = [msgspec.structs.replace(replies[0], bytes_freed=0)]
+            silent = self.faults.roll("silent_release")
+        if type(cmd) in (ExecuteMove, ReleaseBlocks):
+            self.record.note(_ref(cmd), replies, time.time_ns())
+        if silent:
+            self.log.warning("fault_silent_release", ref=_ref(cmd))
+            return
+        for r in replies:
+            if isinstance(r, OUTCOMES):
+                self._emit_outcome(encode_message(r))
+            else:
+                self.link.send(r)
+
+    def _emit_outcome(self, payload: bytes) -> None:
+        f = self.faults
+        if not f.enabled:
+            self.link.send_bytes(payload)
+            return
+        now = time.monotonic_ns()
+        if f.roll("drop_ack"):
+            return
+        delay = f.roll_delay_s()
+        if delay:
+            self._n += 1
+            heapq.heappush(self._delayed, (now + int(delay * 1e9), self._n, payload))
+            return
+        if self._held is None and f.roll("reorder_ack"):
+            self._held = (payload, now + 500 * MS)
+            return
+        self.link.send_bytes(payload)
+        if f.roll("duplicate_ack"):
+            self.link.send_bytes(payload)
+        if self._held is not None:
+            self.link.send_bytes(self._held[0])
+            self._held = None
+
+    def _timeout_ms(self) -> int:
+        due = [self._delayed[0][0]] if self._delayed else []
+        if self._held:
+            due.append(self._held[1])
+        if not due:
+            return 100
+        return max(0, min(due) - time.monotonic_ns()) // MS
+
+    def _timers(self) -> None:
+        now = time.monotonic_ns()
+        while self._delayed and self._delayed[0][0] <= now:
+            self.link.send_bytes(heapq.heappop(self._delayed)[2])
+        if self._held is not None and self._held[1] <= now:
+            self.link.send_bytes(self._held[0])
+            self._held = None
+        silent = now - self._last_control_ns
+        if silent > self.orphan_exit_ns:
+            self.log.warning("control_gone", silent_ms=silent // MS)
+            self.stop(f"control silent for {silent // MS} ms")
+        elif silent > self.control_silent_ns:
+            if not self._silent_logged:
+                self._silent_logged = True
+                self.log.warning("control_silent", silent_ms=silent // MS)
+            if now - self._last_hello_ns > self.control_silent_ns:
+                self._hello()
+
+
+# ---------------------------------------------------------------------- building the engine
+def parse_layout(spec: str) -> tuple[int, int, int, int, str]:
+    """"num_layers,page_tokens,num_kv_heads,head_dim,dtype", e.g. "30,16,3,64,bfloat16"."""
+    parts = spec.split(",")
+    if len(parts) != 5 or parts[4] not in DTYPE_BYTES:
+        raise ValueError(f"--kv-layout {spec!r}: want num_layers,page_tokens,num_kv_heads,head_dim,dtype "
+                         f"(dtype one of {sorted(DTYPE_BYTES)})")
+    return int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), parts[4]
+
+
+def layout_block_bytes(layout: tuple[int, int, int, int, str]) -> int:
+    layers, page, heads, dim, dtype = layout
+    return layers * 2 * page * heads * dim * DTYPE_BYTES[dtype]
+
+
+def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    layout = parse_layout(args.kv_layout)
+    block_bytes = layout_block_bytes(layout)
+    disk_dir = Path(args.run_dir) / f"disk-{args.worker}"
+    shutil.rmtree(disk_dir, ignore_errors=True)     # a new incarnation starts with nothing
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    if args.engine == "nocopy":
+        caps = {"device": args.device_blocks * block_bytes, "host": args.host_bytes, "disk": args.disk_bytes}
+        return WorkerCore(NoCopyEngine(block_bytes, caps, args.worker, args.device), args.worker, faults), block_bytes
+    import torch  # noqa: PLC0415 - only the real engine needs it (and its seconds of import)
+
+    from dataplane.engine import Engine  # noqa: PLC0415
+    from dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    kv = KVLayout(*layout[:4], dtype=layout[4])
+    pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
+    engine = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
+                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+    return WorkerCore(engine, args.worker, faults, expected_errors=(DataPlaneError,)), kv.block_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataplane.proc", description="A Residency data-plane worker.")
+    p.add_argument("--worker", type=int, required=True)
+    p.add_argument("--epoch", type=int, default=0, help="this incarnation (default: now in µs)")
+    p.add_argument("--control", required=True, help="the control process's worker endpoint (ipc:// or tcp://)")
+    p.add_argument("--run-dir", required=True, help="pid file and disk tier live here")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--engine", choices=("real", "nocopy"), default="real",
+                   help="nocopy keeps block tables only (benchmarks of the control plane); never for serving")
+    p.add_argument("--kv-layout", default="30,16,3,64,bfloat16", help="num_layers,page_tokens,num_kv_heads,head_dim,dtype")
+    p.add_argument("--device-blocks", type=int, default=1024)
+    p.add_argument("--host-bytes", type=int, default=1 << 30)
+    p.add_argument("--disk-bytes", type=int, default=4 << 30)
+    p.add_argument("--disk-fsync", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--torch-threads", type=int, default=0)
+    p.add_argument("--faults", default=os.environ.get("RESIDENCY_WORKER_FAULTS", ""),
+                   help="fault hooks for tests (see dataplane.worker.WorkerFaults); off by default")
+    p.add_argument("--control-silent-s", type=float, default=1.0)
+    p.add_argument("--orphan-exit-s", type=float, default=60.0)
+    args = p.parse_args(argv)
+    configure_logging(level=os.environ.get("RESIDENCY_WORKER_LOG_LEVEL", "warning"))
+    epoch = args.epoch or time.time_ns() // 1000
+    structlog.contextvars.bind_contextvars(proc=f"worker:{args.worker}")
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pid_path = run_dir / f"worker-{args.worker}.pid"
+    pid_path.write_text(f"{os.getpid()} {epoch}\n")
+    faults = WorkerFaults(args.faults)
+    if faults.enabled:
+        log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
+    core, block_bytes = build_core(args, faults)
+    proc = WorkerProc(worker=args.worker, epoch=epoch, endpoint=args.control, core=core, device=args.device,
+                      block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
+                      orphan_exit_s=args.orphan_exit_s)
+    signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
+    try:
+        return proc.run()
+    finally:
+        try:
+            if pid_path.read_text().split()[0] == str(os.getpid()):
+                pid_path.unlink()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

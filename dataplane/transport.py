@@ -1,0 +1,110 @@
+"""The worker's socket to the control process: one DEALER, msgspec structs only (no pickle).
+
+    DEALER  identity b"w<N>", connected to the control's ROUTER (ipc:// by default, tcp:// if asked)
+            frames in:  [payload]          decodes: events.commands.AnyCommand
+            frames out: [payload]          any reply (Hello, Pong, acks, reports, ...)
+
+Input that does not decode raises a ``WorkerTransportError`` naming what it is; the worker answers
+it with an ``ErrorReply`` and goes on. The error names are the protocol's (the control process
+uses the same strings); they are repeated here because dataplane never imports control.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import zmq
+
+from events.codec import encode_message
+from events.commands import AnyCommand, AnyMessage
+
+MALFORMED = "malformed_message"
+UNKNOWN_TYPE = "unknown_message_type"
+UNEXPECTED = "unexpected_message"
+MAX_PAYLOAD_BYTES = 64 << 20
+
+
+class WorkerTransportError(Exception):
+    """Root of the worker transport's errors.
+
+    NOTE: not a ``DataPlaneError``: that tree lives in ``dataplane.pools``, which imports torch, and
+    the socket side of a worker (and the no-copy engine of the benchmarks) must start without it.
+    """
+
+    name = "transport_error"
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+class MalformedMessage(WorkerTransportError):
+    name = MALFORMED
+
+
+class UnknownMessageType(WorkerTransportError):
+    name = UNKNOWN_TYPE
+
+
+class UnexpectedMessage(WorkerTransportError):
+    name = UNEXPECTED
+
+
+_raw = msgspec.msgpack.Decoder()
+_any = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def identity_of(worker: int) -> bytes:
+    return b"w%d" % worker
+
+
+class ControlLink:
+    """DEALER to the control process. Not thread-safe: the worker's I/O thread owns it."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, worker: int):
+        self.endpoint = endpoint
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity_of(worker))
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        self.sock.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(AnyCommand)
+
+    def recv(self) -> Any:
+        """One command, non-blocking (``zmq.Again`` when none); a WorkerTransportError if it is bad."""
+        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+        if len(frames) != 1:
+            raise MalformedMessage(f"expected one frame, got {len(frames)}")
+        return self.decode(frames[0])
+
+    def decode(self, data: bytes) -> Any:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        try:
+            raw = _raw.decode(data)
+        except msgspec.DecodeError as e:
+            raise MalformedMessage(f"{len(data)} bytes are not msgpack: {e}") from None
+        if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
+            raise MalformedMessage(f"not a tagged message array ({type(raw).__name__})")
+        try:
+            msg = _any.decode(data)
+        except msgspec.ValidationError as e:
+            if "$[0]" in str(e):
+                raise UnknownMessageType(f"unknown message type {raw[0][:64]!r}") from None
+            raise MalformedMessage(f"{raw[0][:64]}: {e}") from None
+        raise UnexpectedMessage(f"{type(msg).__name__} is not a command a worker takes")
+
+    def send(self, msg) -> None:
+        self.sock.send(encode_message(msg), zmq.NOBLOCK, copy=False)
+
+    def send_bytes(self, payload: bytes) -> None:
+        self.sock.send(payload, zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        self.sock.close(0)
