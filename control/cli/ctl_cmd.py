@@ -1,0 +1,191 @@
+"""`residency ctl`: ask the running control process for moves by hand, and print what happened.
+
+    residency ctl park    --session S [--worker W] [--to host|disk]
+    residency ctl restore (--session S | --blocks 1,2,3) [--worker W] [--from host|disk] [--keep-source]
+    residency ctl spill   (--session S | --blocks ...) [--to host|disk]      (keeps the device copy)
+    residency ctl evict   (--session S | --blocks ...) [--to host|disk]      (frees the device copy)
+    residency ctl budget  --worker W --tier device --floor 64MiB --ceiling 1GiB
+    residency ctl commit  --blocks N [--session S] [--tier device]          (fill blocks with test data)
+    residency ctl release --tier T --blocks 1,2,3
+
+The answer is what the ledger recorded: acked with the bytes the worker measured, refused with the
+budget's arithmetic, failed or rejected with the reason, stranded with the bytes at risk.
+Exit status: 0 done, 1 refused/failed/rejected/stranded/abandoned, 2 the ask was invalid or nobody answered.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+
+from control.cli.common import add_db_arg
+from control.cli.main import UserError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "gi": 1 << 30,
+          "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}
+BAD = ("MoveRefused", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '1.5 GiB', '4096' -> bytes."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 4096, 64MiB, 1GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_blocks(text: str) -> list[int]:
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    return out
+
+
+def add_target_args(p, run_dir: bool = True) -> None:
+    add_db_arg(p)
+    p.add_argument("--run-dir", help="the server's run dir (default: derived from the ledger URL)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the answer")
+    p.add_argument("--json", action="store_true", help="print the recorded events as JSON")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ctl", help="ask the running server for a move, a budget, a commit or a release")
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for kind, help_ in (("park", "move every device block of a session to host (frees the device)"),
+                        ("restore", "bring blocks back to the device (checksum verified)"),
+                        ("spill", "copy blocks to a slower tier, keeping the source"),
+                        ("evict", "move blocks to a slower tier, freeing the source"),
+                        ("demote", "move host blocks to disk"), ("promote", "copy disk blocks to host")):
+        v = verbs.add_parser(kind, help=help_)
+        add_target_args(v)
+        v.add_argument("--worker", type=int, default=0)
+        what = v.add_mutually_exclusive_group(required=True)
+        what.add_argument("--session")
+        what.add_argument("--blocks", type=parse_blocks, help="block ids: 1,2,5-9")
+        v.add_argument("--from", dest="src", choices=("device", "host", "disk"))
+        v.add_argument("--to", dest="dst", choices=("device", "host", "disk"))
+        keep = v.add_mutually_exclusive_group()
+        keep.add_argument("--keep-source", dest="keep", action="store_true", default=None)
+        keep.add_argument("--free-source", dest="keep", action="store_false")
+        v.set_defaults(func=run, kind=kind)
+    b = verbs.add_parser("budget", help="set a tier's floor and ceiling")
+    add_target_args(b)
+    b.add_argument("--worker", type=int, default=0)
+    b.add_argument("--tier", choices=("device", "host", "disk"), required=True)
+    b.add_argument("--floor", type=parse_size, default=0)
+    b.add_argument("--ceiling", type=parse_size, default=0, help="0 = the tier's capacity")
+    b.set_defaults(func=run, kind="budget")
+    c = verbs.add_parser("commit", help="fill new blocks with seeded test bytes (demos, tests)")
+    add_target_args(c)
+    c.add_argument("--worker", type=int, default=0)
+    c.add_argument("--blocks", type=int, required=True, help="how many blocks")
+    c.add_argument("--session")
+    c.add_argument("--tier", choices=("device", "host", "disk"), default="device")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=run, kind="commit")
+    r = verbs.add_parser("release", help="free blocks' copies on one tier")
+    add_target_args(r)
+    r.add_argument("--worker", type=int, default=0)
+    r.add_argument("--tier", choices=("device", "host", "disk"), required=True)
+    r.add_argument("--blocks", type=parse_blocks, required=True)
+    r.set_defaults(func=run, kind="release")
+
+
+def ask_of(args):
+    from events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget  # noqa: PLC0415
+
+    ask_id = f"ctl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if args.kind == "budget":
+        return AskSetBudget(ask_id=ask_id, worker=args.worker, tier=args.tier, floor_bytes=args.floor,
+                            ceiling_bytes=args.ceiling)
+    if args.kind == "commit":
+        return AskCommitBlocks(ask_id=ask_id, worker=args.worker, session=args.session, tier=args.tier,
+                               num_blocks=args.blocks, seed=args.seed)
+    if args.kind == "release":
+        return AskReleaseBlocks(ask_id=ask_id, worker=args.worker, tier=args.tier, blocks=args.blocks)
+    return AskMove(ask_id=ask_id, kind=args.kind, worker=args.worker, blocks=args.blocks or [],
+                   session=args.session, src=args.src, dst=args.dst, keep_source=args.keep)
+
+
+def client_for(args):
+    from pathlib import Path  # noqa: PLC0415
+
+    from control.transport import AskClient, ask_endpoint, default_run_dir  # noqa: PLC0415
+
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.db)
+    if not (run_dir / "ctl.sock").exists():
+        raise UserError(f"no server is running on this ledger (no socket in {run_dir}); start `residency serve`")
+    return AskClient(ask_endpoint(run_dir), timeout_s=args.timeout)
+
+
+def ask_server(args, msg):
+    from control.transport import TransportError  # noqa: PLC0415
+
+    try:
+        reply = client_for(args).ask(msg)
+    except TransportError as e:
+        raise UserError(str(e)) from e
+    if type(reply).__name__ == "ErrorReply":
+        raise UserError(f"{reply.error}: {reply.detail}")
+    return reply
+
+
+def describe(seq: int, e) -> str:
+    from control.views import human_bytes as hb  # noqa: PLC0415
+
+    t = type(e).__name__
+    at = f"(seq {seq})"
+    if t in ("MoveAcked", "MoveLateAcked"):
+        ms = (e.finished_ns - e.started_ns) / 1e6
+        return (f"{'acked' if t == 'MoveAcked' else 'late-acked'} {e.move_id} on worker {e.worker}: moved "
+                f"{hb(e.bytes_moved)}, freed {hb(e.bytes_freed_src)} at the source, checksum "
+                f"{'ok' if e.checksum_ok else 'MISMATCH'}, {ms:.2f} ms {at}")
+    if t == "MoveRefused":
+        return (f"refused ({e.ask}): asked {hb(e.asked_bytes)} on {e.tier} of worker {e.worker}, available "
+                f"{hb(e.available_bytes)} above the floor of {hb(e.floor_bytes)}: {e.reason} {at}")
+    if t == "MoveFailed":
+        moved = "not measured" if e.bytes_moved is None else hb(e.bytes_moved)
+        return f"failed {e.move_id} on worker {e.worker}: {e.error} (moved: {moved}) {at}"
+    if t == "MoveRejected":
+        avail = "not measured" if e.available_bytes is None else hb(e.available_bytes)
+        return (f"rejected by worker {e.worker}: {e.move_id}: {e.reason} (asked {hb(e.asked_bytes)}, "
+                f"available {avail}) {at}")
+    if t == "MoveStranded":
+        return f"stranded {e.move_id} on worker {e.worker}: {hb(e.bytes_at_risk)} at risk ({e.why}) {at}"
+    if t == "MoveAbandoned":
+        return f"abandoned {e.move_id} on worker {e.worker}: {e.why} {at}"
+    if t == "BlocksCommitted":
+        ids = f"{e.blocks[0]}..{e.blocks[-1]}" if e.blocks else "-"
+        return (f"committed {len(e.blocks)} blocks ({ids}) on {e.tier} of worker {e.worker}, "
+                f"session {e.session or '-'}: {hb(e.bytes)} {at}")
+    if t == "BlocksFreed":
+        return f"freed {len(e.blocks)} blocks on {e.tier} of worker {e.worker}: {hb(e.bytes)} ({e.reason}) {at}"
+    if t == "BudgetSet":
+        return (f"budget of {e.tier} on worker {e.worker}: floor {hb(e.floor_bytes)}, ceiling "
+                f"{hb(e.ceiling_bytes) if e.ceiling_bytes else 'capacity'} {at}")
+    if t == "SessionParked":
+        return f"session {e.session} parked on {e.tier}: {hb(e.bytes)} {at}"
+    if t == "SessionRestored":
+        return f"session {e.session} restored: {e.restored_tokens} tokens {at}"
+    return f"{t} {at}"
+
+
+def run(args) -> int:
+    from events.codec import event_to_json_obj  # noqa: PLC0415
+
+    reply = ask_server(args, ask_of(args))
+    if reply.error:
+        raise UserError(f"{reply.error}: {reply.detail}")
+    if args.json:
+        print(json.dumps({"ask_id": reply.ask_id, "move_ids": reply.move_ids,
+                          "events": [dict(seq=s, **event_to_json_obj(e)) for s, e in zip(reply.seqs, reply.events)]},
+                         indent=2))
+    else:
+        for seq, e in zip(reply.seqs, reply.events):
+            print(describe(seq, e))
+    return 1 if any(type(e).__name__ in BAD for e in reply.events) else 0
