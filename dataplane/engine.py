@@ -298,9 +298,12 @@ class Engine:
         for t in ("device", "host", "disk"):
             self.pool(t).check_integrity()
         self.pinned.check_integrity()
-        live = sum(c.buffer.footprint_bytes for c in self._closers)
-        if live != self.pinned.in_use_bytes:
-            raise IntegrityError(f"pinned: buffers hold {live} bytes, budget counts {self.pinned.in_use_bytes}")
+        grants = {g.grant_id: g for g in self.pinned.grants()}
+        unregistered = [(c.buffer.owner, c.buffer.footprint_bytes) for c in self._closers
+                        if grants.get(c.buffer.grant.grant_id) != c.buffer.grant
+                        or c.buffer.grant.bytes != c.buffer.footprint_bytes]
+        if unregistered:
+            raise IntegrityError(f"pinned: buffers not registered as they are with the budget: {unregistered}")
         in_moves = {b: m for m, mv in self._inflight.items() for b in mv.ids}
         if in_moves != self._busy:
             raise IntegrityError(f"busy map ({len(self._busy)} blocks) != blocks of {len(self._inflight)} "

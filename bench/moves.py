@@ -1,0 +1,449 @@
+"""Block moves between the device pool and pinned host memory, against the link's ceiling.
+
+    python bench/moves.py                      # H200: 1024 blocks x 2 MiB (32 layers x K/V x 32 KiB)
+    python bench/moves.py --quick              # tiny sizes, any host (checks the script runs)
+    python bench/moves.py --out results.json
+
+Measured in one run (medians over --reps; every figure in GB/s = 1e9 B/s and as a fraction of the
+ceiling measured in the same run, JSON keys ``*_fraction_of_ceiling``):
+  ceiling           one contiguous pinned copy of the same bytes (cudaMemcpyAsync), each direction,
+                    and both directions at once on two streams
+  spill             Engine.execute(evict device->host) of 1024 scattered blocks, checksums included
+  restore           Engine.execute(restore host->device) of the same, verified before visible
+  both              a spill and a restore in flight together (submit, submit, wait, wait)
+  copy modes        the engine's "kernel" (Triton gather/scatter straight to/from pinned host) and
+                    "dma" (one cudaMemcpyAsync per 2 MiB block) paths, each measured
+  baselines         per-chunk memcpy (32 KiB pages one by one, the layer-first way) and per-block memcpy
+  checksum cost     engine spill vs the same copy with no checksum and no bookkeeping
+  latency           one-block spill and restore, p50/p99 over --latency-iters
+  host CPU          process CPU time per GiB moved (blocking-sync events: waiting costs no CPU)
+  overlap           a spill while bf16 matmuls run on the compute stream: both slowdowns
+Bandwidths are wall-clock (host clock from enqueue to the host seeing completion), ceiling too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dataplane.engine import Engine  # noqa: E402
+from dataplane.moves.copy import Copier  # noqa: E402
+from dataplane.pools import KVLayout  # noqa: E402
+from events.catalog import MoveAcked  # noqa: E402
+from events.commands import CommitBlocks, ExecuteMove, ReleaseBlocks  # noqa: E402
+from kernels.checksum import block_checksums  # noqa: E402
+
+GB = 1e9
+TARGETS = {  # figure -> (target, what it is compared with)
+    "spill_fraction_of_ceiling": 0.95,
+    "restore_fraction_of_ceiling": 0.90,
+    "both_vs_one_direction": 1.7,
+    "spill_checksum_cost_fraction": 0.05,   # at most
+}
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(dev, fn) -> float:
+    """Seconds from enqueue until the host sees completion."""
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dev = torch.device("cuda:0" if torch.cuda.is_available() and not args.cpu else "cpu")
+        self.layout = KVLayout(args.layers, args.page_tokens, args.kv_heads, args.head_dim, torch.bfloat16)
+        self.n = args.blocks
+        self.bytes = self.n * self.layout.block_bytes
+        self.rng = random.Random(args.seed)
+        self.res: dict = {"errors": {}}
+        host_bytes = 2 * self.n * self.layout.block_bytes
+        need = Engine.pinned_bytes_needed(self.layout, 2 * self.n, host_bytes)
+        self.tmp = tempfile.TemporaryDirectory()
+        # The ceiling's two host buffers are pinned through the same budget as everything else.
+        self.e = Engine(self.layout, 2 * self.n, host_bytes, self.tmp.name, need + 2 * self.bytes + 8192,
+                        device=str(self.dev), fsync=False)
+        words = self.layout.block_words
+        self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
+        self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)
+        self.d_a = torch.randint(-(2**31), 2**31, (self.n, words), dtype=torch.int32, device=self.dev)
+        self.d_b = torch.empty_like(self.d_a)
+        self.h_a.tensor.copy_(self.d_a.cpu() if self.dev.type == "cpu" else self.d_a)
+        ids = list(range(2 * self.n))
+        self.e.commit_blocks(CommitBlocks(request_id="bench", session=None, tier="device", blocks=ids, seed=7))
+        self.rng.shuffle(ids)
+        self.A, self.B = ids[: self.n], ids[self.n:]   # interleaved at random over the pool's slots
+        self.k = 0
+
+    # ------------------------------------------------------------ helpers
+    def mv(self, kind, src, dst, blocks, keep=False) -> ExecuteMove:
+        self.k += 1
+        blocks = list(blocks)
+        self.rng.shuffle(blocks)                       # scattered order on both sides
+        return ExecuteMove(move_id=f"b{self.k}", kind=kind, src=src, dst=dst, blocks=blocks,
+                           keep_source=keep, deadline_ns=0)
+
+    def run(self, cmd) -> tuple[MoveAcked, float, float]:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        out = self.e.execute(cmd)
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        if not isinstance(out, MoveAcked):
+            raise RuntimeError(f"{cmd.kind} failed: {out}")
+        return out, wall, cpu
+
+    def frac(self, gbps: float, ceiling: float) -> float:
+        return round(gbps / ceiling, 4) if ceiling else float("nan")
+
+    # ------------------------------------------------------------ sections
+    def ceiling(self):
+        d, h_a, h_b = self.dev, self.h_a.tensor, self.h_b.tensor
+        d2h = [timed(d, lambda: h_b.copy_(self.d_a, non_blocking=True)) for _ in range(self.args.reps)]
+        h2d = [timed(d, lambda: self.d_b.copy_(h_a, non_blocking=True)) for _ in range(self.args.reps)]
+        both = []
+        for _ in range(self.args.reps):
+            if d.type == "cuda":
+                s1, s2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
+
+                def go():
+                    with torch.cuda.stream(s1):
+                        h_b.copy_(self.d_a, non_blocking=True)
+                    with torch.cuda.stream(s2):
+                        self.d_b.copy_(h_a, non_blocking=True)
+                both.append(timed(d, go))
+            else:
+                both.append(timed(d, lambda: (h_b.copy_(self.d_a), self.d_b.copy_(h_a))))
+        r = self.res
+        r["ceiling_d2h_GBps"] = self.bytes / statistics.median(d2h) / GB
+        r["ceiling_h2d_GBps"] = self.bytes / statistics.median(h2d) / GB
+        r["ceiling_bidir_GBps"] = 2 * self.bytes / statistics.median(both) / GB
+
+    def engine_modes(self):
+        """Spill (evict A) and restore (A back), each mode, reps alternating; plus copy-only spills."""
+        r = self.res
+        r["modes"] = {}
+        warm = self.A[:8]
+        for mode in ("kernel", "dma"):
+            self.e.ctx.copy_modes.update(d2h=mode, h2d=mode)
+            self.run(self.mv("evict", "device", "host", warm))             # compile, warm caches
+            self.run(self.mv("restore", "host", "device", warm))
+            spill, restore, cpu_s, cpu_r, copy_only = [], [], [], [], []
+            for _ in range(self.args.reps):
+                ack, wall, cpu = self.run(self.mv("evict", "device", "host", self.A))
+                spill.append(wall)
+                cpu_s.append(cpu)
+                ack, wall, cpu = self.run(self.mv("restore", "host", "device", self.A))
+                restore.append(wall)
+                cpu_r.append(cpu)
+                copy_only.append(self.copy_only(mode))
+            gib = self.bytes / 2**30
+            m = {
+                "spill_GBps": self.bytes / statistics.median(spill) / GB,
+                "restore_GBps": self.bytes / statistics.median(restore) / GB,
+                "copy_only_d2h_GBps": self.bytes / statistics.median(copy_only) / GB,
+                "spill_host_cpu_ms_per_GiB": 1e3 * statistics.median(cpu_s) / gib,
+                "restore_host_cpu_ms_per_GiB": 1e3 * statistics.median(cpu_r) / gib,
+            }
+            m["spill_fraction_of_ceiling"] = self.frac(m["spill_GBps"], r["ceiling_d2h_GBps"])
+            m["restore_fraction_of_ceiling"] = self.frac(m["restore_GBps"], r["ceiling_h2d_GBps"])
+            m["copy_only_d2h_fraction_of_ceiling"] = self.frac(m["copy_only_d2h_GBps"], r["ceiling_d2h_GBps"])
+            m["spill_checksum_cost_fraction"] = round(1 - m["spill_GBps"] / m["copy_only_d2h_GBps"], 4)
+            r["modes"][mode] = m
+
+    def copy_only(self, mode: str) -> float:
+        """The engine's copy path for the same scattered blocks, with no checksum and no bookkeeping."""
+        dp, hp = self.e.device_pool, self.e.host_pool
+        ids = list(self.A)
+        self.rng.shuffle(ids)
+        dslots = dp.slots_of(ids)
+        hslots = list(range(len(ids)))                 # the host pool is empty between reps
+        ctx = self.e.ctx
+
+        def go():
+            Copier(ctx, "d2h", dp.words, dslots, hp.words, hslots).enqueue(0, len(ids))
+            if self.dev.type == "cuda":
+                ctx.streams.d2h.synchronize()
+        return timed(self.dev, go)
+
+    def both_at_once(self, d2h: str, h2d: str) -> float:
+        """Spill B while A is restored (submit both, then wait for both); aggregate GB/s."""
+        self.e.ctx.copy_modes.update(d2h=d2h, h2d=h2d)
+        walls = []
+        for _ in range(self.args.reps):
+            self.run(self.mv("evict", "device", "host", self.A))
+            t0 = time.perf_counter()
+            t_out = self.e.submit(self.mv("evict", "device", "host", self.B))
+            t_in = self.e.submit(self.mv("restore", "host", "device", self.A))
+            a, b = self.e.wait(t_in), self.e.wait(t_out)
+            walls.append(time.perf_counter() - t0)
+            assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
+            self.run(self.mv("restore", "host", "device", self.B))
+        return 2 * self.bytes / statistics.median(walls) / GB
+
+    def both(self, into: dict, d2h: str, h2d: str) -> None:
+        into["both_GBps"] = self.both_at_once(d2h, h2d)
+        one = (into["spill_GBps"] + into["restore_GBps"]) / 2
+        into["both_vs_one_direction"] = round(into["both_GBps"] / one, 4)
+        into["both_fraction_of_ceiling"] = self.frac(into["both_GBps"], self.res["ceiling_bidir_GBps"])
+
+    def baselines(self):
+        """Per-chunk memcpy (layer-first pages, 32 KiB each) and per-block memcpy (2 MiB each)."""
+        r, d = self.res, self.dev
+        dp, hw = self.e.device_pool, self.h_b.tensor
+        chunks = 2 * self.layout.num_layers
+        cw = self.layout.block_words // chunks
+        sub = self.A[: max(1, min(len(self.A), self.args.chunk_blocks))]
+        slots = dp.slots_of(sub)
+        src = dp.words.view(dp.num_slots, chunks, cw)
+        dst = hw.view(self.n, chunks, cw)
+
+        def per_chunk_d2h():
+            for i, s in enumerate(slots):
+                for c in range(chunks):
+                    dst[i, c].copy_(src[s, c], non_blocking=True)
+
+        def per_chunk_h2d():
+            for i, s in enumerate(slots):
+                for c in range(chunks):
+                    src[s, c].copy_(dst[i, c], non_blocking=True)
+        sub_bytes = len(sub) * self.layout.block_bytes
+        r["per_chunk_memcpy_d2h_GBps"] = sub_bytes / timed(d, per_chunk_d2h) / GB
+        r["per_chunk_memcpy_h2d_GBps"] = sub_bytes / timed(d, per_chunk_h2d) / GB
+        all_slots = dp.slots_of(self.A)
+        w = dp.words
+
+        def per_block_d2h():
+            for i, s in enumerate(all_slots):
+                hw[i].copy_(w[s], non_blocking=True)
+        r["per_block_memcpy_d2h_GBps"] = statistics.median(
+            self.bytes / timed(d, per_block_d2h) / GB for _ in range(self.args.reps))
+        for k in ("per_chunk_memcpy_d2h", "per_block_memcpy_d2h"):
+            r[k + "_fraction_of_ceiling"] = self.frac(r[k + "_GBps"], r["ceiling_d2h_GBps"])
+        r["per_chunk_memcpy_h2d_fraction_of_ceiling"] = self.frac(r["per_chunk_memcpy_h2d_GBps"], r["ceiling_h2d_GBps"])
+
+    def checksum_kernel(self):
+        dp = self.e.device_pool
+        slots = dp.slots_of(self.A)
+        ts = [timed(self.dev, lambda: block_checksums(dp.words, slots, self.A)) for _ in range(self.args.reps)]
+        self.res["checksum_kernel_GBps"] = self.bytes / statistics.median(ts) / GB
+
+    def latency(self):
+        one = [self.A[0]]
+        sp, rs = [], []
+        for _ in range(self.args.latency_iters):
+            _, w, _ = self.run(self.mv("evict", "device", "host", one))
+            sp.append(w)
+            _, w, _ = self.run(self.mv("restore", "host", "device", one))
+            rs.append(w)
+        q = lambda xs, p: round(1e6 * sorted(xs)[min(len(xs) - 1, int(p * len(xs)))], 1)  # noqa: E731
+        self.res["single_block_spill_us"] = {"p50": q(sp, 0.5), "p99": q(sp, 0.99)}
+        self.res["single_block_restore_us"] = {"p50": q(rs, 0.5), "p99": q(rs, 0.99)}
+
+    def overlap(self):
+        """A spill submitted, then matmuls on the compute stream; both timed against running alone."""
+        if self.dev.type != "cuda":
+            return
+        a = torch.randn(8192, 8192, device=self.dev, dtype=torch.bfloat16)
+        k = self.args.matmuls
+
+        def compute():
+            for _ in range(k):
+                a @ a
+        compute_alone = statistics.median(timed(self.dev, compute) for _ in range(3))
+        spill_alone = self.bytes / GB / self.res["modes"][self.mode]["spill_GBps"]
+        t0 = time.perf_counter()
+        ticket = self.e.submit(self.mv("evict", "device", "host", self.A))
+        compute()
+        ev = torch.cuda.Event()
+        ev.record()
+        out = self.e.wait(ticket)
+        spill_wall = time.perf_counter() - t0
+        ev.synchronize()
+        both_wall = time.perf_counter() - t0
+        assert isinstance(out, MoveAcked), out
+        self.run(self.mv("restore", "host", "device", self.A))
+        self.res["overlap"] = {
+            "spill_alone_ms": 1e3 * spill_alone, "spill_with_compute_ms": 1e3 * spill_wall,
+            "compute_alone_ms": 1e3 * compute_alone, "spill_and_compute_ms": 1e3 * both_wall,
+            "serial_would_be_ms": 1e3 * (spill_alone + compute_alone),
+        }
+
+    # ------------------------------------------------------------ driver
+    def main(self):
+        r = self.res
+        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), device=device_name(self.dev),
+                 torch=torch.__version__, triton=triton_version(), blocks=self.n, bytes=self.bytes,
+                 layout=dict(num_layers=self.layout.num_layers, page_tokens=self.layout.page_tokens,
+                             num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
+                             dtype="bfloat16", block_bytes=self.layout.block_bytes,
+                             chunks_per_block=2 * self.layout.num_layers,
+                             chunk_bytes=self.layout.page_bytes),
+                 host_pinned=self.e.host_pool.pinned, pinning=self.e.host_pool.buffer.how, reps=self.args.reps)
+        for name in ("ceiling", "engine_modes", "baselines", "checksum_kernel"):
+            self.section(name, getattr(self, name))
+        modes = r.get("modes", {})
+        if modes:
+            for mode in list(modes):
+                self.section(f"both_{mode}", lambda m=mode: self.both(modes[m], m, m))
+            # Headline figures: the engine's best mode per direction (the default is set from these).
+            best_d2h = max(modes, key=lambda m: modes[m]["spill_GBps"])
+            best_h2d = max(modes, key=lambda m: modes[m]["restore_GBps"])
+            self.mode = best_d2h
+            self.e.ctx.copy_modes.update(d2h=best_d2h, h2d=best_h2d)
+            r["copy_modes"] = {"d2h": best_d2h, "h2d": best_h2d}
+            for key in ("spill_GBps", "spill_fraction_of_ceiling", "spill_checksum_cost_fraction",
+                        "copy_only_d2h_GBps", "spill_host_cpu_ms_per_GiB"):
+                r[key] = modes[best_d2h][key]
+            for key in ("restore_GBps", "restore_fraction_of_ceiling", "restore_host_cpu_ms_per_GiB"):
+                r[key] = modes[best_h2d][key]
+            self.section("both_best", lambda: self.both(r, best_d2h, best_h2d))
+            self.section("latency", self.latency)
+            self.section("overlap", self.overlap)
+        r["targets"] = {k: {"target": v, "measured": r.get(k),
+                            "met": None if r.get(k) is None else
+                            (r[k] <= v if k.endswith("cost_fraction") else r[k] >= v)}
+                        for k, v in TARGETS.items()}
+        self.e.check_integrity()
+        return r
+
+    def section(self, name, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - one broken section must not lose the others
+            self.res["errors"][name] = f"{type(e).__name__}: {e}"
+            print(f"section {name} failed: {e!r}", file=sys.stderr)
+        print(f"section {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def close(self):
+        self.h_a.close()
+        self.h_b.close()
+        self.e.close()
+        self.tmp.cleanup()
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except Exception:  # noqa: BLE001 - the device machine may have no git metadata
+        return os.environ.get("GIT_COMMIT")
+
+
+def device_name(dev) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def table(r: dict) -> str:
+    def row(name, key, ceil_key=None, unit="GB/s"):
+        v = r.get(key)
+        if v is None:
+            return f"| {name} | n/a | |"
+        f = r.get(key.replace("_GBps", "_fraction_of_ceiling")) if ceil_key is None else None
+        return f"| {name} | {v:.2f} {unit} | {'' if f is None else f'{100 * f:.1f}%'} |"
+    lines = ["| figure | value | of ceiling |", "|---|---|---|",
+             row("ceiling d2h (contiguous pinned)", "ceiling_d2h_GBps", True),
+             row("ceiling h2d (contiguous pinned)", "ceiling_h2d_GBps", True),
+             row("ceiling both directions", "ceiling_bidir_GBps", True),
+             row(f"spill, verified checksums ({r.get('copy_modes', {}).get('d2h')})", "spill_GBps"),
+             row(f"restore, verified ({r.get('copy_modes', {}).get('h2d')})", "restore_GBps"),
+             row("spill + restore at once (aggregate)", "both_GBps")]
+    for mode, m in r.get("modes", {}).items():
+        lines.append(f"| {mode}: spill / restore / copy-only d2h | {m['spill_GBps']:.2f} / {m['restore_GBps']:.2f} / "
+                     f"{m['copy_only_d2h_GBps']:.2f} GB/s | {100 * m['spill_fraction_of_ceiling']:.1f}% / "
+                     f"{100 * m['restore_fraction_of_ceiling']:.1f}% / {100 * m['copy_only_d2h_fraction_of_ceiling']:.1f}% |")
+        if "both_GBps" in m:
+            lines.append(f"| {mode}: both at once | {m['both_GBps']:.2f} GB/s ({m['both_vs_one_direction']:.2f}x one direction) "
+                         f"| {100 * m['both_fraction_of_ceiling']:.1f}% of bidir |")
+    lines += [row("baseline: per-chunk memcpy d2h (32 KiB each)", "per_chunk_memcpy_d2h_GBps"),
+              row("baseline: per-chunk memcpy h2d (32 KiB each)", "per_chunk_memcpy_h2d_GBps"),
+              row("baseline: per-block memcpy d2h (2 MiB each)", "per_block_memcpy_d2h_GBps"),
+              row("checksum kernel (HBM read)", "checksum_kernel_GBps", True)]
+    if "both_vs_one_direction" in r:
+        lines.append(f"| both / one direction | {r['both_vs_one_direction']:.2f}x | |")
+    if "spill_checksum_cost_fraction" in r:
+        lines.append(f"| checksum + bookkeeping cost on spill | {100 * r['spill_checksum_cost_fraction']:.1f}% | |")
+    for k in ("single_block_spill_us", "single_block_restore_us"):
+        if k in r:
+            lines.append(f"| {k.replace('_us', '')} p50 / p99 | {r[k]['p50']} / {r[k]['p99']} us | |")
+    if "spill_host_cpu_ms_per_GiB" in r:
+        lines.append(f"| host CPU per GiB: spill / restore | {r['spill_host_cpu_ms_per_GiB']:.2f} / "
+                     f"{r['restore_host_cpu_ms_per_GiB']:.2f} ms | |")
+    if "overlap" in r:
+        o = r["overlap"]
+        lines.append(f"| spill alone / with matmuls | {o['spill_alone_ms']:.1f} / {o['spill_with_compute_ms']:.1f} ms | |")
+        lines.append(f"| matmuls alone / spill+matmuls / serial | {o['compute_alone_ms']:.1f} / "
+                     f"{o['spill_and_compute_ms']:.1f} / {o['serial_would_be_ms']:.1f} ms | |")
+    for k, t in r.get("targets", {}).items():
+        lines.append(f"| target {k} {'<=' if k.endswith('cost_fraction') else '>='} {t['target']} | "
+                     f"{t['measured']} | {'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'} |")
+    if r.get("errors"):
+        lines.append(f"errors: {r['errors']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--page-tokens", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--latency-iters", type=int, default=200)
+    p.add_argument("--chunk-blocks", type=int, default=128, help="blocks in the per-chunk memcpy baseline")
+    p.add_argument("--matmuls", type=int, default=30)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, measures nothing")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    import structlog  # one log line per move would drown the table
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if args.quick:
+        args.blocks, args.layers, args.page_tokens, args.kv_heads, args.head_dim = 16, 2, 4, 2, 16
+        args.reps, args.latency_iters, args.chunk_blocks, args.matmuls = 2, 5, 4, 2
+    b = Bench(args)
+    try:
+        res = b.main()
+    finally:
+        b.close()
+    text = json.dumps(res, indent=2, sort_keys=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(table(res))
+    return 0 if not res.get("errors") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
