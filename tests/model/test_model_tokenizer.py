@@ -1,0 +1,119 @@
+"""Tokenizer and chat template: rebuilt from GGUF metadata or tokenizer.json, checked against transformers."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dataplane.model import ChatTemplateMissing, IncrementalDecoder, load_model, random_model
+from dataplane.model.tokenizer import Tokenizer, tokenizer_from_hf_dir
+from tests.model.conftest import TINY_LLAMA3
+from tests.model.helpers_model import CHATML, write_hf_dir
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "The year 2024 had 366 days; π≈3.14159 and 1e-9.",
+    "  leading spaces\n\n\nnew lines\ttabs   trailing  ",
+    "日本語のテキスト 🚀 émojis — and Ελληνικά",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "",
+]
+
+CONVERSATION = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_round_trips_text(smollm2, text):
+    tok = smollm2.tokenizer
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < smollm2.config.vocab_size for i in ids)
+
+
+@pytest.mark.model
+def test_gguf_tokenizer_matches_transformers_reading_the_same_gguf(smollm2):
+    path = smollm2.source
+    try:  # transformers' own GGUF tokenizer builder, without loading the model (~1 s, not ~20 s)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        backend, _ = convert_gguf_tokenizer(*get_gguf_tokenizer(path)[:2])
+
+        def encode(text):
+            return backend.encode(text, add_special_tokens=False).ids
+    except ImportError:  # another transformers layout: the public (slow) route
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+        def encode(text):
+            return hf.encode(text, add_special_tokens=False)
+    for text in TEXTS:
+        assert smollm2.tokenizer.encode(text) == encode(text), text
+
+
+@pytest.mark.model
+def test_special_tokens_are_whole_and_eos_ids_end_the_turn(smollm2):
+    tok = smollm2.tokenizer
+    im_end = tok.token_to_id("<|im_end|>")
+    assert tok.encode("a<|im_end|>b")[1] == im_end
+    assert im_end in tok.eos_token_ids
+    assert tok.decode(tok.encode("hi<|im_end|>"), skip_special=True) == "hi"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_chat_template_renders_like_transformers(smollm2, add_generation_prompt, system):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = smollm2.tokenizer
+    msgs = ([{"role": "system", "content": system}] if system else []) + CONVERSATION
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.backend, chat_template=tok.chat_template)
+    want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+    got = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+    assert got == want
+    assert got.count("<|im_start|>") == len(msgs) + (system is None) + add_generation_prompt
+    assert tok.encode(got) == hf.encode(want, add_special_tokens=False)
+
+
+def test_hf_directory_tokenizer_and_template(tmp_path):
+    m = random_model(TINY_LLAMA3, seed=1)
+    write_hf_dir(str(tmp_path), m)
+    tok = tokenizer_from_hf_dir(str(tmp_path))
+    assert tok.eos_token_ids == {0, 2}                      # generation_config list + eos_token
+    assert tok.encode("hello world") == [tok.token_to_id("hello"), tok.token_to_id("Ġworld")]
+    assert tok.decode(tok.encode("hello the world!")) == "hello the world!"
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=CHATML)
+    assert tok.apply_chat_template(CONVERSATION) == hf.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_model_without_template_refuses_to_render_by_name(tmp_path):
+    m = random_model(TINY_LLAMA3, seed=1)
+    write_hf_dir(str(tmp_path), m)
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": "<|im_end|>"}, f)
+    tok = tokenizer_from_hf_dir(str(tmp_path))
+    with pytest.raises(ChatTemplateMissing):
+        tok.apply_chat_template(CONVERSATION)
+
+
+def test_incremental_decoder_never_emits_half_a_character(tmp_path):
+    m = random_model(TINY_LLAMA3, seed=1)
+    write_hf_dir(str(tmp_path), m)
+    tok: Tokenizer = load_model(str(tmp_path)).tokenizer
+    text = "hello 🚀 world"
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(i) for i in tok.encode(text)]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces.count("") >= 3                            # the rocket's 4 bytes arrive one by one
