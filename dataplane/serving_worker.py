@@ -1,0 +1,111 @@
+"""A worker that serves a model: the model decides the KV layout, the engine's device pool holds it.
+
+``python -m dataplane.proc ... --model PATH|embedded`` builds its core here instead of from
+``--kv-layout``: the layout (layers, kv heads, head dim, dtype) comes from the model, so the pages
+the Engine parks and restores are exactly the pages the model writes. The serving loop joins the
+worker's engine thread:
+
+    commands  Tokenize, Generate, CancelGenerate  ─► ServingLoop.handle
+    idle      while a sequence runs               ─► ServingLoop.step (one batched forward)
+    guard     ExecuteMove / ReleaseBlocks naming pages a running sequence reads or writes are
+              refused (MoveRejected / CommandFailed): a policy must never pull a page from under
+              the model
+    hello     ServingReady follows every Hello (a restarted control process learns the model again)
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import structlog
+import torch
+
+from dataplane.engine import Engine
+from dataplane.model import block_content_keys, load_model
+from dataplane.pools import DataPlaneError, KVLayout
+from dataplane.serving import ServingLoop
+from dataplane.worker import WorkerCore, WorkerFaults
+from events import catalog as ev
+from events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
+
+log = structlog.get_logger("dataplane.serving")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_serving_args(p) -> None:
+    g = p.add_argument_group("serving (with --model)")
+    g.add_argument("--model", default=None, help="a GGUF file, a Hugging Face directory, or 'embedded' (SmolLM2)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
+    g.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--page-tokens", type=int, default=16)
+    g.add_argument("--max-step-tokens", type=int, default=256, help="new tokens per forward step (prefill chunking)")
+    g.add_argument("--max-context", type=int, default=None, help="cap the model's context window")
+
+
+def model_id_for(path: str | None) -> str:
+    if not path or path == "embedded":
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(path))
+    if name.lower().endswith(".gguf"):
+        name = name[:-5]
+        name = re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+    return name
+
+
+def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    device = args.device
+    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    path = None if args.model in (None, "", "embedded") else args.model
+    model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
+    c = model.config
+    kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
+    disk_dir = Path(args.run_dir) / f"disk-{args.worker}"
+    shutil.rmtree(disk_dir, ignore_errors=True)     # a new incarnation starts with nothing
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
+    engine = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
+                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+    core = WorkerCore(engine, args.worker, faults, expected_errors=(DataPlaneError,))
+    loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
+                       device_pool=engine.device_pool, model_id=args.served_model_name or model_id_for(args.model),
+                       model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
+                       max_step_tokens=args.max_step_tokens)
+    attach(core, loop, kv.block_bytes)
+    log.info("serving_model_loaded", model=loop.model_id, source=model.source, dtype=str(dtype),
+             max_context=loop.max_positions, device_blocks=args.device_blocks, block_bytes=kv.block_bytes)
+    return core, kv.block_bytes
+
+
+def attach(core: WorkerCore, loop: ServingLoop, block_bytes: int) -> None:
+    """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras."""
+    for t in (Tokenize, Generate, CancelGenerate):
+        core.register(t, loop.handle)
+    execute, release = core.handlers[ExecuteMove], core.handlers[ReleaseBlocks]
+
+    def guarded_execute(cmd: ExecuteMove) -> list:
+        held = loop.holding(cmd.blocks)
+        if held:
+            return [ev.MoveRejected(move_id=cmd.move_id, worker=core.worker, asked_bytes=len(cmd.blocks) * block_bytes,
+                                    blocks=held, reason=f"pages {held[:8]} are in use by a running sequence")]
+        return execute(cmd)
+
+    def guarded_release(cmd: ReleaseBlocks) -> list:
+        held = loop.holding(cmd.blocks) if cmd.tier == "device" else []
+        if held:
+            return [CommandFailed(worker=core.worker, ref=cmd.release_id, error="BlockBusy",
+                                  detail=f"pages {held[:8]} are in use by a running sequence")]
+        return release(cmd)
+
+    core.register(ExecuteMove, guarded_execute)
+    core.register(ReleaseBlocks, guarded_release)
+    core.background = (loop.has_work, loop.step)
+    core.hello_extras = lambda: [loop.ready(block_bytes)]
+    core.serving = loop
+
+
+__all__ = ["add_serving_args", "build_serving_core", "attach", "model_id_for", "DataPlaneError"]

@@ -1,0 +1,209 @@
+"""The worker's inference loop with the real SmolLM2, in process: no sockets, no control plane.
+
+The pages the model writes are the Engine's pages: parking them to host, demoting them to disk and
+restoring them (checksum-verified) between turns must give the same greedy tokens as a
+conversation whose pages never moved.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dataplane.engine import Engine
+from dataplane.model import block_content_keys, generate, load_model
+from dataplane.model import SamplingParams as ModelSampling
+from dataplane.pools import KVLayout
+from dataplane.serving import ServingLoop
+from events.catalog import MoveAcked, StepCompleted
+from events.commands import (
+    CancelGenerate, ChatTurn, ExecuteMove, Generate, SamplingParams, Tokenize, TokensGenerated,
+)
+
+pytestmark = pytest.mark.model
+P = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_model(None)
+
+
+def make_loop(model, tmp_path, name: str, device_blocks: int = 96):
+    c = model.config
+    kv = KVLayout(c.num_layers, P, c.num_kv_heads, c.head_dim, dtype=torch.float32)
+    host = 64 * kv.block_bytes
+    engine = Engine(kv, device_blocks, host, tmp_path / name, Engine.pinned_bytes_needed(kv, device_blocks, host),
+                    "cpu", fsync=False)
+    loop = ServingLoop(worker=0, runner=model.runner, tokenizer=model.tokenizer, device_pool=engine.device_pool,
+                       model_id="smol", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
+    return engine, loop
+
+
+def run(loop: ServingLoop, *cmds) -> list:
+    out = []
+    for c in cmds:
+        out += loop.handle(c)
+    while loop.has_work():
+        out += loop.step()
+    return out
+
+
+def tokens_of(out, rid=None) -> list[int]:
+    return [t for o in out if isinstance(o, TokensGenerated) and (rid is None or o.request_id == rid)
+            for t in o.token_ids]
+
+
+def final(out, rid) -> TokensGenerated:
+    return next(o for o in out if isinstance(o, TokensGenerated) and o.request_id == rid and o.finish_reason)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+_ids = itertools.count(1000)
+
+
+def pages(n: int) -> list[int]:
+    return [next(_ids) for _ in range(n)]
+
+
+def test_greedy_output_matches_the_model_packages_reference(model, tmp_path):
+    _, loop = make_loop(model, tmp_path, "a")
+    tk = loop.tokenize(Tokenize(request_id="t", messages=[ChatTurn(role="user", content="Name a color.")]))
+    assert tk.error is None and len(tk.keys) == len(tk.token_ids) // P
+    assert tk.keys == block_content_keys(tk.token_ids, P, model.kv_digest)
+    out = run(loop, Generate(request_id="r", session=None, token_ids=tk.token_ids,
+                             block_ids=pages(-(-(len(tk.token_ids) + 11) // P)), num_cached_tokens=0,
+                             sampling=greedy(12), free_on_finish=True))
+    ref = generate(model, [tk.token_ids], ModelSampling(max_tokens=12))[0]
+    assert tokens_of(out) == ref.token_ids
+    assert "".join(o.text for o in out if isinstance(o, TokensGenerated)) == ref.text
+    assert any(isinstance(o, StepCompleted) for o in out)
+
+
+def test_pages_are_reported_with_their_keys_and_freed_when_asked(model, tmp_path):
+    engine, loop = make_loop(model, tmp_path, "b")
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    bl = pages(-(-(len(ids) + 7) // P))
+    out = run(loop, Generate(request_id="r", session=None, token_ids=ids, block_ids=bl, num_cached_tokens=0,
+                             sampling=greedy(8, ignore_eos=True), free_on_finish=True))
+    written = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
+    keys = [k for o in out if isinstance(o, TokensGenerated) for k in o.keys_written]
+    last = final(out, "r")
+    fed = tokens_of(out)
+    full = (len(ids) + len(fed) - 1) // P
+    assert written == bl[:len(written)] and keys[:full] == block_content_keys(ids + fed, P, model.kv_digest)[:full]
+    assert last.finish_reason == "length" and last.blocks_freed == written
+    assert last.bytes_freed == len(written) * engine.layout.block_bytes and engine.device_pool.used_bytes == 0
+    assert last.blocks_unused == bl[len(written):]
+
+
+def test_a_stop_string_ends_the_text_before_it(model, tmp_path):
+    _, loop = make_loop(model, tmp_path, "c")
+    tk = loop.tokenize(Tokenize(request_id="t", messages=[ChatTurn(role="user", content="Count from 1 to 10.")]))
+    base = run(loop, Generate(request_id="r0", session=None, token_ids=tk.token_ids, block_ids=pages(8),
+                              num_cached_tokens=0, sampling=greedy(24), free_on_finish=True))
+    text = "".join(o.text for o in base if isinstance(o, TokensGenerated))
+    stop = next(w for w in ("4", "3", "2", ",") if w in text)
+    out = run(loop, Generate(request_id="r1", session=None, token_ids=tk.token_ids, block_ids=pages(8),
+                             num_cached_tokens=0, sampling=greedy(24, stop=[stop]), free_on_finish=True))
+    got = "".join(o.text for o in out if isinstance(o, TokensGenerated))
+    assert final(out, "r1").finish_reason == "stop" and got == text[:text.index(stop)]
+
+
+def test_a_cancelled_sequence_frees_its_new_pages_and_keeps_the_reused_ones(model, tmp_path):
+    engine, loop = make_loop(model, tmp_path, "d")
+    ids = model.tokenizer.encode("Residency keeps the pages of a conversation between turns. " * 3)
+    bl = pages(-(-(len(ids) + 40) // P))
+    out = run(loop, Generate(request_id="r1", session="s", token_ids=ids, block_ids=bl, num_cached_tokens=0,
+                             sampling=greedy(2, ignore_eos=True)))
+    kept = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
+    assert final(out, "r1").blocks_freed == [] and engine.device_pool.used_bytes == len(kept) * engine.layout.block_bytes
+    reused = (len(ids) // P) * P
+    more = ids + model.tokenizer.encode(" And then some more text follows.")
+    bl2 = bl[:reused // P] + pages(-(-(len(more) + 40) // P) - reused // P)
+    loop.handle(Generate(request_id="r2", session="s", token_ids=more, block_ids=bl2, num_cached_tokens=reused,
+                         sampling=greedy(40, ignore_eos=True)))
+    loop.step()
+    loop.step()
+    assert loop.holding(bl2) == bl2[:len(loop.seqs["r2"].cmd.block_ids[:loop.seqs["r2"].num_allocated])]
+    out = loop.handle(CancelGenerate(request_id="r2", reason="disconnected"))
+    last = final(out, "r2")
+    assert last.finish_reason == "cancelled" and not loop.has_work()
+    assert set(last.blocks_freed) == set(bl2[reused // P:]) - set(last.blocks_unused)
+    assert all(engine.device_pool.has(b) for b in bl[:reused // P])
+
+
+def test_a_generate_naming_pages_that_are_not_resident_is_refused_not_run(model, tmp_path):
+    _, loop = make_loop(model, tmp_path, "e")
+    ids = list(range(100, 140))
+    out = loop.handle(Generate(request_id="r", session="s", token_ids=ids, block_ids=pages(4), num_cached_tokens=16,
+                               sampling=greedy(4)))
+    assert final(out, "r").finish_reason == "error" and "not usable" in final(out, "r").error
+    assert not loop.has_work()
+
+
+def test_continuous_batching_lets_a_request_join_running_decodes(model, tmp_path):
+    _, loop = make_loop(model, tmp_path, "f")
+    a = model.tokenizer.encode("One, two, three, four,")
+    b = model.tokenizer.encode("Monday, Tuesday, Wednesday,")
+    loop.handle(Generate(request_id="a", session=None, token_ids=a, block_ids=pages(3), num_cached_tokens=0,
+                         sampling=greedy(10, ignore_eos=True), free_on_finish=True))
+    out = loop.step() + loop.step()
+    out += loop.handle(Generate(request_id="b", session=None, token_ids=b, block_ids=pages(3), num_cached_tokens=0,
+                                sampling=greedy(10, ignore_eos=True), free_on_finish=True))
+    joined = loop.step()
+    out += joined
+    steps = [o for o in joined if isinstance(o, StepCompleted)]
+    assert steps[0].num_seqs == 2 and steps[0].num_tokens == 1 + len(b)
+    out += run(loop)
+    assert len(tokens_of(out, "a")) == 10 and len(tokens_of(out, "b")) == 10
+
+
+def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: bool) -> list[list[int]]:
+    """A greedy multi-turn chat as the control process would drive it: reuse the session's full
+    pages; between turns optionally park them to host, demote to disk and restore them."""
+    messages: list[ChatTurn] = []
+    held: list[int] = []          # the session's pages, in order
+    held_keys: list[str] = []
+    replies = []
+    for n, user in enumerate(turns):
+        messages.append(ChatTurn(role="user", content=user))
+        tk = loop.tokenize(Tokenize(request_id=f"t{n}", messages=messages))
+        reuse = 0
+        while reuse < min(len(held_keys), len(tk.keys)) and held_keys[reuse] and held_keys[reuse] == tk.keys[reuse]:
+            reuse += 1
+        reuse = min(reuse, (len(tk.token_ids) - 1) // P)
+        if move_between and reuse:
+            for i, (kind, src, dst) in enumerate((("park", "device", "host"), ("demote", "host", "disk"),
+                                                  ("restore", "disk", "device"))):
+                ack = engine.execute(ExecuteMove(move_id=f"m{n}-{i}", kind=kind, src=src, dst=dst,
+                                                 blocks=held[:reuse], keep_source=False, deadline_ns=1 << 62))
+                assert isinstance(ack, MoveAcked) and ack.checksum_ok, ack
+        if held[reuse:]:
+            engine.device_pool.free(held[reuse:])
+        bl = held[:reuse] + pages(-(-(len(tk.token_ids) + 15) // P) - reuse)
+        out = run(loop, Generate(request_id=f"r{n}", session="s", token_ids=tk.token_ids, block_ids=bl,
+                                 num_cached_tokens=reuse * P, sampling=greedy(16)))
+        assert final(out, f"r{n}").num_computed_tokens == len(tk.token_ids) - reuse * P
+        replies.append(tokens_of(out))
+        written = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
+        held = held[:reuse] + written
+        held_keys = held_keys[:reuse] + [k for o in out if isinstance(o, TokensGenerated) for k in o.keys_written]
+        messages.append(ChatTurn(role="assistant", content="".join(o.text for o in out
+                                                                  if isinstance(o, TokensGenerated))))
+    return replies
+
+
+def test_parked_demoted_and_restored_pages_give_token_identical_greedy_output(model, tmp_path):
+    turns = ["Hi! What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
+    e1, l1 = make_loop(model, tmp_path, "still")
+    e2, l2 = make_loop(model, tmp_path, "moved")
+    still = converse(l1, e1, turns, move_between=False)
+    moved = converse(l2, e2, turns, move_between=True)
+    assert moved == still
+    assert all(len(r) > 0 for r in still)
