@@ -906,20 +906,25 @@ class ControlProc:
             raise moves.InvalidAsk(f"no room for {nbytes} bytes on {msg.tier} of worker {msg.worker}: "
                                    f"limit {budget.limit_bytes(acc)} - used {acc.used_bytes} - in flight "
                                    f"{acc.inflight_in_bytes} - committing {pending} = {room}")
-        first = self._next_block.get(msg.worker)
-        if first is None:
-            # NOTE: a gap after a restart: a commit the last incarnation sent but never recorded may
-            # have used ids above the ledger's highest; never hand those out again.
-            top = max(self.state.blocks.get(msg.worker, {}) or [-1])
-            first = ((top + 1) // (1 << 20) + 1) * (1 << 20) if self.recovered and self.recovered.crashed else top + 1
-        blocks = list(range(first, first + msg.num_blocks))
-        self._next_block[msg.worker] = first + msg.num_blocks
+        blocks = self.allocate_block_ids(msg.worker, msg.num_blocks)
         self._num_refs += 1
         ref = f"c-{self.epoch:x}-{self._num_refs}"
         self._commits_pending[ref] = (waiter, msg.worker, msg.tier, msg.session, nbytes,
                                       time.monotonic_ns() + int(self.cfg.moves.deadline_base_s * S))
         waiter.open.add(ref)
         self._send(link, CommitBlocks(request_id=ref, session=msg.session, tier=msg.tier, blocks=blocks, seed=msg.seed))
+
+    def allocate_block_ids(self, worker: int, n: int) -> list[int]:
+        """``n`` block ids never used on ``worker`` (the one allocator: commits and the serving
+        path's pages). Loop thread only."""
+        first = self._next_block.get(worker)
+        if first is None:
+            # NOTE: a gap after a restart: a commit the last incarnation sent but never recorded may
+            # have used ids above the ledger's highest; never hand those out again.
+            top = max(self.state.blocks.get(worker, {}) or [-1])
+            first = ((top + 1) // (1 << 20) + 1) * (1 << 20) if self.recovered and self.recovered.crashed else top + 1
+        self._next_block[worker] = first + n
+        return list(range(first, first + n))
 
     def _on_written(self, link: WorkerLink, msg: BlocksWritten) -> None:
         entry = self._commits_pending.pop(msg.request_id, None)
