@@ -33,6 +33,7 @@ import msgspec
 import structlog
 import zmq
 
+from dataplane.serving_worker import add_serving_args
 from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
 from dataplane.worker import NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord
 from events import catalog as ev
@@ -120,11 +121,21 @@ class WorkerProc:
         self._last_hello_ns = time.monotonic_ns()
         self.link.send(Hello(worker=self.worker, epoch=self.epoch, device=self.device,
                              tiers=dict(self.core.engine.capacities()), block_bytes=self.block_bytes))
+        for msg in self.core.hello_extras():     # e.g. ServingReady: the control learns the model again
+            self.link.send(msg)
 
     # ------------------------------------------------------------------ engine thread
     def _engine_loop(self) -> None:
         while True:
-            cmd = self._jobs.get()
+            bg = self.core.background
+            if bg is not None and bg[0]():
+                try:
+                    cmd = self._jobs.get_nowait()
+                except queue.Empty:       # no command waits: one step of background work (serving)
+                    self._background_step(bg[1])
+                    continue
+            else:
+                cmd = self._jobs.get()
             if cmd is None:
                 return
             try:
@@ -133,6 +144,19 @@ class WorkerProc:
                 self.log.error("command_raised", type=type(cmd).__name__, ref=_ref(cmd), error=repr(e), exc_info=True)
                 replies = [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {_ref(cmd)}: {e!r}")]
             self._results.put((cmd, replies))
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+
+    def _background_step(self, step) -> None:
+        try:
+            replies = step()
+        except Exception as e:  # noqa: BLE001 - a bug in the serving loop must not kill the worker
+            self.log.error("background_step_raised", error=repr(e), exc_info=True)
+            replies = [ErrorReply(error="background_step_raised", detail=repr(e))]
+        if replies:
+            self._results.put((None, replies))
             try:
                 os.write(self._wake_w, b"x")
             except OSError:
@@ -283,6 +307,9 @@ def layout_block_bytes(layout: tuple[int, int, int, int, str]) -> int:
 
 
 def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    if args.engine == "real" and getattr(args, "model", None) not in (None, "", "none"):
+        from dataplane.serving_worker import build_serving_core  # noqa: PLC0415 - the model sets the layout
+        return build_serving_core(args, faults)
     layout = parse_layout(args.kv_layout)
     block_bytes = layout_block_bytes(layout)
     disk_dir = Path(args.run_dir) / f"disk-{args.worker}"
@@ -324,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fault hooks for tests (see dataplane.worker.WorkerFaults); off by default")
     p.add_argument("--control-silent-s", type=float, default=1.0)
     p.add_argument("--orphan-exit-s", type=float, default=60.0)
+    add_serving_args(p)
     args = p.parse_args(argv)
     configure_logging(level=os.environ.get("RESIDENCY_WORKER_LOG_LEVEL", "warning"))
     epoch = args.epoch or time.time_ns() // 1000

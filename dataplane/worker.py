@@ -100,6 +100,10 @@ class WorkerCore:
             ExecuteMove: self.execute, CommitBlocks: self.commit, ReleaseBlocks: self.release,
             QueryInventory: self.inventory,
         }
+        # Set by dataplane.serving_worker.attach: the work the engine thread does while no command
+        # waits (has_work, step -> replies), and the messages that follow every Hello.
+        self.background: tuple[Callable[[], bool], Callable[[], list]] | None = None
+        self.hello_extras: Callable[[], list] = lambda: []
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the engine thread; ``handler(cmd)`` returns the replies."""
