@@ -20,25 +20,20 @@ import shutil
 from pathlib import Path
 
 import structlog
-import torch
 
-from dataplane.engine import Engine
-from dataplane.model import block_content_keys, load_model
-from dataplane.pools import DataPlaneError, KVLayout
-from dataplane.serving import ServingLoop
 from dataplane.worker import WorkerCore, WorkerFaults
 from events import catalog as ev
 from events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
 
 log = structlog.get_logger("dataplane.serving")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def add_serving_args(p) -> None:
     g = p.add_argument_group("serving (with --model)")
     g.add_argument("--model", default=None, help="a GGUF file, a Hugging Face directory, or 'embedded' (SmolLM2)")
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
-    g.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+    g.add_argument("--dtype", default=None, choices=DTYPES,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--page-tokens", type=int, default=16)
     g.add_argument("--max-step-tokens", type=int, default=256, help="new tokens per forward step (prefill chunking)")
@@ -56,8 +51,15 @@ def model_id_for(path: str | None) -> str:
 
 
 def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
+
+    from dataplane.engine import Engine  # noqa: PLC0415
+    from dataplane.model import block_content_keys, load_model  # noqa: PLC0415
+    from dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+    from dataplane.serving import ServingLoop  # noqa: PLC0415
+
     device = args.device
-    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
+    dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     path = None if args.model in (None, "", "embedded") else args.model
@@ -81,7 +83,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     return core, kv.block_bytes
 
 
-def attach(core: WorkerCore, loop: ServingLoop, block_bytes: int) -> None:
+def attach(core: WorkerCore, loop, block_bytes: int) -> None:
     """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras."""
     for t in (Tokenize, Generate, CancelGenerate):
         core.register(t, loop.handle)
@@ -108,4 +110,4 @@ def attach(core: WorkerCore, loop: ServingLoop, block_bytes: int) -> None:
     core.serving = loop
 
 
-__all__ = ["add_serving_args", "build_serving_core", "attach", "model_id_for", "DataPlaneError"]
+__all__ = ["add_serving_args", "build_serving_core", "attach", "model_id_for"]
