@@ -20,6 +20,8 @@ No clocks, sockets or threads: ``now_ns`` comes in as an argument.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import msgspec
 
 from control.budget import limit_bytes
@@ -84,9 +86,13 @@ class Running(msgspec.Struct, kw_only=True):
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cost: CostModel | None = None):
+    def __init__(self, cfg: SchedulerConfig, cost: CostModel | None = None,
+                 allocate: Callable[[int, int], list[int]] | None = None):
+        """``allocate(worker, n)``: the control process's block-id allocator (one for every
+        producer of blocks); without it, ids continue above the ledger's highest."""
         self.cfg = cfg
         self.cost = cost or CostModel()
+        self._allocate = allocate
         self.sessions: dict[str, SessionEntry] = {}
         self.running: dict[str, Running] = {}
         self._next_block: dict[int, int] = {}
@@ -118,6 +124,8 @@ class Scheduler:
     # ------------------------------------------------------------------ block ids
     def allocate_ids(self, state: State, worker: int, n: int) -> list[int]:
         """Fresh logical page ids: never one the ledger or a running request has used."""
+        if self._allocate is not None:
+            return self._allocate(worker, n)
         nxt = self._next_block.get(worker)
         if nxt is None:
             wb = state.blocks.get(worker, {})

@@ -50,13 +50,14 @@ FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
 class ServingService:
     def __init__(self, proc, *, restore_policy: str = "cost", cost: CostModel | None = None,
                  wait_timeout_s: float = 120.0, max_waiting: int = 256, tick_s: float = 0.25,
-                 api_timeout_s: float = 600.0):
+                 api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
         self.proc = proc
         self.restore_policy = restore_policy
         self.cost = cost or CostModel()
         self.wait_timeout_ns = int(wait_timeout_s * 1e9)
         self.max_waiting = max_waiting
         self.api_timeout_s = api_timeout_s
+        self.default_max_tokens = default_max_tokens     # a chat that names no max_tokens; None: the context's rest
         self.ready: dict[int, ServingReady] = {}
         self.sched: Scheduler | None = None
         self.pending: dict[str, Pending] = {}
@@ -203,7 +204,10 @@ class ServingService:
             self._refuse(p, 400, "context_length_exceeded",
                          f"this model's context window is {ctx} tokens; the prompt is {n} tokens", param)
             return
-        max_tokens = req.sampling.max_tokens if req.max_tokens_given else ctx - n
+        if req.max_tokens_given:
+            max_tokens = req.sampling.max_tokens
+        else:
+            max_tokens = min(ctx - n, self.default_max_tokens or ctx)
         if n + max_tokens > ctx:
             self._refuse(p, 400, "context_length_exceeded",
                          f"this model's context window is {ctx} tokens; the prompt ({n}) plus max_tokens "
@@ -463,7 +467,8 @@ class ServingService:
     def _on_ready(self, link, msg: ServingReady) -> None:
         if self.sched is None:
             self.sched = Scheduler(SchedulerConfig(page_tokens=msg.page_tokens, max_context=msg.max_context,
-                                                   restore_policy=self.restore_policy), self.cost)
+                                                   restore_policy=self.restore_policy), self.cost,
+                                   allocate=self.proc.allocate_block_ids)
             self.sched.rebuild(self.proc.state)
         elif msg.page_tokens != self.sched.cfg.page_tokens:
             log.error("worker_page_size_mismatch", worker=link.worker, page_tokens=msg.page_tokens,
