@@ -33,7 +33,15 @@ import math
 
 import torch
 
-from kernels._common import KernelInputError, dual_mode_kernel, next_pow2, tl, use_triton
+from kernels._common import SUM_COMBINE, KernelInputError, dual_mode_kernel, next_pow2, tl, use_triton
+
+try:
+    # Reductions go through ``tl.reduce`` with the library's combine functions: ``tl.max`` and
+    # ``tl.sum`` are JIT functions built at import and fail in an interpreter switched on later,
+    # while the interpreter recognises these combine functions (see kernels._common.SUM_COMBINE).
+    from triton.language.standard import _elementwise_max as MAX_COMBINE
+except ImportError:  # pragma: no cover - CPU-only host without triton: the refs run
+    MAX_COMBINE = None
 
 SPLIT_TOKENS = 256   # tokens per decode program; fixed, so results never depend on batch shape
 BLOCK_N = 64         # tokens per inner iteration (may span several pages)
@@ -204,8 +212,8 @@ def _paged_decode_kernel(
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gm[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
+        acc = tl.full([GROUP_PAD, D_PAD], 0.0, tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         for n0 in range(start, end, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
@@ -216,16 +224,16 @@ def _paged_decode_kernel(
             k = tl.load(pool_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0)
             v = tl.load(pool_ptr + stride_pkv + base[:, None] + d[None, :], mask=kvm, other=0.0)
             if FP32_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
             s = tl.where(nm[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX_COMBINE))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
             if FP32_DOT:
-                pv = tl.dot(p, v, input_precision="ieee")
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
@@ -321,7 +329,9 @@ def paged_decode_attention(
         pm.stride(0), pm.stride(1), pacc.stride(0), pacc.stride(1), pacc.stride(2),
         PAGE=page, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=hd,
         D_PAD=max(16, next_pow2(hd)), BLOCK=BLOCK_N, SPLIT=SPLIT_TOKENS,
-        FP32_DOT=q.dtype == torch.float32,
+        # float32 pools, and the interpreter (whose tl.dot mis-reads bfloat16), dot in float32;
+        # half-precision pools on the GPU use the tensor cores with float32 accumulation.
+        FP32_DOT=q.dtype == torch.float32 or dev.type != "cuda",
     )
     if max_splits > 1:
         _paged_decode_reduce[(B, nh)](
