@@ -27,6 +27,7 @@ from dataplane.moves import (
     COPY_MODES,
     EXECUTORS,
     CopyStreams,
+    DeviceStaging,
     InFlight,
     IndexUploader,
     MoveContext,
@@ -116,7 +117,8 @@ class Engine:
         self.disk_report = self.disk_tier.rebuild(verify=self._hash_disk_payload if verify_disk else None)
         self.ctx = MoveContext(
             worker=worker, layout=layout, device=self.device_pool, host=self.host_pool, disk=self.disk_tier,
-            streams=self.streams, indexes=self.indexes, ring=self.ring, copy_modes=modes,
+            streams=self.streams, indexes=self.indexes, ring=self.ring,
+            staging=DeviceStaging(layout, pipeline_blocks, dev), copy_modes=modes,
             pipeline_blocks=pipeline_blocks, clock=clock,
         )
         self._outcomes: dict[str, Outcome] = {}

@@ -22,7 +22,7 @@ import torch
 
 from dataplane.moves.indexes import IndexUploader
 from dataplane.moves.plan import MovePlan
-from dataplane.moves.staging import StagingRing
+from dataplane.moves.staging import DeviceStaging, StagingRing
 from dataplane.moves.streams import CopyStreams
 from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
 from events.catalog import MoveAcked, MoveFailed
@@ -39,8 +39,9 @@ class MoveContext:
     streams: CopyStreams
     indexes: dict[str, IndexUploader]      # "d2h", "h2d", "hash"
     ring: StagingRing
-    copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma"
-    pipeline_blocks: int                   # restore: blocks per copy+hash chunk
+    staging: DeviceStaging                 # device buffers of the "staged" copy mode
+    copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma" | "staged"
+    pipeline_blocks: int                   # blocks per pipelined chunk (copy+hash, staging buffer)
     clock: Callable[[], int]
 
 
@@ -73,10 +74,15 @@ class InFlight:
     def rollback(self) -> None:
         """Drop destination reservations (subclasses)."""
 
+    def after_compute(self, *streams) -> None:
+        """Order ``streams`` after the work already queued on the caller's compute stream."""
+        for stream in streams:
+            self.ctx.streams.wait_stream(stream, self.compute)
+
     def drain(self) -> None:
         s = self.ctx.streams
         if s.cuda:
-            for stream in (s.d2h, s.h2d, s.hash):
+            for stream in s.all():
                 stream.synchronize()
 
     # ------------------------------------------------------------ outcomes

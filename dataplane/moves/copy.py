@@ -1,16 +1,26 @@
-"""The two ways a move copies whole blocks between the device pool and the host pool.
+"""The three ways a move copies whole blocks between the device pool and the pinned host pool.
 
-    "kernel"  one Triton launch for the whole move: ``gather_blocks`` stores device rows straight
-              into the pinned host pool (spill), ``scatter_blocks`` loads pinned host rows straight
-              into device slots (restore). No staging, one launch, ~zero host CPU per block.
-    "dma"     one cudaMemcpyAsync per run of consecutive slots (a block-first block is one
-              contiguous span, so a run is ≥ block_bytes = 2 MiB for real models, long enough to
-              run the copy engine near its peak). Uses no SMs; costs a few µs of host CPU per run.
+    "kernel"  one Triton launch per chunk: ``gather_blocks`` stores device rows straight into the
+              pinned host pool (spill), ``scatter_blocks`` loads pinned host rows straight into
+              device slots (restore). SMs drive PCIe; no staging; ~no host CPU per block.
+    "dma"     one cudaMemcpyAsync per run of slots consecutive on both sides (a block-first block
+              is one contiguous span, so a run is ≥ block_bytes = 2 MiB for real models). Uses no
+              SMs; a few µs of host CPU and a small gap on the link per run.
+    "staged"  gather the chunk's scattered device rows into a device staging buffer at HBM speed
+              (or scatter out of it), and DMA the staging buffer to/from the host in runs as long
+              as the host slots allow: a fresh host pool hands out consecutive slots, and
+              restores walk their blocks in host-slot order, so a 32-block chunk is one 64 MiB DMA.
+              Two buffers per direction: chunk k+1 is gathered while chunk k crosses PCIe.
 
-Both are enqueued on the caller-chosen copy stream and complete in stream order. The engine
-picks one per direction (``Engine(copy_modes=...)``); bench/moves.py measures both.
-On CPU both run synchronously (the kernel path through the torch references, or Triton's
-interpreter under TRITON_INTERPRET=1).
+    staged spill:   stage_d2h: gather c0 ─► e0  gather c1 ─► e1  ...
+                    d2h:        (wait e0) DMA c0 ──► (wait e1) DMA c1 ──► ...
+    staged restore: h2d:        DMA c0 ─► e0  DMA c1 ─► e1 ...
+                    stage_h2d:  (wait e0) scatter c0 ─► (wait e1) scatter c1 ─► ...
+
+All are enqueued on copy streams and complete in stream order. The engine picks one per
+direction (``Engine(copy_modes=...)``, default measured by bench/moves.py). On CPU they run
+synchronously (kernels through their torch references, or Triton's interpreter under
+TRITON_INTERPRET=1), so every mode is exercised in CI.
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ from collections.abc import Sequence
 from kernels.gather import gather_blocks
 from kernels.scatter import scatter_blocks
 
-COPY_MODES = ("kernel", "dma")
+COPY_MODES = ("kernel", "dma", "staged")
 
 
 def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -37,29 +47,68 @@ def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[i
 
 
 class Copier:
-    """Whole-block copies between the device pool and the host pool for one move, by chunks."""
+    """Whole-block copies between the device pool and the host pool for one move, by chunks.
+
+    ``enqueue(lo, hi)`` queues blocks [lo, hi) of the move; ``done()`` is an event after
+    everything queued so far has landed (use it to order checksums after the copy).
+    """
 
     def __init__(self, ctx, direction: str, src_words, src_slots, dst_words, dst_slots):
         self.ctx = ctx
         self.direction = direction
-        self.stream = ctx.streams.d2h if direction == "d2h" else ctx.streams.h2d
+        s = ctx.streams
+        self.stream = s.d2h if direction == "d2h" else s.h2d
+        self.stage = s.stage_d2h if direction == "d2h" else s.stage_h2d
         self.src_words, self.dst_words = src_words, dst_words
         self.src_slots, self.dst_slots = list(src_slots), list(dst_slots)
         self.mode = ctx.copy_modes[direction]
         self.dev_idx = None
         if self.mode == "kernel":
             self.dev_idx = ctx.indexes[direction].upload(self.stream, self.src_slots, self.dst_slots)
+        elif self.mode == "staged":
+            dev_slots = self.src_slots if direction == "d2h" else self.dst_slots
+            self.dev_idx = ctx.indexes[direction].upload(self.stage, dev_slots)[0]
 
     def enqueue(self, lo: int, hi: int) -> None:
-        s = self.ctx.streams
         if self.mode == "dma":
-            with s.on(self.stream):
-                for a, b, n in coalesce(self.src_slots[lo:hi], self.dst_slots[lo:hi]):
-                    self.dst_words[b : b + n].copy_(self.src_words[a : a + n], non_blocking=True)
-            return
-        si, di = self.dev_idx[0][lo:hi], self.dev_idx[1][lo:hi]
-        with s.on(self.stream):
-            if self.direction == "d2h":
-                gather_blocks(self.src_words, si, self.dst_words, out_rows=di)
-            else:
-                scatter_blocks(self.src_words, self.dst_words, di, src_rows=si)
+            self._dma(self.stream, self.src_words, self.src_slots[lo:hi], self.dst_words, self.dst_slots[lo:hi])
+        elif self.mode == "kernel":
+            si, di = self.dev_idx[0][lo:hi], self.dev_idx[1][lo:hi]
+            with self.ctx.streams.on(self.stream):
+                if self.direction == "d2h":
+                    gather_blocks(self.src_words, si, self.dst_words, out_rows=di)
+                else:
+                    scatter_blocks(self.src_words, self.dst_words, di, src_rows=si)
+        else:
+            step = self.ctx.staging.rows
+            for a in range(lo, hi, step):
+                self._staged(a, min(hi, a + step))
+
+    def done(self):
+        s = self.ctx.streams
+        last = self.stage if (self.mode == "staged" and self.direction == "h2d") else self.stream
+        return s.mark(last)
+
+    def _dma(self, stream, src_words, src_slots, dst_words, dst_slots) -> None:
+        with self.ctx.streams.on(stream):
+            for a, b, n in coalesce(src_slots, dst_slots):
+                dst_words[b : b + n].copy_(src_words[a : a + n], non_blocking=True)
+
+    def _staged(self, a: int, b: int) -> None:
+        s, st = self.ctx.streams, self.ctx.staging
+        i, buf = st.take(self.direction)
+        rows = list(range(b - a))
+        if self.direction == "d2h":
+            s.wait_event(self.stage, st.free["d2h"][i])          # the DMA out of buf has finished
+            with s.on(self.stage):
+                gather_blocks(self.src_words, self.dev_idx[a:b], buf)
+            s.wait_event(self.stream, s.mark(self.stage))
+            self._dma(self.stream, buf, rows, self.dst_words, self.dst_slots[a:b])
+            st.free["d2h"][i] = s.mark(self.stream)
+        else:
+            s.wait_event(self.stream, st.free["h2d"][i])         # the scatter out of buf has finished
+            self._dma(self.stream, self.src_words, self.src_slots[a:b], buf, rows)
+            s.wait_event(self.stage, s.mark(self.stream))
+            with s.on(self.stage):
+                scatter_blocks(buf, self.dst_words, self.dev_idx[a:b])
+            st.free["h2d"][i] = s.mark(self.stage)

@@ -8,7 +8,8 @@ Spill (device -> host), one chunk:
                                                                                  checksums,
                                                                                  publishes
 
-Restore (host -> device), chunked so that hashing hides behind copying:
+Restore (host -> device), chunked so that hashing hides behind copying (blocks walked in
+host-slot order, so host runs are long):
 
     compute ──► h2d:  copy c0 ─► e0   copy c1 ─► e1   copy c2 ─► e2 ...
                         hash: wait e0, hash c0 │ wait e1, hash c1 │ ... ─► e_done
@@ -32,14 +33,13 @@ class SpillToHost(InFlight):
         self.dslots = c.device.slots_of(self.ids)
         self.hslots = c.host.reserve(self.ids)
         # The bytes we read were written by work queued on the compute stream.
-        s.wait_stream(s.hash, self.compute)
-        s.wait_stream(s.d2h, self.compute)
+        self.after_compute(s.hash, s.d2h, s.stage_d2h)
         self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
         self.hasher.enqueue(0, len(self.ids))
         self.hashed = self.hasher.done()
         copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
         copier.enqueue(0, len(self.ids))
-        self.copied = s.mark(s.d2h)
+        self.copied = copier.done()
 
     def finish(self):
         c = self.ctx
@@ -68,15 +68,20 @@ class RestoreFromHost(InFlight):
         self.dslots = c.device.reserve(self.ids)
         # NOTE: the reserved slots may have been freed while kernels queued on the compute stream
         # still read their old contents; the copy must not overwrite them before those finish.
-        s.wait_stream(s.h2d, self.compute)
-        copier = Copier(c, "h2d", c.host.words, hslots, c.device.words, self.dslots)
-        self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
+        self.after_compute(s.h2d, s.stage_h2d)
+        # Walk the blocks in host-slot order: host runs get long (fewer, larger DMAs); the device
+        # side is scattered anyway. Checksums are mapped back to the command's order at the end.
+        order = sorted(range(len(self.ids)), key=lambda i: hslots[i])
+        self.order_ids = [self.ids[i] for i in order]
+        copier = Copier(c, "h2d", c.host.words, [hslots[i] for i in order],
+                        c.device.words, [self.dslots[i] for i in order])
+        self.hasher = Hasher(c, c.device.words, [self.dslots[i] for i in order], self.order_ids)
         step = max(1, c.pipeline_blocks)
         for lo in range(0, len(self.ids), step):
             hi = min(len(self.ids), lo + step)
             copier.enqueue(lo, hi)
-            self.hasher.enqueue(lo, hi, after=s.mark(s.h2d))
-        self.copied = s.mark(s.h2d)
+            self.hasher.enqueue(lo, hi, after=copier.done())
+        self.copied = copier.done()
         self.hashed = self.hasher.done()
 
     def finish(self):
@@ -84,7 +89,8 @@ class RestoreFromHost(InFlight):
         self.copied.synchronize()
         self.hashed.synchronize()
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
-        got = self.hasher.values()
+        by_id = dict(zip(self.order_ids, self.hasher.values()))
+        got = [by_id[b] for b in self.ids]
         bad = [(b, e, g) for b, e, g in zip(self.ids, self.expected, got) if e != g]
         if bad:
             self.rollback()

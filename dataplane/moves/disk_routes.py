@@ -45,8 +45,7 @@ class SpillToDisk(_DiskWriter):
         self.dslots = c.device.slots_of(self.ids)
         c.disk.reserve(self.ids)
         self.disk_reserved = True
-        s.wait_stream(s.hash, self.compute)
-        s.wait_stream(s.d2h, self.compute)
+        self.after_compute(s.hash, s.d2h)
         self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
         self.hasher.enqueue(0, len(self.ids))
         self.hashed = self.hasher.done()
@@ -85,7 +84,7 @@ class RestoreFromDisk(_DiskReader):
         c, s = self.ctx, self.ctx.streams
         self.indexed = [c.disk.checksum_of(b) for b in self.ids]
         self.dslots = c.device.reserve(self.ids)
-        s.wait_stream(s.h2d, self.compute)   # see RestoreFromHost: old readers of these slots
+        self.after_compute(s.h2d)   # see RestoreFromHost: old readers of these slots
 
     def finish(self):
         c, s = self.ctx, self.ctx.streams

@@ -42,3 +42,35 @@ class StagingRing:
         for e in self._events:
             e.synchronize()
         self.buffer.close()
+
+
+class DeviceStaging:
+    """Two device buffers per direction for the "staged" copy mode, used in turn.
+
+    A buffer is refilled only after the event of the last operation that read it (the DMA out of
+    it, or the scatter out of it) completed on the device, so chunk k+1 is gathered while chunk k
+    crosses PCIe. Device memory, not pinned: it is outside the pinned budget and allocated on
+    first use (2 × pipeline_blocks × block_bytes per direction: 256 MiB for 2 MiB blocks, 32 per chunk).
+    """
+
+    def __init__(self, layout: KVLayout, blocks_per_buffer: int, device: torch.device):
+        self.layout = layout
+        self.rows = max(1, blocks_per_buffer)
+        self.device = device
+        self._bufs: dict[str, list[torch.Tensor]] = {}
+        self.free: dict[str, list] = {"d2h": [Done(), Done()], "h2d": [Done(), Done()]}
+        self.turn = {"d2h": 0, "h2d": 0}
+
+    def take(self, direction: str) -> tuple[int, torch.Tensor]:
+        if direction not in self._bufs:
+            self._bufs[direction] = [
+                torch.empty((self.rows, self.layout.block_words), dtype=torch.int32, device=self.device)
+                for _ in range(2)
+            ]
+        i = self.turn[direction]
+        self.turn[direction] ^= 1
+        return i, self._bufs[direction][i]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b.numel() * 4 for bufs in self._bufs.values() for b in bufs)

@@ -3,6 +3,8 @@
     caller's compute stream ──(wait)──► d2h stream:  device → host copies (spill, evict, park)
                             ──(wait)──► h2d stream:  host → device copies (restore)
                             ──(wait)──► hash stream: checksums, after (or beside) the copies
+                            ──(wait)──► stage_d2h / stage_h2d: the gather/scatter kernels of the
+                                        "staged" copy mode, overlapping the DMA of the chunk before
 
 Copies never run on the compute stream, so they overlap the model's kernels; each copy stream
 first waits for the work already queued on the caller's stream (the producer of the bytes a
@@ -40,8 +42,13 @@ class CopyStreams:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
             self.hash = torch.cuda.Stream(device)
+            self.stage_d2h = torch.cuda.Stream(device)
+            self.stage_h2d = torch.cuda.Stream(device)
         else:
-            self.d2h = self.h2d = self.hash = None
+            self.d2h = self.h2d = self.hash = self.stage_d2h = self.stage_h2d = None
+
+    def all(self) -> tuple:
+        return (self.d2h, self.h2d, self.hash, self.stage_d2h, self.stage_h2d)
 
     def compute_stream(self):
         """The caller's current stream (the model's compute stream), or None on CPU."""

@@ -6,7 +6,7 @@ staging rings, read buffers, index scratch) is **registered here before it is ma
 allocation the budget cannot fund is refused with its arithmetic (``PinnedBudgetExceeded``:
 asked, available = limit - in use) and nothing is allocated.
 
-How memory is pinned: a plain allocation, page-aligned inside itself, registered with
+How memory is pinned: an anonymous page-aligned mapping (mmap) of its own, registered with
 ``cudaHostRegister(Portable | Mapped)``. We do not use ``torch.empty(pin_memory=True)``: torch's
 caching host allocator rounds every request up to a power of two (3 GiB would pin 4 GiB) and keeps
 freed blocks pinned in its cache, so the budget's numbers would be wrong in both directions.
@@ -21,6 +21,7 @@ so accounting and refusals behave identically in CI.
 from __future__ import annotations
 
 import itertools
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +124,12 @@ class PinnedBuffer:
         self.owner = grant.owner
         self.nbytes = nbytes
         self.footprint_bytes = footprint
-        # Over-allocate by a page so the registered range starts on a page boundary and never
-        # shares a page with another registration (cudaHostRegister refuses overlapping pages).
-        self._raw = torch.empty(footprint + PAGE_BYTES, dtype=torch.uint8)
-        skip = (-self._raw.data_ptr()) % PAGE_BYTES
-        region = self._raw[skip : skip + footprint]
+        # Page-aligned anonymous memory of its own (mmap), so the registered range shares no page
+        # with another registration (cudaHostRegister refuses overlaps) and the tensor's storage
+        # starts exactly where the registration does: torch's is_pinned() looks at the storage
+        # base, and a view into a larger pageable allocation would read as pageable.
+        self._mm = mmap.mmap(-1, footprint)
+        region = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._ptr = region.data_ptr()
         self.pinned = False
         if budget.pin:
@@ -136,7 +138,7 @@ class PinnedBuffer:
             self.pinned = True
         else:
             self.how = "pageable (no CUDA on this host: pin_memory is unavailable)"
-        self.tensor = region[:nbytes].view(dtype).view(shape) if nbytes else region[:0].view(dtype).view(shape)
+        self.tensor = region[:nbytes].view(dtype).view(shape)
         self._closed = False
 
     def _register(self, footprint: int) -> None:
@@ -157,6 +159,5 @@ class PinnedBuffer:
             err = int(torch.cuda.cudart().cudaHostUnregister(self._ptr))
             if err != 0:
                 raise PinningFailed(f"{self.owner}: cudaHostUnregister failed with cudaError {err}")
-        self.tensor = None
-        self._raw = None
+        self.tensor = None      # the mapping goes away with the last view of it
         self.budget.release(self.grant)
