@@ -77,7 +77,7 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
                              f"{' on ' + msg.src if msg.src else ''}")
     else:
         if src == dst:
-            raise InvalidAsk(f"a {msg.kind} needs two tiers, got {src} -> {dst}")
+            raise InvalidAsk(f"{msg.kind} needs two different tiers, got {src} -> {dst}")
         on_src = [b for b in blocks if src in wb[b].tiers]
         if msg.blocks and len(on_src) != len(blocks):
             raise InvalidAsk(f"blocks {[b for b in blocks if b not in on_src][:16]} have no copy on {src}")

@@ -71,6 +71,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     snapshot_every_events: int = 100_000
     commit_max_batch: int = 1000
     commit_max_delay_s: float = 0.0       # 0: commit at once; batches form while a commit runs
+    commit_inline: bool = True            # commit on the loop thread when no commit is in flight
     max_queue: int = 100_000
     durability: str = "normal"
     stall_after_s: float = 1.0            # health: a loop or a commit stuck this long is unhealthy
@@ -410,7 +411,7 @@ class ControlProc:
         self.state, self.recency, self.epoch, self.roster = rec.state, rec.recency, rec.epoch, dict(rec.roster)
         self._writer = self._writer_factory(self.store)
         self._recorder = Recorder(self.store, self._writer, self.state, self.recency, self.epoch, self.faults,
-                                  self.cfg.durability)
+                                  self.cfg.durability, inline_max=1000 if self.cfg.commit_inline else 0)
         self.book = moves.MoveBook()
         self.busy = moves.BusyIndex(self.state)
         self.memo = RefusalMemo()
