@@ -82,7 +82,7 @@ class Accounting:
 
     def _changed(self, rec: Recorded, worker: int, tier: str) -> None:
         if self.usage_listeners:
-            used = self.used_bytes(worker, tier)
+            used = len(self.copies[(worker, tier)]) * self.block_bytes.get(worker, 0)
             for fn in self.usage_listeners:
                 fn(rec, worker, tier, used)
 

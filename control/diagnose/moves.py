@@ -98,15 +98,22 @@ class OverdueMoves:
                             rec.event.bytes_moved, ts - req.deadline_ns, req.move_id)
 
     def _waiters(self, req_rec: Recorded) -> list[Recorded]:
+        """Requests waiting on this move: same session, or linked by correlation or causation."""
         req: MoveRequested = req_rec.event
-        keys = {k for k in (req.session, req.move_id, req_rec.envelope.correlation_id) if k}
-        if not keys:
-            return []
-        return [r for r in self.acct.waiting.values()
-                if r.event.session in keys or r.envelope.correlation_id in keys
-                or r.envelope.causation == req.move_id]
+        found: dict[int, Recorded] = {}
+        for key in (req.session, req.move_id, req_rec.envelope.correlation_id):
+            if key:
+                for r in self._waiting_by_key.get(key, ()):
+                    found[r.envelope.seq] = r
+        return [found[s] for s in sorted(found)]
 
     def finish(self, at_ns: int) -> list[Finding]:
+        index: dict[str, list[Recorded]] = {}
+        for r in self.acct.waiting.values():
+            for key in {r.event.session, r.envelope.correlation_id, r.envelope.causation}:
+                if key:
+                    index.setdefault(key, []).append(r)
+        self._waiting_by_key = index
         return self._wedged(at_ns) + self._stranded(at_ns) + self._aggregates()
 
     def _wedged(self, at_ns: int) -> list[Finding]:
@@ -222,6 +229,8 @@ class Pendulum:
         self.need = 2 * params.pendulum_round_trips
         self.window = params.pendulum_window_ns
         self.blocks: dict[int, dict[int, list]] = {}      # worker -> block -> [last_dir, deque[(ts, seq)]]
+        self.num_tracked = 0
+        self.sweep_at = 1 << 16
         self.open: dict[int, dict] = {}                    # worker -> episode
         self.done: list[dict] = []
 
@@ -246,6 +255,7 @@ class Pendulum:
             st = states.get(b)
             if st is None:
                 states[b] = [direction, deque(((ts, seq),))]
+                self.num_tracked += 1
                 continue
             if st[0] == direction:
                 continue
@@ -258,6 +268,16 @@ class Pendulum:
                 marked.append((b, swings))
         if marked:
             self._mark(ev, rec, marked)
+        if self.num_tracked >= self.sweep_at:
+            self._sweep(horizon)
+
+    def _sweep(self, horizon: int) -> None:
+        """Forget blocks whose last swing left the window: a million blocks must not cost a million deques."""
+        for states in self.blocks.values():
+            for b in [b for b, st in states.items() if st[1][-1][0] < horizon]:
+                del states[b]
+        self.num_tracked = sum(len(s) for s in self.blocks.values())
+        self.sweep_at = max(1 << 16, 2 * self.num_tracked)
 
     def _mark(self, ev: MoveRequested, rec: Recorded, marked: list) -> None:
         ts = rec.envelope.ts_ns

@@ -36,7 +36,8 @@ class Stall:
         self.onset_ns: int | None = None    # since when requests wait with no progress
         self.onset_seq = 0
         self.last_progress: Recorded | None = None
-        self.ep_seqs: list[int] = []         # admissions of requests that waited in this episode
+        self.ep_seqs: list[int] = []         # admissions during the episode
+        self.ep_oldest: int | None = None    # the oldest request waiting when it began
         self.ep_requests = 0
         self.done: list[Finding] = []
 
@@ -51,17 +52,20 @@ class Stall:
         }
 
     def _open(self, rec: Recorded) -> None:
+        # O(1): this runs at every step; the proof is gathered only if the episode becomes a finding
         self.onset_ns, self.onset_seq = rec.envelope.ts_ns, rec.envelope.seq
         waiting = self.acct.waiting
         self.ep_requests = len(waiting)
-        self.ep_seqs = [r.envelope.seq for _, r in zip(range(MAX_PROOF_SEQS), waiting.values())]
+        self.ep_oldest = next(iter(waiting.values())).envelope.seq if waiting else None
+        self.ep_seqs = []
 
     def _close(self, rec: Recorded | None, at_ns: int) -> Finding | None:
         onset = self.onset_ns
         if onset is None or at_ns - onset < self.after:
             return None
         end_seq = rec.envelope.seq if rec is not None else None
-        seqs = list(self.ep_seqs)
+        still = [r.envelope.seq for _, r in zip(range(MAX_PROOF_SEQS), self.acct.waiting.values())]
+        seqs = self.ep_seqs + still + ([self.ep_oldest] if self.ep_oldest is not None else [])
         if self.last_progress is not None:
             seqs.append(self.last_progress.envelope.seq)
         if rec is not None:

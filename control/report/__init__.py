@@ -26,6 +26,7 @@ def collect(events: Iterable[Recorded], at_ns: int | None = None,
     col = ReportCollector(acct)
     dets = [cls(acct, params) for cls in ALL_DETECTORS]
     summary = run_pass(events, [acct, col, *dets])
+    col.counts = summary.counts
     if at_ns is None:
         at_ns = summary.last_ts_ns if summary.last_ts_ns is not None else 0
     findings = sort_findings([f for det in dets for f in det.finish(at_ns)])

@@ -11,7 +11,6 @@ from __future__ import annotations
 from array import array
 
 from events import (
-    EVENT_TYPES,
     BlocksFreed,
     BudgetSet,
     MoveAbandoned,
@@ -48,6 +47,7 @@ class Changes:
         self.vals.append(value)
 
 
+
 class Times:
     """Instants of one kind of event (binned into counts per interval)."""
 
@@ -73,7 +73,7 @@ class ReportCollector:
         self.refusals: dict[str, Times] = {}                    # "move refused: device" / "request refused"
         self.waiting = Changes()                                # requests waiting
         self.steps = Times()
-        self.counts: dict[str, int] = {}                        # events by type
+        self.counts: dict[str, int] = {}                        # events by type (from the pass)
         # audit totals
         self.reclaimed: dict[tuple[str, str], int] = {}         # (tier, cause) -> bytes
         self.stranded_by_why: dict[str, int] = {}               # why -> bytes outstanding
@@ -81,8 +81,7 @@ class ReportCollector:
         self.bytes_moved = 0
 
     def handlers(self):
-        table = {t: self._count for t in EVENT_TYPES.values()}
-        table.update({
+        return {
             BudgetSet: self._budget,
             MoveRequested: self._requested,
             MoveAcked: self._acked,
@@ -98,14 +97,9 @@ class ReportCollector:
             RequestAdmitted: self._waiting,
             RequestFinished: self._waiting,
             StepCompleted: self._step,
-        })
-        return table
+        }
 
     # ------------------------------------------------------------ series
-    def _count(self, rec: Recorded) -> None:
-        name = rec.event.__class__.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-
     def _usage(self, rec: Recorded, worker: int, tier: str, used: int) -> None:
         ch = self.usage.get((worker, tier))
         if ch is None:
@@ -113,7 +107,6 @@ class ReportCollector:
         ch.set(rec.envelope.ts_ns, used)
 
     def _budget(self, rec: Recorded) -> None:
-        self._count(rec)
         ev: BudgetSet = rec.event
         self.budgets[(ev.worker, ev.tier)] = (ev.floor_bytes, ev.ceiling_bytes)
 
@@ -123,7 +116,6 @@ class ReportCollector:
         self.inflight_bytes.set(ts, self._inflight_bytes)
 
     def _requested(self, rec: Recorded) -> None:
-        self._count(rec)
         ev: MoveRequested = rec.event
         t = self.requested.get(ev.kind)
         if t is None:
@@ -133,7 +125,6 @@ class ReportCollector:
         self._inflight_changed(rec.envelope.ts_ns, ev.bytes_planned)
 
     def _ended(self, rec: Recorded) -> None:
-        self._count(rec)
         self.outcomes[rec.event.__class__.__name__].ts.append(rec.envelope.ts_ns)
         req = self.acct.ended
         if req is not None:
@@ -160,7 +151,6 @@ class ReportCollector:
         self._stranded_changed(rec.envelope.ts_ns, rec.event.why, rec.event.bytes_at_risk)
 
     def _late_acked(self, rec: Recorded) -> None:
-        self._count(rec)
         self.outcomes["MoveLateAcked"].ts.append(rec.envelope.ts_ns)
         stranding, req = self.acct.ended_stranding, self.acct.ended
         if stranding is not None:
@@ -170,16 +160,13 @@ class ReportCollector:
         self.bytes_moved += rec.event.bytes_moved
 
     def _lost(self, rec: Recorded) -> None:
-        self._count(rec)
         if rec.event.bytes_lost:
             self._stranded_changed(rec.envelope.ts_ns, "blocks_lost", rec.event.bytes_lost)
 
     def _freed(self, rec: Recorded) -> None:
-        self._count(rec)
         self._reclaim(rec.event.tier, rec.event.reason, rec.event.bytes)
 
     def _move_refused(self, rec: Recorded) -> None:
-        self._count(rec)
         key = f"move refused: {rec.event.tier}"
         t = self.refusals.get(key)
         if t is None:
@@ -187,7 +174,6 @@ class ReportCollector:
         t.ts.append(rec.envelope.ts_ns)
 
     def _request_refused(self, rec: Recorded) -> None:
-        self._count(rec)
         t = self.refusals.get("request refused")
         if t is None:
             t = self.refusals["request refused"] = Times()
@@ -195,9 +181,7 @@ class ReportCollector:
         self.waiting.set(rec.envelope.ts_ns, len(self.acct.waiting))
 
     def _waiting(self, rec: Recorded) -> None:
-        self._count(rec)
         self.waiting.set(rec.envelope.ts_ns, len(self.acct.waiting))
 
     def _step(self, rec: Recorded) -> None:
-        self._count(rec)
         self.steps.ts.append(rec.envelope.ts_ns)
