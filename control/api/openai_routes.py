@@ -116,6 +116,7 @@ async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: fl
                head: list[bytes]) -> AsyncIterator[bytes]:
     metrics = request.app.state.metrics
     prev: float | None = None
+    finished = False
     try:
         for h in head:
             yield h
@@ -130,6 +131,7 @@ async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: fl
                         metrics.itl.labels(endpoint).observe((now - prev) / n)
                 prev = now
             if chunk.finish_reason is not None:
+                finished = True
                 metrics.finished.labels(chunk.finish_reason).inc()
                 metrics.observe_usage(chunk.usage)
                 if chunk.finish_reason == "error":
@@ -143,6 +145,8 @@ async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: fl
                 yield sse_data(render(None, usage=chunk.usage))
         yield SSE_DONE
     finally:
+        if not finished:
+            metrics.finished.labels("disconnected").inc()
         stream.cancel("disconnected")          # no-op when the generation finished
 
 

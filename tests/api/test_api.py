@@ -4,8 +4,6 @@ Only the edge is faked; tests/serving runs the real server with the real model.
 """
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -207,4 +205,3 @@ def test_a_stream_that_is_closed_early_cancels_its_generation():
                     break
         # TestClient closes the response: the app sees http.disconnect
     assert backend.streams[-1].cancelled == "disconnected"
-    assert json.dumps  # keep import

@@ -1,0 +1,259 @@
+"""The official ``openai`` client against real ``residency serve`` processes with the real SmolLM2.
+
+Two servers start together (each loads the model once):
+  quiet    no policies: nothing moves unless asked, so one session can be the conversation that
+           never moved a byte while another is parked, demoted to disk and restored between turns;
+  parking  idle sessions are parked after 1 s; a 1024-token context; the bad-input cases.
+Each module ends by stopping its server and replaying its ledger from zero.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.server import ADMIN_KEY, MODEL, Server, read_ledger
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    quiet = Server(tmp, "--no-policies", name="quiet")
+    parking = Server(tmp, "--park-after-s", "1", "--max-context", "1024", name="parking")
+    try:
+        quiet.wait_ready()
+        parking.wait_ready()
+        yield {"quiet": quiet, "parking": parking}
+    finally:
+        for s in (quiet, parking):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def quiet(servers):
+    return servers["quiet"]
+
+
+@pytest.fixture(scope="module")
+def parking(servers):
+    return servers["parking"]
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(server: Server, messages, session=None, **kw):
+    extra = {"session_id": session} if session else None
+    return client(server).chat.completions.create(model=MODEL, messages=messages, extra_body=extra,
+                                                  **{"max_tokens": 24, "temperature": 0, **kw})
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ------------------------------------------------------------------ the OpenAI surface
+def test_chat_completion_with_usage(quiet):
+    r = chat(quiet, QUESTION)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    u = r.usage
+    assert u.prompt_tokens > 20 and 0 < u.completion_tokens <= 24 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0 and u.model_extra["computed_tokens"] == u.prompt_tokens
+
+
+def test_streaming_gives_the_same_greedy_text_as_a_single_response(quiet):
+    whole = chat(quiet, QUESTION).choices[0].message.content
+    stream = client(quiet).chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24,
+                                                   stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_a_max_tokens_cut_is_finish_reason_length(quiet):
+    r = chat(quiet, [{"role": "user", "content": "Write a poem about the sea."}], max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+def test_completions_stream_and_not_and_models(quiet):
+    c = client(quiet)
+    r = c.completions.create(model=MODEL, prompt="The first three planets are", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 8 and r.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="The first three planets are", max_tokens=8, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+    assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+def test_seeded_sampling_repeats_itself(quiet):
+    kw = dict(temperature=0.9, top_p=0.9, seed=1234, max_tokens=12)
+    a = chat(quiet, [{"role": "user", "content": "Tell me a fun fact."}], **kw).choices[0].message.content
+    b = chat(quiet, [{"role": "user", "content": "Tell me a fun fact."}], **kw).choices[0].message.content
+    assert a == b
+
+
+# ------------------------------------------------------------------ sessions: moved vs never moved
+TURNS = ["Hi! What is the capital of France?", "And what is the capital of Italy?", "Which of the two is bigger?"]
+
+
+def test_a_session_parked_to_disk_and_restored_between_turns_answers_like_one_never_moved(quiet):
+    convo = {"still": [], "moved": []}
+    usages = {"still": [], "moved": []}
+    for n, text in enumerate(TURNS):
+        if n > 0:   # park to host, demote to disk; turn 2 restores by the admin route, turn 3 on demand
+            r = quiet.admin("POST", "/admin/sessions/moved/park", json={"tier": "disk"})
+            assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
+            if n == 1:
+                r = quiet.admin("POST", "/admin/sessions/moved/restore")
+                assert r.status_code == 200 and r.json()["tier"] == "device", r.text
+        for name in ("still", "moved"):
+            convo[name].append({"role": "user", "content": text})
+            r = chat(quiet, convo[name], session=name, max_tokens=20)
+            convo[name].append({"role": "assistant", "content": r.choices[0].message.content})
+            usages[name].append(r.usage)
+    assert convo["moved"] == convo["still"]
+    assert [u.completion_tokens for u in usages["moved"]] == [u.completion_tokens for u in usages["still"]]
+    for still, moved in zip(usages["still"][1:], usages["moved"][1:]):
+        assert moved.prompt_tokens_details.cached_tokens == still.prompt_tokens_details.cached_tokens > 0
+        assert still.model_extra["restored_tokens"] == 0
+        assert moved.model_extra["computed_tokens"] == moved.prompt_tokens - moved.prompt_tokens_details.cached_tokens
+    assert usages["moved"][1].model_extra["restored_tokens"] == 0          # the admin route restored it before
+    assert usages["moved"][2].model_extra["restored_tokens"] == usages["moved"][2].prompt_tokens_details.cached_tokens
+
+
+def test_admin_routes_check_the_key_and_the_session(quiet):
+    assert quiet.admin("POST", "/admin/sessions/moved/park", key=None).status_code == 401
+    r = quiet.admin("POST", "/admin/sessions/moved/park", key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_key"
+    r = quiet.admin("POST", "/admin/sessions/no-such-session/restore")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    r = quiet.admin("GET", "/admin/sessions/still")
+    assert r.status_code == 200 and r.json()["tier"] == "device" and r.json()["num_blocks"] > 0
+
+
+def test_the_quiet_ledger_replays_clean_and_the_reference_never_moved(quiet):
+    assert quiet.stop() == 0, quiet.tail()
+    events, state = read_ledger(quiet.ledger)
+    state.check_integrity()
+    assert not state.inflight and state.stranded_bytes_total() == 0
+    moves = [e.event for e in events if type(e.event).__name__ == "MoveRequested" and e.event.session is not None]
+    assert {m.session for m in moves} == {"moved"}, "nothing but the moved session may have moved"
+    kinds = [(m.kind, m.src, m.dst) for m in moves]
+    assert kinds.count(("park", "device", "host")) == 2 and kinds.count(("demote", "host", "disk")) == 2
+    assert kinds.count(("restore", "disk", "device")) == 2
+    names = [type(e.event).__name__ for e in events]
+    assert names.count("SessionRestored") == 2 and names.count("RequestAdmitted") == names.count("RequestFinished")
+    restored = [e.event for e in events if type(e.event).__name__ == "SessionRestored"]
+    assert all(r.session == "moved" and r.restored_tokens > 0 for r in restored)
+
+
+# ------------------------------------------------------------------ bad input, disconnects, the policy
+def err(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    if code is not None:
+        assert body["code"] == code, body
+    return body
+
+
+def post(server: Server, body, path="/v1/chat/completions") -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_bad_requests_get_openai_shaped_errors(parking):
+    ok = {"model": MODEL, "messages": QUESTION, "max_tokens": 4}
+    err(post(parking, b"{not json"), 400, "invalid_json")
+    err(post(parking, {**ok, "model": "gpt-17"}), 404, "model_not_found")
+    assert err(post(parking, {"model": MODEL}), 400)["param"] == "messages"
+    assert err(post(parking, {**ok, "messages": []}), 400)["param"] == "messages"
+    assert err(post(parking, {**ok, "max_tokens": -3}), 400)["param"] == "max_tokens"
+    assert err(post(parking, {**ok, "temperature": -0.5}), 400)["param"] == "temperature"
+    assert err(post(parking, {**ok, "max_tokens": 10**9}), 400, "context_length_exceeded")["param"] == "max_tokens"
+    long = [{"role": "user", "content": "word " * 1500}]
+    assert err(post(parking, {**ok, "messages": long}), 400, "context_length_exceeded")["param"] == "messages"
+    err(post(parking, {"model": MODEL, "prompt": "word " * 1500}, "/v1/completions"), 400, "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError):
+        chat(parking, QUESTION, temperature=-1)
+    assert chat(parking, QUESTION, max_tokens=4).usage.completion_tokens <= 4, "still serving"
+
+
+def test_a_client_that_leaves_mid_stream_has_its_pages_freed_and_the_free_recorded(parking):
+    other: dict = {}
+    t = threading.Thread(target=lambda: other.update(r=chat(parking, QUESTION, max_tokens=12)))
+    body = {"model": MODEL, "stream": True, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", f"{parking.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    seen += 1
+                    if seen == 1:
+                        t.start()
+                    if seen >= 3:
+                        request_id = json.loads(line[6:])["id"]
+                        break
+    t.join(120)
+    assert "Paris" in other["r"].choices[0].message.content, "the others keep being served"
+    parking.disconnected = request_id
+
+
+def test_an_idle_session_is_parked_by_the_policy_and_its_next_turn_restored(parking):
+    convo = [{"role": "user", "content": TURNS[0]}]
+    r = chat(parking, convo, session="idle", max_tokens=16)
+    convo += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": TURNS[1]}]
+    deadline = time.monotonic() + 30
+    while parking.admin("GET", "/admin/sessions/idle").json()["tier"] != "host":
+        assert time.monotonic() < deadline, "the policy never parked the idle session"
+        time.sleep(0.25)
+    r2 = chat(parking, convo, session="idle", max_tokens=16)
+    assert r2.model_extra["session_id"] == "idle"
+    assert r2.usage.model_extra["restored_tokens"] > 0
+    assert r2.usage.model_extra["restored_tokens"] == r2.usage.prompt_tokens_details.cached_tokens
+
+
+def test_metrics_and_health(parking):
+    assert httpx.get(parking.url + "/health").json()["status"] == "ok"
+    text = httpx.get(parking.url + "/metrics").text
+    for needle in ('residency_http_requests_total{route="/v1/chat/completions",status="400"}',
+                   'residency_time_to_first_token_seconds_count{endpoint="chat"}',
+                   "residency_inter_token_latency_seconds_bucket",
+                   'residency_moves_total{kind="park",outcome="MoveAcked"}',
+                   'residency_moves_total{kind="restore",outcome="MoveAcked"}',
+                   'residency_tier_used_bytes{tier="host",worker="0"}',
+                   "residency_stranded_bytes 0.0", "residency_ledger_append_lag_seconds",
+                   'residency_prompt_tokens_total{source="restored"}',
+                   'residency_generations_finished_total{reason="disconnected"}'):
+        assert needle in text, needle
+
+
+def test_the_parking_ledger_replays_clean_with_the_disconnect_recorded(parking):
+    assert parking.stop() == 0, parking.tail()
+    events, state = read_ledger(parking.ledger)
+    state.check_integrity()
+    rid = parking.disconnected
+    mine = [e.event for e in events if e.envelope.correlation_id == rid]
+    names = [type(e).__name__ for e in mine]
+    assert names[0] == "RequestAdmitted" and "BlocksCommitted" in names
+    freed = [e for e in mine if type(e).__name__ == "BlocksFreed"]
+    committed = {b for e in mine if type(e).__name__ == "BlocksCommitted" for b in e.blocks}
+    assert len(freed) == 1 and freed[0].reason == "disconnected" and set(freed[0].blocks) == committed
+    finished = [e for e in mine if type(e).__name__ == "RequestFinished"]
+    assert finished[0].reason == "disconnected" and 3 <= finished[0].completion_tokens < 400
+    refused = [e.event for e in events if type(e.event).__name__ == "RequestRefused"]
+    assert sum("context_length_exceeded" in e.reason for e in refused) == 3
+    parks = [e.event for e in events if type(e.event).__name__ == "SessionParked" and e.event.session == "idle"]
+    assert parks and parks[0].tier == "host"
