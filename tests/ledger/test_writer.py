@@ -56,7 +56,7 @@ def test_a_full_queue_blocks_counts_and_logs_and_never_drops(ledger_store, rng, 
         futures = [writer.submit(env, ev) for env, ev in items]     # blocks whenever 4 are waiting
         writer.close()
     stats = writer.stats()
-    assert [f.result() for f in futures] == list(range(1, len(items) + 1))
+    assert [f.result(timeout=10) for f in futures] == list(range(1, len(items) + 1))
     assert stats["backpressure_waits"] > 0 and stats["events"] == len(items)
     bp = [e for e in logs if e["event"] == "ledger_backpressure"]
     assert bp and bp[0]["log_level"] == "warning" and bp[0]["max_queue"] == 4
@@ -75,8 +75,8 @@ def test_a_conflicting_retry_fails_only_its_own_future(ledger_store, rng):
         writer.flush()
         assert writer.stats()["failed"] == 1
     with pytest.raises(LedgerConflict):
-        bad.result()
-    assert [f.result() for f in good] == list(range(6, 14))
+        bad.result(timeout=10)
+    assert [f.result(timeout=10) for f in good] == list(range(6, 14))
     assert ledger_store.verify().ok
 
 
@@ -87,7 +87,7 @@ def test_when_the_database_goes_away_every_future_of_the_batch_gets_the_error(le
     writer.flush()
     for f in futures:
         with pytest.raises(LedgerError, match="closed"):
-            f.result()
+            f.result(timeout=10)
     writer.close()
 
 
