@@ -195,10 +195,29 @@ def chart(chart_id: str, title: str, subtitle: str, axis: TimeAxis, edges: np.nd
             f'</figure>')
 
 
+def _pack(axis: TimeAxis, items: list[dict]) -> list[list[tuple[float, float, dict]]]:
+    """Rows of bars that do not overlap, most severe first, so a critical bar is never hidden."""
+    rank = {"critical": 0, "warning": 1, "info": 2}
+    rows: list[list[tuple[float, float, dict]]] = []
+    for it in sorted(items, key=lambda it: (rank[it["severity"]], it["onset_ns"])):
+        x0 = max(LEFT, axis.x(it["onset_ns"]))
+        x1 = max(x0 + 3.0, min(LEFT + PW, axis.x(it["end_ns"])))
+        for row in rows:
+            if all(x1 + 1 < a or x0 > b + 1 for a, b, _ in row):
+                row.append((x0, x1, it))
+                break
+        else:
+            rows.append([(x0, x1, it)])
+    return rows
+
+
 def timeline(chart_id: str, title: str, subtitle: str, axis: TimeAxis, lanes: Sequence[tuple[str, list[dict]]]) -> str:
-    """One lane per detector; a bar per finding from onset to its end (or to the right edge)."""
-    lane_h = 22
-    height = TOP + BOTTOM + max(1, len(lanes)) * lane_h + 6
+    """One lane per detector; a bar per finding from onset to its end (or to the right edge).
+    Findings of one detector that overlap in time are stacked in sub-rows of the lane."""
+    bar_h, gap = 14, 4
+    packed = [(lane, _pack(axis, items)) for lane, items in lanes]
+    num_rows = sum(len(rows) for _, rows in packed)
+    height = TOP + BOTTOM + max(1, num_rows) * (bar_h + 3) + len(packed) * gap + 6
     parts = [f'<svg class="plot timeline" data-chart="{esc(chart_id)}" viewBox="0 0 {W} {height}" '
              f'role="img" aria-label="{esc(title)}">']
     for x, label in axis.ticks():
@@ -206,18 +225,18 @@ def timeline(chart_id: str, title: str, subtitle: str, axis: TimeAxis, lanes: Se
                      f'<text class="xlab" x="{x:.1f}" y="{height - 6}">{esc(label)}</text>')
     if not lanes:
         parts.append(f'<text class="empty" x="{LEFT + PW / 2}" y="{TOP + 16}">no findings</text>')
-    for i, (lane, items) in enumerate(lanes):
-        y = TOP + i * lane_h + 3
-        parts.append(f'<text class="lane" x="{LEFT - 6}" y="{y + 13}">{esc(lane)}</text>'
-                     f'<line class="grid" x1="{LEFT}" x2="{LEFT + PW}" y1="{y + lane_h - 2}" y2="{y + lane_h - 2}"/>')
-        for it in items:
-            x0 = max(LEFT, axis.x(it["onset_ns"]))
-            x1 = min(LEFT + PW, axis.x(it["end_ns"]))
-            wbar = max(3.0, x1 - x0)
-            open_end = ' class="bar ongoing"' if it["ongoing"] else ' class="bar"'
-            parts.append(f'<rect{open_end} x="{x0:.1f}" y="{y}" width="{wbar:.1f}" height="{lane_h - 7}" rx="2" '
-                         f'fill="{SEVERITY_COLOR[it["severity"]]}" data-finding="{it["index"]}">'
-                         f'<title>{esc(it["tooltip"])}</title></rect>')
+    y = TOP + 2
+    for lane, rows in packed:
+        parts.append(f'<text class="lane" x="{LEFT - 6}" y="{y + 11}">{esc(lane)}</text>')
+        for row in rows:
+            for x0, x1, it in row:
+                cls = "bar ongoing" if it["ongoing"] else "bar"
+                parts.append(f'<rect class="{cls}" x="{x0:.1f}" y="{y}" width="{x1 - x0:.1f}" height="{bar_h}" rx="2" '
+                             f'fill="{SEVERITY_COLOR[it["severity"]]}" data-finding="{it["index"]}">'
+                             f'<title>{esc(it["tooltip"])}</title></rect>')
+            y += bar_h + 3
+        y += gap
+        parts.append(f'<line class="grid" x1="{LEFT}" x2="{LEFT + PW}" y1="{y - gap / 2:.1f}" y2="{y - gap / 2:.1f}"/>')
     parts.append(f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{height - BOTTOM}" visibility="hidden"/>')
     parts.append("</svg>")
     legend = "".join(f'<span class="key"><i style="background:{c}"></i>{s}</span>' for s, c in SEVERITY_COLOR.items())
