@@ -93,3 +93,11 @@ def test_diagnose_of_a_missing_ledger_creates_nothing(tmp_path, capsys):
 def test_diagnose_rejects_a_malformed_group(wedged_db, capsys):
     assert main(["diagnose", "--db", wedged_db[0], "--group", "tp0=1"]) == 2
     assert "--group wants NAME=W,W" in capsys.readouterr().err
+
+
+def test_diagnose_at_now_judges_a_silent_ledger_against_the_wall_clock(wedged_db, capsys):
+    url, mid, req, L = wedged_db
+    assert main(["diagnose", "--db", url, "--at", "now", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["at_seq"] == len(L.events) and doc["at_ns"] > L.now
+    assert any(mid in f["title"] for f in doc["findings"])
