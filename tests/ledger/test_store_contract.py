@@ -247,3 +247,33 @@ def test_the_chain_is_the_documented_formula(ledger_store, rng):
                                             env.causation, msgspec.msgpack.encode(ev)])
         prev = hashlib.sha256(prev + canonical).digest()
         assert rec.row_hash == prev
+
+
+def _prefetch_threads() -> int:
+    return sum(t.name == "ledger-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_an_abandoned_read_stops_its_prefetch_thread(ledger_store, rng):
+    import time
+
+    ledger_store.append(random_items(rng, rng.randint(30, 50)))
+    before = _prefetch_threads()
+    it = ledger_store.raw_batches(batch=4)
+    assert [r[0] for r in next(it)] == [1, 2, 3, 4]
+    it.close()
+    deadline = time.monotonic() + 5
+    while _prefetch_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _prefetch_threads() == before
+
+
+def test_an_error_while_prefetching_reaches_the_reader(ledger_store, rng):
+    from ledger import LedgerError
+
+    ledger_store.append(random_items(rng, rng.randint(30, 50)))
+    it = ledger_store.raw_batches(batch=3)
+    next(it)
+    ledger_store.close()
+    with pytest.raises(LedgerError, match="is closed"):
+        for _ in it:
+            pass
