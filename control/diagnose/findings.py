@@ -48,7 +48,7 @@ def fmt_bytes(n: int | None) -> str:
         return "unmeasured"
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{sign}{n / size:.1f} {unit}"
     return f"{sign}{n} B"

@@ -5,8 +5,6 @@ readout and marks ``<body data-rendered="1">`` once it has run, which the headle
 """
 from __future__ import annotations
 
-import numpy as np
-
 from control.diagnose.engine import Diagnosis
 from control.diagnose.findings import SEVERITY_RANK, fmt_bytes, fmt_duration
 from control.diagnose.text import iso_ns
@@ -58,7 +56,7 @@ JS = """
   var plots=[].slice.call(document.querySelectorAll('svg.plot'));
   function data(svg){var s=svg.parentNode.querySelector('script.chart-data');return s?JSON.parse(s.textContent):null}
   function fmt(v,kind){if(kind!=='bytes')return (Math.round(v*100)/100).toLocaleString();
-    var u=[['GiB',1073741824],['MiB',1048576],['KiB',1024]];for(var i=0;i<u.length;i++){if(Math.abs(v)>=u[i][1])return (v/u[i][1]).toFixed(1)+' '+u[i][0]}return v+' B'}
+    var u=[['TiB',1099511627776],['GiB',1073741824],['MiB',1048576],['KiB',1024]];for(var i=0;i<u.length;i++){if(Math.abs(v)>=u[i][1])return (v/u[i][1]).toFixed(1)+' '+u[i][0]}return v+' B'}
   function iso(ns){return new Date(ns/1e6).toISOString().replace('T',' ').replace('Z',' UTC')}
   plots.forEach(function(svg){
     var d=data(svg);if(!d)return;svg.__d=d;
