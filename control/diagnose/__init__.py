@@ -5,6 +5,20 @@ Each detector is a pure function of the stream and a point in time::
     findings = detect_overdue_moves(events, at_ns=..., params=DiagnoseParams())
 
 and ``diagnose(events, at_ns)`` runs all of them in one pass (a million events in seconds).
+
+    detector            finds                                                     module
+    overdue_move        a move in flight past its deadline, and what waits on it;  moves
+                        strandings unresolved, acks the watchdog never stranded
+    stall               requests waiting, no step and no acked move for T          stall
+    hole                device bytes freed while requests wait, left unclaimed     stall
+    worker              a worker silent or lost, with the bytes stranded on it     workers
+    pendulum            the same blocks off the device and back, again and again   moves
+    refusal_storm       the same ask refused again and again                       refusals
+    retried_smaller     a refused ask retried smaller                              refusals
+    torn_rebind         readers left on different pool generations                 rebind
+    pinned_over_budget  pinned host bytes over budget; pin counts gone negative    budgets
+    device_below_floor  device free bytes under the budget's floor                 budgets
+    group_divergence    ranks of a group whose step digests differ                 groups
 """
 from __future__ import annotations
 
