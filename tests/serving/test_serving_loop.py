@@ -77,9 +77,9 @@ def test_greedy_output_matches_the_model_packages_reference(model, tmp_path):
     assert tk.error is None and len(tk.keys) == len(tk.token_ids) // P
     assert tk.keys == block_content_keys(tk.token_ids, P, model.kv_digest)
     out = run(loop, Generate(request_id="r", session=None, token_ids=tk.token_ids,
-                             block_ids=pages(-(-(len(tk.token_ids) + 11) // P)), num_cached_tokens=0,
-                             sampling=greedy(12), free_on_finish=True))
-    ref = generate(model, [tk.token_ids], ModelSampling(max_tokens=12))[0]
+                             block_ids=pages(-(-(len(tk.token_ids) + 5) // P)), num_cached_tokens=0,
+                             sampling=greedy(6), free_on_finish=True))
+    ref = generate(model, [tk.token_ids], ModelSampling(max_tokens=6))[0]
     assert tokens_of(out) == ref.token_ids
     assert "".join(o.text for o in out if isinstance(o, TokensGenerated)) == ref.text
     assert any(isinstance(o, StepCompleted) for o in out)
@@ -106,11 +106,11 @@ def test_a_stop_string_ends_the_text_before_it(model, tmp_path):
     _, loop = make_loop(model, tmp_path, "c")
     tk = loop.tokenize(Tokenize(request_id="t", messages=[ChatTurn(role="user", content="Count from 1 to 10.")]))
     base = run(loop, Generate(request_id="r0", session=None, token_ids=tk.token_ids, block_ids=pages(8),
-                              num_cached_tokens=0, sampling=greedy(24), free_on_finish=True))
+                              num_cached_tokens=0, sampling=greedy(10), free_on_finish=True))
     text = "".join(o.text for o in base if isinstance(o, TokensGenerated))
     stop = next(w for w in ("4", "3", "2", ",") if w in text)
     out = run(loop, Generate(request_id="r1", session=None, token_ids=tk.token_ids, block_ids=pages(8),
-                             num_cached_tokens=0, sampling=greedy(24, stop=[stop]), free_on_finish=True))
+                             num_cached_tokens=0, sampling=greedy(10, stop=[stop]), free_on_finish=True))
     got = "".join(o.text for o in out if isinstance(o, TokensGenerated))
     assert final(out, "r1").finish_reason == "stop" and got == text[:text.index(stop)]
 
@@ -152,16 +152,16 @@ def test_continuous_batching_lets_a_request_join_running_decodes(model, tmp_path
     a = model.tokenizer.encode("One, two, three, four,")
     b = model.tokenizer.encode("Monday, Tuesday, Wednesday,")
     loop.handle(Generate(request_id="a", session=None, token_ids=a, block_ids=pages(3), num_cached_tokens=0,
-                         sampling=greedy(10, ignore_eos=True), free_on_finish=True))
+                         sampling=greedy(5, ignore_eos=True), free_on_finish=True))
     out = loop.step() + loop.step()
     out += loop.handle(Generate(request_id="b", session=None, token_ids=b, block_ids=pages(3), num_cached_tokens=0,
-                                sampling=greedy(10, ignore_eos=True), free_on_finish=True))
+                                sampling=greedy(5, ignore_eos=True), free_on_finish=True))
     joined = loop.step()
     out += joined
     steps = [o for o in joined if isinstance(o, StepCompleted)]
     assert steps[0].num_seqs == 2 and steps[0].num_tokens == 1 + len(b)
     out += run(loop)
-    assert len(tokens_of(out, "a")) == 10 and len(tokens_of(out, "b")) == 10
+    assert len(tokens_of(out, "a")) == 5 and len(tokens_of(out, "b")) == 5
 
 
 def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: bool) -> list[list[int]]:
@@ -186,9 +186,9 @@ def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: 
                 assert isinstance(ack, MoveAcked) and ack.checksum_ok, ack
         if held[reuse:]:
             engine.device_pool.free(held[reuse:])
-        bl = held[:reuse] + pages(-(-(len(tk.token_ids) + 15) // P) - reuse)
+        bl = held[:reuse] + pages(-(-(len(tk.token_ids) + 9) // P) - reuse)
         out = run(loop, Generate(request_id=f"r{n}", session="s", token_ids=tk.token_ids, block_ids=bl,
-                                 num_cached_tokens=reuse * P, sampling=greedy(16)))
+                                 num_cached_tokens=reuse * P, sampling=greedy(10)))
         assert final(out, f"r{n}").num_computed_tokens == len(tk.token_ids) - reuse * P
         replies.append(tokens_of(out))
         written = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
@@ -207,3 +207,32 @@ def test_parked_demoted_and_restored_pages_give_token_identical_greedy_output(mo
     moved = converse(l2, e2, turns, move_between=True)
     assert moved == still
     assert all(len(r) > 0 for r in still)
+
+
+def test_the_worker_refuses_to_move_or_free_pages_a_running_sequence_uses(model, tmp_path):
+    from dataplane.pools import DataPlaneError
+    from dataplane.serving_worker import attach
+    from dataplane.worker import WorkerCore
+    from events.catalog import MoveRejected
+    from events.commands import CommandFailed, ReleaseBlocks
+
+    engine, loop = make_loop(model, tmp_path, "g")
+    core = WorkerCore(engine, 0, expected_errors=(DataPlaneError,))
+    attach(core, loop, engine.layout.block_bytes)
+    ids = model.tokenizer.encode("Pages under a running sequence stay where they are. " * 3)
+    bl = pages(-(-(len(ids) + 40) // P))
+    core.run(Generate(request_id="r", session="s", token_ids=ids, block_ids=bl, num_cached_tokens=0,
+                      sampling=greedy(40, ignore_eos=True)))
+    assert core.background[0]()
+    core.background[1]()                                   # the prefill: pages now hold K/V
+    held = loop.holding(bl)
+    assert held
+    park = ExecuteMove(move_id="m1", kind="park", src="device", dst="host", blocks=held[:1], keep_source=False,
+                       deadline_ns=1 << 62)
+    [rej] = core.run(park)
+    assert isinstance(rej, MoveRejected) and rej.blocks == held[:1] and "running sequence" in rej.reason
+    [failed] = core.run(ReleaseBlocks(release_id="x1", tier="device", blocks=held[:1]))
+    assert isinstance(failed, CommandFailed) and failed.error == "BlockBusy"
+    core.run(CancelGenerate(request_id="r", reason="test"))
+    assert not core.background[0]() and not loop.holding(bl)
+    assert [type(o).__name__ for o in core.hello_extras()] == ["ServingReady"]
