@@ -121,12 +121,13 @@ class LedgerStore:
             return conn.execute(q).scalar_one()
 
     def raw_batches(self, from_seq: int = 1, to_seq: int | None = None,
-                    batch: int = READ_BATCH) -> Iterator[list[tuple]]:
+                    batch: int | None = None) -> Iterator[list[tuple]]:
         """Undecoded rows (RawRow-shaped plain tuples) in seq order, ``batch`` at a time.
 
         When the range spans several batches, the next one is fetched on a thread while the
         caller works on this one (``prefetched``).
         """
+        batch = batch or READ_BATCH
         if to_seq is None:
             to_seq = self.last_seq()
         start = max(1, from_seq)

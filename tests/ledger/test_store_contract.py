@@ -51,9 +51,10 @@ def test_reads_stream_across_batches(ledger_store, rng, monkeypatch):
     monkeypatch.setattr(store_mod, "READ_BATCH", 7)
     n = rng.randint(40, 60)
     ledger_store.append(random_items(rng, n))
-    batches = list(ledger_store.raw_batches(batch=7))
-    assert len(batches) == -(-n // 7)
+    batches = list(ledger_store.raw_batches())
+    assert [len(b) for b in batches] == [7] * (n // 7) + ([n % 7] if n % 7 else [])
     assert [r.seq for r in ledger_store.read()] == list(range(1, n + 1))
+    assert [r.seq for r in ledger_store.read(8, n - 8)] == list(range(8, n - 7))
 
 
 def test_a_retried_triple_returns_its_seq_and_writes_nothing(ledger_store, rng):
