@@ -39,15 +39,24 @@ def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, 
     """``q`` [M, num_heads, head_dim] at positions start_pos..ctx_len-1 -> [M, num_heads, head_dim]."""
     M, nh, hd = q.shape
     k, v = gather_pages(kv_pool, layer, block_table, ctx_len)
+    gqa = True
+    if q.is_cuda and k.shape[1] != nh:
+        # NOTE: on CUDA, SDPA's flash / memory-efficient kernels are picked only for equal head
+        # counts on every path we use (the lower-right causal bias dispatches to them directly);
+        # the fallback materialises [heads, M, ctx] scores, 9 GB per layer at 8k. Expanding K/V
+        # costs ~2·heads·ctx·head_dim·2 bytes per layer, a millisecond for a whole 8k prefill.
+        k = k.repeat_interleave(nh // k.shape[1], dim=1)
+        v = v.repeat_interleave(nh // v.shape[1], dim=1)
+        gqa = False
     qh = q.transpose(0, 1).unsqueeze(0)                        # [1, nh, M, hd]
     kh = k.transpose(0, 1).unsqueeze(0)
     vh = v.transpose(0, 1).unsqueeze(0)
     if start_pos == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale, enable_gqa=gqa)
     else:
         from torch.nn.attention.bias import causal_lower_right
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(M, ctx_len),
-                                           scale=sm_scale, enable_gqa=True)
+                                           scale=sm_scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
 
 
