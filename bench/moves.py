@@ -16,7 +16,10 @@ ceiling measured in the same run, JSON keys ``*_fraction_of_ceiling``):
                     device staging buffer, then one DMA per 64 MiB chunk) paths, each measured;
                     the headline figures use the best mode per direction
   baselines         per-chunk memcpy (32 KiB pages one by one, the layer-first way) and per-block memcpy
-  checksum cost     engine spill vs the same copy with no checksum and no bookkeeping
+  checksum cost     engine spill vs engine spill with hashing switched off (``no_checksums``);
+                    and the engine without hashing vs the bare copy path (bookkeeping, launches)
+  phases            where a move's wall time goes on the host clock: validate, begin (enqueue),
+                    wait (until the copies are seen complete), commit
   latency           one-block spill and restore, p50/p99 over --latency-iters
   host CPU          process CPU time per GiB moved (blocking-sync events: waiting costs no CPU)
   overlap           a spill while bf16 matmuls run on the compute stream: both slowdowns
@@ -141,50 +144,73 @@ class Bench:
         r["ceiling_bidir_GBps"] = 2 * self.bytes / statistics.median(both) / GB
 
     def engine_modes(self):
-        """Spill (evict A) and restore (A back), each mode, reps alternating; plus copy-only spills."""
+        """Per copy mode: spill (evict A) and restore (A back), with and without checksums, and the
+        bare copy path both ways; reps interleaved so drift hits every variant alike."""
         r = self.res
         r["modes"] = {}
         warm = self.A[:8]
+        gib = self.bytes / 2**30
         for mode in ("kernel", "dma", "staged"):
             self.e.ctx.copy_modes.update(d2h=mode, h2d=mode)
             self.run(self.mv("evict", "device", "host", warm))             # compile, warm caches
             self.run(self.mv("restore", "host", "device", warm))
-            spill, restore, cpu_s, cpu_r, copy_only = [], [], [], [], []
+            t = {k: [] for k in ("spill", "restore", "cpu_s", "cpu_r", "copy_d2h", "copy_h2d",
+                                 "spill_nohash", "restore_nohash")}
+            ph = {"spill": [], "restore": []}
             for _ in range(self.args.reps):
                 ack, wall, cpu = self.run(self.mv("evict", "device", "host", self.A))
-                spill.append(wall)
-                cpu_s.append(cpu)
+                t["spill"].append(wall)
+                t["cpu_s"].append(cpu)
+                ph["spill"].append(phases(self.e.last_phases))
+                t["copy_h2d"].append(self.copy_only("h2d"))
                 ack, wall, cpu = self.run(self.mv("restore", "host", "device", self.A))
-                restore.append(wall)
-                cpu_r.append(cpu)
-                copy_only.append(self.copy_only(mode))
-            gib = self.bytes / 2**30
+                t["restore"].append(wall)
+                t["cpu_r"].append(cpu)
+                ph["restore"].append(phases(self.e.last_phases))
+                t["copy_d2h"].append(self.copy_only("d2h"))
+                with no_checksums():
+                    t["spill_nohash"].append(self.run(self.mv("evict", "device", "host", self.A))[1])
+                    t["restore_nohash"].append(self.run(self.mv("restore", "host", "device", self.A))[1])
+            gbps = {k: self.bytes / statistics.median(v) / GB for k, v in t.items() if not k.startswith("cpu")}
             m = {
-                "spill_GBps": self.bytes / statistics.median(spill) / GB,
-                "restore_GBps": self.bytes / statistics.median(restore) / GB,
-                "copy_only_d2h_GBps": self.bytes / statistics.median(copy_only) / GB,
-                "spill_host_cpu_ms_per_GiB": 1e3 * statistics.median(cpu_s) / gib,
-                "restore_host_cpu_ms_per_GiB": 1e3 * statistics.median(cpu_r) / gib,
+                "spill_GBps": gbps["spill"], "restore_GBps": gbps["restore"],
+                "copy_only_d2h_GBps": gbps["copy_d2h"], "copy_only_h2d_GBps": gbps["copy_h2d"],
+                "spill_no_checksum_GBps": gbps["spill_nohash"], "restore_no_checksum_GBps": gbps["restore_nohash"],
+                "spill_host_cpu_ms_per_GiB": 1e3 * statistics.median(t["cpu_s"]) / gib,
+                "restore_host_cpu_ms_per_GiB": 1e3 * statistics.median(t["cpu_r"]) / gib,
+                "spill_phases_us": {k: statistics.median(p[k] for p in ph["spill"]) for k in ph["spill"][0]},
+                "restore_phases_us": {k: statistics.median(p[k] for p in ph["restore"]) for k in ph["restore"][0]},
             }
-            m["spill_fraction_of_ceiling"] = self.frac(m["spill_GBps"], r["ceiling_d2h_GBps"])
-            m["restore_fraction_of_ceiling"] = self.frac(m["restore_GBps"], r["ceiling_h2d_GBps"])
-            m["copy_only_d2h_fraction_of_ceiling"] = self.frac(m["copy_only_d2h_GBps"], r["ceiling_d2h_GBps"])
-            m["spill_checksum_cost_fraction"] = round(1 - m["spill_GBps"] / m["copy_only_d2h_GBps"], 4)
+            for k in ("spill", "copy_only_d2h", "spill_no_checksum"):
+                m[k + "_fraction_of_ceiling"] = self.frac(m[k + "_GBps"], r["ceiling_d2h_GBps"])
+            for k in ("restore", "copy_only_h2d", "restore_no_checksum"):
+                m[k + "_fraction_of_ceiling"] = self.frac(m[k + "_GBps"], r["ceiling_h2d_GBps"])
+            # what the checksum costs a spill, and what the rest of the engine costs on top of the copy
+            m["spill_checksum_cost_fraction"] = round(1 - m["spill_GBps"] / m["spill_no_checksum_GBps"], 4)
+            m["spill_engine_overhead_fraction"] = round(1 - m["spill_no_checksum_GBps"] / m["copy_only_d2h_GBps"], 4)
             r["modes"][mode] = m
 
-    def copy_only(self, mode: str) -> float:
-        """The engine's copy path for the same scattered blocks, with no checksum and no bookkeeping."""
-        dp, hp = self.e.device_pool, self.e.host_pool
-        ids = list(self.A)
-        self.rng.shuffle(ids)
-        dslots = dp.slots_of(ids)
-        hslots = list(range(len(ids)))                 # the host pool is empty between reps
-        ctx = self.e.ctx
+    def copy_only(self, direction: str) -> float:
+        """The engine's copy path for the same scattered blocks, with no checksum and no bookkeeping.
+
+        d2h runs while the host pool is empty (writes its first slots); h2d runs while A is on the
+        host (reads A's host rows in slot order, writes the device slots A's restore will reserve).
+        """
+        dp, hp, ctx = self.e.device_pool, self.e.host_pool, self.e.ctx
+        if direction == "d2h":
+            ids = list(self.A)
+            self.rng.shuffle(ids)
+            src, src_slots = dp.words, dp.slots_of(ids)
+            dst, dst_slots = hp.words, list(range(len(ids)))
+        else:
+            src, src_slots = hp.words, sorted(hp.slots_of(self.A))
+            dst, dst_slots = dp.words, sorted(dp.table._free)[: len(self.A)]
+        stream = ctx.streams.d2h if direction == "d2h" else ctx.streams.h2d
 
         def go():
-            Copier(ctx, "d2h", dp.words, dslots, hp.words, hslots).enqueue(0, len(ids))
-            if self.dev.type == "cuda":
-                ctx.streams.d2h.synchronize()
+            copier = Copier(ctx, direction, src, src_slots, dst, dst_slots)
+            copier.enqueue(0, len(src_slots))
+            copier.done().synchronize()
         return timed(self.dev, go)
 
     def both_at_once(self, d2h: str, h2d: str) -> float:
@@ -316,9 +342,10 @@ class Bench:
             self.e.ctx.copy_modes.update(d2h=best_d2h, h2d=best_h2d)
             r["copy_modes"] = {"d2h": best_d2h, "h2d": best_h2d}
             for key in ("spill_GBps", "spill_fraction_of_ceiling", "spill_checksum_cost_fraction",
-                        "copy_only_d2h_GBps", "spill_host_cpu_ms_per_GiB"):
+                        "spill_engine_overhead_fraction", "copy_only_d2h_GBps", "spill_host_cpu_ms_per_GiB"):
                 r[key] = modes[best_d2h][key]
-            for key in ("restore_GBps", "restore_fraction_of_ceiling", "restore_host_cpu_ms_per_GiB"):
+            for key in ("restore_GBps", "restore_fraction_of_ceiling", "copy_only_h2d_GBps",
+                        "restore_host_cpu_ms_per_GiB"):
                 r[key] = modes[best_h2d][key]
             self.section("both_best", lambda: self.both(r, best_d2h, best_h2d))
             self.section("latency", self.latency)
@@ -344,6 +371,41 @@ class Bench:
         self.h_b.close()
         self.e.close()
         self.tmp.cleanup()
+
+
+def phases(marks: dict) -> dict:
+    """Host-clock phase durations (µs) of one move from Engine.last_phases."""
+    order = ["submitted", "validated", "enqueued", "landed", "settled"]
+    names = ["validate", "begin", "wait", "commit"]
+    return {n: (marks[b] - marks[a]) / 1e3 for n, a, b in zip(names, order, order[1:]) if a in marks and b in marks}
+
+
+class no_checksums:
+    """Within the block, device<->host moves skip hashing (checksums read as 0): the bench's way
+    of measuring what the checksum itself costs. Never used outside bench/."""
+
+    def __enter__(self):
+        import dataplane.moves.device_host as dh
+
+        class NoHash:
+            def __init__(self, ctx, words, slots, ids):
+                self.ctx, self.n = ctx, len(list(ids))
+
+            def enqueue(self, lo, hi, after=None):
+                pass
+
+            def done(self):
+                return self.ctx.streams.mark(self.ctx.streams.hash)
+
+            def values(self):
+                return [0] * self.n
+
+        self.dh, self.saved = dh, dh.Hasher
+        dh.Hasher = NoHash
+        return self
+
+    def __exit__(self, *exc):
+        self.dh.Hasher = self.saved
 
 
 def git_commit() -> str | None:
@@ -380,10 +442,18 @@ def table(r: dict) -> str:
              row(f"spill, verified checksums ({r.get('copy_modes', {}).get('d2h')})", "spill_GBps"),
              row(f"restore, verified ({r.get('copy_modes', {}).get('h2d')})", "restore_GBps"),
              row("spill + restore at once (aggregate)", "both_GBps")]
+    pct = lambda m, k: f"{100 * m[k + '_fraction_of_ceiling']:.1f}%" if k + "_fraction_of_ceiling" in m else "-"  # noqa: E731
     for mode, m in r.get("modes", {}).items():
-        lines.append(f"| {mode}: spill / restore / copy-only d2h | {m['spill_GBps']:.2f} / {m['restore_GBps']:.2f} / "
-                     f"{m['copy_only_d2h_GBps']:.2f} GB/s | {100 * m['spill_fraction_of_ceiling']:.1f}% / "
-                     f"{100 * m['restore_fraction_of_ceiling']:.1f}% / {100 * m['copy_only_d2h_fraction_of_ceiling']:.1f}% |")
+        for d, keys in (("d2h", ("spill", "spill_no_checksum", "copy_only_d2h")),
+                        ("h2d", ("restore", "restore_no_checksum", "copy_only_h2d"))):
+            if all(k + "_GBps" in m for k in keys):
+                lines.append(f"| {mode} {d}: engine / no checksum / bare copy | "
+                             + " / ".join(f"{m[k + '_GBps']:.2f}" for k in keys) + " GB/s | "
+                             + " / ".join(pct(m, k) for k in keys) + " |")
+        for d in ("spill", "restore"):
+            if d + "_phases_us" in m:
+                lines.append(f"| {mode} {d} phases (us) | " + ", ".join(
+                    f"{k} {v:.0f}" for k, v in m[d + "_phases_us"].items()) + " | |")
         if "both_GBps" in m:
             lines.append(f"| {mode}: both at once | {m['both_GBps']:.2f} GB/s ({m['both_vs_one_direction']:.2f}x one direction) "
                          f"| {100 * m['both_fraction_of_ceiling']:.1f}% of bidir |")
@@ -394,7 +464,9 @@ def table(r: dict) -> str:
     if "both_vs_one_direction" in r:
         lines.append(f"| both / one direction | {r['both_vs_one_direction']:.2f}x | |")
     if "spill_checksum_cost_fraction" in r:
-        lines.append(f"| checksum + bookkeeping cost on spill | {100 * r['spill_checksum_cost_fraction']:.1f}% | |")
+        lines.append(f"| checksum cost on spill | {100 * r['spill_checksum_cost_fraction']:.1f}% | |")
+    if "spill_engine_overhead_fraction" in r:
+        lines.append(f"| engine cost on spill beyond the bare copy | {100 * r['spill_engine_overhead_fraction']:.1f}% | |")
     for k in ("single_block_spill_us", "single_block_restore_us"):
         if k in r:
             lines.append(f"| {k.replace('_us', '')} p50 / p99 | {r[k]['p50']} / {r[k]['p99']} us | |")

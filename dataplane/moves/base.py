@@ -15,6 +15,7 @@ all-or-nothing: no outcome ever leaves half its blocks moved.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,12 @@ class InFlight:
         self.started_ns = started_ns
         self.compute = ctx.streams.compute_stream()
         self.bytes_moved: int | None = None     # None = not measured yet
+        # Host-clock marks (perf_counter_ns) of the move's phases, for bench/moves.py:
+        # submitted -> validated -> enqueued (begin done) -> landed (copies seen complete) -> settled
+        self.phases: dict[str, int] = {}
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = time.perf_counter_ns()
 
     # ------------------------------------------------------------ protocol
     def begin(self) -> None:
@@ -90,7 +97,7 @@ class InFlight:
         return MoveAcked(
             move_id=self.cmd.move_id, worker=self.ctx.worker, bytes_moved=int(self.bytes_moved or 0),
             bytes_freed_src=int(bytes_freed_src), checksum_ok=True, started_ns=self.started_ns,
-            finished_ns=self.ctx.clock(), checksums=[int(c) for c in checksums],
+            finished_ns=self.ctx.clock(), checksums=list(checksums),
         )
 
     def failed(self, error: str) -> MoveFailed:

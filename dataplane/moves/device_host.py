@@ -34,17 +34,19 @@ class SpillToHost(InFlight):
         self.hslots = c.host.reserve(self.ids)
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
-        self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
-        self.hasher.enqueue(0, len(self.ids))
-        self.hashed = self.hasher.done()
+        # Copy first: the link is the bottleneck, so it must start before anything else is queued.
         copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
         copier.enqueue(0, len(self.ids))
         self.copied = copier.done()
+        self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
+        self.hasher.enqueue(0, len(self.ids))
+        self.hashed = self.hasher.done()
 
     def finish(self):
         c = self.ctx
         self.copied.synchronize()
         self.hashed.synchronize()
+        self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
         sums = self.hasher.values()
         c.host.set_checksums(self.ids, sums)
@@ -63,7 +65,7 @@ class RestoreFromHost(InFlight):
 
     def begin(self) -> None:
         c, s = self.ctx, self.ctx.streams
-        self.expected = [c.host.checksum_of(b) for b in self.ids]
+        self.expected = c.host.checksums_of(self.ids)
         hslots = c.host.slots_of(self.ids)
         self.dslots = c.device.reserve(self.ids)
         # NOTE: the reserved slots may have been freed while kernels queued on the compute stream
@@ -88,6 +90,7 @@ class RestoreFromHost(InFlight):
         c, s = self.ctx, self.ctx.streams
         self.copied.synchronize()
         self.hashed.synchronize()
+        self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
         by_id = dict(zip(self.order_ids, self.hasher.values()))
         got = [by_id[b] for b in self.ids]

@@ -132,7 +132,7 @@ class Demote(_DiskWriter):
 
     def begin(self) -> None:
         c = self.ctx
-        self.expected = [c.host.checksum_of(b) for b in self.ids]
+        self.expected = c.host.checksums_of(self.ids)
         self.hslots = c.host.slots_of(self.ids)
         c.disk.reserve(self.ids)
         self.disk_reserved = True

@@ -82,14 +82,14 @@ def validate(cmd: ExecuteMove, tiers: dict, busy: dict[int, str], block_bytes: i
         names = sorted({busy[b] for b in in_flight})[:4]
         return reject(f"busy: {len(in_flight)} blocks are in moves in flight ({names})", in_flight)
     src, dst = tiers[cmd.src], tiers[cmd.dst]
-    absent = [b for b in blocks if not src.has(b)]
+    absent = src.not_ready(blocks)
     if absent:
         return reject(f"source: {len(absent)} of {len(blocks)} blocks are not resident on {cmd.src}", absent)
-    present = [b for b in blocks if dst.holds(b)]
+    present = dst.held(blocks)
     if present:
         return reject(f"dest: {len(present)} blocks are already on {cmd.dst}", present)
     if cmd.src == "device" and not cmd.keep_source:
-        held = [b for b in blocks if src.table.refcount(b) > 1]
+        held = src.table.shared(blocks)
         if held:
             return reject(f"holders: {len(held)} device blocks have other holders; freeing them would pull "
                           f"pages from under a reader", held)

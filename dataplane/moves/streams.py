@@ -39,11 +39,15 @@ class CopyStreams:
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
+            # Copy and staging streams get the highest priority: their kernels are short, and
+            # the block scheduler then runs them ahead of queued compute or hashing blocks, so
+            # the DMA pipeline never starves. Hashing runs at normal priority in the gaps.
+            hi = -8   # out-of-range priorities clamp to the highest the device has
+            self.d2h = torch.cuda.Stream(device, priority=hi)
+            self.h2d = torch.cuda.Stream(device, priority=hi)
+            self.stage_d2h = torch.cuda.Stream(device, priority=hi)
+            self.stage_h2d = torch.cuda.Stream(device, priority=hi)
             self.hash = torch.cuda.Stream(device)
-            self.stage_d2h = torch.cuda.Stream(device)
-            self.stage_h2d = torch.cuda.Stream(device)
         else:
             self.d2h = self.h2d = self.hash = self.stage_d2h = self.stage_h2d = None
 

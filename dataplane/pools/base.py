@@ -51,6 +51,14 @@ class BlockPool:
         """READY or arriving (RESERVED) here."""
         return self.table.holds(block_id)
 
+    def not_ready(self, block_ids: Iterable[int]) -> list[int]:
+        """The listed blocks not READY here."""
+        return self.table.not_ready(block_ids)
+
+    def held(self, block_ids: Iterable[int]) -> list[int]:
+        """The listed blocks READY or arriving here."""
+        return self.table.held(block_ids)
+
     def room_for(self, n: int):
         """The NoRoom ``reserve`` would raise for n new blocks, or None. Pure."""
         return self.table.room_for(n)

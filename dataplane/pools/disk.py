@@ -106,6 +106,14 @@ class DiskTier:
     def holds(self, block_id: int) -> bool:
         return block_id in self._index or block_id in self._reserved
 
+    def not_ready(self, block_ids: Iterable[int]) -> list[int]:
+        idx = self._index
+        return [b for b in block_ids if b not in idx]
+
+    def held(self, block_ids: Iterable[int]) -> list[int]:
+        idx, res = self._index, self._reserved
+        return [b for b in block_ids if b in idx or b in res]
+
     def blocks(self) -> list[int]:
         return sorted(self._index)
 

@@ -36,11 +36,22 @@ class HostPool(BlockPool):
         except KeyError:
             raise NotResident("host", [block_id]) from None
 
+    def checksums_of(self, block_ids: Iterable[int]) -> list[int]:
+        cs = self._checksums
+        ids = list(block_ids)
+        missing = [b for b in ids if b not in cs]
+        if missing:
+            raise NotResident("host", missing)
+        return [cs[b] for b in ids]
+
     def set_checksums(self, block_ids: Iterable[int], checksums: Iterable[int]) -> None:
-        for b, c in zip(block_ids, checksums, strict=True):
-            if not self.table.holds(b):
-                raise NotResident("host", [b])
-            self._checksums[b] = int(c)
+        ids, sums = list(block_ids), list(checksums)
+        if len(ids) != len(sums):
+            raise IntegrityError(f"host: {len(ids)} blocks but {len(sums)} checksums")
+        absent = [b for b in ids if b not in self.table._slot]
+        if absent:
+            raise NotResident("host", absent)
+        self._checksums.update(zip(ids, sums))
 
     def publish(self, block_ids: list[int]) -> None:
         missing = [b for b in block_ids if b not in self._checksums]
@@ -56,9 +67,10 @@ class HostPool(BlockPool):
     def free(self, block_ids: Iterable[int]) -> int:
         ids = list(block_ids)
         freed = self.table.free(ids)
+        slot_map, cs = self.table._slot, self._checksums
         for b in ids:
-            if not self.table.holds(b):
-                self._checksums.pop(b, None)
+            if b not in slot_map:
+                cs.pop(b, None)
         return freed
 
     def allocate(self, block_ids):  # a host copy without a checksum would be unverifiable

@@ -119,3 +119,12 @@ def test_blocks_in_a_move_in_flight_cannot_be_moved_or_released(engine):
         release(engine, "device", [1])
     engine.check_integrity()
     assert engine.wait(ticket).bytes_freed_src == BB
+
+
+def test_check_integrity_catches_a_reservation_no_move_owns(engine):
+    from dataplane.pools import IntegrityError
+
+    engine.device_pool.reserve([99])                     # a slot taken behind the engine's back
+    with pytest.raises(IntegrityError, match=r"device: 1 reserved slots belong to no move in flight: \[99\]"):
+        engine.check_integrity()
+    engine.device_pool.cancel([99])

@@ -92,3 +92,16 @@ def test_a_block_is_one_contiguous_span_and_attention_pages_are_contiguous():
     pool.tensor[s].copy_(torch.randn(lay.block_shape).half())
     assert torch.equal(pool.words[s].view(torch.float16).view(lay.block_shape), pool.tensor[s])
     assert pool.block_table([42]).tolist() == [s]
+
+
+def test_only_reserved_blocks_can_be_published_or_cancelled():
+    t = SlotTable("device", 3, 8)
+    t.allocate([1])
+    with pytest.raises(NotResident):
+        t.publish([1])                                   # already READY: not arriving
+    with pytest.raises(NotResident):
+        t.publish([2])                                   # never reserved
+    with pytest.raises(NotResident):
+        t.cancel([1])
+    assert t.refcount(1) == 1 and not t.holds(2)
+    t.check_integrity()
