@@ -45,16 +45,32 @@ def limit_bytes(acc: TierAccount) -> int:
     return acc.capacity_bytes
 
 
-def available_bytes(acc: TierAccount) -> int:
+def available_bytes(acc: TierAccount, reserved_bytes: int = 0) -> int:
     """Bytes a move may still bring into the tier (never negative)."""
-    return max(0, limit_bytes(acc) - acc.floor_bytes - acc.used_bytes - acc.inflight_in_bytes)
+    return max(0, limit_bytes(acc) - acc.floor_bytes - acc.used_bytes - acc.inflight_in_bytes - reserved_bytes)
 
 
-def can_fund(state: State, worker: int, tier: str, asked_bytes: int) -> Refusal | None:
-    """``None`` when a move of ``asked_bytes`` into ``tier`` of ``worker`` fits its budget."""
+def stranded_toward(state: State, answered: frozenset[str] | set[str] = frozenset()) -> dict[tuple[int, str], int]:
+    """Bytes of stranded moves that may still land, per (worker, destination tier).
+
+    NOTE: a stranded move is no longer "in flight" for the fold, but its copy may still arrive (a late
+    ack adds it). Until its worker has answered for it (``answered``: it failed, or never ran), its
+    destination bytes stay reserved, or a late ack could take a tier past its capacity.
+    """
+    out: dict[tuple[int, str], int] = {}
+    for mid, mv in state.stranded.items():
+        if mv.src != mv.dst and mid not in answered:
+            key = (mv.worker, mv.dst)
+            out[key] = out.get(key, 0) + mv.bytes_planned
+    return out
+
+
+def can_fund(state: State, worker: int, tier: str, asked_bytes: int, reserved_bytes: int = 0) -> Refusal | None:
+    """``None`` when a move of ``asked_bytes`` into ``tier`` of ``worker`` fits its budget;
+    ``reserved_bytes``: room held for stranded moves that may still land there."""
     ws = state.workers[worker]
     acc = ws.tiers[tier]
-    avail = available_bytes(acc)
+    avail = available_bytes(acc, reserved_bytes)
     if asked_bytes <= avail:
         return None
     limit = limit_bytes(acc)
@@ -62,7 +78,8 @@ def can_fund(state: State, worker: int, tier: str, asked_bytes: int) -> Refusal 
         reason = f"{tier} of worker {worker} has no capacity"
     else:
         reason = (f"asked {asked_bytes} > available {avail} = limit {limit} - floor {acc.floor_bytes}"
-                  f" - used {acc.used_bytes} - in flight {acc.inflight_in_bytes}")
+                  f" - used {acc.used_bytes} - in flight {acc.inflight_in_bytes}"
+                  + (f" - held for stranded moves {reserved_bytes}" if reserved_bytes else ""))
     return Refusal(worker=worker, tier=tier, asked_bytes=asked_bytes, available_bytes=avail,
                    floor_bytes=acc.floor_bytes, ceiling_bytes=limit, used_bytes=acc.used_bytes,
                    inflight_bytes=acc.inflight_in_bytes, reason=reason)

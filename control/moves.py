@@ -119,16 +119,17 @@ def validate(state: State, ask: Ask, busy: dict[int, set[int]] | None = None) ->
         raise InvalidAsk(f"blocks {clash[:16]} are busy in another move that has no outcome yet")
 
 
-def fund(state: State, asks: list[Ask]) -> Refusal | None:
+def fund(state: State, asks: list[Ask], reserved: dict[tuple[int, str], int] | None = None) -> Refusal | None:
     """All or nothing: the asks' total per destination must fit, or the whole ask is refused
-    with the total's arithmetic (never a smaller part of it). Releases need no funding."""
+    with the total's arithmetic (never a smaller part of it). Releases need no funding.
+    ``reserved``: per (worker, tier), room held for stranded moves (``budget.stranded_toward``)."""
     totals: dict[tuple[int, str], int] = {}
     for a in asks:
         if not a.is_release:
             key = (a.worker, a.dst)
             totals[key] = totals.get(key, 0) + len(a.blocks) * state.workers[a.worker].block_bytes
     for (w, tier), asked in totals.items():
-        refusal = can_fund(state, w, tier, asked)
+        refusal = can_fund(state, w, tier, asked, (reserved or {}).get((w, tier), 0))
         if refusal is not None:
             return refusal
     return None

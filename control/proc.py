@@ -65,6 +65,8 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     worker_lost_s: float = 5.0
     adopt_grace_s: float = 3.0            # after a crash: how long workers have to come back
     requery_interval_s: float = 1.0       # ask workers again about stranded moves (late acks)
+    deadline_grace_s: float = 1.0         # past a move's deadline, wait this long for the worker's own
+                                          # verdict (it refuses to start a move past its deadline)
     policy_interval_s: float = 0.1
     checkpoint_every_events: int = 10_000
     checkpoint_every_s: float = 5.0
@@ -414,6 +416,10 @@ class ControlProc:
                                   self.cfg.durability, inline_max=1000 if self.cfg.commit_inline else 0)
         self.book = moves.MoveBook()
         self.busy = moves.BusyIndex(self.state)
+        # stranded moves their worker has answered for with a failure (or "never received"):
+        # they will never land, so they hold neither blocks nor room. The ledger has no event for
+        # that answer (only MoveLateAcked resolves a stranding), so they stay listed stranded there.
+        self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
         self._links: dict[bytes, WorkerLink] = {}
         self._by_worker: dict[int, WorkerLink] = {}
@@ -743,9 +749,11 @@ class ControlProc:
         self.faults.hit("crash_before_ack_append")
         verdict, event = moves.classify(self.state, link.worker, msg)
         self.metrics[f"outcome_{verdict}"] += 1
+        if verdict == moves.LATE_FAILURE:
+            self._stranded_answered(msg.move_id)
         if event is None:
             log.info("outcome_not_recorded", verdict=verdict, move_id=msg.move_id, worker=link.worker,
-                     type=type(msg).__name__)
+                     type=type(msg).__name__, why=getattr(msg, "reason", None) or getattr(msg, "error", None))
             return
         self._settle(msg.move_id, event)
 
@@ -757,14 +765,24 @@ class ControlProc:
         for verdict, event in settled:
             self.metrics[f"reconciled_{verdict}"] += 1
             self._settle(event.move_id, event)
-        for mid in [*msg.unknown, *(o.move_id for o in msg.outcomes)]:
+        for mid in [*msg.unknown, *(o.move_id for o in msg.outcomes if type(o) is not ev.MoveAcked)]:
             mv = self.state.stranded.get(mid)
             if mv is not None and mv.worker == link.worker:   # answered for: it will never run now
-                self.busy.remove(mv.worker, mv.blocks)
+                self._stranded_answered(mid)
         link.asked.difference_update(msg.unknown)
         link.asked.difference_update(o.move_id for o in msg.outcomes)
         if settled:
             log.info("moves_reconciled", worker=link.worker, settled=len(settled), unknown=len(msg.unknown))
+
+    def _stranded_answered(self, mid: str) -> None:
+        mv = self.state.stranded.get(mid)
+        if mv is not None and mid not in self.answered_stranded:
+            self.answered_stranded.add(mid)
+            self.busy.remove(mv.worker, mv.blocks)
+            log.warning("stranded_move_never_landed", move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned)
+
+    def reserved_bytes(self) -> dict[tuple[int, str], int]:
+        return budget.stranded_toward(self.state, self.answered_stranded)
 
     def _settle(self, mid: str, event: ev.Event) -> None:
         """Record a move's terminal (or late) event, its session follow-ups, and tell its asker."""
@@ -793,7 +811,8 @@ class ControlProc:
                 waiter.answer([], [], "commit_timeout", f"the worker did not answer commit {ref}")
         if not self.state.inflight:
             return
-        for e in watchdog.overdue(self.state, time.time_ns(), self.book.undispatched, self._adopting):
+        now = time.time_ns() - int(self.cfg.deadline_grace_s * S)
+        for e in watchdog.overdue(self.state, now, self.book.undispatched, self._adopting):
             log.warning("move_overdue", move_id=e.move_id, worker=e.worker, outcome=type(e).__name__)
             self._settle(e.move_id, e)
 
@@ -801,7 +820,8 @@ class ControlProc:
         """Ask workers about their stranded moves: a dropped ack comes back as MoveLateAcked."""
         stranded: dict[int, list[str]] = {}
         for mid, mv in self.state.stranded.items():
-            stranded.setdefault(mv.worker, []).append(mid)
+            if mid not in self.answered_stranded:
+                stranded.setdefault(mv.worker, []).append(mid)
         for w, mids in stranded.items():
             link = self._by_worker.get(w)
             if link is not None:
@@ -818,7 +838,7 @@ class ControlProc:
                 moves.validate(self.state, ask, busy)
             except moves.InvalidAsk:
                 continue
-            refusal = moves.fund(self.state, [ask])
+            refusal = moves.fund(self.state, [ask], self.reserved_bytes())
             if refusal is not None:
                 self.memo.note(ask, refusal.available_bytes, now)
                 log.info("move_refused", asker=ask.asker, worker=ask.worker, tier=refusal.tier,
@@ -882,7 +902,7 @@ class ControlProc:
 
     def _ask_move(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
         asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)
-        refusal = moves.fund(self.state, asks)
+        refusal = moves.fund(self.state, asks, self.reserved_bytes())
         if refusal is not None:
             e = refusal.event(asker, msg.session)
             log.info("move_refused", asker=asker, worker=refusal.worker, tier=refusal.tier,

@@ -40,7 +40,8 @@ class WorkerFaults:
         silent_release=P     a release is carried out and never answered
         zero_release=P       a release is answered with bytes_freed=0
         crash_after_moves=N  SIGKILL self right after executing the Nth move, before its ack
-        exec_delay_ms=MS     every move waits MS ms on the engine thread before it starts
+        exec_delay_ms=MS     every move pauses MS ms half-way (after the engine's submit, before its
+                             wait), so a test can kill the worker in the middle of a move
         seed=S               the random source of the probabilities above
     """
 
@@ -113,9 +114,15 @@ class WorkerCore:
         return self.handlers[type(cmd)](cmd)
 
     def execute(self, cmd: ExecuteMove) -> list:
-        if self.faults.exec_delay_ms:
+        if self.faults.exec_delay_ms and hasattr(self.engine, "submit"):
+            # the pause falls in the middle of the move: destination reserved, copies begun, not committed
+            ticket = self.engine.submit(cmd)
             time.sleep(self.faults.exec_delay_ms / 1000)
-        outcome = self.engine.execute(cmd)
+            outcome = self.engine.wait(ticket)
+        else:
+            if self.faults.exec_delay_ms:
+                time.sleep(self.faults.exec_delay_ms / 1000)
+            outcome = self.engine.execute(cmd)
         self.num_moves += 1
         if self.faults.crash_after_moves and self.num_moves == self.faults.crash_after_moves:
             log.warning("fault_injected_crash", fault="crash_after_moves", n=self.num_moves, move_id=cmd.move_id)

@@ -113,10 +113,11 @@ def plan_workers(args) -> list[str]:
 
 
 class WorkerChild:
-    __slots__ = ("worker", "epoch", "popen", "started")
+    __slots__ = ("worker", "epoch", "popen", "started", "joined")
 
     def __init__(self, worker: int, epoch: int, popen: subprocess.Popen):
         self.worker, self.epoch, self.popen, self.started = worker, epoch, popen, time.monotonic()
+        self.joined = False
 
 
 class Supervisor:
@@ -146,6 +147,8 @@ class Supervisor:
                 log.warning("worker_exited", worker=w, epoch=child.epoch, returncode=rc)
                 self.proc.worker_exited(w, child.epoch, rc)
         missing = self.proc.call(lambda p: p.missing_workers()).result(timeout=10)
+        for w, child in self.children.items():
+            child.joined = child.joined or w not in missing
         now = time.monotonic()
         for w in missing:
             child = self.children.get(w)
@@ -170,7 +173,11 @@ class Supervisor:
         log.info("worker_starting", worker=w, epoch=epoch, pid=popen.pid)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """After the control process told the workers to stop: wait for them, then make sure."""
+        """After the control process told the workers to stop: wait for them, then make sure.
+        A worker still starting never heard the Shutdown: it is terminated at once."""
+        for c in self.children.values():
+            if not c.joined and c.popen.poll() is None:
+                c.popen.terminate()
         pids = {c.popen.pid for c in self.children.values()}
         for pid_file in self.run_dir.glob("worker-*.pid"):     # workers adopted after a crash
             try:

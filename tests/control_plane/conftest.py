@@ -151,7 +151,8 @@ def make_control(short_dir):
         endpoint = over.pop("worker_endpoint", f"ipc://{short_dir}/w.sock")
         cfg = ControlConfig(worker_endpoint=endpoint, ask_endpoint=f"ipc://{short_dir}/c.sock",
                             policy=over.pop("policy", PolicyConfig(pressure=False, park=False)),
-                            moves=moves, **{"release_on_stop": False, "shutdown_grace_s": 0.5, **over})
+                            moves=moves, **{"release_on_stop": False, "shutdown_grace_s": 0.5,
+                                            "deadline_grace_s": 0.05, **over})
         proc = ControlProc(store, cfg).start()
         made.append((proc, store))
         return proc, store
