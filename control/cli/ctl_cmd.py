@@ -118,9 +118,27 @@ def client_for(args):
     from control.transport import AskClient, ask_endpoint, default_run_dir  # noqa: PLC0415
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.db)
-    if not (run_dir / "ctl.sock").exists():
-        raise UserError(f"no server is running on this ledger (no socket in {run_dir}); start `residency serve`")
+    if not server_running(run_dir):
+        raise UserError(f"no server is running on this ledger (run dir {run_dir}); start `residency serve`")
     return AskClient(ask_endpoint(run_dir), timeout_s=args.timeout)
+
+
+def server_running(run_dir) -> bool:
+    """`residency serve` holds an exclusive lock on <run dir>/serve.lock while it runs; the kernel
+    drops it when the process dies, however it dies (a leftover socket file proves nothing)."""
+    import fcntl  # noqa: PLC0415
+
+    try:
+        fd = os.open(run_dir / "serve.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def ask_server(args, msg):

@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 TERMINAL = set(ev.TERMINAL_MOVE_EVENTS)
 SMALL_LAYOUT = "2,16,2,64,float16"          # 16 KiB blocks
 SMALL_BLOCK = 16384
+# the `residency` console script, as installed (``python -m control.cli.main`` would import that module twice)
+RESIDENCY = [sys.executable, "-c", "import sys; from control.cli.main import main; sys.exit(main(sys.argv[1:]))"]
 
 
 # ---------------------------------------------------------------------- ledgers

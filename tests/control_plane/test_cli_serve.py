@@ -1,0 +1,84 @@
+"""`residency serve`, `residency ctl`, `residency status` as a user runs them; SIGTERM stops everything
+and the ledger records it (every copy freed by the book, then ServerStopped)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from control.transport import AskClient, ControlUnreachable, ask_endpoint
+from events.commands import AskStatus
+from ledger import LedgerStore
+
+from tests.control_plane.conftest import REPO, RESIDENCY, SMALL_BLOCK, check_ledger, spawn, wait_for  # noqa: E402
+from tests.control_plane.test_worker_kill import serve_argv  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args, run_dir, url) -> subprocess.CompletedProcess:
+    """`residency ARGS` in this process (the same ``main`` the console script runs)."""
+    from control.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([*args, "--ledger", url, "--run-dir", str(run_dir), "--timeout", "20"])
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
+def test_serve_ctl_status_and_a_clean_stop_on_sigterm(tmp_path, short_dir):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    serve = spawn(serve_argv(url, short_dir, engine="nocopy"), tmp_path / "serve.log",
+                  env={"RESIDENCY_LOG_FORMAT": "console"})
+    client = AskClient(ask_endpoint(short_dir), timeout_s=5)
+
+    def linked():
+        try:
+            return client.ask(AskStatus(ask_id="t", include_state=False), timeout_s=1).metrics["workers_linked"] >= 1
+        except ControlUnreachable:
+            return False
+
+    try:
+        wait_for(linked, timeout=30, interval=0.1, what="worker linked")
+        r = cli("ctl", "commit", "--blocks", "8", "--session", "chat-1", run_dir=short_dir, url=url)
+        assert r.returncode == 0 and "committed 8 blocks (0..7) on device of worker 0, session chat-1" in r.stdout, r
+        r = cli("ctl", "park", "--session", "chat-1", run_dir=short_dir, url=url)
+        assert r.returncode == 0, r
+        assert "acked" in r.stdout and "moved 128.0 KiB, freed 128.0 KiB at the source" in r.stdout
+        assert "session chat-1 parked on host: 128.0 KiB" in r.stdout
+        r = cli("ctl", "budget", "--tier", "device", "--floor", "16MiB", run_dir=short_dir, url=url)
+        assert r.returncode == 0 and "floor 16.0 MiB" in r.stdout, r
+        r = cli("ctl", "restore", "--session", "chat-1", run_dir=short_dir, url=url)
+        assert r.returncode == 1, r                      # refused, with its arithmetic
+        assert "refused (operator:restore): asked 128.0 KiB on device of worker 0, available 0 B" in r.stdout
+        assert "floor 16777216" in r.stdout
+        r = cli("ctl", "budget", "--tier", "device", "--floor", "0", run_dir=short_dir, url=url)
+        r = cli("ctl", "restore", "--session", "chat-1", "--json", run_dir=short_dir, url=url)
+        assert r.returncode == 0, r
+        events = json.loads(r.stdout)["events"]
+        assert [e["type"] for e in events] == ["MoveAcked", "SessionRestored"]
+        assert events[0]["bytes_moved"] == 8 * SMALL_BLOCK
+        r = cli("ctl", "evict", "--blocks", "99", run_dir=short_dir, url=url)
+        assert r.returncode == 2 and "invalid_ask: worker 0 has no blocks [99]" in r.stderr, r
+        r = cli("status", run_dir=short_dir, url=url)
+        assert r.returncode == 0 and "health: ok" in r.stdout, r
+        assert "alive   device  16.0 MiB  128.0 KiB" in r.stdout, r.stdout
+        r = cli("status", "--json", run_dir=short_dir, url=url)
+        st = json.loads(r.stdout)
+        assert st["healthy"] and st["in_flight"] == [] and st["stranded"] == []
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        rc = serve.wait(30)
+    assert rc == 0, (tmp_path / "serve.log").read_text()[-2000:]
+    r = cli("status", run_dir=short_dir, url=url)
+    assert r.returncode == 2 and "no server is running" in r.stderr
+    with LedgerStore.open(url) as store:
+        state = check_ledger(store)
+        last = [type(r.event).__name__ for r in store.read()][-3:]
+    assert last[-1] == "ServerStopped" and not state.server_up
+    assert not state.blocks.get(0) and state.tier(0, "device").used_bytes == 0    # freed by the book
+    assert "BlocksFreed" in last

@@ -1,0 +1,148 @@
+"""The worker process's side of the protocol: its fault hooks, its record of what it did, bad input,
+idempotent commands, tombstones, orphan exit. The socket side runs a no-copy engine here (no torch);
+the real engine is exercised by the kill, crash and random-fault tests."""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from dataplane.worker import WorkerFaults, WorkerRecord
+from events import catalog as ev
+from events.codec import encode_message
+from events.commands import (
+    AnyReply, BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, MovesReport,
+    Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+)
+
+from tests.control_plane.conftest import REPO, spawn, worker_argv  # noqa: E402
+
+
+def test_fault_hooks_are_off_unless_named_and_an_unknown_one_is_an_error():
+    assert not WorkerFaults("").enabled
+    f = WorkerFaults("drop_ack=0.5,delay_ack=0.1:250,crash_after_moves=3,exec_delay_ms=20,seed=4")
+    assert f.enabled and f.p["drop_ack"] == 0.5 and (f.delay_p, f.delay_ms) == (0.1, 250.0)
+    assert f.crash_after_moves == 3 and f.exec_delay_ms == 20
+    with pytest.raises(ValueError, match="unknown worker fault"):
+        WorkerFaults("drop_acks=0.1")
+
+
+def test_an_id_reported_unknown_becomes_a_tombstone_and_is_never_run():
+    rec = WorkerRecord(0)
+    rec.running.add("m-running")
+    ack = ev.MoveAcked(move_id="m-done", worker=0, bytes_moved=1, bytes_freed_src=1, checksum_ok=True,
+                       started_ns=1, finished_ns=2)
+    rec.note("m-done", [ack], 5)
+    rep = rec.report(["m-done", "m-running", "m-never"])
+    assert rep.outcomes == [ack] and rep.unknown == ["m-never"]
+    assert "m-never" in rec.tombstones and "m-running" not in rec.tombstones
+    refused = rec.refusal(ExecuteMove(move_id="m-never", kind="evict", src="device", dst="host", blocks=[1],
+                                      keep_source=False, deadline_ns=0))
+    assert type(refused[0]) is ev.MoveRejected and "never executed" in refused[0].reason
+    rec.note("m-rel", [BlocksReleased(release_id="m-rel", worker=0, tier="host", blocks=[1], bytes_freed=0)], 9)
+    assert rec.outcomes["m-rel"].bytes_freed_src == 0      # the measured 0 is kept, for a later report
+
+
+class Control:
+    """A ROUTER standing in for the control process."""
+
+    _decoder = msgspec.msgpack.Decoder(AnyReply)
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.identity = None
+
+    def recv(self, timeout: float = 30.0):
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError("the worker said nothing")
+        identity, data = self.sock.recv_multipart()
+        self.identity = identity
+        return self._decoder.decode(data)
+
+    def expect(self, t, timeout: float = 10.0):
+        while True:
+            m = self.recv(timeout)
+            if type(m) is t:
+                return m
+            assert type(m) in (Hello, Pong), m
+
+    def send(self, msg) -> None:
+        self.send_raw(encode_message(msg))
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart([self.identity, *frames])
+
+
+def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombstones(short_dir, tmp_path):
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint)
+    w = spawn(worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
+    try:
+        hello = ctl.expect(Hello)
+        assert (hello.worker, hello.block_bytes) == (0, 16384) and ctl.identity == b"w0"
+        for frames, name in (((b"\x00garbage",), "malformed_message"), ((b"\x92\xa5Bogus\x01",), "unknown_message_type"),
+                             ((encode_message(Pong(worker=0, nonce=1, ts_ns=1)),), "unexpected_message"),
+                             ((b"a", b"b"), "malformed_message")):
+            ctl.send_raw(*frames)
+            assert ctl.expect(ErrorReply).error == name
+        ctl.send(Ping(nonce=42, ts_ns=1))
+        assert ctl.expect(Pong).nonce == 42
+        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))
+        assert ctl.expect(BlocksWritten).blocks == [1, 2]
+        cmd = ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=[1], keep_source=False,
+                          deadline_ns=0)
+        ctl.send(cmd)
+        first = ctl.expect(ev.MoveAcked)
+        ctl.send(cmd)                                    # the same command again: the same answer, nothing run
+        assert ctl.expect(ev.MoveAcked) == first
+        ctl.send(QueryMoves(move_ids=["m-1", "m-2"]))
+        rep = ctl.expect(MovesReport)
+        assert rep.outcomes == [first] and rep.unknown == ["m-2"]
+        ctl.send(ExecuteMove(move_id="m-2", kind="evict", src="device", dst="host", blocks=[2], keep_source=False,
+                             deadline_ns=0))
+        assert ctl.expect(ev.MoveRejected).reason.startswith("reported unknown")       # tombstoned: never run
+        ctl.send(ReleaseBlocks(release_id="m-3", tier="device", blocks=[9]))
+        failed = ctl.expect(CommandFailed)
+        assert failed.ref == "m-3" and "not resident" in failed.detail
+        ctl.send(Shutdown(reason="test"))
+        assert w.wait(10) == 0
+    finally:
+        w.kill()
+        ctl.sock.close(0)
+
+
+def test_a_worker_whose_control_never_comes_back_says_hello_again_then_exits(short_dir, tmp_path):
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint)
+    argv = worker_argv(0, endpoint, short_dir, engine="nocopy")
+    argv[argv.index("--orphan-exit-s") + 1] = "1.5"
+    w = spawn(argv + ["--control-silent-s", "0.3"], tmp_path / "worker.log")
+    try:
+        hellos = [ctl.expect(Hello)]
+        t0 = time.monotonic()
+        hellos.append(ctl.expect(Hello, timeout=3))       # control silent: Hello again
+        assert w.wait(10) == 0 and time.monotonic() - t0 < 5
+        assert hellos[0].epoch == hellos[1].epoch
+        assert "control_gone" in (tmp_path / "worker.log").read_text()
+    finally:
+        w.kill()
+        ctl.sock.close(0)
+
+
+def test_no_pickle_crosses_any_socket():
+    """Sockets carry msgspec structs only: no pickle, no send_pyobj/recv_pyobj anywhere we ship."""
+    pattern = re.compile(r"^\s*(import|from)\s+c?pickle\b|\bc?pickle\.(loads?|dumps?|Unpickler)\b|send_pyobj|recv_pyobj")
+    offenders = []
+    for pkg in ("control", "dataplane", "events", "ledger"):
+        for path in (REPO / pkg).rglob("*.py"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line) and not line.lstrip().startswith("#"):
+                    offenders.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not offenders, offenders
