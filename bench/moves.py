@@ -46,7 +46,7 @@ from dataplane.engine import Engine  # noqa: E402
 from dataplane.moves.copy import Copier  # noqa: E402
 from dataplane.pools import KVLayout  # noqa: E402
 from events.catalog import MoveAcked  # noqa: E402
-from events.commands import CommitBlocks, ExecuteMove, ReleaseBlocks  # noqa: E402
+from events.commands import CommitBlocks, ExecuteMove  # noqa: E402
 from kernels.checksum import block_checksums  # noqa: E402
 
 GB = 1e9

@@ -31,7 +31,6 @@ from dataplane.moves import (
     InFlight,
     IndexUploader,
     MoveContext,
-    MovePlan,
     StagingRing,
     validate,
 )
@@ -44,7 +43,6 @@ from dataplane.pools import (
     HostPool,
     IntegrityError,
     KVLayout,
-    NotResident,
     PinnedBudget,
 )
 from dataplane.pools.budget import page_round
@@ -352,4 +350,4 @@ def seeded_words(seed: int, num_blocks: int, block_words: int, device: torch.dev
     return torch.randint(-(2**31), 2**31, (num_blocks, block_words), dtype=torch.int32, device=device, generator=g)
 
 
-__all__ = ["Engine", "MoveTicket", "DEFAULT_COPY_MODES", "seeded_words", "MovePlan", "NotResident"]
+__all__ = ["Engine", "MoveTicket", "DEFAULT_COPY_MODES", "seeded_words"]

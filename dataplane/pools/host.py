@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from dataplane.pools.base import BlockPool
 from dataplane.pools.budget import PinnedBudget
 from dataplane.pools.errors import IntegrityError, NotResident
 from dataplane.pools.layout import KVLayout
-
-import torch
 
 
 class HostPool(BlockPool):
