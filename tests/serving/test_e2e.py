@@ -154,6 +154,15 @@ def test_the_quiet_ledger_replays_clean_and_the_reference_never_moved(quiet):
     assert names.count("SessionRestored") == 2 and names.count("RequestAdmitted") == names.count("RequestFinished")
     restored = [e.event for e in events if type(e.event).__name__ == "SessionRestored"]
     assert all(r.session == "moved" and r.restored_tokens > 0 for r in restored)
+    # byte for byte: every copy of a page carries the checksum the page had when it was parked
+    by_id = {m.move_id: m for m in moves}
+    sums: dict[int, set[int]] = {}
+    for e in events:
+        ack = e.event
+        if type(ack).__name__ == "MoveAcked" and ack.move_id in by_id:
+            for b, c in zip(by_id[ack.move_id].blocks, ack.checksums):
+                sums.setdefault(b, set()).add(c)
+    assert sums and all(len(c) == 1 for c in sums.values())
 
 
 # ------------------------------------------------------------------ bad input, disconnects, the policy
