@@ -15,7 +15,7 @@ from dataplane.model.weights import Weights, to_hf_state_dict
 def build_hf_llama(config: ModelConfig, weights: Weights, attn_implementation: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    device, dtype = weights.embed.device, weights.embed.dtype
+    device = weights.embed.device
     hf_cfg = LlamaConfig(**config.to_hf_dict())
     hf_cfg._attn_implementation = attn_implementation
     with torch.device("meta"):
@@ -36,4 +36,6 @@ def build_hf_llama(config: ModelConfig, weights: Weights, attn_implementation: s
             setattr(parent, name.rsplit(".", 1)[-1], type(mod)(hf_cfg).to(device))
     if config.rope_scaling is None and weights.rope_freq_factors is not None:
         raise NotImplementedError("GGUF rope_freqs factors have no transformers config equivalent")
-    return model.to(device=device, dtype=dtype).eval()
+    # Device only: a dtype cast would also turn the float32 RoPE inv_freq buffer into bf16, which
+    # transformers' own bf16 loading keeps in float32.
+    return model.to(device=device).eval()

@@ -72,6 +72,8 @@ class ModelRunner:
                  max_positions: int | None = None):
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:   # "cuda" and "cuda:0" must compare equal
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         self.w = weights.to(self.device, dtype)
