@@ -408,3 +408,72 @@ def test_live_state_hash_equals_replay_at_every_checkpoint(make_control, fake_wo
     upto = fold_all(State(), store.read(1, st.last_seq))
     assert upto.state_hash() == st.state_hash                          # status's live hash == replay
     assert state.state_hash() == proc.state.state_hash()
+
+
+def test_a_stranded_move_holds_its_destination_room_until_its_worker_answers_for_it(make_control, fake_worker,
+                                                                                      sqlite_url):
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, deadline_s=0.2, requery_interval_s=60)
+    bb = fw.block_bytes
+    blocks = commit_blocks(proc, fw, 100, tier="host")          # the device holds 64 blocks
+    fut = proc.submit(AskMove(ask_id="r1", kind="restore", worker=0, blocks=blocks[:50]))
+    cmd = fw.expect(ExecuteMove)
+    assert type(fut.result(5).events[0]) is ev.MoveStranded     # no answer: its 50 blocks may still land
+    ans = proc.submit(AskMove(ask_id="r2", kind="restore", worker=0, blocks=blocks[50:80])).result(5)
+    (refused,) = ans.events
+    assert type(refused) is ev.MoveRefused and refused.available_bytes == 14 * bb
+    assert f"held for stranded moves {50 * bb}" in refused.reason
+    # the worker answers: it refused to start it (its deadline had passed): the room is free again
+    fw.send(ev.MoveRejected(move_id=cmd.move_id, worker=0, reason="deadline: passed before the move could start",
+                            asked_bytes=50 * bb))
+    wait_for(lambda: proc.call(lambda p: cmd.move_id in p.answered_stranded).result(5), what="answered")
+    fut = proc.submit(AskMove(ask_id="r3", kind="restore", worker=0, blocks=blocks[50:80]))
+    fw.send(fw.ack(fw.expect(ExecuteMove)))
+    assert type(fut.result(5).events[0]) is ev.MoveAcked
+    state = check_ledger(store)
+    assert cmd.move_id in state.stranded        # the ledger has no event for "never landed": still listed
+
+
+def test_past_its_deadline_the_workers_own_refusal_is_awaited_before_stranding(make_control, fake_worker, sqlite_url):
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, deadline_s=0.2, deadline_grace_s=1.0)
+    blocks = commit_blocks(proc, fw, 1)
+    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
+    cmd = fw.expect(ExecuteMove)
+    time.sleep(0.5)                                   # past the deadline, inside the grace
+    fw.send(ev.MoveRejected(move_id=cmd.move_id, worker=0, reason="deadline: passed before the move could start",
+                            asked_bytes=fw.block_bytes))
+    assert [type(e).__name__ for e in fut.result(5).events] == ["MoveRejected"]
+    assert "MoveStranded" not in _types(store)
+    check_ledger(store)
+
+
+def test_another_writer_on_the_ledger_stops_the_control_process_and_turns_health_red(make_control, fake_worker,
+                                                                                     sqlite_url):
+    from control.proc import LedgerDiverged
+    from events.envelope import Envelope
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
+    with LedgerStore.open(sqlite_url) as other:
+        other.append([(Envelope(producer="intruder", epoch=1, producer_seq=1, ts_ns=time.time_ns()),
+                       ev.ServerStopped(reason="not the single writer"))])
+    proc.submit(AskSetBudget(ask_id="b", worker=0, tier="device", floor_bytes=0, ceiling_bytes=0))
+    wait_for(lambda: not proc.running, what="the control loop to stop")
+    assert isinstance(proc.fatal, LedgerDiverged)
+    h = proc.health()
+    assert not h.healthy and any("control loop failed" in p for p in h.problems)
+
+
+def test_a_restart_resumes_from_the_newest_snapshot_to_the_same_state(make_control, fake_worker, sqlite_url):
+    from control.fold import fold_all
+    from control.recovery import replay
+    from control.state import State
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, checkpoint_every_events=4, snapshot_every_events=4)
+    blocks = commit_blocks(proc, fw, 6)
+    for i, b in enumerate(blocks):
+        fut = proc.submit(AskMove(ask_id=f"a{i}", kind="evict", worker=0, blocks=[b]))
+        fw.send(fw.ack(fw.expect(ExecuteMove)))
+        fut.result(5)
+    proc.stop("snapshot test")
+    rec = replay(store)
+    assert rec.from_snapshot > 0 and rec.num_replayed < rec.last_seq
+    full = fold_all(State(), store.read())
+    assert rec.state.state_hash() == full.state_hash() and rec.state.last_seq == full.last_seq
+    assert replay(store, use_snapshot=False).state.state_hash() == full.state_hash()
