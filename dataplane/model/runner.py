@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,11 @@ from kernels.attention import (
     rope_and_cache,
     rope_and_cache_ref,
 )
+
+
+class LayerReady(Protocol):
+    def wait(self) -> object:
+        """Return once (CPU) or make the current stream wait until (CUDA) layer l's pages are in place."""
 
 
 @dataclass
@@ -103,10 +109,18 @@ class ModelRunner:
             raise BatchError("kv_pool must be contiguous (block-first, one tensor)")
 
     # ------------------------------------------------------------ step
-    def forward(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor) -> torch.Tensor:
-        """Write the new tokens' K/V into the pool; return last-token logits [B, vocab] float32."""
+    def forward(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor,
+                layer_ready: Sequence[LayerReady] | None = None) -> torch.Tensor:
+        """Write the new tokens' K/V into the pool; return last-token logits [B, vocab] float32.
+
+        ``layer_ready[l].wait()`` is called before layer l touches the pool: a restore that lands
+        layer by layer (a ``torch.cuda.Event`` per layer recorded on the copy stream, or a
+        ``threading.Event`` on a CPU worker) then overlaps with the layers before it.
+        """
         self.check_pool(kv_pool)
-        return self.run(self.prepare(batch, kv_pool), kv_pool)
+        if layer_ready is not None and len(layer_ready) != self.config.num_layers:
+            raise BatchError(f"layer_ready has {len(layer_ready)} entries for {self.config.num_layers} layers")
+        return self.run(self.prepare(batch, kv_pool), kv_pool, layer_ready)
 
     def prepare(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor) -> StepPlan:
         """Validate a batch on the host and build its device tensors (one copy per field)."""
@@ -172,11 +186,17 @@ class ModelRunner:
         plan.spans = [(r0, r1, ints(bt, torch.int64), st, ctx) for r0, r1, bt, st, ctx in kinds if r1 - r0 > 1]
         return plan
 
-    def run(self, plan: StepPlan, kv_pool: torch.Tensor) -> torch.Tensor:
+    def run(self, plan: StepPlan, kv_pool: torch.Tensor, layer_ready: Sequence[LayerReady] | None = None
+            ) -> torch.Tensor:
         """The forward over a prepared plan (also what a CUDA graph captures)."""
         w = self.w
         x = F.embedding(plan.tokens, w.embed)
         for layer, lw in enumerate(w.layers):
+            if layer_ready is not None:
+                # NOTE: wait before the K/V write, not just before attention: the first new token
+                # may share a page with the end of the restored history, and a whole-page copy
+                # landing after our write would erase it.
+                layer_ready[layer].wait()
             h = self._norm(x, lw.attn_norm)
             qkv = self._linear(h, lw.wqkv, lw.bqkv)
             q = self._rope_and_cache(qkv, plan, kv_pool, layer)

@@ -142,3 +142,36 @@ def test_sampled_generation_is_reproducible_per_seed(tiny_fast):
     c = generate(tiny_fast, [[5, 6, 7, 8]], SamplingParams(temperature=0.9, top_p=0.9, seed=99,
                                                             max_tokens=12, ignore_eos=True))[0].token_ids
     assert a == b and a != c
+
+
+def test_a_restore_landing_layer_by_layer_overlaps_the_prefill_and_changes_no_bits(tiny_fast, gen):
+    """A copier thread restores one layer at a time; the forward waits per layer, so it reads
+    each layer's pages only after they landed, and computes exactly what it would after a whole copy."""
+    import threading
+    import time
+
+    r = tiny_fast.runner
+    L = r.config.num_layers
+    history, turn = random_ids(gen, 96, 311), random_ids(gen, 21, 311)    # the turn starts in a fresh page
+    pool = poisoned_pool(r, 16, PAGE)
+    r.forward([SeqInput(history, 0, list(range(6)))], pool)
+    host = pool[:6].clone()                                                # parked
+    pool[:6] = float("nan")
+    whole = pool.clone()
+    whole[:6] = host
+    want = r.forward([SeqInput(turn, 96, list(range(8)))], whole)[0]
+    ready = [threading.Event() for _ in range(L)]
+    seen = []
+
+    def copier():
+        for layer in range(L):
+            time.sleep(0.02)                                   # slower than the forward's layers
+            pool[:6, layer] = host[:, layer]
+            seen.append(layer)
+            ready[layer].set()
+
+    t = threading.Thread(target=copier)
+    t.start()
+    got = r.forward([SeqInput(turn, 96, list(range(8)))], pool, layer_ready=ready)[0]
+    t.join()
+    assert seen == list(range(L)) and torch.equal(got, want)

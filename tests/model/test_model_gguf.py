@@ -63,13 +63,14 @@ def test_a_gguf_written_like_llama_cpp_loads_to_transformers_logits(tmp_path, qt
     ids = torch.randint(0, m.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(3))
     pool = m.runner.allocate_kv_pool(16, 16).fill_(float("nan"))
     ours = m.runner.forward([_seq(ids[0].tolist())], pool)[0]
-    # the reference runs on the weights as read back (quantized), in transformers' own layout
-    hf = build_hf_llama(m.config.replace(rope_scaling=src.config.rope_scaling), _weights_without_factors(m))
+    # the reference is transformers on the ORIGINAL weights, never on what we read back
+    hf = build_hf_llama(src.config, src.weights)
     with torch.no_grad():
         ref = hf(ids).logits[0, -1]
-    assert (ours - ref).norm() / ref.norm() < 1e-5
-    if qtype == Q.F32:
-        assert torch.equal(m.weights.layers[1].wqkv, src.weights.layers[1].wqkv)
+    for got, want in zip(m.weights.layers, src.weights.layers):
+        step = want.wqkv.abs().max() / 127                       # Q8_0's worst rounding, roughly
+        assert (got.wqkv - want.wqkv).abs().max() <= (0 if qtype == Q.F32 else step)
+    assert (ours - ref).norm() / ref.norm() < (1e-5 if qtype == Q.F32 else 2e-2)
 
 
 def test_unknown_gguf_architecture_is_refused_by_name(tmp_path):
@@ -99,9 +100,3 @@ def _seq(ids):
     from dataplane.model import SeqInput
 
     return SeqInput(ids, 0, list(range(16)))
-
-
-def _weights_without_factors(m):
-    import dataclasses
-
-    return dataclasses.replace(m.weights, rope_freq_factors=None)
