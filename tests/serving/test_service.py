@@ -1,0 +1,261 @@
+"""The serving stack without SmolLM2: a tiny random Llama behind the real pieces.
+
+    TestClient ─► create_app ─► ServingService ─► ControlProc (ledger) ─ZMQ─► WorkerProc (thread)
+                                                                          WorkerCore + Engine + ServingLoop
+
+Everything but the model and the tokenizer is what ``residency serve`` runs, so admission waits,
+parks of idle sessions, refusals, busy sessions and restore-or-recompute are exercised in seconds.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from control.api import ApiConfig, create_app
+from control.moves import MoveConfig
+from control.policy import PolicyConfig
+from control.proc import ControlConfig, ControlProc
+from control.scheduler.service import ServingService
+from dataplane.engine import Engine
+from dataplane.model import ModelConfig, block_content_keys, random_model
+from dataplane.pools import DataPlaneError, KVLayout
+from dataplane.proc import WorkerProc
+from dataplane.serving import ServingLoop
+from dataplane.serving_worker import attach
+from dataplane.worker import WorkerCore, WorkerFaults
+from ledger import LedgerStore
+from tests.serving.server import read_ledger
+
+P = 4
+TINY = ModelConfig(name="tiny", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128,
+                   vocab_size=300, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5, max_position=256,
+                   tie_embeddings=True)
+
+
+class ByteTokenizer:
+    """Bytes as tokens (1..256), a visible chat template, and no end-of-turn: the random model
+    always generates max_tokens."""
+
+    eos_token_ids: set[int] = set()
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        return [b + 1 for b in text.encode()]
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return bytes(i - 1 for i in ids if 0 < i <= 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+class Stack:
+    def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
+                 policy: PolicyConfig | None = None):
+        self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
+        self.url = f"sqlite:///{self.dir / 'ledger.db'}"
+        self.store = LedgerStore.open(self.url, create=True)
+        policy = policy or PolicyConfig(pressure=False, park=park_idle_s is not None,
+                                        park_idle_s=park_idle_s or 30.0, cooldown_s=0.0)
+        cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], policy=policy,
+                            moves=MoveConfig(page_tokens=P), shutdown_grace_s=1.0)
+        self.proc = ControlProc(self.store, cfg)
+        self.service = ServingService(self.proc, restore_policy=restore_policy, wait_timeout_s=10.0)
+        self.app = create_app(self.service, ApiConfig(admin_key=None))
+        self.proc.start()
+        model = random_model(TINY, seed=0)
+        kv = KVLayout(TINY.num_layers, P, TINY.num_kv_heads, TINY.head_dim, dtype=torch.float32)
+        host = 256 * kv.block_bytes
+        engine = Engine(kv, device_blocks, host, self.dir / "disk", Engine.pinned_bytes_needed(kv, device_blocks, host),
+                        "cpu", fsync=False)
+        core = WorkerCore(engine, 0, WorkerFaults(), expected_errors=(DataPlaneError,))
+        loop = ServingLoop(worker=0, runner=model.runner, tokenizer=ByteTokenizer(), device_pool=engine.device_pool,
+                           model_id="tiny", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
+        attach(core, loop, kv.block_bytes)
+        self.worker = WorkerProc(worker=0, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
+                                 block_bytes=kv.block_bytes, faults=WorkerFaults())
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+        self.client = TestClient(self.app)
+        deadline = time.monotonic() + 20
+        while not self.service.models():
+            assert time.monotonic() < deadline, "the worker never said ServingReady"
+            time.sleep(0.02)
+
+    def chat(self, text: str | list, session: str | None = None, max_tokens: int = 6, **kw):
+        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
+        if session:
+            body["session_id"] = session
+        return self.client.post("/v1/chat/completions", json=body)
+
+    def session(self, name: str) -> dict:
+        return self.client.get(f"/admin/sessions/{name}").json()
+
+    def close(self):
+        self.client.close()
+        self.service.close()
+        self.proc.stop("test done")
+        self.worker.stop("test done")
+        self.thread.join(10)
+        self.store.close()
+
+    def ledger(self):
+        events, state = read_ledger(self.url)
+        state.check_integrity()
+        return [r.event for r in events], state
+
+
+@pytest.fixture
+def stack():
+    made = []
+
+    def make(**kw) -> Stack:
+        made.append(Stack(**kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+        shutil.rmtree(s.dir, ignore_errors=True)
+
+
+def names(events) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+def test_a_chat_runs_through_the_whole_stack_and_is_recorded(stack):
+    s = stack()
+    r = s.chat("hello there", max_tokens=5)
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    assert u["completion_tokens"] == 5 and u["prompt_tokens"] == len("<user>hello there<assistant>")
+    s.close()
+    events, state = s.ledger()
+    n = names(events)
+    assert n.count("RequestAdmitted") == n.count("RequestFinished") == 1
+    freed = [e for e in events if type(e).__name__ == "BlocksFreed"]
+    assert freed and freed[-1].reason == "finished" and not state.blocks.get(0)
+
+
+def test_the_next_turn_reuses_the_sessions_pages(stack):
+    s = stack()
+    convo = [{"role": "user", "content": "a first question, long enough for pages"}]
+    r1 = s.chat(convo, session="s1").json()
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "and a second one"}]
+    r2 = s.chat(convo, session="s1").json()
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (len("<user>a first question, long enough for pages<assistant>") // P) * P - P
+    assert r2["usage"]["computed_tokens"] == r2["usage"]["prompt_tokens"] - cached
+    assert s.session("s1")["tier"] == "device"
+
+
+def test_a_turn_on_a_busy_session_is_409(stack):
+    s = stack()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session="busy", max_tokens=60)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not s.session("busy").get("busy"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = s.chat("again", session="busy")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+    t.join(30)
+    assert out["r"].status_code == 200
+
+
+def test_a_request_that_can_never_fit_is_refused_with_the_numbers(stack):
+    s = stack(device_blocks=8)
+    r = s.chat("x" * 20, max_tokens=40)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_kv_capacity"
+    assert "limit is 8 pages" in r.json()["error"]["message"]
+    s.close()
+    events, _ = s.ledger()
+    refused = [e for e in events if type(e).__name__ == "RequestRefused"]
+    assert len(refused) == 1 and refused[0].reason.startswith("insufficient_kv_capacity")
+
+
+def test_a_request_waits_while_an_idle_session_is_parked_to_make_room(stack):
+    s = stack(device_blocks=24)
+    r1 = s.chat("y" * 40, session="idle", max_tokens=8)     # ~17 pages resident afterwards
+    assert r1.status_code == 200 and s.session("idle")["tier"] == "device"
+    r2 = s.chat("z" * 30, max_tokens=20)                     # needs ~15 pages: only ~7 free
+    assert r2.status_code == 200, r2.text
+    assert s.session("idle")["tier"] == "host"
+    s.close()
+    events, _ = s.ledger()
+    park = next(i for i, e in enumerate(events) if type(e).__name__ == "MoveRequested" and e.kind == "park")
+    admitted = [i for i, e in enumerate(events) if type(e).__name__ == "RequestAdmitted"]
+    assert events[park].session == "idle" and events[park].reason.startswith("serving")
+    assert admitted[0] < park < admitted[1], "the second request was admitted only after the park"
+
+
+def test_a_parked_prefix_is_recomputed_when_the_policy_says_so(stack):
+    s = stack(restore_policy="recompute")
+    convo = [{"role": "user", "content": "a question that fills a few pages"}]
+    r1 = s.chat(convo, session="s").json()
+    assert s.client.post("/admin/sessions/s/park").json()["tier"] == "host"
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "more"}]
+    u = s.chat(convo, session="s").json()["usage"]
+    assert u["prompt_tokens_details"]["cached_tokens"] == 0 and u["restored_tokens"] == 0
+    assert u["computed_tokens"] == u["prompt_tokens"]
+    s.close()
+    events, state = s.ledger()
+    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.tier == "host"]
+    assert freed, "the parked copies of the recomputed prefix are released"
+    assert not [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "restore"]
+
+
+def test_a_parked_prefix_is_restored_when_the_policy_says_so(stack):
+    s = stack(restore_policy="restore")
+    convo = [{"role": "user", "content": "a question that fills a few pages"}]
+    r1 = s.chat(convo, session="s").json()
+    assert s.client.post("/admin/sessions/s/park", json={"tier": "disk"}).json()["tier"] == "disk"
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "more"}]
+    u = s.chat(convo, session="s").json()["usage"]
+    assert u["restored_tokens"] == u["prompt_tokens_details"]["cached_tokens"] > 0
+    s.close()
+    events, _ = s.ledger()
+    restores = [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "restore"]
+    assert [(m.src, m.dst, m.session) for m in restores] == [("disk", "device", "s")]
+    assert names(events).count("SessionRestored") == 1
+
+
+def test_the_idle_policy_parks_an_idle_session(stack):
+    s = stack(park_idle_s=0.3)
+    s.chat("a session that goes idle", session="quiet")
+    deadline = time.monotonic() + 15
+    while s.session("quiet")["tier"] != "host":
+        assert time.monotonic() < deadline, "the idle session was never parked"
+        time.sleep(0.05)
+
+
+def test_device_pressure_spills_cold_pages_but_never_pages_a_running_turn_uses(stack):
+    policy = PolicyConfig(pressure=True, high_watermark=0.3, low_watermark=0.2, hot_s=0.05, cooldown_s=0.0,
+                          park=False)
+    s = stack(device_blocks=64, policy=policy)
+    s.chat("another conversation, idle and cold", session="other", max_tokens=4)
+    convo = [{"role": "user", "content": "a conversation whose first pages go cold while it runs"}]
+    r1 = s.chat(convo, session="s", max_tokens=4).json()
+    time.sleep(0.3)                                   # its pages are cold now
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "go on"}]
+    r2 = s.chat(convo, session="s", max_tokens=80)    # the device passes the high watermark meanwhile
+    assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 80
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    s.close()
+    events, _ = s.ledger()
+    evicts = [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "evict" and e.src != e.dst]
+    assert evicts and {e.session for e in evicts} <= {"other", None}, "the cold idle pages are what spills"
+    rejected = [e for e in events if type(e).__name__ == "MoveRejected"]
+    assert not rejected, f"a policy tried to move pages a running turn uses: {rejected[:2]}"
