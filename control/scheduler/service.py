@@ -65,6 +65,8 @@ class ServingService:
         self.moves: collections.Counter = collections.Counter()     # (kind, outcome)
         self._kind_of: dict[str, str] = {}
         self._src_of: dict[str, str] = {}                          # restore move -> source tier
+        self._park_backoff: dict[str, int] = {}                    # session -> no park asked before (ns)
+        self.park_backoff_s = 2.0
         self._retry_posted = False
         self._ask_ids = itertools.count(1)
         self._stats = BackendStats()
@@ -233,10 +235,10 @@ class ServingService:
                 self.waiting.append(p)
                 log.info("request_waiting", request_id=p.request_id, reason=plan.reason, park=plan.park)
             for s in plan.park:
-                if s not in p.parks_asked:
+                if s not in p.parks_asked and self._park_backoff.get(s, 0) <= now:
                     p.parks_asked.add(s)
                     self._ask(AskMove(ask_id=self._ask_id("park"), kind="park", worker=p.worker, session=s),
-                              "serving", lambda ans: None)
+                              "serving", lambda ans, p=p, s=s: self._parked_for(p, s, ans))
             return
         if p in self.waiting:
             self.waiting.remove(p)
@@ -255,6 +257,16 @@ class ServingService:
                               session=p.req.session), "serving", lambda ans: self._restored(p, ans))
         else:
             self._run(p)
+
+    def _parked_for(self, p: Pending, session: str, ans: AskAnswered) -> None:
+        """A park asked to make room answered. Refused (the host is full) or invalid: ask again
+        only after a backoff, never in a loop of refusals."""
+        if ans.error is not None or any(type(e) is not ev.MoveAcked for e in ans.events if type(e) in TERMINAL
+                                        or type(e) is ev.MoveRefused):
+            log.info("park_for_room_failed", request_id=p.request_id, session=session, error=ans.error,
+                     detail=ans.detail, events=[type(e).__name__ for e in ans.events])
+            p.parks_asked.discard(session)
+            self._park_backoff[session] = time.time_ns() + int(self.park_backoff_s * 1e9)
 
     def _restored(self, p: Pending, ans: AskAnswered) -> None:
         acked = [e for e in ans.events if type(e) is ev.MoveAcked]
