@@ -34,26 +34,46 @@ def _types(store):
 
 
 # ---------------------------------------------------------------------- the round trip
-def test_write_ahead_the_move_is_committed_before_the_worker_sees_the_command(make_control, fake_worker, any_url):
-    proc, store, fw = _setup(make_control, fake_worker, any_url)
-    blocks = commit_blocks(proc, fw, 4)
-    fut = proc.submit(AskMove(ask_id="a1", kind="evict", worker=0, blocks=blocks[:2]))
-    cmd = fw.expect(ExecuteMove)
-    # the command is here: its MoveRequested must already be committed, readable by another connection
-    with LedgerStore.open(any_url) as reader:
-        req = [r.event for r in reader.read() if type(r.event) is ev.MoveRequested]
-    assert [r.move_id for r in req] == [cmd.move_id]
-    assert (req[0].kind, req[0].src, req[0].dst, req[0].blocks, req[0].keep_source) == ("evict", "device", "host",
-                                                                                          blocks[:2], False)
-    assert req[0].deadline_ns > time.time_ns()
-    # the worker measured something else than the plan: the ledger takes the measurement
-    fw.send(fw.ack(cmd, bytes_moved=7777, bytes_freed_src=6666))
-    ans = fut.result(5)
-    assert ans.error is None and [type(e).__name__ for e in ans.events] == ["MoveAcked"]
-    acked = events_of(store, ev.MoveAcked)[0]
-    assert acked.seq == ans.seqs[0] and (acked.event.bytes_moved, acked.event.bytes_freed_src) == (7777, 6666)
-    state = check_ledger(store)
-    assert state.tier(0, "device").reclaimed_bytes == 6666
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-commit", "group-commit-writer"])
+def test_write_ahead_the_move_is_committed_before_the_worker_sees_the_command(fake_worker, any_url, short_dir,
+                                                                              inline):
+    from control.policy import PolicyConfig
+    from control.proc import ControlConfig, ControlProc
+    store = LedgerStore.open(any_url, create=True)
+    gate = threading.Event()
+    gate.set()
+    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", commit_inline=inline, release_on_stop=False,
+                        policy=PolicyConfig(pressure=False, park=False))
+    proc = ControlProc(_SlowDisk(store, gate), cfg).start()
+    try:
+        fw = fake_worker()
+        fw.hello()
+        wait_for(lambda: joined(proc), what="worker joined")
+        blocks = commit_blocks(proc, fw, 4)
+        gate.clear()                                   # the disk stalls: MoveRequested cannot commit
+        fut = proc.submit(AskMove(ask_id="a1", kind="evict", worker=0, blocks=blocks[:2]))
+        assert fw.quiet(0.5) == []                     # so the command must not leave
+        gate.set()
+        cmd = fw.expect(ExecuteMove)
+        with LedgerStore.open(any_url) as reader:      # now it is committed, readable by anyone
+            req = [r.event for r in reader.read() if type(r.event) is ev.MoveRequested]
+        assert [r.move_id for r in req] == [cmd.move_id]
+        assert (req[0].kind, req[0].src, req[0].dst, req[0].blocks, req[0].keep_source) == (
+            "evict", "device", "host", blocks[:2], False)
+        assert req[0].deadline_ns > time.time_ns()
+        # the worker measured something else than the plan: the ledger takes the measurement
+        fw.send(fw.ack(cmd, bytes_moved=7777, bytes_freed_src=6666))
+        ans = fut.result(5)
+        assert ans.error is None and [type(e).__name__ for e in ans.events] == ["MoveAcked"]
+        acked = events_of(store, ev.MoveAcked)[0]
+        assert acked.seq == ans.seqs[0] and (acked.event.bytes_moved, acked.event.bytes_freed_src) == (7777, 6666)
+        proc.stop("done")
+        state = check_ledger(store)
+        assert state.tier(0, "device").reclaimed_bytes == 6666
+    finally:
+        gate.set()
+        proc.stop()
+        store.close()
 
 
 def test_a_duplicated_ack_is_recorded_once(make_control, fake_worker, sqlite_url):
