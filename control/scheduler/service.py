@@ -23,22 +23,22 @@ import collections
 import itertools
 import threading
 import time
-from concurrent.futures import Future
 
 import msgspec
 import structlog
 
 from control.api.backend import (
-    BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, UnknownSession, Usage,
+    BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, Usage,
 )
 from control.scheduler.bridge import Pending, Stream
 from control.scheduler.config import SchedulerConfig
 from control.scheduler.core import Admit, GenerateAsk, Refuse, Scheduler, Wait
 from control.scheduler.cost import CostModel
-from control.scheduler.sessions import tier_of
+from control.scheduler.service_sessions import SessionOps
+from control.scheduler.service_stats import collect_stats
 from events import catalog as ev
 from events.commands import (
-    AskAnswered, AskMove, AskReleaseBlocks, CancelGenerate, Generate, ServingReady, Tokenize, Tokenized,
+    AskAnswered, AskMove, CancelGenerate, Generate, ServingReady, Tokenize, Tokenized,
     TokensGenerated,
 )
 
@@ -47,7 +47,7 @@ TERMINAL = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, ev.MoveStranded, ev.Mo
 FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
 
 
-class ServingService:
+class ServingService(SessionOps):
     def __init__(self, proc, *, restore_policy: str = "cost", cost: CostModel | None = None,
                  wait_timeout_s: float = 120.0, max_waiting: int = 256, tick_s: float = 0.25,
                  api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
@@ -373,106 +373,6 @@ class ServingService:
         if p in self.waiting:
             self.waiting.remove(p)
 
-    # ================================================================== loop thread: sessions
-    def _session_pages(self, session: str) -> tuple[int | None, list[int]]:
-        for w, wb in self.proc.state.blocks.items():
-            pages = [b for b, st in wb.items() if st.session == session]
-            if pages:
-                return w, sorted(pages)
-        entry = self.sched.sessions.get(session) if self.sched else None
-        return (entry.worker if entry else None), []
-
-    def _info_or_404(self, session: str, move_id: str | None = None) -> SessionInfo:
-        w, pages = self._session_pages(session)
-        entry = self.sched.sessions.get(session) if self.sched else None
-        if entry is None and not pages:
-            raise UnknownSession(session)
-        ws = self.proc.state.workers.get(w) if w is not None else None
-        return SessionInfo(
-            session=session, tier=tier_of(self.proc.state, w, pages) if pages else None, num_blocks=len(pages),
-            num_tokens=entry.num_tokens if entry else 0, bytes=len(pages) * (ws.block_bytes if ws else 0),
-            busy=bool(entry and entry.busy), last_used_ns=entry.last_used_ns if entry else 0, move_id=move_id)
-
-    def _park(self, session: str, tier: str, done) -> None:
-        self._info_or_404(session)
-        entry = self.sched.sessions.get(session) if self.sched else None
-        if entry is not None and entry.busy:
-            raise BackendError(409, f"session {session!r} is generating; park it when it is idle",
-                               code="session_busy", param="session_id")
-        moved: list[str] = []
-
-        def step(ans: AskAnswered | None) -> None:
-            try:
-                advance(ans)
-            except BackendError as e:
-                done(e)
-
-        def advance(ans: AskAnswered | None) -> None:
-            if ans is not None:
-                if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
-                    done(_ask_error(ans))
-                    return
-                moved.extend(ans.move_ids)
-            w, pages = self._session_pages(session)
-            wb = self.proc.state.blocks.get(w, {})
-            on_device = [b for b in pages if "device" in wb[b].tiers]
-            on_host = [b for b in pages if "host" in wb[b].tiers and "disk" not in wb[b].tiers]
-            if on_device:
-                self._ask(AskMove(ask_id=self._ask_id("park"), kind="park", worker=w, blocks=on_device,
-                                  session=session), "operator", step)
-            elif tier == "disk" and on_host:
-                self._ask(AskMove(ask_id=self._ask_id("demote"), kind="demote", worker=w, blocks=on_host,
-                                  session=session), "operator", step)
-            else:
-                done(self._info_or_404(session, moved[-1] if moved else None))
-        step(None)
-
-    def _restore(self, session: str, done) -> None:
-        self._info_or_404(session)
-        w, pages = self._session_pages(session)
-        wb = self.proc.state.blocks.get(w, {})
-        off = [b for b in pages if "device" not in wb[b].tiers]
-        if not off:
-            done(self._info_or_404(session))
-            return
-
-        def answered(ans: AskAnswered) -> None:
-            if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
-                done(_ask_error(ans))
-                return
-            try:
-                done(self._info_or_404(session, ans.move_ids[-1] if ans.move_ids else None))
-            except BackendError as e:
-                done(e)
-        self._ask(AskMove(ask_id=self._ask_id("restore"), kind="restore", worker=w, blocks=off, session=session),
-                  "operator", answered)
-
-    # ================================================================== loop thread: plumbing
-    def _ask(self, ask, asker: str, then) -> None:
-        fut: Future = self.proc.submit(ask, asker)
-        fut.add_done_callback(lambda f: self._answered(f, then))
-
-    def _answered(self, fut: Future, then) -> None:
-        try:
-            ans = fut.result()
-        except Exception as e:  # noqa: BLE001
-            ans = AskAnswered(ask_id="", error="ask_failed", detail=repr(e))
-        try:
-            then(ans)
-        except Exception:  # noqa: BLE001 - one request's bug must not stop the control loop
-            log.exception("serving_callback_failed")
-
-    def _ask_id(self, what: str) -> str:
-        return f"serving-{what}-{next(self._ask_ids)}"
-
-    def _release(self, worker: int, by_tier: dict[str, list[int]], reason: str, session: str | None) -> None:
-        for tier, blocks in by_tier.items():
-            if blocks:
-                self._ask(AskReleaseBlocks(ask_id=self._ask_id("release"), worker=worker, tier=tier, blocks=blocks,
-                                           reason=reason), "serving",
-                          lambda ans, t=tier: ans.error and log.warning("release_failed", tier=t, error=ans.error,
-                                                                        detail=ans.detail))
-
     def _record(self, event: ev.Event, correlation: str | None = None) -> int:
         return self.proc.record(event, correlation=correlation)
 
@@ -552,32 +452,4 @@ class ServingService:
         return self.sched.busy_blocks() if self.sched is not None else {}
 
     def _collect_stats(self) -> BackendStats:
-        st = self.proc.state
-        used, cap = {}, {}
-        for w, ws in st.workers.items():
-            for t, acc in ws.tiers.items():
-                used[(str(w), t)] = acc.used_bytes
-                cap[(str(w), t)] = acc.capacity_bytes
-        by_tier: collections.Counter = collections.Counter()
-        if self.sched is not None:
-            for e in self.sched.sessions.values():
-                by_tier[tier_of(st, e.worker, [b for b in e.blocks if b in st.blocks.get(e.worker, {})]) or "none"] += 1
-        h = self.proc.health()
-        lag_ms = h.metrics.get("commit_lag_ms")
-        return BackendStats(
-            tier_used_bytes=used, tier_capacity_bytes=cap, moves=dict(self.moves),
-            stranded_bytes=st.stranded_bytes_total(),
-            ledger_append_lag_s=None if lag_ms is None else lag_ms / 1e3, ledger_last_seq=st.last_seq,
-            running_requests=sum(1 for p in self.pending.values() if p.phase == "running"),
-            waiting_requests=len(self.waiting), sessions_by_tier=dict(by_tier),
-            restore_decisions=dict(self.sched.decisions) if self.sched else {},
-        )
-
-
-def _ask_error(ans: AskAnswered) -> BackendError:
-    refused = next((e for e in ans.events if type(e) is ev.MoveRefused), None)
-    if refused is not None:
-        return BackendError(503, f"refused: {refused.reason}", type="server_error", code="move_refused")
-    return BackendError(409 if ans.error == "invalid_ask" else 503, f"{ans.error}: {ans.detail}",
-                        type="invalid_request_error" if ans.error == "invalid_ask" else "server_error",
-                        code=ans.error)
+        return collect_stats(self)

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.server import ADMIN_KEY, MODEL, Server, read_ledger
+from tests.serving.server import MODEL, Server, read_ledger
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

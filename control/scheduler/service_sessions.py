@@ -1,0 +1,128 @@
+"""Sessions by hand (the admin routes) and the asks the serving path sends the control process.
+
+A mixin of ``ServingService``: loop-thread methods that read the folded state and ask for moves
+through ``proc.submit`` like any operator would (write-ahead, budget-checked, recorded).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import structlog
+
+from control.api.backend import BackendError, SessionInfo, UnknownSession
+from control.scheduler.sessions import tier_of
+from events import catalog as ev
+from events.commands import AskAnswered, AskMove, AskReleaseBlocks
+
+log = structlog.get_logger("control.serving")
+
+
+class SessionOps:
+    def _session_pages(self, session: str) -> tuple[int | None, list[int]]:
+        for w, wb in self.proc.state.blocks.items():
+            pages = [b for b, st in wb.items() if st.session == session]
+            if pages:
+                return w, sorted(pages)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        return (entry.worker if entry else None), []
+
+    def _info_or_404(self, session: str, move_id: str | None = None) -> SessionInfo:
+        w, pages = self._session_pages(session)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        if entry is None and not pages:
+            raise UnknownSession(session)
+        ws = self.proc.state.workers.get(w) if w is not None else None
+        return SessionInfo(
+            session=session, tier=tier_of(self.proc.state, w, pages) if pages else None, num_blocks=len(pages),
+            num_tokens=entry.num_tokens if entry else 0, bytes=len(pages) * (ws.block_bytes if ws else 0),
+            busy=bool(entry and entry.busy), last_used_ns=entry.last_used_ns if entry else 0, move_id=move_id)
+
+    def _park(self, session: str, tier: str, done) -> None:
+        self._info_or_404(session)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        if entry is not None and entry.busy:
+            raise BackendError(409, f"session {session!r} is generating; park it when it is idle",
+                               code="session_busy", param="session_id")
+        moved: list[str] = []
+
+        def step(ans: AskAnswered | None) -> None:
+            try:
+                advance(ans)
+            except BackendError as e:
+                done(e)
+
+        def advance(ans: AskAnswered | None) -> None:
+            if ans is not None:
+                if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
+                    done(_ask_error(ans))
+                    return
+                moved.extend(ans.move_ids)
+            w, pages = self._session_pages(session)
+            wb = self.proc.state.blocks.get(w, {})
+            on_device = [b for b in pages if "device" in wb[b].tiers]
+            on_host = [b for b in pages if "host" in wb[b].tiers and "disk" not in wb[b].tiers]
+            if on_device:
+                self._ask(AskMove(ask_id=self._ask_id("park"), kind="park", worker=w, blocks=on_device,
+                                  session=session), "operator", step)
+            elif tier == "disk" and on_host:
+                self._ask(AskMove(ask_id=self._ask_id("demote"), kind="demote", worker=w, blocks=on_host,
+                                  session=session), "operator", step)
+            else:
+                done(self._info_or_404(session, moved[-1] if moved else None))
+        step(None)
+
+    def _restore(self, session: str, done) -> None:
+        self._info_or_404(session)
+        w, pages = self._session_pages(session)
+        wb = self.proc.state.blocks.get(w, {})
+        off = [b for b in pages if "device" not in wb[b].tiers]
+        if not off:
+            done(self._info_or_404(session))
+            return
+
+        def answered(ans: AskAnswered) -> None:
+            if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
+                done(_ask_error(ans))
+                return
+            try:
+                done(self._info_or_404(session, ans.move_ids[-1] if ans.move_ids else None))
+            except BackendError as e:
+                done(e)
+        self._ask(AskMove(ask_id=self._ask_id("restore"), kind="restore", worker=w, blocks=off, session=session),
+                  "operator", answered)
+
+    # ================================================================== loop thread: plumbing
+    def _ask(self, ask, asker: str, then) -> None:
+        fut: Future = self.proc.submit(ask, asker)
+        fut.add_done_callback(lambda f: self._answered(f, then))
+
+    def _answered(self, fut: Future, then) -> None:
+        try:
+            ans = fut.result()
+        except Exception as e:  # noqa: BLE001
+            ans = AskAnswered(ask_id="", error="ask_failed", detail=repr(e))
+        try:
+            then(ans)
+        except Exception:  # noqa: BLE001 - one request's bug must not stop the control loop
+            log.exception("serving_callback_failed")
+
+    def _ask_id(self, what: str) -> str:
+        return f"serving-{what}-{next(self._ask_ids)}"
+
+    def _release(self, worker: int, by_tier: dict[str, list[int]], reason: str, session: str | None) -> None:
+        for tier, blocks in by_tier.items():
+            if blocks:
+                self._ask(AskReleaseBlocks(ask_id=self._ask_id("release"), worker=worker, tier=tier, blocks=blocks,
+                                           reason=reason), "serving",
+                          lambda ans, t=tier: ans.error and log.warning("release_failed", tier=t, error=ans.error,
+                                                                        detail=ans.detail))
+
+
+
+def _ask_error(ans: AskAnswered) -> BackendError:
+    refused = next((e for e in ans.events if type(e) is ev.MoveRefused), None)
+    if refused is not None:
+        return BackendError(503, f"refused: {refused.reason}", type="server_error", code="move_refused")
+    return BackendError(409 if ans.error == "invalid_ask" else 503, f"{ans.error}: {ans.detail}",
+                        type="invalid_request_error" if ans.error == "invalid_ask" else "server_error",
+                        code=ans.error)
