@@ -193,13 +193,18 @@ class ServingLoop:
                                     blocks_unused=list(cmd.block_ids[cmd.num_cached_tokens // P:]))]
         cached_pages = cmd.num_cached_tokens // P
         sp = cmd.sampling
-        sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, max_tokens=max_tokens,
-                                 ignore_eos=sp.ignore_eos)
+        try:
+            sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, max_tokens=max_tokens,
+                                     ignore_eos=sp.ignore_eos)
+            generator = make_generator(sampling, "cpu")
+        except (ValueError, RuntimeError, OverflowError) as e:
+            return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
+                                    finish_reason="error", error=f"sampling: {e}", num_prompt_tokens=n,
+                                    blocks_unused=list(cmd.block_ids[cached_pages:]))]
         self.seqs[cmd.request_id] = _Seq(
             cmd=cmd, tokens=list(cmd.token_ids), num_prompt=n, num_computed=cmd.num_cached_tokens,
             num_allocated=cached_pages, num_reported=cached_pages,
-            text=TextStream(self.tokenizer, cmd.sampling.stop), sampling=sampling,
-            generator=make_generator(sampling, "cpu"),
+            text=TextStream(self.tokenizer, cmd.sampling.stop), sampling=sampling, generator=generator,
         )
         return []
 
