@@ -75,13 +75,13 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu",
     if os.path.isdir(path):
         hf = read_hf_config(path)
         config = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
-        weights = weights_from_safetensors(path, config)
+        weights = weights_from_safetensors(path, config, dtype)
         tokenizer = tokenizer_from_hf_dir(path, hf)
         digest = _dir_digest(path)
     elif os.path.isfile(path):
         f = GGUFFile(path)
         config = config_from_gguf(f, name=str(f.metadata.get("general.name") or os.path.basename(path)))
-        weights = weights_from_gguf(f, config)
+        weights = weights_from_gguf(f, config, dtype)
         tokenizer = tokenizer_from_gguf(f.metadata)
         digest = _file_digest(path)
     else:

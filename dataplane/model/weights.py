@@ -139,12 +139,13 @@ def config_from_gguf(f: GGUFFile, name: str) -> ModelConfig:
     )
 
 
-def weights_from_gguf(f: GGUFFile, config: ModelConfig) -> Weights:
-    """Dequantized float32 weights, Q/K rows back in transformers' order."""
+def weights_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Weights:
+    """Dequantized weights in ``dtype`` (each tensor converted as it is read, so the host never
+    holds the whole model in float32), Q/K rows back in transformers' order."""
     def t(name: str) -> torch.Tensor:
         if name not in f.tensors:
             raise ModelFileError(f"{f.path}: missing tensor {name}")
-        return f.load(name)
+        return f.load(name).to(dtype)
 
     # llama.cpp's converter permutes Q/K for the llama and mistral architectures; qwen2 files
     # keep transformers' order (its graph uses the NEOX rotation).
@@ -170,12 +171,12 @@ def weights_from_gguf(f: GGUFFile, config: ModelConfig) -> Weights:
         ))
     embed = t("token_embd.weight")
     lm_head = t("output.weight") if "output.weight" in f.tensors else embed
-    ff = t("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+    ff = f.load("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None   # stays float32
     return Weights(embed, layers, t("output_norm.weight"), lm_head, ff)
 
 
 # ------------------------------------------------------------ safetensors
-def weights_from_safetensors(path: str, config: ModelConfig) -> Weights:
+def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Weights:
     """Weights of a Hugging Face directory (one or several ``*.safetensors`` files)."""
     from safetensors import safe_open
 
@@ -195,7 +196,7 @@ def weights_from_safetensors(path: str, config: ModelConfig) -> Weights:
         fn = where[name]
         if fn not in handles:
             handles[fn] = safe_open(fn, framework="pt")
-        return handles[fn].get_tensor(name).float()
+        return handles[fn].get_tensor(name).to(dtype)
 
     layers = []
     for i in range(config.num_layers):
