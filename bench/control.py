@@ -1,0 +1,312 @@
+"""Control-plane bench: what commanding a move through the control process costs.
+
+    round trip   one one-block move, as a caller of the control process sees it:
+                 submit -> MoveRequested committed -> ExecuteMove -> worker -> MoveAcked -> committed
+                 -> answer. p50/p90/p99 on SQLite and PostgreSQL. Target: p50 <= 1 ms on SQLite.
+    sustained    one-block moves per second the control process commands with many in flight.
+                 Target: >= 5,000/s.
+    spill        (--spill-bytes; meant for --device cuda, e.g. 2 GiB on an H200) one large spill
+                 device->host run by the engine in this process, then the same spill through the
+                 control process and a worker: the difference is what the control plane adds.
+
+Each figure is measured twice over: with the worker's real engine (copies and checksums on this
+device), and with ``--engine nocopy`` workers that keep block tables and move no bytes, which
+isolates the control plane (ledger commits, ZMQ, the worker's process shell). The machine is a
+shared 2-core VM: each figure is the best of --repeat runs, all runs and the load average are in
+the JSON. Prints a table; writes bench/results/control-<date>-<device>.json.
+
+    python bench/control.py [--moves 2000] [--pg postgresql+psycopg://root@127.0.0.1:5432/test]
+    python bench/control.py --device cuda --spill-bytes 2GiB
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from control.cli.ctl_cmd import parse_size  # noqa: E402
+from control.moves import MoveConfig  # noqa: E402
+from control.policy import PolicyConfig  # noqa: E402
+from control.proc import ControlConfig, ControlProc  # noqa: E402
+from events.commands import AskCommitBlocks, AskMove  # noqa: E402
+from events.logconfig import configure_logging  # noqa: E402
+from ledger import LedgerStore  # noqa: E402
+
+SMALL_LAYOUT = "2,16,2,64,float16"          # 16 KiB blocks: a one-block move is latency, not bandwidth
+BIG_LAYOUT = "32,16,8,128,bfloat16"         # 2 MiB blocks (Llama-8B-like pages): spills are bandwidth
+
+
+def git_commit() -> str:
+    try:
+        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "control", "dataplane", "bench/control.py"],
+                               cwd=ROOT).returncode != 0
+        return rev + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Cluster:
+    """A control process in this process, one worker process, one ledger."""
+
+    def __init__(self, url: str, engine: str, device: str, layout: str, device_blocks: int, host_bytes: int,
+                 durability: str = "normal"):
+        self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
+        self.store = LedgerStore.open(url, create=True)
+        cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
+                            durability=durability, policy=PolicyConfig(pressure=False, park=False),
+                            moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000)
+        self.proc = ControlProc(self.store, cfg).start()
+        argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
+                "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
+                "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
+                "--no-disk-fsync", "--model", "none"]
+        if device == "cpu":
+            argv += ["--torch-threads", "1"]
+        self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while not self.proc.call(lambda p: 0 in p._by_worker).result(10):
+            if time.monotonic() > deadline or self.worker.poll() is not None:
+                raise RuntimeError("the worker did not join")
+            time.sleep(0.05)
+
+    def commit(self, n: int, tier: str = "device") -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            k = min(4096, n - len(out))
+            ans = self.proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="bench", tier=tier,
+                                                   num_blocks=k)).result(600)
+            if ans.error:
+                raise RuntimeError(f"commit failed: {ans.error}: {ans.detail}")
+            out += ans.events[0].blocks
+        return out
+
+    def close(self) -> None:
+        self.proc.stop("bench done")
+        self.worker.terminate()
+        try:
+            self.worker.wait(20)
+        except subprocess.TimeoutExpired:
+            self.worker.kill()
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def round_trip(c: Cluster, n: int) -> dict:
+    (b,) = c.commit(1)
+    lat = []
+    for i in range(n + 50):
+        kind = "evict" if i % 2 == 0 else "restore"
+        t0 = time.perf_counter()
+        ans = c.proc.submit(AskMove(ask_id="rt", kind=kind, worker=0, blocks=[b])).result(60)
+        dt_ = time.perf_counter() - t0
+        if ans.error or type(ans.events[0]).__name__ != "MoveAcked":
+            raise RuntimeError(f"round trip {i}: {ans}")
+        if i >= 50:
+            lat.append(dt_)
+    return {"n": n, "p50_ms": pct(lat, 0.5) * 1e3, "p90_ms": pct(lat, 0.9) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
+            "mean_ms": sum(lat) / len(lat) * 1e3}
+
+
+def sustained(c: Cluster, n: int, chunk: int = 512) -> dict:
+    """One-block moves, two chunks in flight (each chunk's blocks move while the other's commit)."""
+    sets = [c.commit(chunk), c.commit(chunk)]
+    where = ["device", "device"]
+    done = 0
+    inflight = None
+    t0 = time.perf_counter()
+    k = 0
+    while done < n:
+        s = k % 2
+        kind = "evict" if where[s] == "device" else "restore"
+        futs = c.proc.submit_many([AskMove(ask_id="s", kind=kind, worker=0, blocks=[b]) for b in sets[s]])
+        where[s] = "host" if kind == "evict" else "device"
+        if inflight is not None:
+            done += _settled(inflight)
+        inflight = futs
+        k += 1
+    done += _settled(inflight)
+    dt_ = time.perf_counter() - t0
+    return {"moves": done, "seconds": dt_, "moves_per_s": done / dt_, "in_flight": 2 * chunk}
+
+
+def _settled(futs) -> int:
+    for f in futs:
+        ans = f.result(120)
+        if ans.error or type(ans.events[0]).__name__ != "MoveAcked":
+            raise RuntimeError(f"sustained: {ans}")
+    return len(futs)
+
+
+def spill(url: str, device: str, spill_bytes: int) -> dict:
+    """A large spill device->host: in this process (the engine alone) vs through the control process."""
+    import torch  # noqa: PLC0415
+
+    from dataplane.engine import Engine  # noqa: PLC0415
+    from dataplane.pools import KVLayout  # noqa: PLC0415
+    from dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from events.commands import CommitBlocks, ExecuteMove  # noqa: PLC0415
+
+    layout = parse_layout(BIG_LAYOUT)
+    bb = layout_block_bytes(layout)
+    n = max(1, spill_bytes // bb)
+    host_bytes = (n + 8) * bb
+    kv = KVLayout(*layout[:4], dtype=layout[4])
+    d = tempfile.mkdtemp(prefix="rcb-", dir="/tmp")
+    out: dict = {"bytes": n * bb, "blocks": n, "block_bytes": bb}
+    try:
+        eng = Engine(kv, n + 8, host_bytes, d, Engine.pinned_bytes_needed(kv, n + 8, host_bytes), device,
+                     disk_bytes=0, fsync=False)
+        eng.commit_blocks(CommitBlocks(request_id="c", session=None, tier="device", blocks=list(range(n)), seed=1))
+        times = []
+        for rep in range(3):
+            kind, src, dst = ("evict", "device", "host") if rep % 2 == 0 else ("restore", "host", "device")
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o = eng.execute(ExecuteMove(move_id=f"in-{rep}", kind=kind, src=src, dst=dst, blocks=list(range(n)),
+                                        keep_source=False, deadline_ns=time.time_ns() + 600 * 10**9))
+            times.append((kind, time.perf_counter() - t0, type(o).__name__))
+        eng.close()
+        spills = [t for k, t, _ in times if k == "evict"]
+        out["in_process_s"] = min(spills)
+        out["in_process_gb_s"] = n * bb / min(spills) / 1e9
+        out["in_process_runs"] = times
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes)
+    try:
+        blocks = c.commit(n)
+        runs = []
+        for rep in range(3):
+            kind = "evict" if rep % 2 == 0 else "restore"
+            t0 = time.perf_counter()
+            ans = c.proc.submit(AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks)).result(600)
+            wall = time.perf_counter() - t0
+            e = ans.events[0]
+            if type(e).__name__ != "MoveAcked":
+                raise RuntimeError(f"spill through control: {ans}")
+            runs.append((kind, wall, (e.finished_ns - e.started_ns) / 1e9))
+        spills = [r for r in runs if r[0] == "evict"]
+        best = min(spills, key=lambda r: r[1])
+        out.update(through_control_s=best[1], worker_measured_s=best[2], through_control_gb_s=n * bb / best[1] / 1e9,
+                   control_overhead_s=best[1] - out["in_process_s"], through_control_runs=runs)
+    finally:
+        c.close()
+    return out
+
+
+def pg_url(base: str):
+    from sqlalchemy import create_engine, text  # noqa: PLC0415
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+
+    def drop():
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+    return url, drop
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--moves", type=int, default=2000, help="round trips measured per configuration")
+    ap.add_argument("--sustained", type=int, default=20000, help="moves in each sustained run")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--pg", default=os.environ.get("RESIDENCY_BENCH_PG_URL") or os.environ.get("RESIDENCY_TEST_PG_URL"))
+    ap.add_argument("--engines", default="nocopy,real")
+    ap.add_argument("--spill-bytes", type=parse_size, default=0, help="e.g. 2GiB (on --device cuda); 0 = skip")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    configure_logging(level="warning")
+    os.environ.setdefault("RESIDENCY_WORKER_LOG_LEVEL", "warning")
+    tmp = Path(tempfile.mkdtemp(prefix="rcb-db-"))
+    backends = [("sqlite", lambda: (f"sqlite:///{tmp / uuid.uuid4().hex}.db", lambda: None))]
+    if args.pg:
+        backends.append(("postgresql", lambda: pg_url(args.pg)))
+    results: dict = {"round_trip": [], "sustained": [], "spill": None}
+    load_before = os.getloadavg()
+    rows = []
+    for engine in args.engines.split(","):
+        for backend, make in backends:
+            for durability in (("normal", "full") if backend == "sqlite" and engine == "nocopy" else ("normal",)):
+                runs_rt, runs_s = [], []
+                for _ in range(args.repeat):
+                    url, drop = make()
+                    c = Cluster(url, engine, args.device, SMALL_LAYOUT, 4096, 4096 * 16384, durability)
+                    try:
+                        runs_rt.append(round_trip(c, args.moves))
+                        if durability == "normal":
+                            runs_s.append(sustained(c, args.sustained))
+                    finally:
+                        c.close()
+                        drop()
+                best = min(runs_rt, key=lambda r: r["p50_ms"])
+                cfg = {"engine": engine, "backend": backend, "durability": durability, "device": args.device}
+                results["round_trip"].append({**cfg, **best, "runs": runs_rt})
+                line = (f"{engine:7s} {backend:10s} {durability:7s} round trip p50 {best['p50_ms']:6.3f} ms  "
+                        f"p90 {best['p90_ms']:6.3f}  p99 {best['p99_ms']:6.3f}")
+                if runs_s:
+                    bs = max(runs_s, key=lambda r: r["moves_per_s"])
+                    results["sustained"].append({**cfg, **bs, "runs": runs_s})
+                    line += f"   sustained {bs['moves_per_s']:7.0f} moves/s"
+                rows.append(line)
+                print(line, flush=True)
+    if args.spill_bytes:
+        url, drop = backends[0][1]()
+        try:
+            results["spill"] = spill(url, args.device, args.spill_bytes)
+        finally:
+            drop()
+        s = results["spill"]
+        line = (f"spill {s['bytes'] / 2**30:.2f} GiB {args.device}: in process {s['in_process_s'] * 1e3:.1f} ms "
+                f"({s['in_process_gb_s']:.1f} GB/s), through control {s['through_control_s'] * 1e3:.1f} ms "
+                f"({s['through_control_gb_s']:.1f} GB/s; worker measured {s['worker_measured_s'] * 1e3:.1f} ms), "
+                f"control overhead {s['control_overhead_s'] * 1e3:.1f} ms")
+        rows.append(line)
+        print(line)
+    shutil.rmtree(tmp, ignore_errors=True)
+    doc = {
+        "bench": "control", "date": dt.date.today().isoformat(), "git_commit": git_commit(),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "device": args.device},
+        "targets": {"round_trip_p50_ms_sqlite": 1.0, "sustained_moves_per_s": 5000},
+        "notes": ("round trip = submit() -> MoveRequested committed -> worker -> MoveAcked committed -> answer, "
+                  "as the in-process API sees it; nocopy workers move no bytes (control plane alone), real workers "
+                  "run the engine (copy + checksum). Best of --repeat runs; all runs kept."),
+        "table": rows, **results,
+    }
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
+        f"control-{doc['date']}-{'cpu' if args.device == 'cpu' else args.device.replace(':', '')}.json")
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
