@@ -350,10 +350,13 @@ class ControlProc:
         self._wake()
 
     def _wake(self) -> None:
+        # NOTE: once closed, the fd number may belong to another file of this process: never write it.
+        if self._wake_w < 0:
+            return
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
-            pass  # the pipe is full (the loop will wake anyway) or closed (it has stopped)
+            pass  # the pipe is full: the loop wakes anyway
 
     # ================================================================== the loop
     def _run(self) -> None:
@@ -400,7 +403,9 @@ class ControlProc:
                 w.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("ledger_writer_close_failed", error=str(e))
-        for fd in (self._wake_r, self._wake_w):
+        wake_r, wake_w = self._wake_r, self._wake_w
+        self._wake_r = self._wake_w = -1
+        for fd in (wake_r, wake_w):
             try:
                 os.close(fd)
             except OSError:
@@ -432,6 +437,7 @@ class ControlProc:
         self._next_block: dict[int, int] = {}
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now}
+        self._next_park = now
         self._last_ckpt = (self._recorder.producer_seq, now)
         self._last_snapshot_seq = rec.from_snapshot
         # Workers the ledger says are serving: after a crash they get a grace to come back.
@@ -474,7 +480,7 @@ class ControlProc:
             kind = item[0]
             if kind == "ask":
                 _, ask, asker, reply = item
-                self._on_ask(ask, asker, reply)
+                self._on_ask_guarded(ask, asker, reply)
             elif kind == "call":
                 _, fn, fut = item
                 try:
@@ -607,7 +613,13 @@ class ControlProc:
                 self._unhandled_logged.add(type(msg))
                 log.warning("unhandled_worker_message", type=type(msg).__name__, worker=link.worker)
             return True
-        handler(link, msg)
+        try:
+            handler(link, msg)
+        except (ControlError, LedgerDiverged):
+            raise
+        except Exception:  # noqa: BLE001 - one message's bug must not stop the control process
+            self.metrics["handler_failed"] += 1
+            log.exception("worker_message_handler_failed", type=type(msg).__name__, worker=link.worker)
         return True
 
     def _reply_error(self, identity: bytes, err: ErrorReply) -> None:
@@ -644,7 +656,10 @@ class ControlProc:
             # adopting it would bring back memory the ledger no longer accounts for.
             log.warning("lost_worker_returned", worker=w, epoch=msg.epoch)
             self._reply_error(identity, ErrorReply(error=WORKER_LOST, detail=f"worker {w} epoch {msg.epoch} was recorded lost"))
-            self._router.send(identity, Shutdown(reason="recorded lost; a new incarnation replaces it"))
+            try:
+                self._router.send(identity, Shutdown(reason="recorded lost; a new incarnation replaces it"))
+            except WorkerUnreachable:
+                pass
             return
         link = WorkerLink(w, identity, msg.epoch, msg.device, now)
         self._links[identity] = self._by_worker[w] = link
@@ -833,7 +848,13 @@ class ControlProc:
         in_use = self.blocks_in_use()
         if in_use:
             busy = {w: busy.get(w, set()) | in_use.get(w, set()) for w in set(busy) | set(in_use)}
-        for ask in plan(self.state, self.recency, now, self.cfg.policy, self.memo, busy):
+        cfg = self.cfg.policy
+        mono = time.monotonic_ns()
+        if cfg.park and mono < self._next_park:     # parking looks at every block: once a second is plenty
+            cfg = msgspec.structs.replace(cfg, park=False)
+        elif cfg.park:
+            self._next_park = mono + S
+        for ask in plan(self.state, self.recency, now, cfg, self.memo, busy):
             try:
                 moves.validate(self.state, ask, busy)
             except moves.InvalidAsk:
@@ -857,8 +878,18 @@ class ControlProc:
             log.warning("bad_ask", error=e.name, detail=e.detail)
             self._asks.send(e.identity, e.reply())
             return True
-        self._on_ask(msg, "operator", lambda reply, _id=identity: self._asks.send(_id, reply))
+        self._on_ask_guarded(msg, "operator", lambda reply, _id=identity: self._asks.send(_id, reply))
         return True
+
+    def _on_ask_guarded(self, msg, asker: str, reply: Callable) -> None:
+        try:
+            self._on_ask(msg, asker, reply)
+        except (ControlError, LedgerDiverged):
+            raise
+        except Exception as e:  # noqa: BLE001 - answered, logged once; the loop goes on
+            self.metrics["ask_failed"] += 1
+            log.exception("ask_failed", ask=type(msg).__name__, asker=asker)
+            reply(AskAnswered(ask_id=getattr(msg, "ask_id", ""), error="internal_error", detail=repr(e)))
 
     def _on_ask(self, msg, asker: str, reply: Callable) -> None:
         ask_id = getattr(msg, "ask_id", "")

@@ -497,3 +497,35 @@ def test_a_restart_resumes_from_the_newest_snapshot_to_the_same_state(make_contr
     full = fold_all(State(), store.read())
     assert rec.state.state_hash() == full.state_hash() and rec.state.last_seq == full.last_seq
     assert replay(store, use_snapshot=False).state.state_hash() == full.state_hash()
+
+
+def test_a_plugged_in_handler_that_raises_is_logged_and_the_loop_goes_on(make_control, fake_worker, sqlite_url):
+    from events.commands import Pong
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ping_interval_s=0.05)
+
+    def broken(link, msg):
+        raise RuntimeError("a bug in someone's handler")
+
+    proc.call(lambda p: p.on_worker_message(Pong, broken)).result(5)
+    fw.quiet(0.3)                                       # pongs go out, each one raises in the handler
+    assert proc.running and proc.call(lambda p: p.metrics["handler_failed"]).result(5) >= 1
+    blocks = commit_blocks(proc, fw, 1)
+    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
+    fw.send(fw.ack(fw.expect(ExecuteMove)))
+    assert fut.result(5).error is None
+
+
+def test_pressure_spills_through_the_loop_down_to_the_low_watermark(make_control, fake_worker, sqlite_url):
+    from control.policy import PolicyConfig
+    policy = PolicyConfig(high_watermark=0.8, low_watermark=0.5, hot_s=0.0, cooldown_s=60, park=False)
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, policy=policy, policy_interval_s=0.05)
+    commit_blocks(proc, fw, 60)                          # 60 of 64 device blocks: above 0.8
+    cmd = fw.expect(ExecuteMove, timeout=5)
+    assert (cmd.kind, cmd.src, cmd.dst, cmd.keep_source) == ("evict", "device", "host", False)
+    assert len(cmd.blocks) == 60 - 32                    # down to 0.5 x 64 = 32
+    fw.send(fw.ack(cmd))
+    assert fw.quiet(0.4) == []                           # at the low watermark: nothing more
+    req = events_of(store, ev.MoveRequested)[0].event
+    assert req.reason.startswith("pressure: device") and events_of(store, ev.MoveRequested)[0].envelope.causation == "policy:pressure"
+    state = check_ledger(store)
+    assert state.tier(0, "device").used_bytes == 32 * fw.block_bytes
