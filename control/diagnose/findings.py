@@ -33,9 +33,12 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
         return (self.until_ns if self.until_ns is not None else at_ns) - self.onset_ns
 
 
-def proof(seqs: list[int] | tuple[int, ...]) -> list[int]:
-    """Sorted, unique, capped: the first rows are the ones that show how it started."""
-    return sorted(set(seqs))[:MAX_PROOF_SEQS]
+def proof(seqs: list[int] | tuple[int, ...], key: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """Sorted, unique, capped. The ``key`` rows (the move, the last progress, the recovery edge)
+    always stay; of the others, the first ones stay: they show how it started."""
+    keep = set(key)
+    rest = sorted(set(seqs) - keep)
+    return sorted(keep | set(rest[: max(0, MAX_PROOF_SEQS - len(keep))]))
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:

@@ -153,19 +153,18 @@ class GroupDivergence:
         digests = ep["last_digests"]
         split = ", ".join(f"rank {r}={d[:8]}" for r, d in sorted(digests.items())[:6])
         if until is not None:
-            step, seqs, how = until
+            step, edge, how = until
             where = f"at step {step}" if step >= 0 else ""
             tail = f"; {how} {where}".rstrip()
-            seqs = ep["seqs"] + seqs
         else:
             tail = f"; still diverged at step {ep['last_step']}"
-            seqs = ep["seqs"]
+            edge = []
         return Finding(
             detector=self.name,
             severity="info" if until is not None and until[0] >= 0 else ("warning" if until else "critical"),
             title=(f"group {group} diverged for {fmt_duration(end_ns - ep['onset_ns'])} "
                    f"({ep['num_steps']} step(s) from step {ep['first_step']}): {split}{tail}"),
-            seqs=proof(seqs),
+            seqs=proof(ep["seqs"], key=list(edge)),
             subject=f"group {group}",
             onset_ns=ep["onset_ns"],
             until_ns=end_ns if until is not None else None,

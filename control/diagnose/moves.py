@@ -38,16 +38,15 @@ class _PerWorker:
         agg = self.by_worker.get(worker)
         if agg is None:
             agg = self.by_worker[worker] = {"n": 0, "onset_ns": onset_ns, "end_ns": end_ns, "seqs": [],
-                                            "bytes": 0, "worst_ns": -1, "worst": move_id}
+                                            "bytes": 0, "worst_ns": -1, "worst": move_id, "worst_seqs": seqs}
         agg["n"] += 1
         agg["onset_ns"] = min(agg["onset_ns"], onset_ns)
         if end_ns is not None:
             agg["end_ns"] = max(agg["end_ns"] or end_ns, end_ns)
         agg["bytes"] += nbytes
         if late_ns > agg["worst_ns"]:
-            agg["worst_ns"], agg["worst"] = late_ns, move_id
-            agg["seqs"] = seqs + agg["seqs"][: MAX_PROOF_SEQS - len(seqs)]
-        elif len(agg["seqs"]) < MAX_PROOF_SEQS:
+            agg["worst_ns"], agg["worst"], agg["worst_seqs"] = late_ns, move_id, seqs
+        if len(agg["seqs"]) < MAX_PROOF_SEQS:
             agg["seqs"].extend(seqs)
 
 
@@ -140,7 +139,7 @@ class OverdueMoves:
                 severity="critical",
                 title=(f"move {req.move_id} ({_move_words(req)}) in flight "
                        f"{fmt_duration(at_ns - req.deadline_ns)} past its deadline with no ack{tail}"),
-                seqs=proof([req_rec.envelope.seq] + [r.envelope.seq for r in waiters]),
+                seqs=proof([r.envelope.seq for r in waiters], key=[req_rec.envelope.seq]),
                 subject=f"move {req.move_id}",
                 onset_ns=req.deadline_ns,
                 until_ns=None,
@@ -171,7 +170,7 @@ class OverdueMoves:
                 severity="warning",
                 title=(f"{a['n']} move(s) on worker {worker} stranded at their deadline and never late-acked: "
                        f"{fmt_bytes(a['bytes'])} at risk (oldest {a['worst']}){waiters}"),
-                seqs=proof(a["seqs"]),
+                seqs=proof(a["seqs"], key=a["worst_seqs"]),
                 subject=f"worker {worker}",
                 onset_ns=a["onset_ns"],
                 until_ns=None,
@@ -189,7 +188,7 @@ class OverdueMoves:
                 severity="warning",
                 title=(f"{a['n']} move(s) on worker {worker} ended past their deadline and were never stranded "
                        f"(worst: {a['worst']}, {fmt_duration(a['worst_ns'])} late)"),
-                seqs=proof(a["seqs"]),
+                seqs=proof(a["seqs"], key=a["worst_seqs"]),
                 subject=f"worker {worker}",
                 onset_ns=a["onset_ns"],
                 until_ns=a["end_ns"],
@@ -203,7 +202,7 @@ class OverdueMoves:
                 title=(f"{a['n']} stranded move(s) on worker {worker} were late-acked, "
                        f"up to {fmt_duration(a['worst_ns'])} past the deadline (worst: {a['worst']}); "
                        f"{fmt_bytes(a['bytes'])} re-accounted"),
-                seqs=proof(a["seqs"]),
+                seqs=proof(a["seqs"], key=a["worst_seqs"]),
                 subject=f"worker {worker}",
                 onset_ns=a["onset_ns"],
                 until_ns=a["end_ns"],

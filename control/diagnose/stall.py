@@ -65,11 +65,9 @@ class Stall:
             return None
         end_seq = rec.envelope.seq if rec is not None else None
         still = [r.envelope.seq for _, r in zip(range(MAX_PROOF_SEQS), self.acct.waiting.values())]
-        seqs = self.ep_seqs + still + ([self.ep_oldest] if self.ep_oldest is not None else [])
-        if self.last_progress is not None:
-            seqs.append(self.last_progress.envelope.seq)
-        if rec is not None:
-            seqs.append(rec.envelope.seq)
+        key = [s for s in (self.ep_oldest, rec.envelope.seq if rec is not None else None,
+                           self.last_progress.envelope.seq if self.last_progress is not None else None)
+               if s is not None]
         ongoing = rec is None
         meanwhile = ""
         if end_seq is not None:
@@ -81,7 +79,7 @@ class Stall:
             severity="critical" if ongoing else "warning",
             title=(f"{self.ep_requests} request(s) waiting {fmt_duration(at_ns - onset)} with no forward step "
                    f"and no acked move{meanwhile}; {last}"),
-            seqs=proof(seqs),
+            seqs=proof(self.ep_seqs + still, key=key),
             subject="requests",
             onset_ns=onset,
             until_ns=None if ongoing else at_ns,
@@ -169,7 +167,7 @@ class Hole:
     def _emit(self, worker: int, hole: dict, rec: Recorded | None, at_ns: int) -> Finding | None:
         if at_ns - hole["onset_ns"] < self.after:
             return None
-        seqs = hole["seqs"] + hole["waiting"] + ([rec.envelope.seq] if rec is not None else [])
+        seqs = proof(hole["seqs"] + hole["waiting"], key=[hole["seqs"][0]] + ([rec.envelope.seq] if rec else []))
         return Finding(
             detector=self.name,
             severity="warning",

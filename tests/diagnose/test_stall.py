@@ -101,3 +101,16 @@ def test_an_evicting_move_frees_device_bytes_too(L):
     L.chatter(10)
     [f] = detect_holes(L.events, at_ns=L.now)
     assert f.until_ns is None and f.detail["freed_bytes"] == 5 * L.block_bytes[0]
+
+
+def test_a_stall_behind_a_long_queue_keeps_its_key_rows_in_a_capped_proof(L):
+    L.worker(0)
+    last_step = L.step(0, 1)
+    for _ in range(L.rng.randrange(40, 80)):
+        L.admit(dt_ms=10)
+    L.chatter(12)
+    resumed = L.step(0, 2)
+    [f] = detect_stalls(L.events, at_ns=L.now)
+    assert len(f.seqs) <= 32
+    assert last_step.seq in f.seqs and resumed.seq in f.seqs
+    assert f.detail["num_requests"] >= 40
