@@ -246,9 +246,11 @@ def main() -> None:
     ap.add_argument("--machine", default="cpu")
     ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="record this commit (default: git rev-parse HEAD)")
     args = ap.parse_args()
     counts = {1: 3_000, 100: 50_000, 1000: 200_000}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True).stdout.strip()
     results: dict = {"bench": "ledger", "date": dt.date.today().isoformat(), "machine": args.machine,
                      "commit": commit or "unknown", "events": args.events, "repeat": args.repeat, "seed": args.seed,
                      "cpu_count": os.cpu_count(), "sqlite_version": sqlite3.sqlite_version, "durability": "normal"}
