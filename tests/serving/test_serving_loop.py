@@ -186,9 +186,9 @@ def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: 
                 assert isinstance(ack, MoveAcked) and ack.checksum_ok, ack
         if held[reuse:]:
             engine.device_pool.free(held[reuse:])
-        bl = held[:reuse] + pages(-(-(len(tk.token_ids) + 9) // P) - reuse)
+        bl = held[:reuse] + pages(-(-(len(tk.token_ids) + 7) // P) - reuse)
         out = run(loop, Generate(request_id=f"r{n}", session="s", token_ids=tk.token_ids, block_ids=bl,
-                                 num_cached_tokens=reuse * P, sampling=greedy(10)))
+                                 num_cached_tokens=reuse * P, sampling=greedy(8)))
         assert final(out, f"r{n}").num_computed_tokens == len(tk.token_ids) - reuse * P
         replies.append(tokens_of(out))
         written = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
@@ -200,7 +200,7 @@ def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: 
 
 
 def test_parked_demoted_and_restored_pages_give_token_identical_greedy_output(model, tmp_path):
-    turns = ["Hi! What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
+    turns = ["Hi! What is the capital of France?", "And of Italy?"]      # three turns: tests/serving/test_e2e.py
     e1, l1 = make_loop(model, tmp_path, "still")
     e2, l2 = make_loop(model, tmp_path, "moved")
     still = converse(l1, e1, turns, move_between=False)
