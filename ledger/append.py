@@ -54,21 +54,30 @@ def read_tail(cur) -> tuple[int, bytes]:
     return (0, GENESIS) if row is None else (row[0], bytes(row[1]))
 
 
-def _stored(cur, dialect, prepared: list[Prepared]) -> dict[tuple, tuple]:
+def _ranges(prepared: list[Prepared]) -> tuple[dict[tuple, list[int]], bool]:
+    """Per (producer, epoch): [lowest, highest] producer_seq in the batch; and whether each
+    producer's seqs strictly increase through the batch (then no triple can repeat in it)."""
+    ranges: dict[tuple, list[int]] = {}
+    increasing = True
+    for p in prepared:
+        r = ranges.get((p[1], p[2]))
+        if r is None:
+            ranges[(p[1], p[2])] = [p[3], p[3]]
+        elif p[3] > r[1]:
+            r[1] = p[3]
+        else:
+            increasing = False
+            if p[3] < r[0]:
+                r[0] = p[3]
+    return ranges, increasing
+
+
+def _stored(cur, dialect, ranges: dict[tuple, list[int]]) -> dict[tuple, tuple]:
     """Already-stored rows among the batch's triples: triple -> (seq, type, schema_version, payload).
 
     One range query per (producer, epoch) in the batch, on the unique index: in normal operation
     (new producer_seqs above everything stored) each returns nothing at the cost of one seek.
     """
-    ranges: dict[tuple, list[int]] = {}
-    for p in prepared:
-        r = ranges.get((p[1], p[2]))
-        if r is None:
-            ranges[(p[1], p[2])] = [p[3], p[3]]
-        elif p[3] < r[0]:
-            r[0] = p[3]
-        elif p[3] > r[1]:
-            r[1] = p[3]
     found: dict[tuple, tuple] = {}
     sql = ("SELECT producer_seq, seq, type, schema_version, payload FROM events "
            f"WHERE producer = {dialect.p} AND epoch = {dialect.p} AND producer_seq BETWEEN {dialect.p} AND {dialect.p}")
@@ -96,14 +105,31 @@ def _conflict(p: Prepared, stored: tuple) -> LedgerConflict:
         f"and the retry carries a different {p[4]} payload")
 
 
+def _chain(prepared: list[Prepared], seq: int, prev: bytes) -> list[tuple]:
+    """Full rows for ``prepared`` numbered from ``seq + 1`` and chained from ``prev`` (the hot loop)."""
+    rows: list[tuple] = []
+    append, sha, enc = rows.append, _sha256, _encode
+    for p in prepared:
+        seq += 1
+        canon = (seq, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8])
+        h = sha(prev)
+        h.update(enc(canon))
+        prev = h.digest()
+        append(canon + (prev,) + p[9])
+    return rows
+
+
 def write(cur, dialect, prepared: list[Prepared]) -> list[int]:
     """Number, chain and insert ``prepared`` inside the caller's write transaction; returns seqs."""
     last_seq, prev = read_tail(cur)
-    stored = _stored(cur, dialect, prepared) if last_seq else {}
+    ranges, increasing = _ranges(prepared)
+    stored = _stored(cur, dialect, ranges) if last_seq else {}
+    if increasing and not stored:     # the usual case: all new, no repeats
+        dialect.insert_events(cur, _chain(prepared, last_seq, prev))
+        return list(range(last_seq + 1, last_seq + 1 + len(prepared)))
     seqs: list[int] = []
-    rows: list[tuple] = []
+    new: list[Prepared] = []
     in_batch: dict[tuple, tuple] = {}
-    sha, enc = _sha256, _encode
     seq = last_seq
     for p in prepared:
         key = (p[1], p[2], p[3])
@@ -114,13 +140,9 @@ def write(cur, dialect, prepared: list[Prepared]) -> list[int]:
             seqs.append(hit[0])
             continue
         seq += 1
-        canon = (seq, *p[:9])
-        h = sha(prev)
-        h.update(enc(canon))
-        prev = h.digest()
-        rows.append((*canon, prev, *p[9]))
+        new.append(p)
         in_batch[key] = (seq, p[4], p[5], p[8])
         seqs.append(seq)
-    if rows:
-        dialect.insert_events(cur, rows)
+    if new:
+        dialect.insert_events(cur, _chain(new, last_seq, prev))
     return seqs

@@ -176,6 +176,14 @@ class Raw:
         self._mem_lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self.closed = False
 
+    def close(self) -> None:
+        """Dispose of the engine. Waits for an in-flight statement on a shared in-memory
+        connection: closing it under a running query would pull the database out from under it."""
+        with self._mem_lock:
+            if not self.closed:
+                self.closed = True
+                self.engine.dispose()
+
     def check_open(self) -> None:
         if self.closed:
             raise LedgerError(f"the ledger store for {masked(self.url)} is closed")

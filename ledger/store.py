@@ -61,9 +61,8 @@ class LedgerStore:
         return cls(Raw(engine, u))
 
     def close(self) -> None:
-        if not self._raw.closed:
-            self._raw.closed = True
-            self._raw.engine.dispose()
+        """Release the connections; idempotent. Later calls raise LedgerError."""
+        self._raw.close()
 
     def __enter__(self) -> "LedgerStore":
         return self
