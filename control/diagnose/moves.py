@@ -7,8 +7,6 @@ names the requests and sessions blocked on it and the moves queued after it on t
 """
 from __future__ import annotations
 
-from collections import deque
-
 from events import (
     MoveAbandoned,
     MoveAcked,
@@ -227,7 +225,7 @@ class Pendulum:
         self.params = params
         self.need = 2 * params.pendulum_round_trips
         self.window = params.pendulum_window_ns
-        self.blocks: dict[int, dict[int, list]] = {}      # worker -> block -> [last_dir, deque[(ts, seq)]]
+        self.blocks: dict[int, dict[int, list]] = {}      # worker -> block -> [last_dir, ts, seq, ts, seq, ...]
         self.num_tracked = 0
         self.sweep_at = 1 << 16
         self.open: dict[int, dict] = {}                    # worker -> episode
@@ -249,31 +247,37 @@ class Pendulum:
         if states is None:
             states = self.blocks[ev.worker] = {}
         horizon = ts - self.window
+        full = 1 + 2 * self.need
         marked = []
+        # NOTE: the hot loop of the pendulum (a million block moves per million events). A block's
+        # state is one flat list, no deque and no tuples:
+        #     [last_dir, ts, seq, ts, seq, ...]   the last `need` direction changes inside the window
         for b in ev.blocks:
             st = states.get(b)
             if st is None:
-                states[b] = [direction, deque(((ts, seq),))]
+                states[b] = [direction, ts, seq]
                 self.num_tracked += 1
                 continue
             if st[0] == direction:
                 continue
             st[0] = direction
-            swings = st[1]
-            swings.append((ts, seq))
-            while swings[0][0] < horizon:
-                swings.popleft()
-            if len(swings) >= self.need:
-                marked.append((b, swings))
+            st.append(ts)
+            st.append(seq)
+            if len(st) > full:
+                del st[1:3]
+            while st[1] < horizon:
+                del st[1:3]
+            if len(st) == full:
+                marked.append((b, st))
         if marked:
             self._mark(ev, rec, marked)
         if self.num_tracked >= self.sweep_at:
             self._sweep(horizon)
 
     def _sweep(self, horizon: int) -> None:
-        """Forget blocks whose last swing left the window: a million blocks must not cost a million deques."""
+        """Forget blocks whose last swing left the window: a million blocks must not cost a million lists."""
         for states in self.blocks.values():
-            for b in [b for b, st in states.items() if st[1][-1][0] < horizon]:
+            for b in [b for b, st in states.items() if st[-2] < horizon]:
                 del states[b]
         self.num_tracked = sum(len(s) for s in self.blocks.values())
         self.sweep_at = max(1 << 16, 2 * self.num_tracked)
@@ -285,13 +289,13 @@ class Pendulum:
             self.done.append(ep)
             ep = None
         if ep is None:
-            ep = self.open[ev.worker] = {"worker": ev.worker, "onset_ns": min(s[0][0] for _, s in marked),
+            ep = self.open[ev.worker] = {"worker": ev.worker, "onset_ns": min(st[1] for _, st in marked),
                                          "blocks": set(), "seqs": [], "num_swings": 0, "bytes": 0,
                                          "sessions": set(), "last_ns": ts}
         ep["blocks"].update(b for b, _ in marked)
         if len(ep["seqs"]) < 64:
-            for _, swings in marked:
-                ep["seqs"].extend(s[1] for s in swings)
+            for _, st in marked:
+                ep["seqs"].extend(st[2::2])
         ep["num_swings"] += 1
         ep["bytes"] += ev.bytes_planned
         if ev.session:
