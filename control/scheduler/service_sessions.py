@@ -79,6 +79,13 @@ class SessionOps:
         if not off:
             done(self._info_or_404(session))
             return
+        if self.sched is not None:
+            # NOTE: the budget authority funds a restore against acked bytes only; the pages that
+            # running requests reserved (not yet written) are known here, so check them first.
+            _, free = self.sched.device_room(self.proc.state, w)
+            if len(off) > free:
+                raise BackendError(503, f"the device has room for {free} pages now; restoring {session!r} "
+                                        f"needs {len(off)}", type="server_error", code="insufficient_kv_capacity")
 
         def answered(ans: AskAnswered) -> None:
             if ans.error is not None or any(type(e) is ev.MoveRefused for e in ans.events):
