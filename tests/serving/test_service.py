@@ -57,7 +57,7 @@ class ByteTokenizer:
 
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
-                 policy: PolicyConfig | None = None):
+                 policy: PolicyConfig | None = None, host_blocks: int = 256):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -71,7 +71,7 @@ class Stack:
         self.proc.start()
         model = random_model(TINY, seed=0)
         kv = KVLayout(TINY.num_layers, P, TINY.num_kv_heads, TINY.head_dim, dtype=torch.float32)
-        host = 256 * kv.block_bytes
+        host = host_blocks * kv.block_bytes
         engine = Engine(kv, device_blocks, host, self.dir / "disk", Engine.pinned_bytes_needed(kv, device_blocks, host),
                         "cpu", fsync=False)
         core = WorkerCore(engine, 0, WorkerFaults(), expected_errors=(DataPlaneError,))
@@ -259,3 +259,23 @@ def test_device_pressure_spills_cold_pages_but_never_pages_a_running_turn_uses(s
     assert evicts and {e.session for e in evicts} <= {"other", None}, "the cold idle pages are what spills"
     rejected = [e for e in events if type(e).__name__ == "MoveRejected"]
     assert not rejected, f"a policy tried to move pages a running turn uses: {rejected[:2]}"
+
+
+def test_parked_pages_go_to_disk_under_host_pressure_and_come_back_from_both_tiers(stack):
+    policy = PolicyConfig(pressure=True, park=True, park_idle_s=0.2, high_watermark=0.5, low_watermark=0.3,
+                          hot_s=0.05, cooldown_s=0.0)
+    s = stack(policy=policy, host_blocks=20, restore_policy="restore")
+    convo = [{"role": "user", "content": "a conversation long enough to fill a dozen pages of KV"}]
+    r1 = s.chat(convo, session="s", max_tokens=4).json()
+    deadline = time.monotonic() + 20
+    while s.session("s")["tier"] != "disk":            # parked to host, then partly demoted to disk
+        assert time.monotonic() < deadline, s.session("s")
+        time.sleep(0.05)
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "next"}]
+    u = s.chat(convo, session="s", max_tokens=4).json()["usage"]
+    assert u["restored_tokens"] == u["prompt_tokens_details"]["cached_tokens"] > 0
+    s.close()
+    events, _ = s.ledger()
+    kinds = {(e.kind, e.src, e.dst) for e in events if type(e).__name__ == "MoveRequested" and e.src != e.dst}
+    assert {("park", "device", "host"), ("demote", "host", "disk"), ("restore", "disk", "device")} <= kinds
