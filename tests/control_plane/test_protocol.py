@@ -529,3 +529,45 @@ def test_pressure_spills_through_the_loop_down_to_the_low_watermark(make_control
     assert req.reason.startswith("pressure: device") and events_of(store, ev.MoveRequested)[0].envelope.causation == "policy:pressure"
     state = check_ledger(store)
     assert state.tier(0, "device").used_bytes == 32 * fw.block_bytes
+
+
+class _FailingDisk(_SlowDisk):
+    """Appends fail once ``broken`` is set (the database went away)."""
+
+    def __init__(self, store):
+        super().__init__(store, threading.Event())
+        self.gate.set()
+        self.broken = False
+
+    def append(self, items, **kw):
+        if self.broken:
+            from ledger.errors import LedgerUnavailable
+            raise LedgerUnavailable("cannot reach the ledger database (test)")
+        return self._store.append(items, **kw)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-commit", "group-commit-writer"])
+def test_a_move_whose_request_cannot_be_committed_is_never_sent(fake_worker, sqlite_url, short_dir, inline):
+    from control.policy import PolicyConfig
+    from control.proc import ControlConfig, ControlProc
+    from ledger.errors import LedgerUnavailable
+    store = LedgerStore.open(sqlite_url, create=True)
+    disk = _FailingDisk(store)
+    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", commit_inline=inline, release_on_stop=False,
+                        policy=PolicyConfig(pressure=False, park=False))
+    proc = ControlProc(disk, cfg).start()
+    try:
+        fw = fake_worker()
+        fw.hello()
+        wait_for(lambda: joined(proc), what="worker joined")
+        blocks = commit_blocks(proc, fw, 2)
+        disk.broken = True
+        proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
+        wait_for(lambda: not proc.running, what="the control loop to stop")
+        assert isinstance(proc.fatal, LedgerUnavailable)
+        assert [m for m in fw.quiet(0.3) if type(m) is ExecuteMove] == []      # write-ahead held
+        assert not proc.health().healthy
+        assert "MoveRequested" not in _types(store)
+    finally:
+        proc.stop()
+        store.close()
