@@ -271,10 +271,6 @@ class ServingService(SessionOps):
     def _restored(self, p: Pending, ans: AskAnswered) -> None:
         acked = [e for e in ans.events if type(e) is ev.MoveAcked]
         ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(e.checksum_ok for e in acked)
-        for e in acked:
-            src = self._src_of.pop(e.move_id, None)
-            if src is not None:
-                self.cost.observe_transfer(src, e.bytes_moved, (e.finished_ns - e.started_ns) / 1e9)
         if p.cancelled:
             self._end_unstarted(p)
             return
@@ -405,6 +401,9 @@ class ServingService(SessionOps):
             self.moves[(kind, t.__name__)] += 1
             if t is not ev.MoveStranded:
                 self._kind_of.pop(event.move_id, None)
+                src = self._src_of.pop(event.move_id, None)
+                if src is not None and t is ev.MoveAcked:       # a restore the worker timed: its bandwidth
+                    self.cost.observe_transfer(src, event.bytes_moved, (event.finished_ns - event.started_ns) / 1e9)
             self._post_retry()
         elif t is ev.BlocksFreed:
             self._post_retry()
