@@ -314,6 +314,14 @@ class Scheduler:
                 self.sessions[session] = SessionEntry(session=session, worker=w, blocks=blocks, keys=keys,
                                                       num_tokens=full * self.cfg.page_tokens)
 
+    def prune(self, state: State, now_ns: int, idle_ns: int) -> list[str]:
+        """Forget sessions that hold no page any more and have been idle ``idle_ns``."""
+        gone = [s for s, e in self.sessions.items()
+                if e.busy is None and now_ns - e.last_used_ns > idle_ns and e.present_prefix(state) == 0]
+        for s in gone:
+            del self.sessions[s]
+        return gone
+
     def forget_blocks(self, worker: int, blocks: set[int]) -> None:
         """Pages that no longer exist (freed by an operator, lost with a worker): cut every
         session's chain at the first one."""

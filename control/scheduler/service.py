@@ -67,6 +67,7 @@ class ServingService(SessionOps):
         self._src_of: dict[str, str] = {}                          # restore move -> source tier
         self._park_backoff: dict[str, int] = {}                    # session -> no park asked before (ns)
         self.park_backoff_s = 2.0
+        self._last_prune_ns = 0
         self._retry_posted = False
         self._ask_ids = itertools.count(1)
         self._stats = BackendStats()
@@ -440,6 +441,9 @@ class ServingService(SessionOps):
 
     def _tick(self) -> None:
         now = time.time_ns()
+        if self.sched is not None and now - self._last_prune_ns > 60 * 10**9:
+            self._last_prune_ns = now
+            self.sched.prune(self.proc.state, now, 600 * 10**9)
         for p in list(self.waiting):
             if now - p.wait_since_ns > self.wait_timeout_ns:
                 self._refuse(p, 503, "insufficient_kv_capacity",

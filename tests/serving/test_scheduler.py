@@ -244,3 +244,13 @@ def test_sessions_are_rebuilt_from_the_ledger_after_a_restart():
     assert e.blocks == s.sessions["s"].blocks and e.keys[:3] == ["k0", "k1", "k2"]
     t2 = fresh.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     assert t2.reused == t1.blocks[:3]
+
+
+def test_sessions_that_hold_nothing_are_forgotten_after_a_while():
+    led, s = Ledger(), sched()
+    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    run_turn(s, led, ask("t2", session="kept", prompt=8, prompt_keys=keys("q", 2), max_tokens=4), completion=1)
+    assert s.prune(led.state, now_ns=10**12, idle_ns=10) == []
+    led.add(ev.BlocksFreed(worker=0, tier="device", blocks=t1.blocks[:3], bytes=3 * BB, reason="t"))
+    led.state.check_integrity()
+    assert s.prune(led.state, now_ns=10**12, idle_ns=10) == ["s"] and set(s.sessions) == {"kept"}
