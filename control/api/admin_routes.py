@@ -49,7 +49,9 @@ async def health(request: Request):
 
 
 @router.get("/metrics")
-async def metrics(request: Request):
+def metrics(request: Request):
+    # sync on purpose: FastAPI runs it in its thread pool, so a scrape that waits for the control
+    # loop (Backend.stats) never holds up the event loop that streams tokens
     data, content_type = request.app.state.metrics.render()
     return Response(data, media_type=content_type)
 
