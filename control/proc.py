@@ -1004,11 +1004,10 @@ class ControlProc:
 
     def _answer_after(self, waiter: moves.AskWaiter) -> None:
         """Answer once everything recorded for the ask is committed."""
-        seqs = [s for s, _ in waiter.events]
-        mids = self.book.awaiting_commit
-        need = max(seqs) if seqs else 0
-        if not waiter.wait and waiter.move_ids:
-            need = max([need] + [s for s, r in mids if r.move_id in set(waiter.move_ids)])
+        need = max((s for s, _ in waiter.events), default=0)
+        if not waiter.wait and waiter.move_ids:      # answered once its MoveRequesteds are committed
+            mine = set(waiter.move_ids)
+            need = max([need] + [s for s, req in self.book.awaiting_commit if req.move_id in mine])
         self._answers.append((need, waiter))
 
     def _answer(self, waiter: moves.AskWaiter) -> None:
