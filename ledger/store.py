@@ -23,11 +23,12 @@ from sqlalchemy.engine import URL
 from events import DecodeError, Envelope, Recorded, decode_event
 from events.catalog import Event
 from ledger import append as _append
-from ledger import migrate, snapshots
+from ledger import snapshots
 from ledger.backend import DURABILITY, Raw, make_engine, parse_url
 from ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
 from ledger.schema import RAW_COLUMNS, RawRow, Snapshot, events
 from ledger.verify import Progress, VerifyReport, verify_batches
+from ledger.verify_parallel import default_workers, verify_parallel
 
 READ_BATCH = 10_000
 
@@ -49,6 +50,8 @@ class LedgerStore:
         Raises NotALedger (no ledger schema, or not a database), SchemaOutOfDate (older or unknown
         revision), LedgerUnavailable (cannot connect or open).
         """
+        from ledger import migrate  # alembic: imported only by what opens or migrates a ledger
+
         u = parse_url(url)
         engine = make_engine(u, must_exist=not create)
         try:
@@ -164,6 +167,11 @@ class LedgerStore:
                                correlation_id=r[7], causation=r[8], seq=r[0])
                 yield Recorded(env, event, bytes(r[10]))
 
+    def next_seq(self, seq: int) -> int | None:
+        """The first stored seq >= ``seq`` (None past the end): for wording a gap."""
+        with self._raw.core("reading a seq") as conn:
+            return conn.execute(select(func.min(events.c.seq)).where(events.c.seq >= seq)).scalar_one()
+
     def peek_raw(self, seq: int) -> tuple | None:
         rows = next(self.raw_batches(seq, seq, 1), [])
         return rows[0] if rows else None
@@ -180,10 +188,21 @@ class LedgerStore:
             return snapshots.load(conn, at_or_before_seq)
 
     # ------------------------------------------------------------------ integrity and portability
-    def verify(self, progress: Progress | None = None) -> VerifyReport:
-        """Check seq continuity, the hash chain and every payload; ``progress(done, total)`` per batch."""
+    def verify(self, progress: Progress | None = None, workers: int | None = None) -> VerifyReport:
+        """Check seq continuity, the hash chain and every payload; ``progress(done, total)`` per batch.
+
+        ``workers``: processes to spread a large ledger over (None: one per core for ledgers of
+        200k+ events, never for an in-memory SQLite); see ledger.verify_parallel. Same verdict either way.
+        """
         total = self.last_seq()
-        return verify_batches(self.raw_batches(1, total, 20_000), total, self.peek_raw, progress)
+        if workers is None:
+            workers = default_workers(total)
+        if workers > 1 and total > 1 and not self._raw.memory:
+            report = verify_parallel(self, total, min(workers, total), progress)
+            if report is not None:
+                return report
+        return verify_batches(self.raw_batches(1, total, 20_000), total, self.peek_raw, progress,
+                              next_seq=self.next_seq)
 
     def export_jsonl(self, fp: IO[str]) -> int:
         """Write every event as one JSON object per line (see ledger.export); returns the count."""
@@ -248,6 +267,8 @@ def prefetched(batches: Iterator[list], depth: int = 2) -> Iterator[list]:
 
 
 def _check_schema(engine, u: URL) -> None:
+    from ledger import migrate
+
     rev = migrate.current(engine)
     if rev is None:
         raise NotALedger(f"{masked(u)} has no ledger schema; {init_hint(u)}")

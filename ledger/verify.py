@@ -57,16 +57,23 @@ def diagnose_hash(seq: int, stored: bytes, computed: bytes, nxt: tuple | None) -
     return f"seq {seq}: the row does not match its stored row_hash and seq {seq + 1} does not chain from it either"
 
 
-def verify_batches(batches: Iterable[list[tuple]], total: int, peek: Callable[[int], tuple | None],
-                   progress: Progress | None = None) -> VerifyReport:
-    """Verify raw rows (RawRow-shaped tuples, in seq order, batched); ``peek(seq)`` fetches one row."""
-    expected = 1
-    prev = GENESIS
+def verify_batches(batches: Iterable[list[tuple]], end: int, peek: Callable[[int], tuple | None],
+                   progress: Progress | None = None, *, start: int = 1, prev: bytes = GENESIS,
+                   next_seq: Callable[[int], int | None] | None = None) -> VerifyReport:
+    """Verify raw rows ``start..end`` (RawRow-shaped tuples, in seq order, batched).
+
+    ``prev`` is the stored row_hash of row ``start - 1`` (GENESIS for row 1): a range needs only
+    its predecessor's stored hash (see ledger.verify_parallel). ``peek(seq)`` fetches one row and
+    ``next_seq(seq)`` the first stored seq >= seq, both only to word a problem. ``num_events`` counts
+    the rows of this range that verified; ``progress(done, of)`` likewise.
+    """
+    expected = start
     checkpoints: list[tuple[int, int, str]] = []
     sha, enc, current, decode = _sha256, _encode, _CURRENT, _decode
+    of = end - start + 1
 
     def bad(seq: int, problem: str) -> VerifyReport:
-        return VerifyReport(ok=False, num_events=expected - 1, first_bad_seq=seq, problem=problem,
+        return VerifyReport(ok=False, num_events=expected - start, first_bad_seq=seq, problem=problem,
                             last_hash=prev, checkpoints=checkpoints)
 
     for batch in batches:
@@ -98,7 +105,10 @@ def verify_batches(batches: Iterable[list[tuple]], total: int, peek: Callable[[i
             prev = digest
             expected += 1
         if progress is not None:
-            progress(expected - 1, total)
-    if expected - 1 < total:  # rows vanished between counting and reading, or the tail is missing
-        return bad(expected, f"seq {expected} is missing (the ledger's last seq is {total})")
-    return VerifyReport(ok=True, num_events=expected - 1, last_hash=prev, checkpoints=checkpoints)
+            progress(expected - start, of)
+    if expected <= end:  # the range's tail is missing (or rows vanished while we read)
+        nxt = next_seq(expected) if next_seq is not None else None
+        where = "the first stored row" if expected == 1 else "the next stored row"
+        return bad(expected, f"seq {expected} is missing ({where} is seq {nxt})" if nxt is not None
+                   else f"seq {expected} is missing (the ledger ends at seq {expected - 1})")
+    return VerifyReport(ok=True, num_events=expected - start, last_hash=prev, checkpoints=checkpoints)

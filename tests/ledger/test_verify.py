@@ -146,3 +146,71 @@ def test_a_row_edited_through_raw_sqlite3_after_dropping_the_trigger(tmp_path, r
     with LedgerStore.open(f"sqlite:///{path}") as store:
         report = store.verify()
     assert report.first_bad_seq == seq and "edited after it was written" in report.problem
+
+
+def _tamper(kind: str, store, n: int, rng) -> None:
+    seq = rng.randint(2, n - 1)
+    if kind == "flipped":
+        payload = bytearray(store.peek_raw(seq)[9])
+        payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
+        run_unguarded(store, "UPDATE events SET payload = :p WHERE seq = :s", {"p": bytes(payload), "s": seq})
+    elif kind == "hash":
+        run_unguarded(store, "UPDATE events SET row_hash = :h WHERE seq = :s", {"h": rng.randbytes(32), "s": seq})
+    elif kind == "missing":
+        run_unguarded(store, "DELETE FROM events WHERE seq BETWEEN :a AND :b", {"a": seq, "b": seq + rng.randint(0, 3)})
+    elif kind == "unknown":
+        run_unguarded(store, "UPDATE events SET type = 'MoveTeleported' WHERE seq = :s", {"s": seq})
+        rechain(store, seq)
+
+
+@pytest.fixture
+def checkpointed(ledger_store, rng):
+    items = random_items(rng, rng.randint(40, 70), exclude=("StateCheckpoint",))
+    for i in rng.sample(range(len(items)), 3):
+        items[i] = (items[i][0], random_event(rng, "StateCheckpoint"))
+    ledger_store.append(items)
+    return ledger_store, len(items)
+
+
+@pytest.mark.parametrize("kind", ["sound", "flipped", "hash", "missing", "unknown", "boundary"])
+def test_verifying_in_ranges_reaches_the_same_verdict_as_one_pass(checkpointed, rng, kind):
+    """The parallel split, run in-process: each range from its predecessor's stored hash, combined."""
+    from ledger.verify_parallel import combine, jobs, split, verify_range
+
+    store, n = checkpointed
+    if kind == "boundary":          # the tail of the first of two ranges is gone
+        end = split(n, 2)[0][1]
+        run_unguarded(store, "DELETE FROM events WHERE seq BETWEEN :a AND :b", {"a": end - rng.randint(0, 2), "b": end})
+    elif kind != "sound":
+        _tamper(kind, store, n, rng)
+    one = store.verify(workers=1)
+    total = store.last_seq()
+    for workers in (2, rng.randint(3, 9)):   # 2 first: "boundary" is cut for it
+        assert combine([verify_range(store, *job) for job in jobs(store, total, workers)]) == one
+    assert one.ok == (kind == "sound")
+
+
+def test_parallel_verify_in_worker_processes(checkpointed, rng):
+    store, n = checkpointed
+    if store.url == "sqlite:///:memory:":
+        pytest.skip("an in-memory ledger cannot be shared with worker processes")
+    _tamper("missing", store, n, rng)
+    seen = []
+    many = store.verify(workers=2, progress=lambda done, total: seen.append(done))
+    assert many == store.verify(workers=1) and not many.ok
+    assert seen and seen == sorted(seen)
+
+
+def test_a_failing_worker_falls_back_to_one_pass_and_says_so(tmp_path, rng, monkeypatch):
+    import structlog
+
+    import ledger.verify_parallel as vp
+
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'l.db'}", create=True) as store:
+        store.append(random_items(rng, 30))
+        monkeypatch.setattr(vp, "_WORKER", "import sys; sys.exit(3)")
+        with structlog.testing.capture_logs() as logs:
+            monkeypatch.setattr(vp, "log", structlog.get_logger("ledger.verify"))
+            report = store.verify(workers=2)
+    assert report.ok and report.num_events == 30
+    assert [e["returncode"] for e in logs if e["event"] == "ledger_verify_parallel_failed"] == [3, 3]

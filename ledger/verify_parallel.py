@@ -1,0 +1,176 @@
+"""Verify a large ledger on several processes at once, with the same verdict as one pass.
+
+Each link of the chain can be checked on its own: row n is sound when
+
+    stored_hash(n) == SHA-256( stored_hash(n-1) || canonical(n) )
+
+so a range a..b needs only the STORED hash of row a-1. If every range checks out then, by
+induction from the genesis hash, every stored hash is the hash of its whole prefix: exactly what a
+sequential pass proves. The first problem by seq wins, so ``first_bad_seq`` and ``problem`` are the
+ones a sequential pass would report.
+
+    ledger 1 ............................................................. N
+           [ worker 0: 1..a-1 ][ worker 1: a..b-1 ][ worker 2: b..N ]
+                              ^ prev = stored hash of a-1, read by the parent
+
+Workers are child processes (``main(START, END, PREV_HEX)`` below, the URL in the environment,
+never on the command line) with their own connections; they print ``progress N`` lines
+and one ``result {json}``. Processes, not threads: hashing and decoding hold the GIL. An in-memory
+SQLite cannot be shared with another process, so it is always verified in one pass. If a worker
+dies without a result, verification falls back to one pass (and says so in the log).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ledger.chain import GENESIS
+from ledger.verify import Progress, VerifyReport, verify_batches
+
+if TYPE_CHECKING:
+    from ledger.store import LedgerStore
+
+log = structlog.get_logger("ledger.verify")
+# A worker costs ~0.3-1 s to start (Python + SQLAlchemy imports): below these sizes it costs
+# more than it saves.
+PARALLEL_MIN_EVENTS = 500_000
+MIN_EVENTS_PER_WORKER = 250_000
+_URL_ENV = "RESIDENCY_VERIFY_URL"
+_WORKER = "import sys; from ledger.verify_parallel import main; sys.exit(main(sys.argv[1:]))"
+
+
+def default_workers(total: int) -> int:
+    """One worker per idle core (this process waits, so it counts as idle), at most 8.
+
+    On a busy machine that is 1: a worker's start-up is CPU it would have to steal.
+    """
+    if total < PARALLEL_MIN_EVENTS:
+        return 1
+    cores = os.cpu_count() or 1
+    try:
+        idle = cores - os.getloadavg()[0] + 1
+    except OSError:
+        idle = cores
+    return max(1, min(int(idle + 0.5), cores, 8, total // MIN_EVENTS_PER_WORKER))
+
+
+def split(total: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous ranges covering 1..total, as equal as possible."""
+    step, extra = divmod(total, workers)
+    out, start = [], 1
+    for i in range(workers):
+        end = start + step + (1 if i < extra else 0) - 1
+        if end >= start:
+            out.append((start, end))
+        start = end + 1
+    return out
+
+
+def jobs(store: "LedgerStore", total: int, workers: int) -> list[tuple[int, int, bytes]]:
+    """(start, end, stored hash of row start-1) per worker."""
+    out = []
+    for start, end in split(total, workers):
+        before = store.peek_raw(start - 1) if start > 1 else None
+        # a missing row start-1 is reported by the range before, which ends with it
+        out.append((start, end, bytes(before[10]) if before is not None else GENESIS))
+    return out
+
+
+def verify_range(store: "LedgerStore", start: int, end: int, prev: bytes, progress: Progress | None = None) -> VerifyReport:
+    """What one worker does (and what a test can run in-process)."""
+    return verify_batches(store.raw_batches(start, end, 20_000), end, store.peek_raw, progress,
+                          start=start, prev=prev, next_seq=store.next_seq)
+
+
+def _child_env(url: str) -> dict[str, str]:
+    import events
+    import ledger
+    roots = {str(Path(ledger.__file__).resolve().parents[1]), str(Path(events.__file__).resolve().parents[1])}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [env.get("PYTHONPATH")])])
+    env[_URL_ENV] = url
+    return env
+
+
+def verify_parallel(store: "LedgerStore", total: int, workers: int, progress: Progress | None) -> VerifyReport | None:
+    """Verify 1..total on ``workers`` processes; None when a worker failed (the caller falls back)."""
+    ranges = jobs(store, total, workers)
+    env = _child_env(store._raw.url.render_as_string(hide_password=False))
+    procs = []
+    for start, end, prev in ranges:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(start), str(end), prev.hex()],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
+    lines: queue.Queue = queue.Queue()
+
+    def pump(i: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            lines.put((i, line))
+        lines.put((i, None))
+
+    for i, proc in enumerate(procs):
+        threading.Thread(target=pump, args=(i, proc), daemon=True, name="ledger-verify-pump").start()
+    done = [0] * len(procs)
+    results: list[VerifyReport | None] = [None] * len(procs)
+    open_pipes = len(procs)
+    while open_pipes:
+        i, line = lines.get()
+        if line is None:
+            open_pipes -= 1
+        elif line.startswith("progress "):
+            done[i] = int(line.split()[1])
+            if progress is not None:
+                progress(sum(done), total)
+        elif line.startswith("result "):
+            r = json.loads(line[len("result "):])
+            results[i] = VerifyReport(ok=r["ok"], num_events=r["num_events"], first_bad_seq=r["first_bad_seq"],
+                                      problem=r["problem"], last_hash=bytes.fromhex(r["last_hash"]),
+                                      checkpoints=[tuple(c) for c in r["checkpoints"]])
+    for i, proc in enumerate(procs):
+        proc.wait()
+        if results[i] is None:
+            log.warning("ledger_verify_parallel_failed", range=ranges[i][:2], returncode=proc.returncode,
+                        stderr=proc.stderr.read()[-2000:])
+    for proc in procs:
+        proc.stderr.close()
+    if any(r is None for r in results):
+        return None
+    return combine(results)
+
+
+def combine(results: list[VerifyReport]) -> VerifyReport:
+    """Ranges' reports, in seq order, as one: sound up to the first range with a problem."""
+    num_events, checkpoints = 0, []
+    for r in results:
+        num_events += r.num_events
+        checkpoints += r.checkpoints
+        if not r.ok:
+            return VerifyReport(ok=False, num_events=num_events, first_bad_seq=r.first_bad_seq, problem=r.problem,
+                                last_hash=r.last_hash, checkpoints=checkpoints)
+    return VerifyReport(ok=True, num_events=num_events, last_hash=results[-1].last_hash, checkpoints=checkpoints)
+
+
+def main(argv: list[str]) -> int:
+    """A worker: verify START..END given the stored hash of START-1; report on stdout."""
+    from ledger.backend import Raw, make_engine, parse_url
+    from ledger.store import LedgerStore
+
+    start, end, prev = int(argv[0]), int(argv[1]), bytes.fromhex(argv[2])
+    url = parse_url(os.environ[_URL_ENV])
+    with LedgerStore(Raw(make_engine(url, must_exist=True), url)) as store:   # the parent checked the schema
+        report = verify_range(store, start, end, prev, lambda done, _of: print(f"progress {done}", flush=True))
+    print("result " + json.dumps({
+        "ok": report.ok, "num_events": report.num_events, "first_bad_seq": report.first_bad_seq,
+        "problem": report.problem, "last_hash": report.last_hash.hex(), "checkpoints": report.checkpoints,
+    }), flush=True)
+    return 0
+
+
