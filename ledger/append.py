@@ -21,12 +21,13 @@ import msgspec
 from events import Envelope, decode_event
 from events.catalog import EVENT_TYPES, Event
 from ledger.chain import GENESIS
-from ledger.columns import columns_of
+from ledger.columns import extractor
 from ledger.errors import LedgerConflict
 
 _encode = msgspec.msgpack.Encoder().encode
 _sha256 = hashlib.sha256
-_EVENT_CLASSES = frozenset(EVENT_TYPES.values())
+# class -> (type name, schema version, audit-column extractor): one lookup per event
+_INFO = {cls: (name, cls.SCHEMA_VERSION, extractor(cls)) for name, cls in EVENT_TYPES.items()}
 
 # A prepared row: (ts_ns, producer, epoch, producer_seq, type, schema_version, correlation_id,
 #                  causation, payload, columns)
@@ -35,16 +36,16 @@ Prepared = tuple
 
 def prepare(items: Sequence[tuple[Envelope, Event]]) -> list[Prepared]:
     out = []
-    append = out.append
+    append, enc, info_of = out.append, _encode, _INFO.get
     for item in items:
         env, ev = item
-        cls = type(ev)
-        if cls not in _EVENT_CLASSES:
-            raise TypeError(f"not an event from events.catalog: {cls.__name__}")
-        if not isinstance(env, Envelope):
+        info = info_of(type(ev))
+        if info is None:
+            raise TypeError(f"not an event from events.catalog: {type(ev).__name__}")
+        if type(env) is not Envelope:
             raise TypeError(f"not an events.Envelope: {type(env).__name__}")
-        append((env.ts_ns, env.producer, env.epoch, env.producer_seq, cls.__name__, cls.SCHEMA_VERSION,
-                env.correlation_id, env.causation, _encode(ev), columns_of(ev)))
+        append((env.ts_ns, env.producer, env.epoch, env.producer_seq, info[0], info[1],
+                env.correlation_id, env.causation, enc(ev), info[2](ev)))
     return out
 
 

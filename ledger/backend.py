@@ -191,9 +191,9 @@ class Raw:
     @contextlib.contextmanager
     def core(self, doing: str, write: bool = False) -> Iterator[Connection]:
         """A Core connection; ``write=True``: one transaction, committed on exit (SQLite: BEGIN IMMEDIATE)."""
-        self.check_open()
         with (self.write_lock if write else contextlib.nullcontext()), self._mem_lock, \
                 translating(self.url, doing, self.dialect.dbapi_error):
+            self.check_open()          # under the lock: close() may have run while we waited
             with self.engine.connect() as conn:
                 if not write:
                     yield conn
@@ -205,8 +205,8 @@ class Raw:
     @contextlib.contextmanager
     def cursor(self, doing: str) -> Iterator[tuple]:
         """(dbapi_connection, cursor); rolls back whatever is uncommitted on the way out."""
-        self.check_open()
         with self._mem_lock, translating(self.url, doing, self.dialect.dbapi_error):
+            self.check_open()          # under the lock: close() may have run while we waited
             conn = self.engine.raw_connection()
             try:
                 cur = conn.cursor()

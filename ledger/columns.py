@@ -57,7 +57,15 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
 }
 
 
+def _none(_event: c.Event) -> Columns:
+    return NONE
+
+
+def extractor(cls: type) -> Callable[[c.Event], Columns]:
+    """The function that extracts the audit columns of events of class ``cls``."""
+    return _EXTRACT.get(cls, _none)
+
+
 def columns_of(event: c.Event) -> Columns:
     """The audit columns of ``event`` (all ``None`` for events that have none)."""
-    fn = _EXTRACT.get(type(event))
-    return NONE if fn is None else fn(event)
+    return extractor(type(event))(event)
