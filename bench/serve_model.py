@@ -405,8 +405,14 @@ def run_gpu(args, save) -> dict:
                    LLAMA3_8B.replace(num_layers=2, hidden=256, num_heads=8, num_kv_heads=2, head_dim=32,
                                      intermediate=512, vocab_size=1024)]
     res["decode"], res["numerics"] = [], {}
+    if args.ttft_only:                                       # a short call: only the 8B-shape TTFT
+        configs = configs[-1:]
     for cfg in configs:
         log(f"== {cfg.name}")
+        if args.ttft_only:
+            model = random_model(cfg, device, dtype, seed=3, max_positions=args.history + 1024)
+            res["ttft"] = stage(res, "ttft", save, lambda: bench_ttft(model, device, args.history, args.new_turn, gen))
+            break
         if cfg is configs[0]:                                # fp32 numerics: a tight check
             def fp32_check():
                 m32 = random_model(cfg, device, torch.float32, seed=3, max_positions=4096)
@@ -494,6 +500,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--history", type=int, default=8192)
+    ap.add_argument("--ttft-only", action="store_true", help="with --gpu: only the multi-turn TTFT on the 8B shape")
     ap.add_argument("--new-turn", type=int, default=128)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
