@@ -305,7 +305,7 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     def row(what, value, unit, target=""):
-        print(f"{what:<44} {value:>14} {unit:<10} {target}")
+        print(f"{what:<54} {value:>12} {unit:<10} {target}")
 
     def rate(key):
         return f"{r[key]:,.0f}" if key in r else "-"
