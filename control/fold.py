@@ -57,6 +57,19 @@ def fold_all(state: State, records) -> State:
     return state
 
 
+def fold_decoded(state: State, triples) -> State:
+    """Fold ``(seq, ts_ns, event)`` triples: replay's fast path, with no envelope objects."""
+    handlers = _HANDLERS
+    seq = ts = None
+    for seq, ts, event in triples:
+        h = handlers.get(type(event))
+        if h is not None:
+            h(state, event, seq)
+    if seq is not None:
+        state.last_seq, state.last_ts_ns = seq, ts
+    return state
+
+
 # ---------------------------------------------------------------------- helpers
 def _anomaly(s: State, seq: int, what: str) -> None:
     if len(s.anomalies) < MAX_ANOMALIES_KEPT:

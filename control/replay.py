@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from control.fold import fold_all
+from events.codec import DecodeError, decode_event
+from control.fold import fold_all, fold_decoded
 from control.state import State, decode_state, encode_state, state_hash
 
 
@@ -31,45 +32,19 @@ def replay(store, to_seq: int | None = None, *, use_snapshots: bool = True,
                 raise ReplayError(f"snapshot at seq {snap.through_seq} does not match its recorded hash")
             start = snap.through_seq
     snapshot_seq = start
-    pos = start
-    while pos < target:
-        hi = min(target, pos + chunk)
-        fold_all(state, store.read(pos + 1, hi))
-        if progress is not None:
-            progress(hi - pos)
-        pos = hi
+    if start < target:
+        for rows in store.raw_batches(start + 1, target):
+            fold_decoded(state, _decoded(rows))
+            if progress is not None:
+                progress(len(rows))
     return state, snapshot_seq
 
 
-def write_snapshots(store, every: int = 100_000, progress=None) -> list[int]:
-    """Fold the whole ledger once and save a snapshot every ``every`` events. Returns their seqs."""
-    state, pos, saved = State(), 0, []
-    last = store.last_seq()
-    while pos < last:
-        hi = min(last, pos + every)
-        fold_all(state, store.read(pos + 1, hi))
-        if progress is not None:
-            progress(hi - pos)
-        pos = hi
-        if pos % every == 0 or pos == last:
-            store.save_snapshot(pos, encode_state(state), state_hash(state))
-            saved.append(pos)
-    return saved
-
-
-def check_checkpoints(store, checkpoints, progress=None) -> list[str]:
-    """Fold once from zero and compare each recorded StateCheckpoint; return the mismatches."""
-    problems: list[str] = []
-    wanted = sorted((through, seq, h) for seq, through, h in checkpoints)
-    state, pos = State(), 0
-    for through, seq, h in wanted:
-        if through > pos:
-            fold_all(state, store.read(pos + 1, through))
-            if progress is not None:
-                progress(through - pos)
-            pos = through
-        got = state_hash(state)
-        if got != h:
-            problems.append(f"seq {seq}: StateCheckpoint through seq {through} says state hash {h[:16]}…, "
-                            f"replay gives {got[:16]}…")
-    return problems
+def _decoded(rows):
+    """(seq, ts_ns, event) from raw rows; a payload that does not decode is named by its seq."""
+    for r in rows:
+        seq = r[0]
+        try:
+            yield seq, r[1], decode_event(r[9], r[5], r[6])
+        except DecodeError as e:
+            raise ReplayError(f"seq {seq}: {e}") from e
