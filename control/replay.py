@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from events.codec import DecodeError, decode_event
-from control.fold import fold_all, fold_decoded
+from control.fold import fold_decoded
 from control.state import State, decode_state, encode_state, state_hash
 
 
@@ -17,7 +17,7 @@ class ReplayError(Exception):
 
 
 def replay(store, to_seq: int | None = None, *, use_snapshots: bool = True,
-           progress: Callable[[int], None] | None = None, chunk: int = 20_000) -> tuple[State, int]:
+           progress: Callable[[int], None] | None = None) -> tuple[State, int]:
     """Fold the ledger through ``to_seq`` (default: the end). Returns (state, snapshot seq used or 0)."""
     last = store.last_seq()
     target = last if to_seq is None else to_seq
@@ -31,13 +31,16 @@ def replay(store, to_seq: int | None = None, *, use_snapshots: bool = True,
             if state_hash(state) != snap.state_hash:
                 raise ReplayError(f"snapshot at seq {snap.through_seq} does not match its recorded hash")
             start = snap.through_seq
-    snapshot_seq = start
     if start < target:
-        for rows in store.raw_batches(start + 1, target):
-            fold_decoded(state, _decoded(rows))
-            if progress is not None:
-                progress(len(rows))
-    return state, snapshot_seq
+        _fold_range(state, store, start + 1, target, progress)
+    return state, start
+
+
+def _fold_range(state: State, store, lo: int, hi: int, progress=None) -> None:
+    for rows in store.raw_batches(lo, hi):
+        fold_decoded(state, _decoded(rows))
+        if progress is not None:
+            progress(len(rows))
 
 
 def _decoded(rows):
@@ -56,9 +59,7 @@ def write_snapshots(store, every: int = 100_000, progress=None) -> list[int]:
     last = store.last_seq()
     while pos < last:
         hi = min(last, pos + every)
-        fold_all(state, store.read(pos + 1, hi))
-        if progress is not None:
-            progress(hi - pos)
+        _fold_range(state, store, pos + 1, hi, progress)
         pos = hi
         if pos % every == 0 or pos == last:
             store.save_snapshot(pos, encode_state(state), state_hash(state))
@@ -73,9 +74,7 @@ def check_checkpoints(store, checkpoints, progress=None) -> list[str]:
     state, pos = State(), 0
     for through, seq, h in wanted:
         if through > pos:
-            fold_all(state, store.read(pos + 1, through))
-            if progress is not None:
-                progress(through - pos)
+            _fold_range(state, store, pos + 1, through, progress)
             pos = through
         got = state_hash(state)
         if got != h:

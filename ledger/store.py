@@ -7,7 +7,7 @@
 
 One writer at a time assigns seqs (see ``Dialect.begin_write`` for why it is a lock, not a
 sequence), so seqs are gapless and in commit order; an append is one transaction. Reads stream in
-keyset batches (``seq >= last + 1 ... LIMIT n``), one short statement each: no cursor or lock is
+batches of seq ranges (``seq BETWEEN a AND a + n - 1``), one short statement each: no cursor or lock is
 held between batches, and since rows never change, batches read at different times still form one
 consistent prefix of the ledger.
 """
@@ -40,7 +40,7 @@ class LedgerStore:
         self._raw = raw
         self._d = raw.dialect
         self._read_sql = (f"SELECT {', '.join(RAW_COLUMNS)} FROM events "
-                          f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq LIMIT {self._d.p}")
+                          f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -137,13 +137,22 @@ class LedgerStore:
         return prefetched(batches) if to_seq - start >= batch else batches
 
     def _fetch_batches(self, start: int, to_seq: int, batch: int) -> Iterator[list[tuple]]:
+        # NOTE: each query asks for a closed range of at most ``batch`` seqs, not "seq >= a ORDER BY
+        # seq LIMIT n": on a freshly loaded PostgreSQL table (no statistics yet) the planner answers
+        # the open form by sorting everything after a, once per batch. A gap (only in a damaged
+        # ledger) is skipped by asking where the next stored seq is.
         while start <= to_seq:
+            hi = min(to_seq, start + batch - 1)
             with self._raw.cursor("reading events") as (_conn, cur):
-                rows = self._d.fetchall(cur, self._read_sql, (start, to_seq, batch))
-            if not rows:
-                return
-            yield rows
-            start = rows[-1][0] + 1
+                rows = self._d.fetchall(cur, self._read_sql, (start, hi))
+            if rows:
+                yield rows
+                start = hi + 1
+            else:
+                nxt = self.next_seq(start)
+                if nxt is None:
+                    return
+                start = nxt
 
     def read_raw(self, from_seq: int = 1, to_seq: int | None = None) -> Iterator[RawRow]:
         """Undecoded rows from ``from_seq`` through ``to_seq`` (default: the last seq now)."""
