@@ -130,4 +130,7 @@ def import_jsonl(store: "LedgerStore", fp: IO[str], progress: Callable[[int], No
         if batch:
             d.insert_events(cur, batch)
         conn.commit()
+        if not d.sqlite:   # give the planner statistics now rather than whenever autovacuum gets to it
+            cur.execute("ANALYZE events")
+            conn.commit()
     return seq

@@ -216,3 +216,13 @@ def test_a_failing_worker_falls_back_to_one_pass_and_says_so(tmp_path, rng, monk
             report = store.verify(workers=2)
     assert report.ok and report.num_events == 30
     assert [e["returncode"] for e in logs if e["event"] == "ledger_verify_parallel_failed"] == [3, 3]
+
+
+def test_reads_step_over_a_gap_wider_than_a_batch(filled, rng):
+    store, n = filled
+    a = rng.randint(2, n - 10)
+    b = a + rng.randint(3, 8)
+    run_unguarded(store, "DELETE FROM events WHERE seq BETWEEN :a AND :b", {"a": a, "b": b})
+    left = [s for s in range(1, n + 1) if not a <= s <= b]
+    assert [r[0] for rows in store.raw_batches(batch=3) for r in rows] == left
+    assert store.verify().problem == f"seq {a} is missing (the next stored row is seq {b + 1})"
