@@ -33,14 +33,19 @@ class Server:
         self.client = AskClient(ask_endpoint(run_dir), timeout_s=10)
         self.popen = None
 
-    def start(self, faults: str = ""):
+    def start(self, faults: str = "", crash_may_come_first: bool = False):
+        """Start and wait for the worker to link. With ``crash_may_come_first`` an injected crash
+        during recovery itself (before the link) is one more random point, not a failure."""
         env = {"RESIDENCY_CONTROL_FAULTS": faults, "RESIDENCY_LOG_FORMAT": "console"}
         self.popen = spawn(serve_argv(self.url, self.run_dir, adopt_grace_s=8), self.log_path, env=env)
+        self.crash_may_come_first = crash_may_come_first
         wait_for(self.worker_linked, timeout=60, interval=0.1, what="worker linked")
         return self
 
     def worker_linked(self) -> bool:
         if self.popen.poll() is not None:
+            if self.crash_may_come_first and self.popen.returncode == -signal.SIGKILL:
+                return True
             raise AssertionError(f"serve exited with {self.popen.returncode}:\n{self.log_path.read_text()[-3000:]}")
         try:
             return self.client.ask(AskStatus(ask_id="t", include_state=False), timeout_s=2).metrics.get(
@@ -110,7 +115,7 @@ def test_control_killed_at_each_point_of_a_move_and_at_random_points_then_restar
         # 5. killed at random points of a stream of moves, restarted each time
         for round_ in range(4):
             n = rng.randint(2, 40)
-            srv.start(f"crash_after_events={n}")
+            srv.start(f"crash_after_events={n}", crash_may_come_first=True)
             for i in range(200):
                 if srv.popen.poll() is not None:
                     break
@@ -144,4 +149,5 @@ def test_control_killed_at_each_point_of_a_move_and_at_random_points_then_restar
     assert types.count("WorkerJoined") == 1          # the same worker, adopted by every incarnation
     assert state.workers[0].alive and not state.inflight
     log = (tmp_path / "serve.log").read_text()
-    assert log.count("worker_adopted") == 8
+    # 3 fixed restarts and the last one adopt for sure; a random round may crash before adopting
+    assert 4 <= log.count("worker_adopted") <= 8
