@@ -12,7 +12,7 @@ schema it drops afterwards. Every timed figure is the best of --repeat runs, all
 JSON: this is a shared 2-core VM whose speed swings by tens of percent from minute to minute. The
 ceiling ratio is the median of --repeat + 2 back-to-back (ours, then raw) pairs.
 Appends use durability="normal" unless the row says "full" (see ledger.backend for what each means).
-Replay and snapshot timings live in bench/replay.py (control's bench), see ``bench_replay`` below.
+Replay and snapshot timings live in bench/replay.py.
 """
 from __future__ import annotations
 
@@ -170,11 +170,6 @@ def sqlite_ceiling(rows: list[tuple], ddl: list[str], batch: int) -> float:
 
 def best(samples: list[float]) -> float:
     return max(samples)
-
-
-def bench_replay(store: LedgerStore, num_events: int) -> dict | None:
-    """Hook for replay/snapshot timings. Those belong to control (bench/replay.py runs them)."""
-    return None
 
 
 # ---------------------------------------------------------------------------- the runs
