@@ -272,9 +272,6 @@ def main() -> None:
     fresh_sqlite()
     with big_ledger(results, sqlite_url()[0], "sqlite", args.events, args.repeat, args.seed) as store:
         sqlite_bytes(results, store, args.events)
-        replay = bench_replay(store, args.events)
-        if replay:
-            results["replay"] = replay
     fresh_sqlite()
 
     if args.pg:
