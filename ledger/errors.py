@@ -54,7 +54,7 @@ def masked(url: str | URL) -> str:
 
 
 def init_hint(url: str | URL) -> str:
-    return f"run `residency ledger init {masked(url)}` to create one"
+    return f"run `residency ledger init --db {masked(url)}` to create one"
 
 
 # SQLite says these when the file is something other than an SQLite database.
