@@ -10,13 +10,17 @@ uses the same strings); they are repeated here because dataplane never imports c
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import zmq
 
 from events.codec import encode_message
-from events.commands import AnyCommand, AnyMessage
+from events.commands import AnyCommand, AnyMessage, ErrorReply
+
+# What the control process may send a worker: its commands, and a named error (e.g.
+# ``unknown_worker`` after a control restart, which the worker answers with Hello).
+FROM_CONTROL = Union[tuple(AnyCommand.__args__) + (ErrorReply,)]
 
 MALFORMED = "malformed_message"
 UNKNOWN_TYPE = "unknown_message_type"
@@ -72,7 +76,7 @@ class ControlLink:
         self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         self.sock.connect(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(AnyCommand)
+        self._decoder = msgspec.msgpack.Decoder(FROM_CONTROL)
 
     def recv(self) -> Any:
         """One command, non-blocking (``zmq.Again`` when none); a WorkerTransportError if it is bad."""
