@@ -304,6 +304,16 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
     t_restore = timer(restore_and_prefill, repeat=5, warmup=1)
     t_copy = timer(lambda: pool[:hist_blocks].copy_(host, non_blocking=True), repeat=5, warmup=1)
     t_turn = timer(lambda: r.forward([SeqInput(new_ids, history, table)], pool), repeat=5, warmup=1)
+    # The same turn with its attention through SDPA over gathered pages (the path before the
+    # extend kernel), side by side: time and how far its logits are from the kernel's.
+    import dataplane.model.runner as runner_mod
+    saved, runner_mod.EXTEND_MAX_TOKENS = runner_mod.EXTEND_MAX_TOKENS, 0
+    try:
+        t_turn_sdpa = timer(lambda: r.forward([SeqInput(new_ids, history, table)], pool), repeat=5, warmup=1)
+        sdpa_logits = r.forward([SeqInput(new_ids, history, table)], pool)[0]
+    finally:
+        runner_mod.EXTEND_MAX_TOKENS = saved
+    extend_logits = r.forward([SeqInput(new_ids, history, table)], pool)[0]
     t_recompute = timer(recompute, repeat=3, warmup=1)
     t_pipe = None
     if copy_layer is not None:
@@ -316,6 +326,9 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
         "ttft_restore_ms": t_restore * 1e3, "restore_copy_ms": t_copy * 1e3,
         "restore_copy_gbs": host.numel() * host.element_size() / t_copy / 1e9,
         "new_turn_prefill_ms": t_turn * 1e3,
+        "new_turn_prefill_sdpa_ms": t_turn_sdpa * 1e3,
+        "rel_err_extend_vs_sdpa_logits": rel(extend_logits, sdpa_logits),
+        "same_greedy_token_extend_vs_sdpa": int(extend_logits.argmax()) == int(sdpa_logits.argmax()),
         "ttft_recompute_ms": t_recompute * 1e3, "speedup": t_recompute / t_restore,
         "same_greedy_token": int(out["restored"].argmax()) == int(out["recomputed"].argmax()),
         "rel_err_restored_vs_recomputed": rel(out["restored"], out["recomputed"]),
@@ -324,7 +337,8 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
         res.update(ttft_pipelined_ms=t_pipe * 1e3, speedup_pipelined=t_recompute / t_pipe,
                    pipelined_equals_restored_bitwise=bool(torch.equal(out["pipelined"], out["restored"])))
     log(f"  TTFT {history}+{new}: restore+prefill {res['ttft_restore_ms']:.1f} ms (copy {res['restore_copy_ms']:.1f} ms "
-        f"at {res['restore_copy_gbs']:.1f} GB/s, turn prefill {res['new_turn_prefill_ms']:.1f} ms) vs recompute "
+        f"at {res['restore_copy_gbs']:.1f} GB/s, turn prefill {res['new_turn_prefill_ms']:.1f} ms, "
+        f"{res['new_turn_prefill_sdpa_ms']:.1f} ms through SDPA) vs recompute "
         f"{res['ttft_recompute_ms']:.1f} ms: x{res['speedup']:.1f}"
         + (f"; layer-pipelined {t_pipe * 1e3:.1f} ms: x{res['speedup_pipelined']:.1f}" if t_pipe else ""))
     del pool

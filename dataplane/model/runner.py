@@ -10,7 +10,9 @@ The runner owns no blocks: the caller (the scheduler) passes each sequence's blo
 slots; the runner writes the new tokens' K/V into those pages and reads the context from them.
 All new tokens of the step go through every matmul together (one [T, hidden] activation); only
 attention is per-kind: the Triton decode kernel (torch reference on CPU) for one-token
-sequences, SDPA over the gathered pages for longer ones.
+sequences; for longer ones on the GPU, the Triton extend kernel (pages read in place, keys split
+over programs) up to EXTEND_MAX_TOKENS new tokens and SDPA over the gathered pages beyond; SDPA
+on CPU (the extend kernel's reference has the same semantics).
 
 NOTE (determinism): the output is a function of (weights, new tokens, pool bytes) only: a prefix
 restored from a copy and one computed in place give the same logits. With
@@ -37,6 +39,14 @@ from kernels.attention import (
     rope_and_cache,
     rope_and_cache_ref,
 )
+from kernels.prefill_attention import paged_extend_attention
+
+
+# A span of at most this many new tokens (a new turn over a cached or restored history) goes
+# through the Triton extend kernel, which reads the pages in place and splits the keys over
+# programs; longer prefills through SDPA, whose query tiles then fill the GPU by themselves
+# (the extend kernel re-reads K/V once per 64 query rows). bench/serve_model.py measures both.
+EXTEND_MAX_TOKENS = 512
 
 
 class LayerReady(Protocol):
@@ -240,7 +250,11 @@ class ModelRunner:
             qd = q.index_select(0, plan.dec_rows)
             out.index_copy_(0, plan.dec_rows, decode(qd, kv_pool, layer, plan.dec_block_tables,
                                                      plan.dec_context_lens, self.sm_scale))
-        attend = paged_attention_invariant if self.batch_invariant else paged_prefill_attention
         for r0, r1, bt, start, ctx in plan.spans:
-            out[r0:r1] = attend(q[r0:r1], kv_pool, layer, bt, start, ctx, self.sm_scale)
+            if self.batch_invariant:
+                out[r0:r1] = paged_attention_invariant(q[r0:r1], kv_pool, layer, bt, start, ctx, self.sm_scale)
+            elif self._gpu and r1 - r0 <= EXTEND_MAX_TOKENS:
+                paged_extend_attention(q[r0:r1], kv_pool, layer, bt, start, self.sm_scale, out=out[r0:r1])
+            else:
+                out[r0:r1] = paged_prefill_attention(q[r0:r1], kv_pool, layer, bt, start, ctx, self.sm_scale)
         return out.view(T, -1)
