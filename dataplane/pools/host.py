@@ -11,7 +11,9 @@ On CPU-only hosts the buffer is plain RAM (pin_memory needs CUDA); ``pinned`` sa
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from itertools import repeat
 
 import torch
 
@@ -38,24 +40,22 @@ class HostPool(BlockPool):
 
     def checksums_of(self, block_ids: Iterable[int]) -> list[int]:
         cs = self._checksums
-        ids = list(block_ids)
-        missing = [b for b in ids if b not in cs]
-        if missing:
-            raise NotResident("host", missing)
-        return [cs[b] for b in ids]
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        if not cs.keys() >= set(ids):
+            raise NotResident("host", [b for b in ids if b not in cs])
+        return list(map(cs.__getitem__, ids))
 
     def set_checksums(self, block_ids: Iterable[int], checksums: Iterable[int]) -> None:
         ids, sums = list(block_ids), list(checksums)
         if len(ids) != len(sums):
             raise IntegrityError(f"host: {len(ids)} blocks but {len(sums)} checksums")
-        absent = [b for b in ids if b not in self.table._slot]
-        if absent:
-            raise NotResident("host", absent)
+        if not self.table._slot.keys() >= set(ids):
+            raise NotResident("host", [b for b in ids if b not in self.table._slot])
         self._checksums.update(zip(ids, sums))
 
     def publish(self, block_ids: list[int]) -> None:
-        missing = [b for b in block_ids if b not in self._checksums]
-        if missing:
+        if not self._checksums.keys() >= set(block_ids):
+            missing = [b for b in block_ids if b not in self._checksums]
             raise IntegrityError(f"host: publishing blocks with no checksum recorded: {missing[:16]}")
         self.table.publish(block_ids)
 
@@ -65,12 +65,15 @@ class HostPool(BlockPool):
             self._checksums.pop(b, None)
 
     def free(self, block_ids: Iterable[int]) -> int:
-        ids = list(block_ids)
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         freed = self.table.free(ids)
         slot_map, cs = self.table._slot, self._checksums
-        for b in ids:
-            if b not in slot_map:
-                cs.pop(b, None)
+        if slot_map.keys().isdisjoint(ids):         # the common case: every listed copy is gone
+            deque(map(cs.pop, ids, repeat(None, len(ids))), maxlen=0)
+        else:
+            for b in ids:
+                if b not in slot_map:
+                    cs.pop(b, None)
         return freed
 
     def allocate(self, block_ids):  # a host copy without a checksum would be unverifiable
