@@ -228,6 +228,70 @@ class Bench:
             self.run(self.mv("restore", "host", "device", self.B))
         return 2 * self.bytes / statistics.median(walls) / GB
 
+    def bidir_probe(self):
+        """Where does "both at once" lose against the bidirectional ceiling? The same 2 GiB each
+        way through ever more of the engine's machinery, aggregate GB/s:
+
+          plain_default_streams   one copy per direction on two fresh default-priority streams
+          plain_engine_streams    the same on the engine's (high-priority) d2h / h2d streams
+          chunked_64MiB           32 copies of 64 MiB per direction, engine streams
+          copy_path_<mode>        the engine's Copier both ways (gather/scatter + DMA), no bookkeeping
+        """
+        d = self.dev
+        if d.type != "cuda":
+            return
+        ctx, dp, hp = self.e.ctx, self.e.device_pool, self.e.host_pool
+        s = ctx.streams
+        h_a, h_b, reps = self.h_a.tensor, self.h_b.tensor, self.args.reps
+        out: dict = {}
+
+        def agg(fn) -> float:
+            return 2 * self.bytes / statistics.median(timed(d, fn) for _ in range(reps)) / GB
+
+        f1, f2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
+
+        def plain(sa, sb):
+            def go():
+                with torch.cuda.stream(sa):
+                    h_b.copy_(self.d_a, non_blocking=True)
+                with torch.cuda.stream(sb):
+                    self.d_b.copy_(h_a, non_blocking=True)
+            return go
+
+        def chunked():
+            step = max(1, (64 << 20) // self.layout.block_bytes)
+            for lo in range(0, self.n, step):
+                with torch.cuda.stream(s.d2h):
+                    h_b[lo:lo + step].copy_(self.d_a[lo:lo + step], non_blocking=True)
+                with torch.cuda.stream(s.h2d):
+                    self.d_b[lo:lo + step].copy_(h_a[lo:lo + step], non_blocking=True)
+
+        out["plain_default_streams_GBps"] = agg(plain(f1, f2))
+        out["plain_engine_streams_GBps"] = agg(plain(s.d2h, s.h2d))
+        out["chunked_64MiB_GBps"] = agg(chunked)
+        self.run(self.mv("evict", "device", "host", self.A))       # A on the host, B on the device
+        try:
+            for mode in ("staged", "dma"):
+                ctx.copy_modes.update(d2h=mode, h2d=mode)
+                b_dev = dp.slots_of(self.B)
+                free_host = sorted(hp.table._free)[: self.n]
+                a_host = sorted(hp.slots_of(self.A))
+                free_dev = sorted(dp.table._free)[: self.n]
+
+                def go():
+                    out_c = Copier(ctx, "d2h", dp.words, b_dev, hp.words, free_host)
+                    in_c = Copier(ctx, "h2d", hp.words, a_host, dp.words, free_dev)
+                    out_c.enqueue(0, self.n)
+                    in_c.enqueue(0, self.n)
+                    out_c.done().synchronize()
+                    in_c.done().synchronize()
+                out[f"copy_path_{mode}_GBps"] = agg(go)
+        finally:
+            self.run(self.mv("restore", "host", "device", self.A))
+        for k in list(out):
+            out[k.replace("_GBps", "_fraction_of_ceiling")] = self.frac(out[k], self.res["ceiling_bidir_GBps"])
+        self.res["bidir_probe"] = out
+
     def both(self, into: dict, d2h: str, h2d: str) -> None:
         into["both_GBps"] = self.both_at_once(d2h, h2d)
         one = (into["spill_GBps"] + into["restore_GBps"]) / 2
@@ -329,7 +393,7 @@ class Bench:
                              chunks_per_block=2 * self.layout.num_layers,
                              chunk_bytes=self.layout.page_bytes),
                  host_pinned=self.e.host_pool.pinned, pinning=self.e.host_pool.buffer.how, reps=self.args.reps)
-        for name in ("ceiling", "engine_modes", "baselines", "checksum_kernel"):
+        for name in ("ceiling", "bidir_probe", "engine_modes", "baselines", "checksum_kernel"):
             self.section(name, getattr(self, name))
         modes = r.get("modes", {})
         if modes:
@@ -487,6 +551,9 @@ def table(r: dict) -> str:
 
 
 def main(argv=None):
+    from events.logconfig import configure_logging
+
+    configure_logging()          # as a worker runs: info level, so per-move debug lines cost nothing
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--layers", type=int, default=32)
