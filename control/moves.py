@@ -23,7 +23,7 @@ import msgspec
 from events import catalog as ev
 from events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
 from control.budget import Refusal, can_fund
-from control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, split_for_destination
+from control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
 from control.policy.restore import plan_restore
 from control.state import MoveState, State
 
@@ -47,6 +47,9 @@ def move_id(epoch: int, n: int) -> str:
 
 
 # ------------------------------------------------------------------ ask -> asks
+# NOTE: a big move names thousands of blocks (a 2 GiB spill of 2 MiB pages: 1024), and every check
+# below runs on the control loop between the ask and the command: one pass per block, set algebra
+# (in C) where a check is a membership test, and each fact is checked once.
 def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | None = None) -> list[Ask]:
     """The asks an ``AskMove`` means, against the current state; raises InvalidAsk."""
     if msg.kind not in KIND_DEFAULTS:
@@ -60,17 +63,21 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
     keep = keep0 if msg.keep_source is None else msg.keep_source
     wb = state.blocks.get(msg.worker, {})
     if msg.blocks:
-        blocks = list(dict.fromkeys(msg.blocks))
-        missing = [b for b in blocks if b not in wb]
-        if missing:
-            raise InvalidAsk(f"worker {msg.worker} has no blocks {missing[:16]}")
+        blocks = msg.blocks
+        unique = set(blocks)
+        if len(unique) != len(blocks):
+            blocks = list(dict.fromkeys(blocks))
+        if not wb.keys() >= unique:
+            raise InvalidAsk(f"worker {msg.worker} has no blocks {[b for b in blocks if b not in wb][:16]}")
     elif msg.session is not None:
-        blocks = [b for b, st in wb.items() if st.session == msg.session]
+        session = msg.session
+        blocks = [b for b, st in wb.items() if st.session == session]
         if not blocks:
             raise InvalidAsk(f"session {msg.session!r} has no blocks on worker {msg.worker}")
     else:
         raise InvalidAsk("name the blocks or the session to move")
     if msg.kind == "restore":
+        # plan_restore keeps only blocks with a copy on their source and none on the device
         asks = plan_restore(state, asker, msg.worker, blocks, msg.session, keep, msg.src)
         if not asks:
             raise InvalidAsk(f"nothing to restore: blocks {blocks[:16]} are on the device or have no copy"
@@ -78,23 +85,66 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
     else:
         if src == dst:
             raise InvalidAsk(f"{msg.kind} needs two different tiers, got {src} -> {dst}")
-        on_src = [b for b in blocks if src in wb[b].tiers]
-        if msg.blocks and len(on_src) != len(blocks):
-            raise InvalidAsk(f"blocks {[b for b in blocks if b not in on_src][:16]} have no copy on {src}")
-        if not on_src:
-            raise InvalidAsk(f"session {msg.session!r} has no blocks on {src}")
-        asks = split_for_destination(state, asker, msg.kind, msg.worker, src, dst, on_src, keep,
-                                     msg.session, asker)
-        if not asks:
-            raise InvalidAsk(f"blocks {on_src[:16]} already have a copy on {dst}")
-    for a in asks:
-        validate(state, a, busy)
+        asks = _split(msg, asker, wb, blocks, src, dst, keep)
+    busy = busy if busy is not None else busy_blocks(state)
+    for a in asks:      # the blocks' copies were checked above, against this same state
+        _check_route(state, a)
+        _check_not_busy(a, busy)
+    return asks
+
+
+def _split(msg: AskMove, asker: str, wb: dict, blocks: list[int], src: str, dst: str, keep: bool) -> list[Ask]:
+    """``split_for_destination`` of the blocks with a copy on ``src``, in the same single pass
+    that finds them: blocks with a copy on ``dst`` already need no copy (only a release of the
+    source, when the source is to be freed)."""
+    to_copy: list[int] = []
+    already: list[int] = []
+    no_src: list[int] = []
+    for b in blocks:
+        tiers = wb[b].tiers
+        if src not in tiers:
+            no_src.append(b)
+        elif dst in tiers:
+            already.append(b)
+        else:
+            to_copy.append(b)
+    if msg.blocks and no_src:
+        raise InvalidAsk(f"blocks {no_src[:16]} have no copy on {src}")
+    if not to_copy and not already:
+        raise InvalidAsk(f"session {msg.session!r} has no blocks on {src}")
+    asks = []
+    if to_copy:
+        asks.append(Ask(asker=asker, kind=msg.kind, worker=msg.worker, src=src, dst=dst, blocks=tuple(to_copy),
+                        keep_source=keep, session=msg.session, reason=asker))
+    if already and not keep:
+        asks.append(release(asker, msg.worker, src, already, f"{msg.kind} (copy already on {dst})", msg.session))
+    if not asks:
+        raise InvalidAsk(f"blocks {already[:16]} already have a copy on {dst}")
     return asks
 
 
 def validate(state: State, ask: Ask, busy: dict[int, set[int]] | None = None) -> None:
     """Raise InvalidAsk unless every block has a copy on src (and none on dst, for a copy) and no
     other unresolved move names it."""
+    _check_route(state, ask)
+    wb = state.blocks.get(ask.worker, {})
+    src, dst, copy = ask.src, ask.dst, not ask.is_release
+    bad: list[int] = []
+    there: list[int] = []
+    for b in ask.blocks:
+        st = wb.get(b)
+        if st is None or src not in st.tiers:
+            bad.append(b)
+        elif copy and dst in st.tiers:
+            there.append(b)
+    if bad:
+        raise InvalidAsk(f"blocks {bad[:16]} have no copy on {src} of worker {ask.worker}")
+    if there:
+        raise InvalidAsk(f"blocks {there[:16]} already have a copy on {dst}")
+    _check_not_busy(ask, busy if busy is not None else busy_blocks(state))
+
+
+def _check_route(state: State, ask: Ask) -> None:
     ws = state.workers.get(ask.worker)
     if ws is None or not ws.alive:
         raise InvalidAsk(f"worker {ask.worker} is not serving")
@@ -105,17 +155,12 @@ def validate(state: State, ask: Ask, busy: dict[int, set[int]] | None = None) ->
         raise InvalidAsk(f"worker {ask.worker} has no {ask.dst} tier")
     if not ask.blocks:
         raise InvalidAsk("no blocks")
-    wb = state.blocks.get(ask.worker, {})
-    bad = [b for b in ask.blocks if b not in wb or ask.src not in wb[b].tiers]
-    if bad:
-        raise InvalidAsk(f"blocks {bad[:16]} have no copy on {ask.src} of worker {ask.worker}")
-    if not ask.is_release:
-        there = [b for b in ask.blocks if ask.dst in wb[b].tiers]
-        if there:
-            raise InvalidAsk(f"blocks {there[:16]} already have a copy on {ask.dst}")
-    taken = (busy if busy is not None else busy_blocks(state)).get(ask.worker, set())
-    clash = [b for b in ask.blocks if b in taken]
-    if clash:
+
+
+def _check_not_busy(ask: Ask, busy: dict[int, set[int]]) -> None:
+    taken = busy.get(ask.worker)
+    if taken and not taken.isdisjoint(ask.blocks):
+        clash = [b for b in ask.blocks if b in taken]
         raise InvalidAsk(f"blocks {clash[:16]} are busy in another move that has no outcome yet")
 
 

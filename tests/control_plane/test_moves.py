@@ -105,6 +105,70 @@ def test_invalid_asks_are_named_and_record_nothing():
             moves.resolve(b.state, msg, "operator")
 
 
+def _resolve_ref(state, msg, asker, busy):
+    """The plain version of ``moves.resolve`` for named blocks (one list per check, every ask
+    validated in full): the single-pass resolve must say exactly what this says."""
+    from control.policy.asks import KIND_DEFAULTS, split_for_destination
+    src0, dst0, keep0 = KIND_DEFAULTS[msg.kind]
+    src, dst = msg.src or src0, msg.dst or dst0
+    keep = keep0 if msg.keep_source is None else msg.keep_source
+    wb = state.blocks.get(msg.worker, {})
+    blocks = list(dict.fromkeys(msg.blocks))
+    missing = [b for b in blocks if b not in wb]
+    if missing:
+        raise moves.InvalidAsk(f"worker {msg.worker} has no blocks {missing[:16]}")
+    on_src = [b for b in blocks if src in wb[b].tiers]
+    if len(on_src) != len(blocks):
+        raise moves.InvalidAsk(f"blocks {[b for b in blocks if b not in on_src][:16]} have no copy on {src}")
+    asks = split_for_destination(state, asker, msg.kind, msg.worker, src, dst, on_src, keep, msg.session, asker)
+    if not asks:
+        raise moves.InvalidAsk(f"blocks {on_src[:16]} already have a copy on {dst}")
+    for a in asks:
+        moves.validate(state, a, busy)
+    return asks
+
+
+def test_resolve_in_one_pass_says_what_the_plain_checks_say():
+    import random
+    rng = random.Random(7)
+    tiers = ["device", "host", "disk"]
+    for _ in range(300):
+        b = Book(device=64, host=64, disk=64)
+        ids = rng.sample(range(100), 12)
+        for i in ids:       # each block: a random non-empty set of copies
+            have = [t for t in tiers if rng.random() < 0.5] or [rng.choice(tiers)]
+            b.commit([i], 0, tier=have[0])
+            for n, t in enumerate(have[1:]):
+                b.move(f"c{i}-{n}", "spill", have[0], t, [i], 0, keep=True)
+        busy = {0: set(rng.sample(ids, rng.randint(0, 2)))}
+        names = rng.sample(ids + [500], rng.randint(1, 6))
+        names += names[:rng.randint(0, 1)]                              # a repeated id now and then
+        kind = rng.choice(["spill", "evict", "park", "demote", "promote"])
+        msg = AskMove(ask_id="x", kind=kind, worker=0, blocks=names)
+        try:
+            want = _resolve_ref(b.state, msg, "operator", busy)
+        except moves.InvalidAsk as e:
+            want = f"InvalidAsk: {e}"
+        try:
+            got = moves.resolve(b.state, msg, "operator", busy)
+        except moves.InvalidAsk as e:
+            got = f"InvalidAsk: {e}"
+        assert got == want, (kind, names, busy)
+
+
+def test_a_move_of_blocks_partly_there_copies_the_rest_and_releases_their_source():
+    b = Book()
+    b.commit([1, 2, 3], 0, session="s")
+    b.move("s", "spill", "device", "host", [2], 1, keep=True)          # block 2: on device and host
+    asks = moves.resolve(b.state, AskMove(ask_id="x", kind="evict", worker=0, blocks=[1, 2, 3, 1]), "operator")
+    assert [(a.src, a.dst, a.blocks, a.keep_source) for a in asks] == [
+        ("device", "host", (1, 3), False), ("device", "device", (2,), True)]
+    spill = moves.resolve(b.state, AskMove(ask_id="x", kind="spill", worker=0, session="s"), "operator")
+    assert [(a.src, a.dst, a.blocks) for a in spill] == [("device", "host", (1, 3))]
+    with pytest.raises(moves.InvalidAsk, match="already have a copy on host"):
+        moves.resolve(b.state, AskMove(ask_id="x", kind="spill", worker=0, blocks=[2]), "operator")
+
+
 # ---------------------------------------------------------------------- watchdog
 def test_a_passed_deadline_strands_the_move_and_a_silent_release_is_stranded_not_zero():
     b = Book()
