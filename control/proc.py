@@ -366,6 +366,10 @@ class ControlProc:
             self._ready.set()
             while self._stop_reason is None:
                 self._poll()
+                self._recorder.flush()
+                self._commits()
+                # NOTE: after the commits, so a checkpoint's hash or a policy's scan never sits
+                # between an outcome and its answer; what the tick records commits right here.
                 self._tick()
                 self._recorder.flush()
                 self._commits()

@@ -571,3 +571,31 @@ def test_a_move_whose_request_cannot_be_committed_is_never_sent(fake_worker, sql
     finally:
         proc.stop()
         store.close()
+
+
+# ---------------------------------------------------------------------- where a move's time goes
+def test_when_the_tick_runs_every_outcome_is_committed_and_every_answer_that_can_go_has_gone(
+        make_control, fake_worker, sqlite_url):
+    """A checkpoint's hash or a policy's scan never sits between an outcome and its answer."""
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, checkpoint_every_events=1,
+                             checkpoint_every_s=0.0)
+    seen: list[tuple[int, int]] = []
+
+    def spy(p):
+        tick = p._tick
+
+        def watched():
+            rec = p._recorder
+            seen.append((len(rec._buffer), sum(1 for need, _ in p._answers if need <= rec.committed)))
+            tick()
+        p._tick = watched
+    proc.call(spy).result(5)
+    blocks = commit_blocks(proc, fw, 4)
+    for i, b in enumerate(blocks):
+        fut = proc.submit(AskMove(ask_id=f"a{i}", kind="evict", worker=0, blocks=[b]))
+        fw.send(fw.ack(fw.expect(ExecuteMove)))
+        assert fut.result(5).error is None
+    assert seen and all(s == (0, 0) for s in seen), [s for s in seen if s != (0, 0)][:5]
+    proc.stop("done")
+    check_ledger(store)
+
