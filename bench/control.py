@@ -8,6 +8,11 @@
     spill        (--spill-bytes; meant for --device cuda, e.g. 2 GiB on an H200) one large spill
                  device->host run by the engine in this process, then the same spill through the
                  control process and a worker: the difference is what the control plane adds.
+                 Each traced move also gives a breakdown (``PHASES``: the control's marks, the
+                 worker's MoveTimed, the ack's times) and the overhead against the worker's own
+                 engine call, measured in the same run for the same move.
+    control only (with --spill-bytes) the same number of 2 MiB blocks moved by a no-copy worker,
+                 many times: the control plane's cost of a big move without a copy's noise.
 
 Each figure is measured twice over: with the worker's real engine (copies and checksums on this
 device), and with ``--engine nocopy`` workers that keep block tables and move no bytes, which
@@ -72,12 +77,13 @@ class Cluster:
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
                             durability=durability, policy=PolicyConfig(pressure=False, park=False),
-                            moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000)
+                            moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
+                            trace_moves=64)
         self.proc = ControlProc(self.store, cfg).start()
         argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
-                "--no-disk-fsync", "--model", "none"]
+                "--no-disk-fsync", "--model", "none", "--report-timings"]
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -155,6 +161,98 @@ def _settled(futs) -> int:
     return len(futs)
 
 
+# Where a move's time goes, in order: (name, from mark, to mark). Marks are wall-clock ns: the
+# bench's own (submit, returned), the control's (control.proc.MoveTraces), the worker's (MoveTimed,
+# w_*) and the ack's started_ns/finished_ns. The worker's measured time is w_started..w_finished.
+PHASES = [
+    ("ask reaches the loop", "submit", "asked"),
+    ("control: resolve, fund, fold MoveRequested", "asked", "requested"),
+    ("control: commit MoveRequested", "requested", "committed"),
+    ("ExecuteMove to the worker's socket", "committed", "w_received"),
+    ("worker: decode, hand to engine thread", "w_received", "w_queued"),
+    ("worker: engine thread wakes", "w_queued", "w_engine_start"),
+    ("engine: before its clock starts", "w_engine_start", "w_started"),
+    ("engine: measured (started..finished)", "w_started", "w_finished"),
+    ("engine: after its clock stops", "w_finished", "w_engine_end"),
+    ("worker: outcome encoded and sent", "w_engine_end", "w_sent"),
+    ("outcome to the control's socket", "w_sent", "received"),
+    ("control: decode outcome", "received", "decoded"),
+    ("control: classify, fold MoveAcked", "decoded", "recorded"),
+    ("control: commit MoveAcked, answer", "recorded", "answered"),
+    ("answer reaches the asker", "answered", "returned"),
+]
+
+
+def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int]]:
+    """One move through the control process, with the phase marks of its trace."""
+    t0 = time.time_ns()
+    ans = c.proc.submit(ask).result(600)
+    t1 = time.time_ns()
+    if ans.error or type(ans.events[0]).__name__ != "MoveAcked":
+        raise RuntimeError(f"{ask.kind} through control: {ans}")
+    e = ans.events[0]
+    mid = ans.move_ids[0]
+    marks: dict[str, int] = {}
+    for _ in range(100):      # the worker's MoveTimed follows its outcome
+        marks = c.proc.call(lambda p: dict(p.traces.by_move.get(mid, {}))).result(10)
+        if "w_sent" in marks:
+            break
+        time.sleep(0.002)
+    marks.update(submit=t0, returned=t1, w_started=e.started_ns, w_finished=e.finished_ns)
+    return e, marks
+
+
+def breakdown(marks: dict[str, int]) -> dict[str, float] | None:
+    """Phase durations in ms (None when a mark is missing); they add up to the whole round trip."""
+    if any(a not in marks or b not in marks for _, a, b in PHASES):
+        return None
+    return {name: (marks[b] - marks[a]) / 1e6 for name, a, b in PHASES}
+
+
+def overheads(wall_s: float, marks: dict[str, int]) -> dict[str, float]:
+    """What the control plane added to one move, three ways (seconds)."""
+    out = {"through_control_s": wall_s, "worker_measured_s": (marks["w_finished"] - marks["w_started"]) / 1e9,
+           "control_overhead_vs_worker_s": wall_s - (marks["w_finished"] - marks["w_started"]) / 1e9}
+    if "w_engine_end" in marks:
+        engine_s = (marks["w_engine_end"] - marks["w_engine_start"]) / 1e9
+        out.update(engine_call_s=engine_s, control_overhead_vs_engine_call_s=wall_s - engine_s)
+    return out
+
+
+def spill_control_only(url: str, num_blocks: int, reps: int = 60) -> dict:
+    """The same number of 2 MiB blocks through the control process to a no-copy worker: the control
+    plane's cost of a big move without the copy (precise: each move takes ms, not seconds)."""
+    bb = layout_bytes(BIG_LAYOUT)
+    c = Cluster(url, "nocopy", "cpu", BIG_LAYOUT, num_blocks + 8, (num_blocks + 8) * bb)
+    try:
+        blocks = c.commit(num_blocks)
+        runs = []
+        for rep in range(reps + 4):
+            kind = "evict" if rep % 2 == 0 else "restore"
+            t0 = time.perf_counter()
+            _, marks = traced_move(c, AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks))
+            wall = time.perf_counter() - t0
+            if rep >= 4:
+                runs.append((kind, overheads(wall, marks), breakdown(marks)))
+    finally:
+        c.close()
+    out: dict = {"engine": "nocopy", "blocks": num_blocks, "block_bytes": bb, "moves_per_kind": reps // 2}
+    for kind in ("evict", "restore"):
+        rs = [r for r in runs if r[0] == kind]
+        vs = sorted(r[1]["control_overhead_vs_engine_call_s"] for r in rs)
+        best = min(rs, key=lambda r: r[1]["control_overhead_vs_engine_call_s"])
+        med = sorted(rs, key=lambda r: r[1]["control_overhead_vs_engine_call_s"])[len(rs) // 2]
+        out[kind] = {"overhead_vs_engine_call_ms": {"min": vs[0] * 1e3, "p50": pct(vs, 0.5) * 1e3,
+                                                    "p90": pct(vs, 0.9) * 1e3, "max": vs[-1] * 1e3},
+                     "breakdown_ms_best": best[2], "breakdown_ms_median": med[2]}
+    return out
+
+
+def layout_bytes(spec: str) -> int:
+    from dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    return layout_block_bytes(parse_layout(spec))
+
+
 def spill(url: str, device: str, spill_bytes: int) -> dict:
     """A large spill device->host: in this process (the engine alone) vs through the control process."""
     import torch  # noqa: PLC0415
@@ -202,17 +300,16 @@ def spill(url: str, device: str, spill_bytes: int) -> dict:
         for rep in range(3):
             kind = "evict" if rep % 2 == 0 else "restore"
             t0 = time.perf_counter()
-            ans = c.proc.submit(AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks)).result(600)
+            e, marks = traced_move(c, AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks))
             wall = time.perf_counter() - t0
-            e = ans.events[0]
-            if type(e).__name__ != "MoveAcked":
-                raise RuntimeError(f"spill through control: {ans}")
-            runs.append((kind, wall, (e.finished_ns - e.started_ns) / 1e9))
+            runs.append((kind, wall, (e.finished_ns - e.started_ns) / 1e9, overheads(wall, marks), breakdown(marks)))
         spills = [r for r in runs if r[0] == "evict"]
         best = min(spills, key=lambda r: r[1])
         out.update(through_control_s=best[1], worker_measured_s=best[2], through_control_gb_s=n * bb / best[1] / 1e9,
                    control_overhead_s=best[1] - out["in_process_s"],
-                   control_overhead_vs_worker_s=best[1] - best[2], through_control_runs=runs)
+                   control_overhead_vs_worker_s=best[1] - best[2],
+                   control_overhead_vs_engine_call_s=best[3].get("control_overhead_vs_engine_call_s"),
+                   breakdown_ms=best[4], through_control_runs=[r[:3] for r in runs])
     finally:
         c.close()
     return out
@@ -252,7 +349,7 @@ def main() -> int:
     backends = [("sqlite", lambda: (f"sqlite:///{tmp / uuid.uuid4().hex}.db", lambda: None))]
     if args.pg:
         backends.append(("postgresql", lambda: pg_url(args.pg)))
-    results: dict = {"round_trip": [], "sustained": [], "spill": None}
+    results: dict = {"round_trip": [], "sustained": [], "spill": None, "spill_control_only": None}
     load_before = os.getloadavg()
     rows = []
     for engine in args.engines.split(","):
@@ -283,17 +380,33 @@ def main() -> int:
     if args.spill_bytes:
         url, drop = backends[0][1]()
         try:
+            results["spill_control_only"] = co = spill_control_only(url, max(1, args.spill_bytes //
+                                                                            layout_bytes(BIG_LAYOUT)))
+        finally:
+            drop()
+        for kind in ("evict", "restore"):
+            o = co[kind]["overhead_vs_engine_call_ms"]
+            line = (f"control only, {co['blocks']} blocks {kind:7s} (nocopy worker, {co['moves_per_kind']} moves): "
+                    f"control overhead min {o['min']:.3f} ms  p50 {o['p50']:.3f}  p90 {o['p90']:.3f}")
+            rows.append(line)
+            print(line, flush=True)
+        url, drop = backends[0][1]()
+        try:
             results["spill"] = spill(url, args.device, args.spill_bytes)
         finally:
             drop()
         s = results["spill"]
+        vs_engine = s["control_overhead_vs_engine_call_s"]
         line = (f"spill {s['bytes'] / 2**30:.2f} GiB {args.device}: in process {s['in_process_s'] * 1e3:.1f} ms "
                 f"({s['in_process_gb_s']:.1f} GB/s), through control {s['through_control_s'] * 1e3:.1f} ms "
                 f"({s['through_control_gb_s']:.1f} GB/s; worker measured {s['worker_measured_s'] * 1e3:.1f} ms), "
                 f"control overhead {s['control_overhead_s'] * 1e3:.1f} ms vs in process, "
-                f"{s['control_overhead_vs_worker_s'] * 1e3:.1f} ms vs the worker's own time")
+                f"{s['control_overhead_vs_worker_s'] * 1e3:.1f} ms vs the worker's own time"
+                + (f", {vs_engine * 1e3:.2f} ms vs the worker's engine call" if vs_engine is not None else ""))
         rows.append(line)
         print(line)
+        for name, ms in (s.get("breakdown_ms") or {}).items():
+            print(f"    {name:45s} {ms:10.3f} ms")
     shutil.rmtree(tmp, ignore_errors=True)
     doc = {
         "bench": "control", "date": dt.date.today().isoformat(), "git_commit": git_commit(),

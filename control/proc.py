@@ -36,8 +36,8 @@ import zmq
 from events import catalog as ev
 from events.commands import (
     AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, BlocksReleased,
-    BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, Hello, MovesReport, Ping, Pong, QueryMoves,
-    Shutdown, StatusReport,
+    BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, Hello, MovesReport, MoveTimed, Ping, Pong,
+    QueryMoves, Shutdown, StatusReport,
 )
 from events.envelope import Envelope, Recorded
 from control import budget, moves, recovery, watchdog
@@ -81,6 +81,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     release_on_stop: bool = True          # a clean stop frees every copy by the book
     config_digest: str = ""
     faults: str = ""                      # ControlFaults spec; off unless set (tests only)
+    trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
@@ -222,6 +223,34 @@ class Recorder:
         return len(self._pending) + len(self._buffer)
 
 
+class MoveTraces:
+    """Wall-clock marks (``time.time_ns``, the clock of a worker's ``started_ns``/``finished_ns``)
+    of the phases of the last ``keep`` moves: where a move's time goes between the asker and the
+    worker (bench/control.py prints the breakdown). Off (keep=0) unless configured.
+
+        asked      the loop took the ask          requested  its MoveRequested folded and buffered
+        committed  that event committed (sent)    sent       the command handed to ZMQ
+        received   the outcome read off the socket (before decoding)
+        decoded    the outcome decoded, handler entered
+        recorded   its terminal event folded and buffered
+        answered   that event committed, the asker answered
+    """
+
+    def __init__(self, keep: int = 0):
+        self.keep = keep
+        self.by_move: dict[str, dict[str, int]] = {}
+
+    def mark(self, move_id: str, phase: str, t_ns: int | None = None) -> None:
+        if not self.keep:
+            return
+        marks = self.by_move.get(move_id)
+        if marks is None:
+            if len(self.by_move) >= self.keep:
+                del self.by_move[next(iter(self.by_move))]
+            marks = self.by_move[move_id] = {}
+        marks[phase] = time.time_ns() if t_ns is None else t_ns
+
+
 class WorkerLink:
     __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "asked", "last_query_ns", "device")
 
@@ -259,13 +288,14 @@ class ControlProc:
             Hello: self._on_hello, Pong: self._on_pong, ev.MoveAcked: self._on_outcome,
             ev.MoveFailed: self._on_outcome, ev.MoveRejected: self._on_outcome, BlocksReleased: self._on_released,
             BlocksWritten: self._on_written, MovesReport: self._on_report, CommandFailed: self._on_command_failed,
-            ErrorReply: self._on_worker_error,
+            ErrorReply: self._on_worker_error, MoveTimed: self._on_timed,
         }
         self._unhandled_logged: set[type] = set()
         self._listeners: list[Callable[[int, ev.Event], None]] = []
         # Blocks the serving path is using right now (worker -> ids): policies never move them.
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
         self.metrics: collections.Counter = collections.Counter()
+        self.traces = MoveTraces(config.trace_moves)
         # set by _recover()
         self.state = State()
         self.recency = Recency()
@@ -439,6 +469,7 @@ class ControlProc:
         self._num_moves = 0
         self._num_refs = 0
         self._next_block: dict[int, int] = {}
+        self._ask_ns = self._recv_ns = 0
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now}
         self._next_park = now
@@ -583,6 +614,7 @@ class ControlProc:
         self._handlers[msg_type] = handler
 
     def _recv_worker(self) -> bool:
+        self._recv_ns = time.time_ns()
         try:
             identity, msg = self._router.recv()
         except zmq.Again:
@@ -748,6 +780,9 @@ class ControlProc:
         seq = self._record(req, correlation=ask.session, causation=ask.asker)
         self.book.requested(seq, req, waiter)
         self.busy.add(ask.worker, ask.blocks)
+        if self.traces.keep:
+            self.traces.mark(mid, "asked", self._ask_ns)
+            self.traces.mark(mid, "requested")
         return mid
 
     def _dispatch(self, req: ev.MoveRequested) -> None:
@@ -760,12 +795,17 @@ class ControlProc:
             self._unsent.setdefault(req.worker, []).append(req)
             return
         self.faults.hit("crash_after_requested")
+        self.traces.mark(req.move_id, "committed")
         if self._send(link, moves.command_for(req)):
+            self.traces.mark(req.move_id, "sent")
             self.book.sent(req.move_id, time.monotonic_ns())
             self.faults.hit("crash_after_dispatch", delay_s=0.05)
 
     def _on_outcome(self, link: WorkerLink, msg) -> None:
         self.faults.hit("crash_before_ack_append")
+        if self.traces.keep:
+            self.traces.mark(msg.move_id, "received", self._recv_ns)
+            self.traces.mark(msg.move_id, "decoded")
         verdict, event = moves.classify(self.state, link.worker, msg)
         self.metrics[f"outcome_{verdict}"] += 1
         if verdict == moves.LATE_FAILURE:
@@ -775,6 +815,12 @@ class ControlProc:
                      type=type(msg).__name__, why=getattr(msg, "reason", None) or getattr(msg, "error", None))
             return
         self._settle(msg.move_id, event)
+        self.traces.mark(msg.move_id, "recorded")
+
+    def _on_timed(self, link: WorkerLink, msg: MoveTimed) -> None:
+        if self.traces.keep and msg.move_id in self.traces.by_move:
+            for phase in ("received_ns", "queued_ns", "engine_start_ns", "engine_end_ns", "sent_ns"):
+                self.traces.mark(msg.move_id, "w_" + phase.removesuffix("_ns"), getattr(msg, phase))
 
     def _on_released(self, link: WorkerLink, msg: BlocksReleased) -> None:
         self._on_outcome(link, moves.release_outcome(msg, time.time_ns()))
@@ -897,6 +943,7 @@ class ControlProc:
 
     def _on_ask(self, msg, asker: str, reply: Callable) -> None:
         ask_id = getattr(msg, "ask_id", "")
+        self._ask_ns = time.time_ns()
         if type(msg) is AskStatus:
             reply(self.status_report(ask_id, msg.include_state))
             return
@@ -1015,6 +1062,9 @@ class ControlProc:
         self._answers.append((need, waiter))
 
     def _answer(self, waiter: moves.AskWaiter) -> None:
+        if self.traces.keep:
+            for mid in waiter.move_ids:
+                self.traces.mark(mid, "answered")
         waiter.events.sort(key=lambda p: p[0])
         waiter.answer(waiter.events, waiter.move_ids, None, "")
 

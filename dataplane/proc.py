@@ -39,7 +39,7 @@ from dataplane.worker import NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecor
 from events import catalog as ev
 from events.codec import encode_message
 from events.commands import (
-    BlocksReleased, ErrorReply, ExecuteMove, Hello, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+    BlocksReleased, ErrorReply, ExecuteMove, Hello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
 from events.logconfig import configure_logging
 
@@ -56,7 +56,7 @@ def _ref(cmd) -> str | None:
 class WorkerProc:
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
-                 ctx: zmq.Context | None = None):
+                 report_timings: bool = False, ctx: zmq.Context | None = None):
         self.worker, self.epoch, self.endpoint = worker, epoch, endpoint
         self.core, self.device, self.block_bytes = core, device, block_bytes
         self.faults = faults
@@ -74,6 +74,11 @@ class WorkerProc:
         self._last_control_ns = time.monotonic_ns()
         self._last_hello_ns = 0
         self._silent_logged = False
+        # --report-timings: move_id -> [received, queued] (wall ns), completed by the engine thread's
+        # marks and sent as MoveTimed after the outcome (benchmarks' breakdown)
+        self.report_timings = report_timings
+        self._timings: dict[str, list[int]] = {}
+        self._recv_ns = self._sent_ns = 0
         self.log = log.bind(worker=worker, epoch=epoch)
 
     # ------------------------------------------------------------------ lifecycle
@@ -138,12 +143,13 @@ class WorkerProc:
                 cmd = self._jobs.get()
             if cmd is None:
                 return
+            t0 = time.time_ns()
             try:
                 replies = self.core.run(cmd)
             except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the worker
                 self.log.error("command_raised", type=type(cmd).__name__, ref=_ref(cmd), error=repr(e), exc_info=True)
                 replies = [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {_ref(cmd)}: {e!r}")]
-            self._results.put((cmd, replies))
+            self._results.put((cmd, replies, (t0, time.time_ns())))
             try:
                 os.write(self._wake_w, b"x")
             except OSError:
@@ -156,7 +162,7 @@ class WorkerProc:
             self.log.error("background_step_raised", error=repr(e), exc_info=True)
             replies = [ErrorReply(error="background_step_raised", detail=repr(e))]
         if replies:
-            self._results.put((None, replies))
+            self._results.put((None, replies, None))
             try:
                 os.write(self._wake_w, b"x")
             except OSError:
@@ -171,6 +177,7 @@ class WorkerProc:
             pass
 
     def _recv(self) -> bool:
+        self._recv_ns = time.time_ns()
         try:
             cmd = self.link.recv()
         except zmq.Again:
@@ -201,6 +208,8 @@ class WorkerProc:
                 self._send_replies(cmd, self.record.refusal(cmd))
             elif ref not in self.record.running:
                 self.record.running.add(ref)
+                if self.report_timings:
+                    self._timings[ref] = [self._recv_ns, time.time_ns()]
                 self._jobs.put(cmd)
         elif t in self.core.handlers:
             self._jobs.put(cmd)
@@ -219,10 +228,15 @@ class WorkerProc:
     def _send_results(self) -> None:
         while True:
             try:
-                cmd, replies = self._results.get_nowait()
+                cmd, replies, engine_ns = self._results.get_nowait()
             except queue.Empty:
                 return
             self._send_replies(cmd, replies)
+            marks = self._timings.pop(_ref(cmd), None) if self._timings and cmd is not None else None
+            if marks is not None and engine_ns is not None:
+                self.link.send(MoveTimed(move_id=_ref(cmd), worker=self.worker, received_ns=marks[0],
+                                         queued_ns=marks[1], engine_start_ns=engine_ns[0],
+                                         engine_end_ns=engine_ns[1], sent_ns=self._sent_ns))
 
     def _send_replies(self, cmd, replies: list) -> None:
         silent = False
@@ -237,7 +251,9 @@ class WorkerProc:
             return
         for r in replies:
             if isinstance(r, OUTCOMES):
-                self._emit_outcome(encode_message(r))
+                payload = encode_message(r)
+                self._sent_ns = time.time_ns()
+                self._emit_outcome(payload)
             else:
                 self.link.send(r)
 
@@ -351,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="fault hooks for tests (see dataplane.worker.WorkerFaults); off by default")
     p.add_argument("--control-silent-s", type=float, default=1.0)
     p.add_argument("--orphan-exit-s", type=float, default=60.0)
+    p.add_argument("--report-timings", action="store_true",
+                   help="after each move's outcome send MoveTimed (where its time went here); benchmarks")
     add_serving_args(p)
     args = p.parse_args(argv)
     configure_logging(level=os.environ.get("RESIDENCY_WORKER_LOG_LEVEL", "warning"))
@@ -366,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     core, block_bytes = build_core(args, faults)
     proc = WorkerProc(worker=args.worker, epoch=epoch, endpoint=args.control, core=core, device=args.device,
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
-                      orphan_exit_s=args.orphan_exit_s)
+                      orphan_exit_s=args.orphan_exit_s, report_timings=args.report_timings)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:

@@ -377,3 +377,29 @@ AnyCommand = Union[AnyCommand, QueryInventory]  # type: ignore[misc]
 AnyReply = Union[AnyReply, Inventory]  # type: ignore[misc]
 AnyMessage = Union[AnyMessage, QueryInventory, Inventory]  # type: ignore[misc]
 __all__ += ["QueryInventory", "Inventory"]
+
+
+class MoveTimed(Message):
+    """Where a move's time went inside the worker, sent right after the move's outcome by a worker
+    started with ``--report-timings`` (benchmarks). Wall-clock ns (``time.time_ns``, the clock of
+    ``MoveAcked.started_ns``/``finished_ns``). A measurement, never recorded in the ledger.
+
+        received_ns         the command read off the socket (before decoding)
+        queued_ns           decoded and checked, handed to the engine thread
+        engine_start_ns     the engine thread took it
+        engine_end_ns       the engine returned the outcome
+        sent_ns             the outcome encoded and handed to ZMQ
+    """
+
+    move_id: str
+    worker: int
+    received_ns: int
+    queued_ns: int
+    engine_start_ns: int
+    engine_end_ns: int
+    sent_ns: int
+
+
+AnyReply = Union[AnyReply, MoveTimed]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, MoveTimed]  # type: ignore[misc]
+__all__ += ["MoveTimed"]

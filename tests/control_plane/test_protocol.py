@@ -599,3 +599,40 @@ def test_when_the_tick_runs_every_outcome_is_committed_and_every_answer_that_can
     proc.stop("done")
     check_ledger(store)
 
+
+def test_a_traced_move_keeps_its_phases_in_order_with_the_workers_own(make_control, fake_worker, sqlite_url):
+    from events.commands import MoveTimed
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, trace_moves=2)
+    blocks = commit_blocks(proc, fw, 3)
+    mids = []
+    for i, b in enumerate(blocks):
+        fut = proc.submit(AskMove(ask_id=f"a{i}", kind="evict", worker=0, blocks=[b]))
+        cmd = fw.expect(ExecuteMove)
+        t = time.time_ns()
+        fw.send(fw.ack(cmd))
+        fw.send(MoveTimed(move_id=cmd.move_id, worker=0, received_ns=t - 5, queued_ns=t - 4, engine_start_ns=t - 3,
+                          engine_end_ns=t - 2, sent_ns=t - 1))
+        assert fut.result(5).error is None
+        mids.append(cmd.move_id)
+    traces = wait_for(lambda: (lambda d: d if "w_sent" in d.get(mids[-1], {}) else None)(
+        proc.call(lambda p: {m: dict(v) for m, v in p.traces.by_move.items()}).result(5)), what="the worker's marks")
+    assert list(traces) == mids[1:]                                    # the last trace_moves moves only
+    marks = traces[mids[-1]]
+    order = ["asked", "requested", "committed", "sent", "received", "decoded", "recorded", "answered"]
+    assert [marks[k] for k in order] == sorted(marks[k] for k in order), marks
+    assert marks["w_sent"] - marks["w_received"] == 4
+
+
+def test_tracing_is_off_unless_configured_and_a_workers_timings_are_then_ignored(make_control, fake_worker,
+                                                                                 sqlite_url):
+    from events.commands import MoveTimed
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
+    (b,) = commit_blocks(proc, fw, 1)
+    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=[b]))
+    cmd = fw.expect(ExecuteMove)
+    fw.send(fw.ack(cmd))
+    fw.send(MoveTimed(move_id=cmd.move_id, worker=0, received_ns=1, queued_ns=2, engine_start_ns=3,
+                      engine_end_ns=4, sent_ns=5))
+    assert fut.result(5).error is None
+    fw.quiet(0.1)
+    assert proc.call(lambda p: (p.traces.by_move, p.metrics["handler_failed"])).result(5) == ({}, 0)
