@@ -47,15 +47,32 @@ def fold_all(state: State, records) -> State:
 def fold_decoded(state: State, triples) -> State:
     """Apply ``(seq, ts_ns, event)`` triples in order: the one loop every fold goes through
     (replay feeds it straight from raw rows, with no envelope objects)."""
-    handlers = _HANDLERS
+    handler = _HANDLERS.get
     seq = ts = None
     for seq, ts, event in triples:
-        h = handlers.get(type(event))
-        if h is not None:
-            h(state, event, seq)
+        handler(type(event), _ignore)(state, event, seq)
     if seq is not None:
         state.last_seq, state.last_ts_ns = seq, ts
     return state
+
+
+def fold_run(state: State, first_seq: int, events, last_ts_ns: int) -> State:
+    """Apply ``events`` whose seqs are ``first_seq, first_seq + 1, ...`` (a gapless run of the
+    ledger, as replay reads it); ``last_ts_ns`` is the last one's time. Same effect as
+    ``fold_decoded`` on the same events, without building a (seq, ts, event) triple per event
+    (tests/control/test_fold.py checks they agree)."""
+    handler = _HANDLERS.get
+    seq = first_seq - 1
+    for event in events:
+        seq += 1
+        handler(type(event), _ignore)(state, event, seq)
+    if seq >= first_seq:
+        state.last_seq, state.last_ts_ns = seq, last_ts_ns
+    return state
+
+
+def _ignore(s: State, e, seq: int) -> None:
+    """Events the fold has nothing to do with (groups): they only advance last_seq."""
 
 
 # ---------------------------------------------------------------------- helpers
@@ -85,16 +102,17 @@ def _add_copy(s: State, worker: int, block: int, tier: str, seq: int, session=No
 
 
 def _terminal(s: State, move_id: str, outcome: str, seq: int) -> MoveState | None:
-    prior = s.outcomes.get(move_id)
-    if prior is not None:
-        _anomaly(s, seq, f"move {move_id} got {outcome} after its terminal {prior}")
+    outcomes = s.outcomes
+    if move_id in outcomes:
+        _anomaly(s, seq, f"move {move_id} got {outcome} after its terminal {outcomes[move_id]}")
         return None
     mv = s.inflight.pop(move_id, None)
     if mv is None:
         _anomaly(s, seq, f"{outcome} for move {move_id} that was never requested")
         return None
-    s.outcomes[move_id] = outcome
-    s.num_moves[outcome] = s.num_moves.get(outcome, 0) + 1
+    outcomes[move_id] = outcome
+    num_moves = s.num_moves
+    num_moves[outcome] = num_moves.get(outcome, 0) + 1
     ws = s.workers.get(mv.worker)
     if ws is not None:
         ws.tiers[mv.dst].inflight_in_bytes -= mv.bytes_planned
@@ -106,11 +124,12 @@ def _apply_arrival(s: State, mv: MoveState, bytes_freed_src: int, checksum_ok: b
     ws = s.workers.get(mv.worker)
     if ws is None:
         return
-    blocks = s.blocks.get(mv.worker, {})
-    src, dst, drop = mv.src, mv.dst, not mv.keep_source
+    get = s.blocks.get(mv.worker, _NO_BLOCKS).get
+    src, dst, drop, to_device = mv.src, mv.dst, not mv.keep_source, mv.dst == "device"
     added = dropped = 0
-    for bid in mv.blocks:            # hot loop of every replay: inlined copy bookkeeping
-        b = blocks.get(bid)
+    # hot loop of every replay: the copy bookkeeping of _add_copy inlined, block by block
+    for bid in mv.blocks:
+        b = get(bid)
         if b is None:
             _anomaly(s, seq, f"move {mv.move_id} acked for block {bid} that no longer exists")
             continue
@@ -118,15 +137,19 @@ def _apply_arrival(s: State, mv: MoveState, bytes_freed_src: int, checksum_ok: b
         if dst not in tiers:
             tiers.append(dst)
             added += 1
-        if dst == "device":
+        if to_device:
             b.device_verified = checksum_ok
         if drop and src in tiers:
             tiers.remove(src)
             dropped += 1
     accounts = ws.tiers
     accounts[dst].used_bytes += added * ws.block_bytes
-    accounts[src].used_bytes -= dropped * ws.block_bytes
-    accounts[src].reclaimed_bytes += bytes_freed_src
+    src_account = accounts[src]
+    src_account.used_bytes -= dropped * ws.block_bytes
+    src_account.reclaimed_bytes += bytes_freed_src
+
+
+_NO_BLOCKS: dict = {}
 
 
 # ---------------------------------------------------------------------- handlers
@@ -213,34 +236,40 @@ def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
 
 
 def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
-    ws = _worker(s, e.worker, seq, "BlocksFreed")
+    ws = s.workers.get(e.worker)
     if ws is None:
+        _anomaly(s, seq, f"BlocksFreed names unknown worker {e.worker}")
         return
-    blocks = s.blocks.get(e.worker, {})
+    blocks = s.blocks.get(e.worker, _NO_BLOCKS)
+    get = blocks.get
     tier, dropped = e.tier, 0
     for bid in e.blocks:
-        b = blocks.get(bid)
+        b = get(bid)
         if b is None or tier not in b.tiers:
             _anomaly(s, seq, f"block {bid} has no copy on {tier} of worker {e.worker} to free")
             continue
-        b.tiers.remove(tier)
+        tiers = b.tiers
+        tiers.remove(tier)
         dropped += 1
-        if not b.tiers:
+        if not tiers:
             del blocks[bid]
-    ws.tiers[tier].used_bytes -= dropped * ws.block_bytes
-    ws.tiers[tier].reclaimed_bytes += e.bytes
+    account = ws.tiers[tier]
+    account.used_bytes -= dropped * ws.block_bytes
+    account.reclaimed_bytes += e.bytes
 
 
 def _move_requested(s: State, e: ev.MoveRequested, seq: int) -> None:
-    ws = _worker(s, e.worker, seq, "MoveRequested")
-    if e.move_id in s.inflight or e.move_id in s.outcomes:
-        _anomaly(s, seq, f"move {e.move_id} requested twice")
+    move_id = e.move_id
+    ws = s.workers.get(e.worker)
+    if ws is None:
+        _anomaly(s, seq, f"MoveRequested names unknown worker {e.worker}")
+    inflight = s.inflight
+    if move_id in inflight or move_id in s.outcomes:
+        _anomaly(s, seq, f"move {move_id} requested twice")
         return
-    s.inflight[e.move_id] = MoveState(
-        move_id=e.move_id, kind=e.kind, worker=e.worker, src=e.src, dst=e.dst,
-        blocks=list(e.blocks), bytes_planned=e.bytes_planned, keep_source=e.keep_source,
-        deadline_ns=e.deadline_ns, session=e.session, requested_seq=seq,
-    )
+    # positional: MoveState's field order (the hot path of every replay)
+    inflight[move_id] = MoveState(move_id, e.kind, e.worker, e.src, e.dst, list(e.blocks), e.bytes_planned,
+                                  e.keep_source, e.deadline_ns, e.session, seq)
     if ws is not None:
         ws.tiers[e.dst].inflight_in_bytes += e.bytes_planned
 

@@ -46,14 +46,19 @@ class WorkerState(msgspec.Struct, kw_only=True):
     last_step_ts_ns: int = 0
 
 
-class BlockState(msgspec.Struct, kw_only=True, array_like=True):
+class BlockState(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     session: str | None
     key: str
     tiers: list[str]                  # tiers holding a copy, in the order they arrived
     device_verified: bool = True      # written on device, or restored with checksum_ok
 
 
-class MoveState(msgspec.Struct, kw_only=True):
+class MoveState(msgspec.Struct, gc=False):
+    """A move in flight (or stranded). Positional construction is allowed: the fold builds one per
+    MoveRequested, the hottest allocation of a replay. gc=False here and on BlockState: they hold
+    only strings, ints and lists of those, so they can never be part of a reference cycle, and the
+    collector need not walk the hundreds of thousands a long replay keeps."""
+
     move_id: str
     kind: str
     worker: int

@@ -6,7 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from control.fold import fold, fold_all
+from control.fold import fold, fold_all, fold_run
 from control.simulate import Simulator
 from control.state import IntegrityError, State, check_integrity, decode_state, encode_state, state_hash
 from events import catalog as ev
@@ -185,3 +185,25 @@ def test_single_fold_and_fold_all_agree():
     for r in recs:
         one = fold(one, r)
     assert state_hash(one) == state_hash(fold_all(State(), recs))
+
+
+def test_fold_run_over_a_gapless_run_equals_fold_all():
+    """fold_run (replay's loop: seqs implied by the first one) leaves exactly what fold_all leaves,
+    cut into runs anywhere, impossible events (anomalies, named by seq) included."""
+    rng = random.Random(random.randrange(1 << 30))
+    recs = _records(Simulator(seed=rng.randrange(1 << 30)).events(3000))
+    # an impossible event in the middle: its anomaly must carry the same seq both ways
+    k = rng.randrange(1, len(recs))
+    env = Envelope(producer="t", epoch=1, producer_seq=1, ts_ns=recs[k - 1].envelope.ts_ns, seq=k)
+    recs = recs[:k - 1] + [Recorded(env, ev.MoveAcked(move_id="never", worker=0, bytes_moved=1, bytes_freed_src=1,
+                                                      checksum_ok=True, started_ns=1, finished_ns=2))] + recs[k:]
+    want = fold_all(State(), recs)
+    got, pos = State(), 0
+    while pos < len(recs):
+        run = recs[pos:pos + rng.randint(1, 700)]
+        fold_run(got, run[0].envelope.seq, [r.event for r in run], run[-1].envelope.ts_ns)
+        pos += len(run)
+    assert state_hash(got) == state_hash(want)
+    assert (got.last_seq, got.last_ts_ns, got.anomalies, got.checkpoints) == \
+        (want.last_seq, want.last_ts_ns, want.anomalies, want.checkpoints)
+    assert (k, "MoveAcked for move never that was never requested") in got.anomalies
