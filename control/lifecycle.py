@@ -1,0 +1,177 @@
+"""A move's life on the control loop (the pure steps are control/moves.py):
+
+    _request   MoveRequested folded and buffered; the command waits for its commit
+    _dispatch  committed: now (and only now) the command leaves
+    _on_outcome / _on_released / _on_report (reconciled after a restart)
+    _settle    the terminal (or late) event and its follow-ups; the asker is answered after commit
+    _watch_deadlines, _requery   the watchdog's MoveStranded, and asking again for late acks
+    _run_policies                the policies' asks, funded or refused like anyone's
+
+``MoveLifecycle`` is a part of ``ControlProc`` (control/proc.py), run on its loop thread. It reads and
+sets the loop's fields made by ``StartStop._recover``: ``state``, ``book``, ``busy``, ``memo``,
+``answered_stranded``, ``_by_worker``, ``_unsent``, ``_commits_pending``, ``_adopting``, ``traces``.
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import structlog
+
+from events import catalog as ev
+from events.commands import BlocksReleased, MovesReport, MoveTimed
+from control import budget, moves, recovery, watchdog
+from control.links import WorkerLink
+from control.policy import plan
+
+log = structlog.get_logger("control.lifecycle")
+S = 1_000_000_000
+
+
+class MoveLifecycle:
+    """Moves from request to outcome (a part of ControlProc; loop thread only)."""
+
+    def _request(self, ask, waiter: moves.AskWaiter | None) -> str:
+        self._num_moves += 1
+        mid = moves.move_id(self.epoch, self._num_moves)
+        req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
+        seq = self._record(req, correlation=ask.session, causation=ask.asker)
+        self.book.requested(seq, req, waiter)
+        self.busy.add(ask.worker, ask.blocks)
+        if self.traces.keep:
+            self.traces.mark(mid, "asked", self._ask_ns)
+            self.traces.mark(mid, "requested")
+        return mid
+
+    def _dispatch(self, req: ev.MoveRequested) -> None:
+        """The MoveRequested is committed: now (and only now) the command may leave."""
+        if req.move_id not in self.state.inflight:
+            self.book.undispatched.discard(req.move_id)
+            return   # settled meanwhile (worker lost, deadline)
+        link = self._by_worker.get(req.worker)
+        if link is None:   # not back yet: sent when it is, or settled by the watchdog / its loss
+            self._unsent.setdefault(req.worker, []).append(req)
+            return
+        self.faults.hit("crash_after_requested")
+        self.traces.mark(req.move_id, "committed")
+        if self._send(link, moves.command_for(req)):
+            self.traces.mark(req.move_id, "sent")
+            self.book.sent(req.move_id, time.monotonic_ns())
+            self.faults.hit("crash_after_dispatch", delay_s=0.05)
+
+    def _on_outcome(self, link: WorkerLink, msg) -> None:
+        self.faults.hit("crash_before_ack_append")
+        if self.traces.keep:
+            self.traces.mark(msg.move_id, "received", self._recv_ns)
+            self.traces.mark(msg.move_id, "decoded")
+        verdict, event = moves.classify(self.state, link.worker, msg)
+        self.metrics[f"outcome_{verdict}"] += 1
+        if verdict == moves.LATE_FAILURE:
+            self._stranded_answered(msg.move_id)
+        if event is None:
+            log.info("outcome_not_recorded", verdict=verdict, move_id=msg.move_id, worker=link.worker,
+                     type=type(msg).__name__, why=getattr(msg, "reason", None) or getattr(msg, "error", None))
+            return
+        self._settle(msg.move_id, event)
+        self.traces.mark(msg.move_id, "recorded")
+
+    def _on_timed(self, link: WorkerLink, msg: MoveTimed) -> None:
+        if self.traces.keep and msg.move_id in self.traces.by_move:
+            for phase in ("received_ns", "queued_ns", "engine_start_ns", "engine_end_ns", "sent_ns"):
+                self.traces.mark(msg.move_id, "w_" + phase.removesuffix("_ns"), getattr(msg, phase))
+
+    def _on_released(self, link: WorkerLink, msg: BlocksReleased) -> None:
+        self._on_outcome(link, moves.release_outcome(msg, time.time_ns()))
+
+    def _on_report(self, link: WorkerLink, msg: MovesReport) -> None:
+        settled = recovery.reconcile(self.state, link.worker, msg, sorted(link.asked))
+        for verdict, event in settled:
+            self.metrics[f"reconciled_{verdict}"] += 1
+            self._settle(event.move_id, event)
+        for mid in [*msg.unknown, *(o.move_id for o in msg.outcomes if type(o) is not ev.MoveAcked)]:
+            mv = self.state.stranded.get(mid)
+            if mv is not None and mv.worker == link.worker:   # answered for: it will never run now
+                self._stranded_answered(mid)
+        link.asked.difference_update(msg.unknown)
+        link.asked.difference_update(o.move_id for o in msg.outcomes)
+        if settled:
+            log.info("moves_reconciled", worker=link.worker, settled=len(settled), unknown=len(msg.unknown))
+
+    def _stranded_answered(self, mid: str) -> None:
+        mv = self.state.stranded.get(mid)
+        if mv is not None and mid not in self.answered_stranded:
+            self.answered_stranded.add(mid)
+            self.busy.remove(mv.worker, mv.blocks)
+            log.warning("stranded_move_never_landed", move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned)
+
+    def reserved_bytes(self) -> dict[tuple[int, str], int]:
+        return budget.stranded_toward(self.state, self.answered_stranded)
+
+    def _settle(self, mid: str, event: ev.Event) -> None:
+        """Record a move's terminal (or late) event, its session follow-ups, and tell its asker."""
+        mv = self.state.inflight.get(mid) or self.state.stranded.get(mid)
+        if mv is None:
+            return
+        recorded = [(self._record(e, correlation=mv.session, causation=mid), e)
+                    for e in moves.settle_events(mv, event, self.cfg.moves)]
+        if type(event) is not ev.MoveStranded:
+            self.busy.remove(mv.worker, mv.blocks)
+        if type(event) is ev.MoveLateAcked:
+            return
+        waiter = self.book.settled(mid)
+        if waiter is not None:
+            waiter.events.extend(recorded)
+            waiter.open.discard(mid)
+            if waiter.done:
+                self._answer_after(waiter)
+
+    def _watch_deadlines(self) -> None:
+        if self._commits_pending:
+            now = time.monotonic_ns()
+            for ref in [r for r, c in self._commits_pending.items() if c[5] < now]:
+                waiter = self._commits_pending.pop(ref)[0]
+                log.warning("commit_timeout", ref=ref)
+                waiter.answer([], [], "commit_timeout", f"the worker did not answer commit {ref}")
+        if not self.state.inflight:
+            return
+        now = time.time_ns() - int(self.cfg.deadline_grace_s * S)
+        for e in watchdog.overdue(self.state, now, self.book.undispatched, self._adopting):
+            log.warning("move_overdue", move_id=e.move_id, worker=e.worker, outcome=type(e).__name__)
+            self._settle(e.move_id, e)
+
+    def _requery(self, now: int) -> None:
+        """Ask workers about their stranded moves: a dropped ack comes back as MoveLateAcked."""
+        stranded: dict[int, list[str]] = {}
+        for mid, mv in self.state.stranded.items():
+            if mid not in self.answered_stranded:
+                stranded.setdefault(mv.worker, []).append(mid)
+        for w, mids in stranded.items():
+            link = self._by_worker.get(w)
+            if link is not None:
+                self._query(link, mids[:4096])
+
+    def _run_policies(self) -> None:
+        now = time.time_ns()
+        busy = self.busy.by_worker
+        in_use = self.blocks_in_use()
+        if in_use:
+            busy = {w: busy.get(w, set()) | in_use.get(w, set()) for w in set(busy) | set(in_use)}
+        cfg = self.cfg.policy
+        mono = time.monotonic_ns()
+        if cfg.park and mono < self._next_park:     # parking looks at every block: once a second is plenty
+            cfg = msgspec.structs.replace(cfg, park=False)
+        elif cfg.park:
+            self._next_park = mono + S
+        for ask in plan(self.state, self.recency, now, cfg, self.memo, busy):
+            try:
+                moves.validate(self.state, ask, busy)
+            except moves.InvalidAsk:
+                continue
+            refusal = moves.fund(self.state, [ask], self.reserved_bytes())
+            if refusal is not None:
+                self.memo.note(ask, refusal.available_bytes, now)
+                log.info("move_refused", asker=ask.asker, worker=ask.worker, tier=refusal.tier,
+                         asked_bytes=refusal.asked_bytes, available_bytes=refusal.available_bytes)
+                self._record(refusal.event(ask.asker, ask.session), correlation=ask.session)
+                continue
+            self._request(ask, None)

@@ -1,0 +1,226 @@
+"""The control process's side of its workers: links, Hello and adoption, heartbeats, loss.
+
+    Hello (new incarnation)  ─► WorkerJoined, then QueryMoves for what it may have done for us
+    Hello (same incarnation) ─► adopted after a control restart (no event), asked again
+    silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
+    a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
+
+``WorkerLinks`` is a part of ``ControlProc`` (control/proc.py), run on its loop thread. It reads and
+sets the loop's fields made by ``StartStop._recover``: ``state``, ``roster``, ``book``, ``busy``,
+``_links``, ``_by_worker``, ``_adopting``, ``_unsent``, ``_router``, ``metrics``, ``cfg``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import structlog
+import zmq
+
+from events import catalog as ev
+from events.commands import ErrorReply, Hello, Ping, Pong, QueryMoves, Shutdown
+from control import recovery, watchdog
+from control.errors import ControlError, LedgerDiverged
+from control.transport import (
+    UNKNOWN_WORKER, WORKER_LOST, WORKER_MISMATCH, TransportError, WorkerUnreachable, parse_worker_identity,
+    worker_identity,
+)
+
+log = structlog.get_logger("control.links")
+S = 1_000_000_000
+
+
+class WorkerLink:
+    """One joined worker incarnation as the loop knows it: its socket identity, when it was last
+    heard, and the move ids it has been asked about (QueryMoves) and not yet answered for."""
+
+    __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "asked", "last_query_ns", "device")
+
+    def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int):
+        self.worker, self.identity, self.epoch, self.device = worker, identity, epoch, device
+        self.last_heard_ns = now_ns
+        self.missed = False
+        self.asked: set[str] = set()
+        self.last_query_ns = 0
+
+
+class WorkerLinks:
+    """Worker links and their messages (a part of ControlProc; loop thread only)."""
+
+    def _send(self, link: WorkerLink, msg) -> bool:
+        try:
+            self._router.send(link.identity, msg)
+            return True
+        except WorkerUnreachable as e:
+            self.metrics["send_unreachable"] += 1
+            log.warning("worker_unreachable", worker=link.worker, error=e.detail)
+            return False
+
+    def send_to_worker(self, worker: int, msg) -> bool:
+        """Send any command to a joined worker (loop thread only; ``call`` from elsewhere)."""
+        link = self._by_worker.get(worker)
+        return link is not None and self._send(link, msg)
+
+    def on_worker_message(self, msg_type: type, handler: Callable[[WorkerLink, Any], None]) -> None:
+        """Route a worker message type (e.g. the serving path's TokensGenerated) to ``handler``,
+        called on the loop thread. Register before ``start``."""
+        self._handlers[msg_type] = handler
+
+    def _recv_worker(self) -> bool:
+        self._recv_ns = time.time_ns()
+        try:
+            identity, msg = self._router.recv()
+        except zmq.Again:
+            return False
+        except TransportError as e:
+            self.metrics[f"bad_message_{e.name}"] += 1
+            log.warning("bad_worker_message", error=e.name, detail=e.detail, identity=repr(e.identity[:32]))
+            self._reply_error(e.identity, e.reply())
+            return True
+        link = self._links.get(identity)
+        if link is None:
+            if type(msg) is Hello:
+                self._on_hello_new(identity, msg)
+            elif type(msg) is not ErrorReply:      # never answer an error with an error
+                self.metrics["unknown_worker_messages"] += 1
+                log.warning("unknown_worker_message", identity=repr(identity[:32]), type=type(msg).__name__)
+                self._reply_error(identity, ErrorReply(error=UNKNOWN_WORKER,
+                                                       detail=f"{identity[:32]!r} has not said Hello"))
+            return True
+        link.last_heard_ns = time.monotonic_ns()
+        if link.missed:
+            link.missed = False
+        claimed = getattr(msg, "worker", link.worker)
+        if claimed != link.worker:
+            log.warning("worker_mismatch", worker=link.worker, claimed=claimed, type=type(msg).__name__)
+            self._reply_error(identity, ErrorReply(error=WORKER_MISMATCH,
+                                                   detail=f"message names worker {claimed}, sender is {link.worker}"))
+            return True
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            if type(msg) not in self._unhandled_logged:
+                self._unhandled_logged.add(type(msg))
+                log.warning("unhandled_worker_message", type=type(msg).__name__, worker=link.worker)
+            return True
+        try:
+            handler(link, msg)
+        except (ControlError, LedgerDiverged):
+            raise
+        except Exception:  # noqa: BLE001 - one message's bug must not stop the control process
+            self.metrics["handler_failed"] += 1
+            log.exception("worker_message_handler_failed", type=type(msg).__name__, worker=link.worker)
+        return True
+
+    def _reply_error(self, identity: bytes, err: ErrorReply) -> None:
+        try:
+            self._router.send(identity, err)
+        except WorkerUnreachable:
+            pass
+
+    def _on_hello(self, link: WorkerLink, msg: Hello) -> None:
+        if msg.epoch == link.epoch:      # the worker thought we restarted; ask again what it knows
+            self._query(link, recovery.asked_of(self.state, link.worker, self.book))
+            return
+        self._on_hello_new(link.identity, msg)
+
+    def _on_hello_new(self, identity: bytes, msg: Hello) -> None:
+        w, now = msg.worker, time.monotonic_ns()
+        if parse_worker_identity(identity) != w:
+            self._reply_error(identity, ErrorReply(error=WORKER_MISMATCH,
+                                                   detail=f"Hello from {identity[:32]!r} names worker {w}"))
+            return
+        if self.cfg.expected_workers is not None and w not in self.cfg.expected_workers:
+            log.warning("unexpected_worker", worker=w, expected=self.cfg.expected_workers)
+            self._reply_error(identity, ErrorReply(error=UNKNOWN_WORKER, detail=f"worker {w} is not expected here"))
+            return
+        ws = self.state.workers.get(w)
+        old = self._by_worker.get(w)
+        if old is not None and old.epoch != msg.epoch:
+            self._lose(w, f"replaced by a new incarnation (epoch {msg.epoch})")
+        elif ws is not None and ws.alive and self.roster.get(w) != msg.epoch and self._has_history(w):
+            self._lose(w, f"not back after the control restart; epoch {msg.epoch} replaces {self.roster.get(w)}")
+        ws = self.state.workers.get(w)
+        if ws is not None and not ws.alive and self.roster.get(w) == msg.epoch:
+            # NOTE: the ledger already wrote this incarnation off (its blocks are counted lost);
+            # adopting it would bring back memory the ledger no longer accounts for.
+            log.warning("lost_worker_returned", worker=w, epoch=msg.epoch)
+            self._reply_error(identity, ErrorReply(error=WORKER_LOST, detail=f"worker {w} epoch {msg.epoch} was recorded lost"))
+            try:
+                self._router.send(identity, Shutdown(reason="recorded lost; a new incarnation replaces it"))
+            except WorkerUnreachable:
+                pass
+            return
+        link = WorkerLink(w, identity, msg.epoch, msg.device, now)
+        self._links[identity] = self._by_worker[w] = link
+        adopted = ws is not None and ws.alive and self.roster.get(w) == msg.epoch
+        self._adopting.pop(w, None)
+        if adopted:
+            log.info("worker_adopted", worker=w, epoch=msg.epoch)
+        else:
+            self._record(ev.WorkerJoined(worker=w, device=msg.device, tiers=dict(msg.tiers), block_bytes=msg.block_bytes),
+                         causation=recovery.join_causation(w, msg.epoch))
+            self.roster[w] = msg.epoch
+            log.info("worker_joined", worker=w, epoch=msg.epoch, device=msg.device, tiers=msg.tiers,
+                     block_bytes=msg.block_bytes)
+        self._query(link, recovery.asked_of(self.state, w, self.book))
+        for req in self._unsent.pop(w, []):
+            self._dispatch(req)
+
+    def _has_history(self, w: int) -> bool:
+        return bool(self.state.blocks.get(w)) or any(
+            m.worker == w for m in (*self.state.inflight.values(), *self.state.stranded.values()))
+
+    def _query(self, link: WorkerLink, move_ids: list[str]) -> None:
+        if move_ids:
+            link.asked.update(move_ids)
+            link.last_query_ns = time.monotonic_ns()
+            self._send(link, QueryMoves(move_ids=move_ids))
+
+    def _on_pong(self, link: WorkerLink, msg: Pong) -> None:
+        self.metrics["pongs"] += 1
+
+    def _on_worker_error(self, link: WorkerLink, msg: ErrorReply) -> None:
+        self.metrics[f"worker_error_{msg.error}"] += 1
+        log.warning("worker_error", worker=link.worker, error=msg.error, detail=msg.detail)
+
+    def _heartbeats(self, now: int) -> None:
+        ping = Ping(nonce=now & 0x7FFFFFFF, ts_ns=time.time_ns())
+        for link in list(self._links.values()):
+            self._send(link, ping)
+        for w, until in list(self._adopting.items()):
+            if now > until:
+                del self._adopting[w]
+                self._lose(w, f"did not come back within {self.cfg.adopt_grace_s} s of the control restart")
+            else:   # a surviving worker answers a ping; we answer unknown_worker; it says Hello again
+                try:
+                    self._router.send(worker_identity(w), ping)
+                except WorkerUnreachable:
+                    pass
+        heard = {link.worker: link.last_heard_ns for link in self._links.values()}
+        missed, lost = watchdog.silence(heard, now, int(self.cfg.heartbeat_missed_s * S), int(self.cfg.worker_lost_s * S),
+                                        {lk.worker for lk in self._links.values() if lk.missed})
+        for e in missed:
+            self._by_worker[e.worker].missed = True
+            log.warning("worker_heartbeat_missed", worker=e.worker, silent_ms=e.silent_ms)
+            self._record(e)
+        for w, silent_ms in lost:
+            self._lose(w, f"heartbeat silent {silent_ms} ms")
+
+    def _lose(self, worker: int, reason: str) -> None:
+        link = self._by_worker.pop(worker, None)
+        if link is not None:
+            self._links.pop(link.identity, None)
+        self._adopting.pop(worker, None)
+        for e in watchdog.loss(self.state, worker, reason, self.book.undispatched):
+            if type(e) is ev.WorkerLost:
+                self.busy.drop_worker(worker)
+                log.warning("worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
+                            bytes_lost=e.bytes_lost)
+                self._record(e)
+            else:
+                self._settle(e.move_id, e)
+
+    def missing_workers(self) -> list[int]:
+        """Expected workers with no live link and no grace pending: the supervisor starts these."""
+        expected = self.cfg.expected_workers or []
+        return [w for w in expected if w not in self._by_worker and w not in self._adopting]

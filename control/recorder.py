@@ -1,0 +1,114 @@
+"""The producer side of the ledger in the control process: fold now, commit at the end of the
+loop's iteration (inline when the writer is idle, through the group-commit writer under load)."""
+from __future__ import annotations
+
+import collections
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+from events import catalog as ev
+from events.envelope import Envelope, Recorded
+from control.errors import LedgerDiverged
+from control.fold import fold
+from control.policy.recency import Recency
+from control.probes import ControlFaults
+from control.recovery import PRODUCER
+from control.state import State
+
+
+class Recorder:
+    """The producer side of the ledger: fold now, commit at the end of the loop's iteration.
+
+        record(event)   folds it into the live state with the seq it will get; buffers it
+        flush()         writer idle (nothing of ours committing): append the buffer here, in one
+                        transaction, now -- the lowest latency for a lone move;
+                        otherwise hand it to the group-commit writer's thread, whose next batch
+                        takes it -- commits overlap with the loop's own work under load
+        advance()       settle the writer's futures in order; the highest committed seq
+
+    NOTE: both paths keep seq order: the inline path is taken only when no writer future of ours
+    is unresolved, and only this thread records.
+    """
+
+    def __init__(self, store, writer, state: State, recency: Recency, epoch: int, faults: ControlFaults,
+                 durability: str = "normal", inline_max: int = 1000):
+        self.store = store
+        self.writer = writer
+        self.state = state
+        self.recency = recency
+        self.epoch = epoch
+        self.faults = faults
+        self.durability = durability
+        self.inline_max = inline_max
+        self.producer_seq = 0
+        self.next_seq = state.last_seq + 1
+        self.committed = state.last_seq
+        self._buffer: list[tuple[Envelope, ev.Event]] = []
+        self._pending: collections.deque[tuple[int, Future, int]] = collections.deque()
+        self._armed: Future | None = None
+        self._inline_since = 0
+        self.num_inline = self.num_handed = 0
+
+    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
+        ts = time.time_ns()
+        self.producer_seq += 1
+        seq = self.next_seq
+        self.next_seq += 1
+        env = Envelope(producer=PRODUCER, epoch=self.epoch, producer_seq=self.producer_seq, ts_ns=ts,
+                       correlation_id=correlation, causation=causation, seq=seq)
+        self.recency.observe(self.state, event, ts)
+        fold(self.state, Recorded(env, event))
+        self._buffer.append((env, event))
+        self.faults.hit("crash_after_events")
+        return seq
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        batch, self._buffer = self._buffer, []
+        if not self._pending and len(batch) <= self.inline_max:
+            self._inline_since = time.monotonic_ns()
+            try:
+                seqs = self.store.append(batch, durability=self.durability)
+            finally:
+                self._inline_since = 0
+            if seqs[0] != batch[0][0].seq or seqs[-1] != batch[-1][0].seq:
+                raise LedgerDiverged(f"events folded as seqs {batch[0][0].seq}..{batch[-1][0].seq} were committed "
+                                     f"as {seqs[0]}..{seqs[-1]}: another writer appended to this ledger")
+            self.committed = seqs[-1]
+            self.num_inline += 1
+            return
+        now = time.monotonic_ns()
+        for env, event in batch:
+            # NOTE: blocks while the writer's queue is full (back-pressure: its log line and
+            # stats say so, and health() reports the loop stalled).
+            self._pending.append((env.seq, self.writer.submit(env, event), now))
+        self.num_handed += 1
+
+    def advance(self) -> int:
+        """Settle committed futures in order; raises the ledger's error or LedgerDiverged."""
+        q = self._pending
+        while q and q[0][1].done():
+            seq, fut, _ = q.popleft()
+            got = fut.result()
+            if got != seq:
+                raise LedgerDiverged(f"event folded as seq {seq} was committed as seq {got}: "
+                                     "another writer appended to this ledger")
+            self.committed = seq
+        return self.committed
+
+    def arm(self, wake: Callable[[], None]) -> None:
+        """Wake the loop when everything handed over so far has committed (commits are in order)."""
+        if self._pending and self._pending[-1][1] is not self._armed:
+            self._armed = self._pending[-1][1]
+            self._armed.add_done_callback(lambda _f: wake())
+
+    def lag_ns(self, now_ns: int) -> int:
+        """How long the oldest uncommitted event of ours has waited (inline commit included)."""
+        oldest = [t for t in (self._inline_since, self._pending[0][2] if self._pending else 0) if t]
+        return now_ns - min(oldest) if oldest else 0
+
+    @property
+    def uncommitted(self) -> int:
+        return len(self._pending) + len(self._buffer)
