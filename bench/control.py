@@ -72,18 +72,18 @@ class Cluster:
     """A control process in this process, one worker process, one ledger."""
 
     def __init__(self, url: str, engine: str, device: str, layout: str, device_blocks: int, host_bytes: int,
-                 durability: str = "normal"):
+                 durability: str = "normal", traced: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
                             durability=durability, policy=PolicyConfig(pressure=False, park=False),
                             moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
-                            trace_moves=64)
+                            trace_moves=64 if traced else 0)
         self.proc = ControlProc(self.store, cfg).start()
         argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
-                "--no-disk-fsync", "--model", "none", "--report-timings"]
+                "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else [])
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -223,7 +223,7 @@ def spill_control_only(url: str, num_blocks: int, reps: int = 60) -> dict:
     """The same number of 2 MiB blocks through the control process to a no-copy worker: the control
     plane's cost of a big move without the copy (precise: each move takes ms, not seconds)."""
     bb = layout_bytes(BIG_LAYOUT)
-    c = Cluster(url, "nocopy", "cpu", BIG_LAYOUT, num_blocks + 8, (num_blocks + 8) * bb)
+    c = Cluster(url, "nocopy", "cpu", BIG_LAYOUT, num_blocks + 8, (num_blocks + 8) * bb, traced=True)
     try:
         blocks = c.commit(num_blocks)
         runs = []
@@ -293,7 +293,7 @@ def spill(url: str, device: str, spill_bytes: int) -> dict:
         shutil.rmtree(d, ignore_errors=True)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes)
+    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True)
     try:
         blocks = c.commit(n)
         runs = []
