@@ -2,14 +2,26 @@
 
 Pure over what the store returns; the store is the only I/O. ``progress`` is any callable
 taking the number of events folded since the last call (the CLI passes a tqdm bar's update).
+
+Speed (bench/replay.py): the store hands over gapless runs of (type, schema version, payload)
+(``LedgerStore.payload_runs``), each payload is decoded as exactly its row's type
+(``events.codec.current_decoders``) and folded by ``fold_run``: no per-row tuples or envelopes of
+ours. Rows of an older schema, gaps, and any payload that does not decode go through
+``decode_event`` row by row, which upcasts, and names the seq of a bad payload.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+from operator import call, itemgetter
 from typing import Callable
 
-from events.codec import DecodeError, decode_event
-from control.fold import fold_decoded
+from events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event
+from control.fold import fold_decoded, fold_run
 from control.state import State, decode_state, encode_state, state_hash
+
+
+_payload = itemgetter(2)
 
 
 class ReplayError(Exception):
@@ -36,11 +48,61 @@ def replay(store, to_seq: int | None = None, *, use_snapshots: bool = True,
     return state, start
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause the cyclic garbage collector while a long fold runs.
+
+    NOTE: a replay allocates millions of short-lived containers (decoded events, their lists)
+    while the state it builds grows to hundreds of thousands of objects; the collector's
+    generational passes keep re-walking that state. Nothing a fold builds is cyclic, so pausing
+    loses nothing; plain reference counting still frees everything. The collector is
+    process-wide: it is restored on the way out, even on error, and left alone if it was off.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _fold_range(state: State, store, lo: int, hi: int, progress=None) -> None:
-    for rows in store.raw_batches(lo, hi):
-        fold_decoded(state, _decoded(rows))
-        if progress is not None:
-            progress(len(rows))
+    with _collector_paused():
+        for run in store.payload_runs(lo, hi):
+            if type(run) is list:                       # a range with a gap: rows with their seqs
+                fold_decoded(state, _decoded(run))
+                n = len(run)
+            else:
+                _fold_payload_run(state, run)
+                n = len(run.rows)
+            if progress is not None:
+                progress(n)
+
+
+def _fold_payload_run(state: State, run) -> None:
+    decoders = current_decoders(run.rows)
+    if decoders is None:                                # an older schema somewhere: upcast row by row
+        fold_run(state, run.first_seq, _decoded_run(run), run.last_ts_ns)
+        return
+    try:
+        fold_run(state, run.first_seq, map(call, decoders, map(_payload, run.rows)), run.last_ts_ns)
+    except PAYLOAD_ERRORS as e:
+        # Name the first bad row exactly as the row-by-row path words it (the replay is over).
+        for _ in _decoded_run(run):
+            pass
+        raise ReplayError(f"seqs {run.first_seq}..{run.last_seq}: a payload does not decode: {e}") from e
+
+
+def _decoded_run(run):
+    """Events of a PayloadRun through ``decode_event``; a payload that does not decode is named by its seq."""
+    seq = run.first_seq
+    for type_name, version, payload in run.rows:
+        try:
+            yield decode_event(payload, type_name, version)
+        except DecodeError as e:
+            raise ReplayError(f"seq {seq}: {e}") from e
+        seq += 1
 
 
 def _decoded(rows):

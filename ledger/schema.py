@@ -92,6 +92,22 @@ class RawRow(NamedTuple):
     row_hash: bytes
 
 
+class PayloadRun(NamedTuple):
+    """A gapless run of events rows, only what a fold needs: ``rows[i]`` is seq ``first_seq + i``.
+
+    What replay reads (``LedgerStore.payload_runs``): three columns per row instead of eleven,
+    each row a plain tuple ``(type, schema_version, payload)`` as the driver returns it.
+    """
+
+    first_seq: int
+    last_ts_ns: int                  # ts_ns of the run's last row
+    rows: list[tuple[str, int, bytes]]
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.rows) - 1
+
+
 class Snapshot(NamedTuple):
     through_seq: int
     state_bytes: bytes

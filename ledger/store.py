@@ -26,7 +26,7 @@ from ledger import append as _append
 from ledger import snapshots
 from ledger.backend import DURABILITY, Raw, make_engine, parse_url
 from ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
-from ledger.schema import RAW_COLUMNS, RawRow, Snapshot, events
+from ledger.schema import RAW_COLUMNS, PayloadRun, RawRow, Snapshot, events
 from ledger.verify import Progress, VerifyReport, verify_batches
 from ledger.verify_parallel import default_workers, verify_parallel
 
@@ -41,6 +41,9 @@ class LedgerStore:
         self._d = raw.dialect
         self._read_sql = (f"SELECT {', '.join(RAW_COLUMNS)} FROM events "
                           f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
+        self._run_sql = (f"SELECT type, schema_version, payload FROM events "
+                         f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
+        self._ts_sql = f"SELECT ts_ns FROM events WHERE seq = {self._d.p}"
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -153,6 +156,35 @@ class LedgerStore:
                 if nxt is None:
                     return
                 start = nxt
+
+    def payload_runs(self, from_seq: int = 1, to_seq: int | None = None,
+                     batch: int | None = None) -> Iterator[PayloadRun | list[tuple]]:
+        """What a fold needs, ``batch`` rows at a time, prefetched like ``raw_batches``.
+
+        A gapless range comes as a PayloadRun ((type, schema version, payload) per row, the seqs
+        implied): replay's fast path, a third of the columns ``raw_batches`` reads. A range
+        with a gap (only in a damaged ledger) comes as RawRow-shaped tuples, as ``raw_batches``
+        gives it, so the caller sees the actual seqs.
+        """
+        batch = batch or READ_BATCH
+        if to_seq is None:
+            to_seq = self.last_seq()
+        start = max(1, from_seq)
+        runs = self._fetch_runs(start, to_seq, batch)
+        return prefetched(runs) if to_seq - start >= batch else runs
+
+    def _fetch_runs(self, start: int, to_seq: int, batch: int) -> Iterator[PayloadRun | list[tuple]]:
+        while start <= to_seq:
+            hi = min(to_seq, start + batch - 1)
+            with self._raw.cursor("reading events") as (_conn, cur):
+                rows = self._d.fetchall(cur, self._run_sql, (start, hi))
+                last_ts = self._d.fetchall(cur, self._ts_sql, (hi,)) if len(rows) == hi - start + 1 else None
+            if last_ts:
+                # seq is the primary key: hi - start + 1 rows in [start, hi] means none is missing
+                yield PayloadRun(start, last_ts[0][0], rows)
+            else:
+                yield from self._fetch_batches(start, hi, batch)
+            start = hi + 1
 
     def read_raw(self, from_seq: int = 1, to_seq: int | None = None) -> Iterator[RawRow]:
         """Undecoded rows from ``from_seq`` through ``to_seq`` (default: the last seq now)."""
