@@ -396,6 +396,11 @@ def main() -> int:
         finally:
             drop()
         s = results["spill"]
+        if s.get("breakdown_ms"):      # one line, before the headline (gpu_session.sh keeps the tail)
+            line = "spill breakdown ms: " + "; ".join(f"{k} {v:.3f}" for k, v in s["breakdown_ms"].items()
+                                                       if not k.startswith("engine: measured"))
+            rows.append(line)
+            print(line)
         vs_engine = s["control_overhead_vs_engine_call_s"]
         line = (f"spill {s['bytes'] / 2**30:.2f} GiB {args.device}: in process {s['in_process_s'] * 1e3:.1f} ms "
                 f"({s['in_process_gb_s']:.1f} GB/s), through control {s['through_control_s'] * 1e3:.1f} ms "
@@ -405,8 +410,6 @@ def main() -> int:
                 + (f", {vs_engine * 1e3:.2f} ms vs the worker's engine call" if vs_engine is not None else ""))
         rows.append(line)
         print(line)
-        for name, ms in (s.get("breakdown_ms") or {}).items():
-            print(f"    {name:45s} {ms:10.3f} ms")
     shutil.rmtree(tmp, ignore_errors=True)
     doc = {
         "bench": "control", "date": dt.date.today().isoformat(), "git_commit": git_commit(),
