@@ -10,13 +10,37 @@ SQLite/PostgreSQL differences), chain (row hashes), columns (audit columns), app
 and idempotence), store (LedgerStore), writer (group commit), snapshots, verify, export (JSON
 lines), migrate (Alembic, programmatically). Imports events/ and nothing else of ours.
 """
-from ledger.errors import LedgerConflict, LedgerCorrupt, LedgerError, LedgerUnavailable, NotALedger, SchemaOutOfDate
-from ledger.schema import RawRow, Snapshot
-from ledger.store import LedgerStore
-from ledger.verify import VerifyReport
-from ledger.writer import GroupCommitWriter
+from __future__ import annotations
 
-__all__ = [
-    "LedgerStore", "GroupCommitWriter", "VerifyReport", "RawRow", "Snapshot",
-    "LedgerError", "LedgerUnavailable", "NotALedger", "LedgerCorrupt", "LedgerConflict", "SchemaOutOfDate",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ledger.errors import LedgerConflict, LedgerCorrupt, LedgerError, LedgerUnavailable, NotALedger, SchemaOutOfDate
+    from ledger.schema import RawRow, Snapshot
+    from ledger.store import LedgerStore
+    from ledger.verify import VerifyReport
+    from ledger.writer import GroupCommitWriter
+
+# NOTE: the names below load on first use (PEP 562), so a process that needs only a leaf module
+# (a verify worker: ledger.verify over plain sqlite3) does not pay for SQLAlchemy and Alembic.
+_EXPORTS = {
+    "LedgerStore": "ledger.store", "GroupCommitWriter": "ledger.writer", "VerifyReport": "ledger.verify",
+    "RawRow": "ledger.schema", "Snapshot": "ledger.schema",
+    **{name: "ledger.errors" for name in ("LedgerError", "LedgerUnavailable", "NotALedger", "LedgerCorrupt",
+                                           "LedgerConflict", "SchemaOutOfDate")},
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ledger' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -13,8 +13,6 @@ consistent prefix of the ledger.
 """
 from __future__ import annotations
 
-import queue
-import threading
 from typing import IO, Callable, Iterator, Sequence
 
 from sqlalchemy import func, select
@@ -26,6 +24,7 @@ from ledger import append as _append
 from ledger import snapshots
 from ledger.backend import DURABILITY, Raw, make_engine, parse_url
 from ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
+from ledger.prefetch import prefetched
 from ledger.schema import RAW_COLUMNS, PayloadRun, RawRow, Snapshot, events
 from ledger.verify import Progress, VerifyReport, verify_batches
 from ledger.verify_parallel import default_workers, verify_parallel
@@ -260,51 +259,6 @@ class LedgerStore:
         from ledger.export import import_jsonl
         with cls.open(url, create=create) as store:
             return import_jsonl(store, fp, progress)
-
-
-_END = object()
-
-
-def prefetched(batches: Iterator[list], depth: int = 2) -> Iterator[list]:
-    """Run ``batches`` on a thread, ``depth`` ahead of the caller.
-
-    The database half of a fetch (SQLite's B-tree walk, PostgreSQL's query and socket) runs
-    without the GIL, so it overlaps the caller's hashing and decoding (+20-50% for verify). An
-    abandoned iteration stops the thread; an error in it is raised in the caller.
-    """
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for b in batches:
-                if not put(b):
-                    return
-            put(_END)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-            put(e)
-
-    thread = threading.Thread(target=run, name="ledger-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
 
 
 def _check_schema(engine, u: URL) -> None:
