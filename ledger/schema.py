@@ -53,10 +53,11 @@ events = Table(
 )
 Index("ix_events_producer_epoch_producer_seq", events.c.producer, events.c.epoch, events.c.producer_seq, unique=True)
 Index("ix_events_ts_ns", events.c.ts_ns)
-Index("ix_events_move_id", events.c.move_id,
-      sqlite_where=text("move_id IS NOT NULL"), postgresql_where=text("move_id IS NOT NULL"))
-Index("ix_events_session", events.c.session,
-      sqlite_where=text("session IS NOT NULL"), postgresql_where=text("session IS NOT NULL"))
+# The two move lookups of the audit views, and no more (migration 0003 says why).
+Index("ix_events_move_requested", events.c.move_id,
+      sqlite_where=text("type = 'MoveRequested'"), postgresql_where=text("type = 'MoveRequested'"))
+Index("ix_events_move_late_acked", events.c.move_id,
+      sqlite_where=text("type = 'MoveLateAcked'"), postgresql_where=text("type = 'MoveLateAcked'"))
 
 snapshots = Table(
     "snapshots", metadata,
