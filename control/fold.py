@@ -223,16 +223,28 @@ def _pinned_released(s: State, e: ev.PinnedReleased, seq: int) -> None:
 
 
 def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
-    if _worker(s, e.worker, seq, "BlocksCommitted") is None:
+    worker, tier, session = e.worker, e.tier, e.session
+    ws = _worker(s, worker, seq, "BlocksCommitted")
+    if ws is None:
         return
     keys = e.keys if len(e.keys) == len(e.blocks) else [""] * len(e.blocks)
-    for bid, key in zip(e.blocks, keys):
-        _add_copy(s, e.worker, bid, e.tier, seq, e.session, key)
-    if e.session is not None:
-        sess = s.sessions.get(e.session)
+    blocks = s.blocks.setdefault(worker, {})
+    added = 0
+    for bid, key in zip(e.blocks, keys):          # _add_copy, inlined: a hot loop of every replay
+        b = blocks.get(bid)
+        if b is None:
+            b = blocks[bid] = BlockState(session=session, key=key, tiers=[])
+        if tier in b.tiers:
+            _anomaly(s, seq, f"block {bid} already has a copy on {tier} of worker {worker}")
+            continue
+        b.tiers.append(tier)
+        added += 1
+    ws.tiers[tier].used_bytes += added * ws.block_bytes
+    if session is not None:
+        sess = s.sessions.get(session)
         if sess is None:
-            sess = s.sessions[e.session] = SessionState(session=e.session)
-        sess.worker = e.worker
+            sess = s.sessions[session] = SessionState(session=session)
+        sess.worker = worker
 
 
 def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
