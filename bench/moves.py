@@ -86,7 +86,7 @@ class Bench:
         self.tmp = tempfile.TemporaryDirectory()
         # The ceiling's two host buffers are pinned through the same budget as everything else.
         self.e = Engine(self.layout, 2 * self.n, host_bytes, self.tmp.name, need + 2 * self.bytes + 8192,
-                        device=str(self.dev), fsync=False)
+                        device=str(self.dev), fsync=False, pipeline_blocks=args.pipeline_blocks)
         words = self.layout.block_words
         self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
         self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)
@@ -392,7 +392,8 @@ class Bench:
                              dtype="bfloat16", block_bytes=self.layout.block_bytes,
                              chunks_per_block=2 * self.layout.num_layers,
                              chunk_bytes=self.layout.page_bytes),
-                 host_pinned=self.e.host_pool.pinned, pinning=self.e.host_pool.buffer.how, reps=self.args.reps)
+                 host_pinned=self.e.host_pool.pinned, pinning=self.e.host_pool.buffer.how, reps=self.args.reps,
+                 pipeline_blocks=self.args.pipeline_blocks)
         for name in ("ceiling", "bidir_probe", "engine_modes", "baselines", "checksum_kernel"):
             self.section(name, getattr(self, name))
         modes = r.get("modes", {})
@@ -563,6 +564,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--latency-iters", type=int, default=200)
     p.add_argument("--chunk-blocks", type=int, default=128, help="blocks in the per-chunk memcpy baseline")
+    p.add_argument("--pipeline-blocks", type=int, default=32,
+                   help="the engine's blocks per pipelined chunk (staging buffer rows; default as the engine's)")
     p.add_argument("--matmuls", type=int, default=30)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")

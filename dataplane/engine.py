@@ -2,7 +2,9 @@
 
     cmd ─► validate ─► MoveRejected (nothing changed)
               │
-              └─► executor.begin()  reserve dst, enqueue copies + checksums on the copy streams
+              └─► executor.begin()  reserve dst, enqueue the first copies + checksums on the copy
+                                    streams (the rest: one chunk per pump(), interleaved with
+                                    the other moves in flight)
                   executor.finish() wait, verify, commit (publish dst, free src) ─► MoveAcked
                                     or roll back (pools unchanged)                ─► MoveFailed
 
@@ -184,11 +186,30 @@ class Engine:
         mv = self._inflight.get(move_id)
         if mv is None:
             raise DataPlaneError(f"unknown move {move_id!r}: never submitted to this worker")
+        while mv.pending is not None and move_id in self._inflight:
+            self.pump()                       # this move's chunks, interleaved with the others'
+        if move_id in self._outcomes:         # a chunk raised: the move already failed
+            return self._outcomes[move_id]
         try:
             outcome = mv.finish()
         except Exception as e:  # noqa: BLE001
             return self._fail(mv, e)
         return self._settle(mv, outcome)
+
+    def pump(self) -> bool:
+        """Enqueue one more chunk of every move in flight that has chunks left, in turn.
+
+        Moves submitted together then share the streams from their first chunks on: a restore
+        submitted right after a spill does not wait for the spill's whole enqueue. Returns
+        whether any chunk is left. A chunk that raises fails its move (recorded, pools unchanged).
+        """
+        left = False
+        for mv in [m for m in self._inflight.values() if m.pending is not None]:
+            try:
+                left |= mv.advance(1)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
+                self._fail(mv, e)
+        return left
 
     def outcome_of(self, move_id: str) -> Outcome | None:
         """The recorded outcome, or None if unknown here or still in flight."""

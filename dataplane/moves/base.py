@@ -3,7 +3,11 @@
 A move runs in two halves so that moves in opposite directions overlap:
 
     begin()   reserve destination slots, enqueue copies and checksums on the copy streams;
-              returns at once on a GPU.
+              returns at once on a GPU. A route may enqueue only its first chunks here and
+              leave the rest in ``pending``, one chunk per ``advance()``: the engine then
+              advances every move in flight in turn (``Engine.pump``), so a spill and a restore
+              submitted one after the other both reach the link within a chunk's enqueue time,
+              instead of the second waiting for the whole of the first's enqueue.
     finish()  wait for this move's events, verify, then commit: publish the destination copy,
               free the source if asked, and return ``MoveAcked`` — or roll back and return
               ``MoveFailed`` naming the blocks.
@@ -16,7 +20,7 @@ all-or-nothing: no outcome ever leaves half its blocks moved.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +32,9 @@ from dataplane.moves.streams import CopyStreams
 from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
 from events.catalog import MoveAcked, MoveFailed
 from kernels.checksum import block_checksums, checksums_to_ints
+
+
+_DONE = object()
 
 
 @dataclass
@@ -62,6 +69,7 @@ class InFlight:
         # Host-clock marks (perf_counter_ns) of the move's phases, for bench/moves.py:
         # submitted -> validated -> enqueued (begin done) -> landed (copies seen complete) -> settled
         self.phases: dict[str, int] = {}
+        self.pending: Iterator[None] | None = None   # the rest of the enqueue, one chunk per step
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter_ns()
@@ -73,8 +81,24 @@ class InFlight:
     def finish(self) -> MoveAcked | MoveFailed:
         raise NotImplementedError
 
+    def advance(self, steps: int = 1) -> bool:
+        """Enqueue up to ``steps`` more chunks; True while chunks are left. Raises what a chunk raises."""
+        it = self.pending
+        for _ in range(steps):
+            if it is None:
+                return False
+            if next(it, _DONE) is _DONE:
+                self.pending = it = None
+        return it is not None
+
+    def enqueue_rest(self) -> None:
+        """Enqueue every chunk still pending (finish() starts with this)."""
+        while self.advance(1 << 20):
+            pass
+
     def abort(self) -> None:
         """Wait for this move's enqueued work, then undo its reservations. Idempotent."""
+        self.pending = None          # enqueue nothing more
         self.drain()
         self.rollback()
 

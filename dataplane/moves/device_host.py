@@ -1,12 +1,11 @@
 """Moves between the device pool and the pinned host pool: spill/evict/park out, restore in.
 
-Spill (device -> host), one chunk:
+Spill (device -> host), in chunks of pipeline_blocks blocks:
 
-    compute ──► d2h:  copy all blocks (kernel or DMA) ──────────────► e_copy ─┐
-            └─► hash: psum64 of the device source rows ─────────────► e_hash ─┴─► finish: host
-                                                                                 waits, records
-                                                                                 checksums,
-                                                                                 publishes
+    compute ──► d2h:  copy c0 ─► copy c1 ─► copy c2 ... ──────────────► e_copy ─┐
+            └─► hash: psum64 of every device source row (beside the copies) ─► e_hash ─┤
+    finish: wait e_hash, record the checksums on the reserved host slots (the link is
+    still busy); wait e_copy; publish the host copies, free the source if asked.
 
 Restore (host -> device), chunked so that hashing hides behind copying (blocks walked in
 host-slot order, so host runs are long):
@@ -25,6 +24,11 @@ from dataplane.moves.copy import Copier
 from dataplane.pools.errors import ChecksumMismatch
 
 
+# Chunks a move enqueues inside begin(); the rest wait in ``pending`` for Engine.pump / finish.
+# Two chunks keep the link busy (~2.4 ms at 55 GB/s for 64 MiB chunks) while the caller goes on.
+PRIME_CHUNKS = 2
+
+
 class SpillToHost(InFlight):
     route = ("device", "host")
 
@@ -34,22 +38,36 @@ class SpillToHost(InFlight):
         self.hslots = c.host.reserve(self.ids)
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
-        # Copy first: the link is the bottleneck, so it must start before anything else is queued.
+        self.pending = self._chunks()
+        self.advance(PRIME_CHUNKS)
+
+    def _chunks(self):
+        c = self.ctx
         copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
-        copier.enqueue(0, len(self.ids))
-        self.copied = copier.done()
+        step, n = max(1, c.pipeline_blocks), len(self.ids)
+        # Copy first: the link is the bottleneck, so it must start before anything else is queued.
+        copier.enqueue(0, min(n, step))
+        # The checksums read the device source (which stays put until commit) beside the copies.
         self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
-        self.hasher.enqueue(0, len(self.ids))
+        self.hasher.enqueue(0, n)
         self.hashed = self.hasher.done()
+        yield
+        for lo in range(step, n, step):
+            copier.enqueue(lo, min(n, lo + step))
+            yield
+        self.copied = copier.done()
 
     def finish(self):
         c = self.ctx
-        self.copied.synchronize()
+        self.enqueue_rest()
+        # The checksums of the source land long before the copy: record them on the reserved
+        # host slots while the link is still busy, so only publish and free remain after it.
         self.hashed.synchronize()
-        self.mark("landed")
-        self.bytes_moved = len(self.ids) * c.layout.block_bytes
         sums = self.hasher.values()
         c.host.set_checksums(self.ids, sums)
+        self.copied.synchronize()
+        self.mark("landed")
+        self.bytes_moved = len(self.ids) * c.layout.block_bytes
         c.host.publish(self.ids)
         self.hslots = None
         return self.acked(self.free_source(), sums)
@@ -65,7 +83,6 @@ class RestoreFromHost(InFlight):
 
     def begin(self) -> None:
         c, s = self.ctx, self.ctx.streams
-        self.expected = c.host.checksums_of(self.ids)
         hslots = c.host.slots_of(self.ids)
         self.dslots = c.device.reserve(self.ids)
         # NOTE: the reserved slots may have been freed while kernels queued on the compute stream
@@ -73,29 +90,36 @@ class RestoreFromHost(InFlight):
         self.after_compute(s.h2d, s.stage_h2d)
         # Walk the blocks in host-slot order: host runs get long (fewer, larger DMAs); the device
         # side is scattered anyway. Checksums are mapped back to the command's order at the end.
-        order = sorted(range(len(self.ids)), key=lambda i: hslots[i])
+        order = sorted(range(len(self.ids)), key=hslots.__getitem__)
         self.order_ids = [self.ids[i] for i in order]
-        copier = Copier(c, "h2d", c.host.words, [hslots[i] for i in order],
-                        c.device.words, [self.dslots[i] for i in order])
-        self.hasher = Hasher(c, c.device.words, [self.dslots[i] for i in order], self.order_ids)
-        step = max(1, c.pipeline_blocks)
-        for lo in range(0, len(self.ids), step):
-            hi = min(len(self.ids), lo + step)
+        self.pending = self._chunks([hslots[i] for i in order], [self.dslots[i] for i in order])
+        self.advance(PRIME_CHUNKS)
+        self.expected = c.host.checksums_of(self.ids)     # after the first chunks: off the link's path
+
+    def _chunks(self, src_slots, dst_slots):
+        c = self.ctx
+        copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
+        self.hasher = Hasher(c, c.device.words, dst_slots, self.order_ids)
+        step, n = max(1, c.pipeline_blocks), len(self.ids)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
             copier.enqueue(lo, hi)
             self.hasher.enqueue(lo, hi, after=copier.done())
+            yield
         self.copied = copier.done()
         self.hashed = self.hasher.done()
 
     def finish(self):
         c, s = self.ctx, self.ctx.streams
+        self.enqueue_rest()
         self.copied.synchronize()
         self.hashed.synchronize()
         self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
         by_id = dict(zip(self.order_ids, self.hasher.values()))
-        got = [by_id[b] for b in self.ids]
-        bad = [(b, e, g) for b, e, g in zip(self.ids, self.expected, got) if e != g]
-        if bad:
+        got = list(map(by_id.__getitem__, self.ids))
+        if got != self.expected:
+            bad = [(b, e, g) for b, e, g in zip(self.ids, self.expected, got) if e != g]
             self.rollback()
             return self.failed(str(ChecksumMismatch("restore host->device", bad)))
         c.device.publish(self.ids)

@@ -1,0 +1,63 @@
+"""Moves enqueued in chunks: a spill and a restore submitted together advance in turn (pump), each
+lands intact, and a chunk that raises half-way fails its move with the pools unchanged."""
+import pytest
+import torch
+
+import dataplane.moves.copy as copy_mod
+from events.catalog import MoveAcked, MoveFailed
+from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, move, snapshot, words_of
+
+
+@pytest.fixture
+def chunky(tmp_path, engine_device):
+    # 3 blocks per chunk: a 10-block move is 4 chunks, 2 enqueued by submit, 2 left pending.
+    e = make_engine(tmp_path / "disk", device=engine_device, device_blocks=24, host_blocks=24, pipeline_blocks=3)
+    yield e
+    e.check_integrity()
+    e.close()
+
+
+def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(chunky, monkeypatch):
+    e = chunky
+    out_ids, in_ids = list(range(10)), list(range(10, 20))
+    data = commit(e, "device", out_ids + in_ids)
+    assert isinstance(e.execute(move("evict", "device", "host", in_ids)), MoveAcked)
+    real, log = copy_mod.Copier.enqueue, []
+    monkeypatch.setattr(copy_mod.Copier, "enqueue", lambda self, lo, hi: (log.append(self.direction), real(self, lo, hi)))
+    t_out = e.submit(move("evict", "device", "host", out_ids[::-1]))
+    t_in = e.submit(move("restore", "host", "device", in_ids[3:] + in_ids[:3]))
+    moves = {m.cmd.move_id: m for m in e._inflight.values()}
+    assert log == ["d2h", "d2h", "h2d", "h2d"], "submit enqueues only the first two chunks"
+    assert all(m.pending is not None for m in moves.values())
+    e.pump()
+    assert log[4:] == ["d2h", "h2d"], "pump enqueues one more chunk of each move in flight"
+    a = e.wait(t_in)                                      # pumps both until the restore is enqueued
+    assert log[6:] == ["d2h", "h2d"]
+    b = e.wait(t_out)
+    assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
+    assert all(m.pending is None for m in moves.values())
+    for blk in out_ids:
+        assert torch.equal(words_of(e, "host", blk), data[blk]) and not e.device_pool.has(blk)
+    for blk in in_ids:
+        assert torch.equal(words_of(e, "device", blk), data[blk]) and not e.host_pool.has(blk)
+
+
+def test_a_chunk_that_raises_half_way_fails_the_move_and_changes_nothing(chunky, monkeypatch):
+    e = chunky
+    commit(e, "device", list(range(10)))
+    before = snapshot(e)
+    real, calls = copy_mod.Copier.enqueue, []
+
+    def flaky(self, lo, hi):
+        calls.append(lo)
+        if len(calls) == 3:                              # the first chunk pump enqueues, not submit's
+            raise RuntimeError("copy engine fell over")
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(copy_mod.Copier, "enqueue", flaky)
+    ticket = e.submit(move("evict", "device", "host", list(range(10))))
+    out = e.wait(ticket)
+    assert isinstance(out, MoveFailed) and "copy engine fell over" in out.error, out
+    assert len(calls) == 3
+    assert_same(before, snapshot(e))
+    assert e.wait(ticket) is out                         # the outcome is recorded once
