@@ -23,12 +23,11 @@ _encoder = msgspec.msgpack.Encoder()
 _event_decoder = msgspec.msgpack.Decoder(AnyEvent)
 _message_decoder = msgspec.msgpack.Decoder(AnyMessage)
 _raw_decoder = msgspec.msgpack.Decoder()
-# type name -> (its current schema version, a decoder of exactly that type: it checks the payload's tag)
-_CURRENT = {name: cls.SCHEMA_VERSION for name, cls in EVENT_TYPES.items()}
-_DECODE_AS = {name: msgspec.msgpack.Decoder(cls).decode for name, cls in EVENT_TYPES.items()}
+# (type name, its current schema version) -> a decoder of exactly that type (it checks the payload's tag)
+_DECODE_CURRENT = {(name, cls.SCHEMA_VERSION): msgspec.msgpack.Decoder(cls).decode for name, cls in EVENT_TYPES.items()}
 # What a decode function of ``current_decoders`` raises on a bad payload.
 PAYLOAD_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
-_first, _second = itemgetter(0), itemgetter(1)
+_type_and_version = itemgetter(0, 1)
 
 
 def encode_event(event: Event) -> bytes:
@@ -76,11 +75,10 @@ def current_decoders(rows: Sequence[tuple]) -> list | None:
     ``decode_event``, which upcasts and words the error. (Replay's fast path: a few C-level passes
     over the run, no Python work per row.)
     """
-    types = list(map(_first, rows))
-    decoders = list(map(_DECODE_AS.get, types))
-    if None in decoders or list(map(_CURRENT.get, types)) != list(map(_second, rows)):
+    try:
+        return list(map(_DECODE_CURRENT.__getitem__, map(_type_and_version, rows)))
+    except (KeyError, TypeError):
         return None
-    return decoders
 
 
 def encode_message(msg: Message | Event) -> bytes:
