@@ -35,6 +35,7 @@ from dataplane.moves import (
     InFlight,
     IndexUploader,
     MoveContext,
+    SumsLanding,
     StagingRing,
     validate,
 )
@@ -113,6 +114,8 @@ class Engine:
                 self._closers.append(self.indexes[d])
             self.ring = StagingRing(self.pinned, layout, staging_blocks, self.streams)
             self._closers.append(self.ring)
+            self.landing = SumsLanding(self.pinned, max_blocks, self.streams)
+            self._closers.append(self.landing)
         except BaseException:
             self.close()
             raise
@@ -120,7 +123,7 @@ class Engine:
         self.disk_report = self.disk_tier.rebuild(verify=self._hash_disk_payload if verify_disk else None)
         self.ctx = MoveContext(
             worker=worker, layout=layout, device=self.device_pool, host=self.host_pool, disk=self.disk_tier,
-            streams=self.streams, indexes=self.indexes, ring=self.ring,
+            streams=self.streams, indexes=self.indexes, landing=self.landing, ring=self.ring,
             staging=DeviceStaging(layout, pipeline_blocks, dev), copy_modes=modes,
             pipeline_blocks=pipeline_blocks, clock=clock,
         )
@@ -137,7 +140,8 @@ class Engine:
         max_blocks = max(device_blocks, host_slots, 1)
         return (page_round(max(host_slots * layout.block_bytes, 1))
                 + page_round(staging_blocks * layout.block_bytes)
-                + 3 * page_round(2 * 2 * max_blocks * 8))
+                + 3 * page_round(2 * 2 * max_blocks * 8)
+                + page_round(max_blocks * 8))
 
     # ------------------------------------------------------------ tiers
     def pool(self, tier: str):

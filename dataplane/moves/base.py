@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.moves.indexes import IndexUploader
+from dataplane.moves.indexes import IndexUploader, SumsLanding
 from dataplane.moves.plan import MovePlan
 from dataplane.moves.staging import DeviceStaging, StagingRing
 from dataplane.moves.streams import CopyStreams
 from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
 from events.catalog import MoveAcked, MoveFailed
-from kernels.checksum import block_checksums, checksums_to_ints
+from kernels.checksum import block_checksums
 
 
 _DONE = object()
@@ -46,6 +46,7 @@ class MoveContext:
     disk: DiskTier
     streams: CopyStreams
     indexes: dict[str, IndexUploader]      # "d2h", "h2d", "hash"
+    landing: SumsLanding                   # where checksums come home (pinned, read by kernel stores)
     ring: StagingRing
     staging: DeviceStaging                 # device buffers of the "staged" copy mode
     copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma" | "staged"
@@ -151,6 +152,7 @@ class Hasher:
             s.wait_event(s.hash, after)
         with s.on(s.hash):
             self.parts.append(block_checksums(self.words, self.slots[lo:hi], self.block_ids[lo:hi]))
+        self.last = s.mark(s.hash)          # after this hasher's own work, not later moves' on the stream
 
     def done(self):
         """The event after all enqueued hashing (and whatever the hash stream waited on)."""
@@ -158,4 +160,10 @@ class Hasher:
 
     def values(self) -> list[int]:
         """The checksums as ints; call only after done() completed."""
-        return checksums_to_ints(torch.cat(self.parts)) if self.parts else []
+        if not self.parts:
+            return []
+        s = self.ctx.streams
+        s.wait_event(s.small, self.last)
+        with s.on(s.small):
+            sums = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        return self.ctx.landing.fetch(sums)

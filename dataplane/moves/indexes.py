@@ -15,6 +15,44 @@ import torch
 
 from dataplane.moves.streams import CopyStreams, Done
 from dataplane.pools.budget import PinnedBudget
+from kernels.gather import gather_blocks
+
+
+class SumsLanding:
+    """Where a move's checksums come home: a pinned int64 row registered with the budget.
+
+    ``fetch(sums, after)`` stores the device checksums into the row with a kernel on the small
+    stream (SM stores over PCIe: no copy engine, so it never waits behind a move's chunks),
+    waits for it, and returns them as ints in [0, 2^64). Used only from the engine's thread,
+    and read back before it returns, so one row serves every move.
+    """
+
+    def __init__(self, budget: PinnedBudget, capacity: int, streams: CopyStreams):
+        self.capacity = capacity
+        self.streams = streams
+        self.buffer = budget.alloc("checksum-landing", (max(1, capacity),), torch.int64)
+
+    def fetch(self, sums: torch.Tensor, after=None) -> list[int]:
+        n = sums.numel()
+        if n == 0:
+            return []
+        if n > self.capacity:
+            raise ValueError(f"{n} checksums exceed the landing row's {self.capacity}")
+        s = self.streams
+        if not s.cuda:
+            vals = sums.view(torch.int64).tolist()
+        else:
+            row = self.buffer.tensor[:n]
+            if after is not None:
+                s.wait_event(s.small, after)
+            with s.on(s.small):
+                gather_blocks(sums.view(torch.int64).view(1, n), s.zero_index, row.view(1, n))
+            s.mark(s.small).synchronize()
+            vals = row.tolist()
+        return [v & 0xFFFFFFFFFFFFFFFF for v in vals]
+
+    def close(self) -> None:
+        self.buffer.close()
 
 
 class IndexUploader:
@@ -41,8 +79,12 @@ class IndexUploader:
         if not self.streams.cuda:
             dev = host[:total].clone()
         else:
+            # NOTE: a kernel reads the pinned rows (SM loads over PCIe), not a DMA: an H2D DMA
+            # would wait on the copy engine behind whatever chunks a restore has queued there.
             with self.streams.on(stream):
-                dev = host[:total].to(self.streams.device, non_blocking=True)
+                dev = torch.empty(total, dtype=torch.int64, device=self.streams.device)
+                if total:
+                    gather_blocks(host[:total].view(1, total), self.streams.zero_index, dev.view(1, total))
             self._events[half] = self.streams.mark(stream)
         at = 0
         for x in lists:

@@ -48,11 +48,16 @@ class CopyStreams:
             self.stage_d2h = torch.cuda.Stream(device, priority=hi)
             self.stage_h2d = torch.cuda.Stream(device, priority=hi)
             self.hash = torch.cuda.Stream(device)
+            # Small transfers (slot indices up, checksums down) run as kernels on this stream,
+            # never as DMAs: a DMA would queue on a copy engine behind a move's 64 MiB chunks.
+            self.small = torch.cuda.Stream(device, priority=hi)
+            self.zero_index = torch.zeros(1, dtype=torch.int64, device=device)
         else:
-            self.d2h = self.h2d = self.hash = self.stage_d2h = self.stage_h2d = None
+            self.d2h = self.h2d = self.hash = self.stage_d2h = self.stage_h2d = self.small = None
+            self.zero_index = torch.zeros(1, dtype=torch.int64)
 
     def all(self) -> tuple:
-        return (self.d2h, self.h2d, self.hash, self.stage_d2h, self.stage_h2d)
+        return (self.d2h, self.h2d, self.hash, self.stage_d2h, self.stage_h2d, self.small)
 
     def compute_stream(self):
         """The caller's current stream (the model's compute stream), or None on CPU."""

@@ -215,11 +215,13 @@ class SlotTable:
         A block listed twice drops two references.
         """
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
-        bad = self.not_ready(ids)
-        if bad:
-            raise NotResident(self.tier, bad)
         refs = self._refs
-        if len(set(ids)) == len(ids) and not self.shared(ids):
+        unique = set(ids)
+        if not refs.keys() >= unique:
+            raise NotResident(self.tier, [b for b in ids if b not in refs])
+        if not ids:
+            return 0
+        if len(unique) == len(ids) and max(map(refs.__getitem__, ids)) == 1:
             deque(map(refs.__delitem__, ids), maxlen=0)   # the common case: every block's last reference
             self._release_slots(ids)
             return len(ids) * self.slot_bytes
