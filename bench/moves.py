@@ -564,7 +564,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--latency-iters", type=int, default=200)
     p.add_argument("--chunk-blocks", type=int, default=128, help="blocks in the per-chunk memcpy baseline")
-    p.add_argument("--pipeline-blocks", type=int, default=32,
+    p.add_argument("--pipeline-blocks", type=int, default=64,
                    help="the engine's blocks per pipelined chunk (staging buffer rows; default as the engine's)")
     p.add_argument("--matmuls", type=int, default=30)
     p.add_argument("--seed", type=int, default=1)

@@ -82,7 +82,7 @@ class Engine:
         disk_bytes: int | None = None,
         copy_modes: dict[str, str] | None = None,
         staging_blocks: int = 4,
-        pipeline_blocks: int = 32,
+        pipeline_blocks: int = 64,
         fsync: bool = True,
         verify_disk: bool = True,
         clock: Callable[[], int] = time.time_ns,

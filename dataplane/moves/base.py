@@ -154,9 +154,9 @@ class Hasher:
             self.parts.append(block_checksums(self.words, self.slots[lo:hi], self.block_ids[lo:hi]))
         self.last = s.mark(s.hash)          # after this hasher's own work, not later moves' on the stream
 
-    def done(self):
+    def done(self, spin: bool = False):
         """The event after all enqueued hashing (and whatever the hash stream waited on)."""
-        return self.ctx.streams.mark(self.ctx.streams.hash)
+        return self.ctx.streams.mark(self.ctx.streams.hash, spin)
 
     def values(self) -> list[int]:
         """The checksums as ints; call only after done() completed."""

@@ -84,10 +84,10 @@ class Copier:
             for a in range(lo, hi, step):
                 self._staged(a, min(hi, a + step))
 
-    def done(self):
+    def done(self, spin: bool = False):
         s = self.ctx.streams
         last = self.stage if (self.mode == "staged" and self.direction == "h2d") else self.stream
-        return s.mark(last)
+        return s.mark(last, spin)
 
     def _dma(self, stream, src_words, src_slots, dst_words, dst_slots) -> None:
         with self.ctx.streams.on(stream):

@@ -51,11 +51,13 @@ class SpillToHost(InFlight):
         self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
         self.hasher.enqueue(0, n)
         self.hashed = self.hasher.done()
+        self.nearly = copier.done()
         yield
         for lo in range(step, n, step):
+            self.nearly = copier.done()          # the link is busy with the chunks before this one
             copier.enqueue(lo, min(n, lo + step))
             yield
-        self.copied = copier.done()
+        self.copied = copier.done(spin=True)
 
     def finish(self):
         c = self.ctx
@@ -65,7 +67,8 @@ class SpillToHost(InFlight):
         self.hashed.synchronize()
         sums = self.hasher.values()
         c.host.set_checksums(self.ids, sums)
-        self.copied.synchronize()
+        self.nearly.synchronize()                # sleep while all but the last chunk cross
+        self.copied.synchronize()                # spin through the last one: a prompt wake
         self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
         c.host.publish(self.ids)
@@ -101,19 +104,24 @@ class RestoreFromHost(InFlight):
         copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
         self.hasher = Hasher(c, c.device.words, dst_slots, self.order_ids)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
+        self.nearly = None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
+            if hi == n and lo > 0:
+                self.nearly = self.hasher.done()  # every chunk before the last one verified
             copier.enqueue(lo, hi)
             self.hasher.enqueue(lo, hi, after=copier.done())
             yield
         self.copied = copier.done()
-        self.hashed = self.hasher.done()
+        self.hashed = self.hasher.done(spin=True)
 
     def finish(self):
         c, s = self.ctx, self.ctx.streams
         self.enqueue_rest()
+        if self.nearly is not None:
+            self.nearly.synchronize()            # sleep while all but the last chunk cross
         self.copied.synchronize()
-        self.hashed.synchronize()
+        self.hashed.synchronize()                # spin through the last one: a prompt wake
         self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
         by_id = dict(zip(self.order_ids, self.hasher.values()))

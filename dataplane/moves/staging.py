@@ -50,7 +50,7 @@ class DeviceStaging:
     A buffer is refilled only after the event of the last operation that read it (the DMA out of
     it, or the scatter out of it) completed on the device, so chunk k+1 is gathered while chunk k
     crosses PCIe. Device memory, not pinned: it is outside the pinned budget and allocated on
-    first use (2 × pipeline_blocks × block_bytes per direction: 256 MiB for 2 MiB blocks, 32 per chunk).
+    first use (2 × pipeline_blocks × block_bytes per direction: 256 MiB for 2 MiB blocks, 64 per chunk).
     """
 
     def __init__(self, layout: KVLayout, blocks_per_buffer: int, device: torch.device):
