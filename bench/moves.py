@@ -459,8 +459,8 @@ class no_checksums:
             def enqueue(self, lo, hi, after=None):
                 pass
 
-            def done(self):
-                return self.ctx.streams.mark(self.ctx.streams.hash)
+            def done(self, spin=False):
+                return self.ctx.streams.mark(self.ctx.streams.hash, spin)
 
             def values(self):
                 return [0] * self.n
