@@ -67,13 +67,20 @@ class SpillToHost(InFlight):
         self.hashed.synchronize()
         sums = self.hasher.values()
         c.host.set_checksums(self.ids, sums)
+        # Check the commit now (it cannot change before the copy lands: one thread), apply it then.
+        ready = c.host.table.can_publish(self.ids)
+        free_now = not self.cmd.keep_source and c.device.table.can_free_all(self.ids)
         self.nearly.synchronize()                # sleep while all but the last chunk cross
         self.copied.synchronize()                # spin through the last one: a prompt wake
         self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
-        c.host.publish(self.ids)
+        if ready:
+            c.host.table.publish_checked(self.ids)
+        else:
+            c.host.publish(self.ids)             # raises, naming what is wrong
         self.hslots = None
-        return self.acked(self.free_source(), sums)
+        freed = c.device.table.free_all_checked(self.ids) if free_now else self.free_source()
+        return self.acked(freed, sums)
 
     def rollback(self) -> None:
         if getattr(self, "hslots", None) is not None:
@@ -95,6 +102,10 @@ class RestoreFromHost(InFlight):
         # side is scattered anyway. Checksums are mapped back to the command's order at the end.
         order = sorted(range(len(self.ids)), key=hslots.__getitem__)
         self.order_ids = [self.ids[i] for i in order]
+        back = [0] * len(order)                  # command position -> position in walk order
+        for k, i in enumerate(order):
+            back[i] = k
+        self.back = back
         self.pending = self._chunks([hslots[i] for i in order], [self.dslots[i] for i in order])
         self.advance(PRIME_CHUNKS)
         self.expected = c.host.checksums_of(self.ids)     # after the first chunks: off the link's path
@@ -118,22 +129,33 @@ class RestoreFromHost(InFlight):
     def finish(self):
         c, s = self.ctx, self.ctx.streams
         self.enqueue_rest()
+        # Check the commit now (it cannot change before the copy lands: one thread), apply it then.
+        ready = c.device.table.can_publish(self.ids)
+        free_now = not self.cmd.keep_source and c.host.table.can_free_all(self.ids)
         if self.nearly is not None:
             self.nearly.synchronize()            # sleep while all but the last chunk cross
         self.copied.synchronize()
         self.hashed.synchronize()                # spin through the last one: a prompt wake
         self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
-        by_id = dict(zip(self.order_ids, self.hasher.values()))
-        got = list(map(by_id.__getitem__, self.ids))
+        walked = self.hasher.values()
+        got = list(map(walked.__getitem__, self.back))
         if got != self.expected:
             bad = [(b, e, g) for b, e, g in zip(self.ids, self.expected, got) if e != g]
             self.rollback()
             return self.failed(str(ChecksumMismatch("restore host->device", bad)))
-        c.device.publish(self.ids)
+        if ready:
+            c.device.table.publish_checked(self.ids)
+        else:
+            c.device.publish(self.ids)           # raises, naming what is wrong
         self.dslots = None
         s.wait_event(self.compute, self.hashed)   # no compute kernel reads a page before it landed
-        return self.acked(self.free_source(), got)
+        if free_now:
+            freed = c.host.table.free_all_checked(self.ids)
+            c.host.drop_checksums(self.ids)
+        else:
+            freed = self.free_source()
+        return self.acked(freed, got)
 
     def rollback(self) -> None:
         if getattr(self, "dslots", None) is not None:

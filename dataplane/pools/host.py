@@ -76,6 +76,10 @@ class HostPool(BlockPool):
                     cs.pop(b, None)
         return freed
 
+    def drop_checksums(self, block_ids: list[int]) -> None:
+        """Forget the checksums of copies just freed through ``table.free_all_checked``."""
+        deque(map(self._checksums.pop, block_ids, repeat(None, len(block_ids))), maxlen=0)
+
     def allocate(self, block_ids):  # a host copy without a checksum would be unverifiable
         raise NotImplementedError("host blocks arrive by reserve -> set_checksums -> publish")
 

@@ -200,6 +200,30 @@ class SlotTable:
         self.publish(ids)
         return slots
 
+    # ------------------------------------------------------------ checked-ahead commits
+    # A move checks its commit while its copy is still crossing the link, then applies it the
+    # moment the bytes land, without checking again: the engine runs on one thread, so nothing
+    # can touch the table in between. Each ``*_checked`` call requires its ``can_*`` to have
+    # returned True with no mutation since.
+    def can_free_all(self, block_ids: list[int]) -> bool:
+        """Whether ``free(block_ids)`` would free every listed slot (READY, distinct, one holder). Pure."""
+        refs = self._refs
+        return (bool(block_ids) and refs.keys() >= set(block_ids) and len(set(block_ids)) == len(block_ids)
+                and max(map(refs.__getitem__, block_ids)) == 1)
+
+    def free_all_checked(self, block_ids: list[int]) -> int:
+        deque(map(self._refs.__delitem__, block_ids), maxlen=0)
+        self._release_slots(block_ids)
+        return len(block_ids) * self.slot_bytes
+
+    def can_publish(self, block_ids: list[int]) -> bool:
+        """Whether ``publish(block_ids)`` would succeed (every block RESERVED). Pure."""
+        return self._reserved.issuperset(block_ids)
+
+    def publish_checked(self, block_ids: list[int]) -> None:
+        self._reserved.difference_update(block_ids)
+        self._refs.update(dict.fromkeys(block_ids, 1))
+
     def incref(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)
         bad = [b for b in ids if b not in self._refs]

@@ -105,3 +105,23 @@ def test_only_reserved_blocks_can_be_published_or_cancelled():
         t.cancel([1])
     assert t.refcount(1) == 1 and not t.holds(2)
     t.check_integrity()
+
+
+def test_checked_ahead_free_and_publish_say_no_where_the_checked_calls_would_raise():
+    from dataplane.pools.slots import SlotTable
+
+    t = SlotTable("device", 8, 100)
+    t.allocate([1, 2, 3])
+    t.incref([3])
+    t.reserve([5, 6])
+    assert t.can_free_all([1, 2])
+    assert not t.can_free_all([1, 3])          # 3 has a second holder
+    assert not t.can_free_all([1, 1])          # listed twice
+    assert not t.can_free_all([1, 4])          # 4 is not here
+    assert not t.can_free_all([1, 5])          # 5 is still arriving
+    assert not t.can_free_all([])
+    assert t.can_publish([5, 6]) and not t.can_publish([5, 1])
+    assert t.free_all_checked([2, 1]) == 200
+    t.publish_checked([6, 5])
+    assert t.ready_blocks() == [3, 5, 6] and t.refcount(5) == 1 and t.num_free == 5
+    t.check_integrity()
