@@ -26,6 +26,7 @@ from kernels._common import (
     prepare_index,
     row_tiling,
     tl,
+    triton,
     use_triton,
 )
 
@@ -92,6 +93,23 @@ def gather_blocks(
         src.shape[1], src.stride(0), out.stride(0),
         HAS_OUT_IDX=oidx is not None, CHUNK=chunk, BLOCK=block,
     )
+    return out
+
+
+def gather_blocks_trusted(src: torch.Tensor, src_slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``gather_blocks(src, src_slots, out)`` without its checks, for callers that built every
+    argument themselves and checked their tables once (the engine: its pools and staging buffers
+    never change shape; its slot indices come from its own tables). ~30 µs less host time per
+    launch, which is per chunk of a move. ``src_slots``: int64 on the kernel's device. Anything
+    but CUDA goes through the checked ``gather_blocks``."""
+    if not (src.is_cuda or out.is_cuda) or triton is None:
+        return gather_blocks(src, src_slots, out)
+    n = src_slots.numel()
+    if n == 0 or src.shape[1] == 0:
+        return out
+    block, chunk, chunks = row_tiling(src.shape[1])
+    _gather[(n, chunks)](src, out, src_slots, src_slots, src.shape[1], src.stride(0), out.stride(0),
+                         HAS_OUT_IDX=False, CHUNK=chunk, BLOCK=block)
     return out
 
 

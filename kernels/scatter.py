@@ -24,6 +24,7 @@ from kernels._common import (
     prepare_index,
     row_tiling,
     tl,
+    triton,
     use_triton,
 )
 
@@ -90,6 +91,20 @@ def scatter_blocks(
         dst.shape[1], src.stride(0), dst.stride(0),
         HAS_SRC_IDX=sidx is not None, CHUNK=chunk, BLOCK=block,
     )
+    return dst
+
+
+def scatter_blocks_trusted(src: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+    """``scatter_blocks(src, dst, dst_slots)`` without its checks (see ``gather_blocks_trusted``):
+    for the engine's own staging buffers, pools and slot indices. Non-CUDA calls are checked."""
+    if not (src.is_cuda or dst.is_cuda) or triton is None:
+        return scatter_blocks(src, dst, dst_slots)
+    n = dst_slots.numel()
+    if n == 0 or dst.shape[1] == 0:
+        return dst
+    block, chunk, chunks = row_tiling(dst.shape[1])
+    _scatter[(n, chunks)](src, dst, dst_slots, dst_slots, dst.shape[1], src.stride(0), dst.stride(0),
+                          HAS_SRC_IDX=False, CHUNK=chunk, BLOCK=block)
     return dst
 
 

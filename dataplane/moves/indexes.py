@@ -15,7 +15,7 @@ import torch
 
 from dataplane.moves.streams import CopyStreams, Done
 from dataplane.pools.budget import PinnedBudget
-from kernels.gather import gather_blocks
+from kernels.gather import gather_blocks_trusted
 
 
 class SumsLanding:
@@ -46,7 +46,7 @@ class SumsLanding:
             if after is not None:
                 s.wait_event(s.small, after)
             with s.on(s.small):
-                gather_blocks(sums.view(torch.int64).view(1, n), s.zero_index, row.view(1, n))
+                gather_blocks_trusted(sums.view(torch.int64).view(1, n), s.zero_index, row.view(1, n))
             s.mark(s.small).synchronize()
             vals = row.tolist()
         return [v & 0xFFFFFFFFFFFFFFFF for v in vals]
@@ -84,7 +84,7 @@ class IndexUploader:
             with self.streams.on(stream):
                 dev = torch.empty(total, dtype=torch.int64, device=self.streams.device)
                 if total:
-                    gather_blocks(host[:total].view(1, total), self.streams.zero_index, dev.view(1, total))
+                    gather_blocks_trusted(host[:total].view(1, total), self.streams.zero_index, dev.view(1, total))
             self._events[half] = self.streams.mark(stream)
         at = 0
         for x in lists:

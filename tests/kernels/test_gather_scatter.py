@@ -151,3 +151,16 @@ def test_a_gpu_kernel_refuses_pageable_host_memory():
 
 def _must_not_run(*a, **k):
     raise AssertionError("the torch reference ran where the Triton kernel should have")
+
+
+def test_trusted_launches_move_the_same_rows_as_the_checked_ones(device, gen):
+    from kernels.gather import gather_blocks_trusted
+    from kernels.scatter import scatter_blocks_trusted
+
+    src = torch.randint(-(2**31), 2**31, (13, 777), dtype=torch.int32, generator=gen).to(device)
+    idx = torch.tensor([12, 0, 5, 7], dtype=torch.int64, device=device)
+    out = torch.zeros(4, 777, dtype=torch.int32, device=device)
+    assert torch.equal(gather_blocks_trusted(src, idx, out), src[idx])
+    dst = torch.zeros_like(src)
+    scatter_blocks_trusted(out, dst, torch.tensor([3, 9, 1, 2], dtype=torch.int64, device=device))
+    assert torch.equal(dst[[3, 9, 1, 2]], src[idx]) and dst[[0, 4, 5]].abs().sum() == 0
