@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.moves.indexes import IndexUploader, SumsLanding
+from dataplane.moves.indexes import IndexUploader, Landed, SumsLanding
 from dataplane.moves.plan import MovePlan
 from dataplane.moves.staging import DeviceStaging, StagingRing
 from dataplane.moves.streams import CopyStreams
@@ -145,6 +145,7 @@ class Hasher:
         self.words = words
         self.slots, self.block_ids = ctx.indexes["hash"].upload(ctx.streams.hash, slots, ids)
         self.parts: list[torch.Tensor] = []
+        self.marks: list = []                 # per part: the hash stream after it
 
     def enqueue(self, lo: int, hi: int, after=None) -> None:
         s = self.ctx.streams
@@ -153,17 +154,25 @@ class Hasher:
         with s.on(s.hash):
             self.parts.append(block_checksums(self.words, self.slots[lo:hi], self.block_ids[lo:hi]))
         self.last = s.mark(s.hash)          # after this hasher's own work, not later moves' on the stream
+        self.marks.append(self.last)
 
     def done(self, spin: bool = False):
         """The event after all enqueued hashing (and whatever the hash stream waited on)."""
         return self.ctx.streams.mark(self.ctx.streams.hash, spin)
 
-    def values(self) -> list[int]:
-        """The checksums as ints; call only after done() completed."""
-        if not self.parts:
-            return []
+    def land(self, lo: int = 0, hi: int | None = None, spin: bool = False) -> Landed:
+        """Bring parts [lo, hi) home (after their hashing), into the landing row at their own
+        offset, so a head and a tail of one move can be in flight at once; ``.read()`` waits."""
+        parts = self.parts[lo:hi]
+        if not parts:
+            return Landed([], None, None)
+        at = sum(p.numel() for p in self.parts[:lo])
         s = self.ctx.streams
-        s.wait_event(s.small, self.last)
+        s.wait_event(s.small, self.marks[len(self.parts[:hi]) - 1])
         with s.on(s.small):
-            sums = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
-        return self.ctx.landing.fetch(sums)
+            sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.ctx.landing.land(sums, at, spin=spin)
+
+    def values(self) -> list[int]:
+        """The checksums as ints (waits for the hashing)."""
+        return self.land().read()

@@ -4,18 +4,22 @@ Spill (device -> host), in chunks of pipeline_blocks blocks:
 
     compute ──► d2h:  copy c0 ─► copy c1 ─► copy c2 ... ──────────────► e_copy ─┐
             └─► hash: psum64 of every device source row (beside the copies) ─► e_hash ─┤
-    finish: wait e_hash, record the checksums on the reserved host slots (the link is
-    still busy); wait e_copy; publish the host copies, free the source if asked.
+    finish: wait e_hash, record the checksums on the reserved host slots; sleep until the last
+    chunk is under way; publish the host copies and free the source (the commit, checked
+    ahead); spin until e_copy. Nothing outside this call sees the tables before it returns, so
+    the commit may precede the last bytes; if that wait fails it is undone exactly.
 
 Restore (host -> device), chunked so that hashing hides behind copying (blocks walked in
 host-slot order, so host runs are long):
 
     compute ──► h2d:  copy c0 ─► e0   copy c1 ─► e1   copy c2 ─► e2 ...
                         hash: wait e0, hash c0 │ wait e1, hash c1 │ ... ─► e_done
-    finish: wait e_done; compare every block's psum64 with the checksum its host copy was
-    written under; any mismatch -> cancel the device reservation (pool unchanged) and fail
-    naming the blocks; else publish, make the compute stream wait on e_done, free the host
-    copy if asked.
+    finish: bring the checksums of every chunk but the last home and compare them (the last
+    chunk is still crossing); then publish, make the compute stream wait on e_done, free the
+    host copy if asked; spin for the last chunk's checksums and compare them. Any mismatch ->
+    the commit undone exactly, the device reservation cancelled (pool unchanged), and the move
+    fails naming the blocks. A block never becomes visible to anything but this call before
+    its bytes landed and matched.
 """
 from __future__ import annotations
 
@@ -63,23 +67,33 @@ class SpillToHost(InFlight):
         c = self.ctx
         self.enqueue_rest()
         # The checksums of the source land long before the copy: record them on the reserved
-        # host slots while the link is still busy, so only publish and free remain after it.
-        self.hashed.synchronize()
+        # host slots while the link is still busy.
         sums = self.hasher.values()
         c.host.set_checksums(self.ids, sums)
-        # Check the commit now (it cannot change before the copy lands: one thread), apply it then.
-        ready = c.host.table.can_publish(self.ids)
-        free_now = not self.cmd.keep_source and c.device.table.can_free_all(self.ids)
+        keep = self.cmd.keep_source
+        early = c.host.table.can_publish(self.ids) and (keep or c.device.table.can_free_all(self.ids))
         self.nearly.synchronize()                # sleep while all but the last chunk cross
-        self.copied.synchronize()                # spin through the last one: a prompt wake
-        self.mark("landed")
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
-        if ready:
-            c.host.table.publish_checked(self.ids)
-        else:
-            c.host.publish(self.ids)             # raises, naming what is wrong
+        if not early:                            # publish raises naming what is wrong; free as it can
+            self.copied.synchronize()
+            self.mark("landed")
+            c.host.publish(self.ids)
+            self.hslots = None
+            return self.acked(self.free_source(), sums)
+        # Apply the commit while the last chunk crosses. Nothing can look at the tables before
+        # this returns (the engine is one thread), and it returns only after the bytes landed;
+        # if the wait fails, both tables are put back exactly and abort() cancels the reservation.
+        c.host.table.publish_checked(self.ids)
+        freed = 0 if keep else c.device.table.free_all_checked(self.ids)
+        try:
+            self.copied.synchronize()            # spin through the last chunk: a prompt wake
+        except BaseException:
+            if not keep:
+                c.device.table.unfree_checked(self.ids, self.dslots)
+            c.host.table.unpublish_checked(self.ids)
+            raise
+        self.mark("landed")
         self.hslots = None
-        freed = c.device.table.free_all_checked(self.ids) if free_now else self.free_source()
         return self.acked(freed, sums)
 
     def rollback(self) -> None:
@@ -107,55 +121,83 @@ class RestoreFromHost(InFlight):
             back[i] = k
         self.back = back
         self.pending = self._chunks([hslots[i] for i in order], [self.dslots[i] for i in order])
+        self.hsrc = hslots
         self.advance(PRIME_CHUNKS)
-        self.expected = c.host.checksums_of(self.ids)     # after the first chunks: off the link's path
+        # after the first chunks: off the link's path
+        self.expected = c.host.checksums_of(self.ids)
+        self.expected_walk = list(map(self.expected.__getitem__, order))
 
     def _chunks(self, src_slots, dst_slots):
         c = self.ctx
         copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
         self.hasher = Hasher(c, c.device.words, dst_slots, self.order_ids)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
-        self.nearly = None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            if hi == n and lo > 0:
-                self.nearly = self.hasher.done()  # every chunk before the last one verified
             copier.enqueue(lo, hi)
             self.hasher.enqueue(lo, hi, after=copier.done())
             yield
-        self.copied = copier.done()
-        self.hashed = self.hasher.done(spin=True)
+        self.hashed = self.hasher.done()
 
     def finish(self):
         c, s = self.ctx, self.ctx.streams
         self.enqueue_rest()
-        # Check the commit now (it cannot change before the copy lands: one thread), apply it then.
-        ready = c.device.table.can_publish(self.ids)
-        free_now = not self.cmd.keep_source and c.host.table.can_free_all(self.ids)
-        if self.nearly is not None:
-            self.nearly.synchronize()            # sleep while all but the last chunk cross
-        self.copied.synchronize()
-        self.hashed.synchronize()                # spin through the last one: a prompt wake
+        ids, keep = self.ids, self.cmd.keep_source
+        k = len(self.hasher.parts)
+        # Both halves of the checksums head home as soon as they are hashed: the head (every
+        # chunk but the last) while the last chunk crosses, the tail right after it.
+        head = self.hasher.land(0, k - 1)
+        tail = self.hasher.land(k - 1, k, spin=True)
+        early = c.device.table.can_publish(ids) and (keep or c.host.table.can_free_all(ids))
+        n_head = sum(p.numel() for p in self.hasher.parts[: k - 1]) if k > 1 else 0
+        early = early and head.read() == self.expected_walk[:n_head]   # sleeps while the head crosses
+        self.bytes_moved = len(ids) * c.layout.block_bytes
+        if not early:
+            tail.read()
+            self.mark("landed")
+            return self._verify_then_commit(head.read() + tail.read())
+        # Apply the commit while the last chunk crosses (see SpillToHost.finish); undone exactly
+        # if the wait fails or the last chunk's checksums differ.
+        c.device.table.publish_checked(ids)
+        s.wait_event(self.compute, self.hashed)  # no compute kernel reads a page before it landed
+        freed = 0
+        if not keep:
+            freed = c.host.table.free_all_checked(ids)
+            c.host.drop_checksums(ids)
+        try:
+            last = tail.read()                   # spins through the last chunk
+        except BaseException:
+            self._unapply(freed)
+            raise
         self.mark("landed")
-        self.bytes_moved = len(self.ids) * c.layout.block_bytes
-        walked = self.hasher.values()
-        got = list(map(walked.__getitem__, self.back))
-        if got != self.expected:
-            bad = [(b, e, g) for b, e, g in zip(self.ids, self.expected, got) if e != g]
-            self.rollback()
-            return self.failed(str(ChecksumMismatch("restore host->device", bad)))
-        if ready:
-            c.device.table.publish_checked(self.ids)
-        else:
-            c.device.publish(self.ids)           # raises, naming what is wrong
+        if last != self.expected_walk[n_head:]:
+            self._unapply(freed)
+            return self._mismatch(head.read() + last)
         self.dslots = None
-        s.wait_event(self.compute, self.hashed)   # no compute kernel reads a page before it landed
-        if free_now:
-            freed = c.host.table.free_all_checked(self.ids)
-            c.host.drop_checksums(self.ids)
-        else:
-            freed = self.free_source()
-        return self.acked(freed, got)
+        return self.acked(freed, self.expected)
+
+    def _unapply(self, freed: int) -> None:
+        c = self.ctx
+        if freed:
+            c.host.table.unfree_checked(self.ids, self.hsrc)
+            c.host.undrop_checksums(self.ids, self.expected)
+        c.device.table.unpublish_checked(self.ids)
+
+    def _mismatch(self, walked: list[int]):
+        got = list(map(walked.__getitem__, self.back))
+        bad = [(b, e, g) for b, e, g in zip(self.ids, self.expected, got) if e != g]
+        self.rollback()
+        return self.failed(str(ChecksumMismatch("restore host->device", bad)))
+
+    def _verify_then_commit(self, walked: list[int]):
+        """The careful order: compare every checksum, then publish, then free the source."""
+        c, s = self.ctx, self.ctx.streams
+        if walked != self.expected_walk:
+            return self._mismatch(walked)
+        c.device.publish(self.ids)               # raises, naming what is wrong
+        self.dslots = None
+        s.wait_event(self.compute, self.hashed)
+        return self.acked(self.free_source(), self.expected)
 
     def rollback(self) -> None:
         if getattr(self, "dslots", None) is not None:

@@ -21,10 +21,12 @@ from kernels.gather import gather_blocks_trusted
 class SumsLanding:
     """Where a move's checksums come home: a pinned int64 row registered with the budget.
 
-    ``fetch(sums, after)`` stores the device checksums into the row with a kernel on the small
-    stream (SM stores over PCIe: no copy engine, so it never waits behind a move's chunks),
-    waits for it, and returns them as ints in [0, 2^64). Used only from the engine's thread,
-    and read back before it returns, so one row serves every move.
+    ``land(sums, at, after)`` enqueues the store of the device checksums into ``row[at:]`` with a
+    kernel on the small stream (SM stores over PCIe: no copy engine, so it never waits behind a
+    move's chunks), after the event ``after``; ``Landed.read()`` waits for it and returns them as
+    ints in [0, 2^64). A move may land several parts at once at different offsets (the head of a
+    restore while its last chunk crosses, and its tail). Used only from the engine's thread, and
+    read back before the move returns, so one row serves every move.
     """
 
     def __init__(self, budget: PinnedBudget, capacity: int, streams: CopyStreams):
@@ -32,27 +34,40 @@ class SumsLanding:
         self.streams = streams
         self.buffer = budget.alloc("checksum-landing", (max(1, capacity),), torch.int64)
 
-    def fetch(self, sums: torch.Tensor, after=None) -> list[int]:
+    def land(self, sums: torch.Tensor, at: int = 0, after=None, spin: bool = False) -> Landed:
         n = sums.numel()
-        if n == 0:
-            return []
-        if n > self.capacity:
-            raise ValueError(f"{n} checksums exceed the landing row's {self.capacity}")
+        if at + n > self.capacity:
+            raise ValueError(f"{at + n} checksums exceed the landing row's {self.capacity}")
         s = self.streams
-        if not s.cuda:
-            vals = sums.view(torch.int64).tolist()
-        else:
-            row = self.buffer.tensor[:n]
-            if after is not None:
-                s.wait_event(s.small, after)
-            with s.on(s.small):
-                gather_blocks_trusted(sums.view(torch.int64).view(1, n), s.zero_index, row.view(1, n))
-            s.mark(s.small).synchronize()
-            vals = row.tolist()
-        return [v & 0xFFFFFFFFFFFFFFFF for v in vals]
+        if n == 0 or not s.cuda:
+            return Landed(sums.view(torch.int64).tolist() if n else [], None, None)
+        row = self.buffer.tensor[at : at + n]
+        if after is not None:
+            s.wait_event(s.small, after)
+        with s.on(s.small):
+            gather_blocks_trusted(sums.view(torch.int64).view(1, n), s.zero_index, row.view(1, n))
+        return Landed(None, s.mark(s.small, spin), row)
+
+    def fetch(self, sums: torch.Tensor, after=None) -> list[int]:
+        return self.land(sums, 0, after).read()
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class Landed:
+    """Checksums on their way into the landing row; ``read()`` waits and returns them."""
+
+    __slots__ = ("vals", "event", "row")
+
+    def __init__(self, vals, event, row):
+        self.vals, self.event, self.row = vals, event, row
+
+    def read(self) -> list[int]:
+        if self.vals is None:
+            self.event.synchronize()
+            self.vals = self.row.tolist()
+        return [v & 0xFFFFFFFFFFFFFFFF for v in self.vals]
 
 
 class IndexUploader:

@@ -76,6 +76,10 @@ class HostPool(BlockPool):
                     cs.pop(b, None)
         return freed
 
+    def undrop_checksums(self, block_ids: list[int], checksums: list[int]) -> None:
+        """Undo ``drop_checksums`` (a restore that freed its host copies early, then failed)."""
+        self._checksums.update(zip(block_ids, checksums))
+
     def drop_checksums(self, block_ids: list[int]) -> None:
         """Forget the checksums of copies just freed through ``table.free_all_checked``."""
         deque(map(self._checksums.pop, block_ids, repeat(None, len(block_ids))), maxlen=0)

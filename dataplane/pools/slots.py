@@ -204,7 +204,9 @@ class SlotTable:
     # A move checks its commit while its copy is still crossing the link, then applies it the
     # moment the bytes land, without checking again: the engine runs on one thread, so nothing
     # can touch the table in between. Each ``*_checked`` call requires its ``can_*`` to have
-    # returned True with no mutation since.
+    # returned True with no mutation since. A move may even apply them while its last chunk is
+    # still crossing (no other code runs before it returns, and it returns only after landing);
+    # the ``un*_checked`` calls undo them exactly if that wait fails or the last checksums differ.
     def can_free_all(self, block_ids: list[int]) -> bool:
         """Whether ``free(block_ids)`` would free every listed slot (READY, distinct, one holder). Pure."""
         refs = self._refs
@@ -216,6 +218,18 @@ class SlotTable:
         self._release_slots(block_ids)
         return len(block_ids) * self.slot_bytes
 
+    def unfree_checked(self, block_ids: list[int], slots: list[int]) -> None:
+        """Undo ``free_all_checked(block_ids)`` with nothing in between: each block back in its
+        slot (``slots``, in the same order) with one holder. A move that applied its commit
+        before its last bytes landed calls this when the wait fails."""
+        n = len(slots)
+        if self._free[len(self._free) - n:] != slots:
+            raise IntegrityError(f"{self.tier}: unfree of {n} slots that are not the last freed")
+        del self._free[len(self._free) - n:]
+        self._slot.update(zip(block_ids, slots))
+        self._block.update(zip(slots, block_ids))
+        self._refs.update(dict.fromkeys(block_ids, 1))
+
     def can_publish(self, block_ids: list[int]) -> bool:
         """Whether ``publish(block_ids)`` would succeed (every block RESERVED). Pure."""
         return self._reserved.issuperset(block_ids)
@@ -223,6 +237,11 @@ class SlotTable:
     def publish_checked(self, block_ids: list[int]) -> None:
         self._reserved.difference_update(block_ids)
         self._refs.update(dict.fromkeys(block_ids, 1))
+
+    def unpublish_checked(self, block_ids: list[int]) -> None:
+        """Undo ``publish_checked(block_ids)`` with nothing in between: READY -> RESERVED."""
+        deque(map(self._refs.__delitem__, block_ids), maxlen=0)
+        self._reserved.update(block_ids)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)

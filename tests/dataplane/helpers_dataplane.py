@@ -61,6 +61,7 @@ def snapshot(engine):
         t = engine.pool(tier).table
         out[tier] = (dict(t._slot), sorted(t._free), dict(t._refs), set(t._reserved))
         out[tier + "-bytes"] = {b: words_of(engine, tier, b) for b in t.ready_blocks()}
+    out["host-checksums"] = dict(engine.host_pool._checksums)
     out["disk"] = (dict(engine.disk_tier._index), dict(engine.disk_tier._reserved))
     out["usage"] = engine.usage()
     return out

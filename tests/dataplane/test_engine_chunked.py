@@ -61,3 +61,77 @@ def test_a_chunk_that_raises_half_way_fails_the_move_and_changes_nothing(chunky,
     assert len(calls) == 3
     assert_same(before, snapshot(e))
     assert e.wait(ticket) is out                         # the outcome is recorded once
+
+
+def _flip(e, blk):
+    e.host_pool.words[e.host_pool.slot_of(blk)][5] ^= 1 << 7
+
+
+@pytest.mark.parametrize("where", ["first chunk", "last chunk"])
+def test_a_bad_host_copy_in_any_chunk_fails_the_restore_and_changes_nothing(chunky, where):
+    """The head's checksums are compared before the commit is applied, the last chunk's after it
+    (the commit then undone): either way the pools, checksums and bytes are as before."""
+    e = chunky
+    ids = list(range(10))
+    commit(e, "device", ids)
+    assert isinstance(e.execute(move("evict", "device", "host", ids)), MoveAcked)
+    by_slot = sorted(ids, key=e.host_pool.slot_of)       # a restore walks host-slot order
+    bad = by_slot[1] if where == "first chunk" else by_slot[-1]
+    _flip(e, bad)
+    before = snapshot(e)
+    out = e.execute(move("restore", "host", "device", ids[::-1]))
+    assert isinstance(out, MoveFailed) and f"block {bad}:" in out.error, out
+    assert_same(before, snapshot(e))
+    e.check_integrity()
+
+
+class _Broken:
+    def synchronize(self):
+        raise RuntimeError("device fell over while the last chunk crossed")
+
+    def query(self):
+        return False
+
+
+class _BrokenLanded:
+    def read(self):
+        raise RuntimeError("device fell over while the last chunk crossed")
+
+
+def test_a_spill_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypatch):
+    import dataplane.moves.device_host as dh
+
+    e = chunky
+    ids = list(range(10))
+    commit(e, "device", ids)
+    before = snapshot(e)
+    real = dh.SpillToHost._chunks
+
+    def chunks(self):
+        yield from real(self)
+        self.copied = _Broken()
+
+    monkeypatch.setattr(dh.SpillToHost, "_chunks", chunks)
+    out = e.execute(move("evict", "device", "host", ids))
+    assert isinstance(out, MoveFailed) and "fell over" in out.error, out
+    assert_same(before, snapshot(e))
+
+
+def test_a_restore_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypatch):
+    import dataplane.moves.base as base
+
+    e = chunky
+    ids = list(range(10))
+    commit(e, "device", ids)
+    assert isinstance(e.execute(move("evict", "device", "host", ids)), MoveAcked)
+    before = snapshot(e)
+    real = base.Hasher.land
+
+    def land(self, lo=0, hi=None, spin=False):
+        got = real(self, lo, hi, spin)
+        return _BrokenLanded() if spin else got          # the tail: its wait fails
+
+    monkeypatch.setattr(base.Hasher, "land", land)
+    out = e.execute(move("restore", "host", "device", ids))
+    assert isinstance(out, MoveFailed) and "fell over" in out.error, out
+    assert_same(before, snapshot(e))
