@@ -1,0 +1,152 @@
+"""Where a 2 GiB move's time goes, on the device's own clock: torch.profiler around single moves.
+
+bench/moves.py says how fast a move is; this says why. It runs the same engine and blocks as
+bench/moves.py (1024 scattered 2 MiB blocks), warms up, then profiles one of each:
+
+    spill            evict A device -> host (staged copy, checksums)
+    restore          restore A host -> device (verified)
+    restore_nohash   the same without hashing (bench/moves.py's no_checksums)
+    both             spill B and restore A submitted together
+
+and prints, per move, on one timeline starting at the host's call: when the first DMA started,
+how long the DMAs were busy, the gaps between them (the link idle inside the move), when the last
+DMA and the last kernel ended, and when the host returned. Chrome traces go to --trace-dir.
+
+    python3 bench/moves_trace.py [--out trace.json] [--trace-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+
+import moves as mb  # noqa: E402  (bench/moves.py: the same engine set-up)
+
+
+def _args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--pipeline-blocks", type=int, default=64)
+    p.add_argument("--out", default=None)
+    p.add_argument("--trace-dir", default=None)
+    a = p.parse_args(argv)
+    # the fields bench/moves.py's Bench reads
+    a.layers, a.page_tokens, a.kv_heads, a.head_dim = 32, 16, 8, 128
+    a.reps, a.latency_iters, a.chunk_blocks, a.matmuls, a.seed, a.cpu, a.quick = 1, 1, 128, 1, 1, False, False
+    return a
+
+
+def _summary(prof, label: str) -> dict:
+    """The move's device activity relative to the host range named ``label``."""
+    evs = prof.events()
+    host = [e for e in evs if e.name == label and e.device_type == DeviceType.CPU]
+    t0, t1 = host[0].time_range.start, host[0].time_range.end
+    dev = sorted((e for e in evs if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start),
+                 key=lambda e: e.time_range.start)
+    dmas = [e for e in dev if e.name.startswith("Memcpy")]
+    kernels = [e for e in dev if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")]
+    out: dict = {"host_us": round(t1 - t0, 1), "dmas": len(dmas), "kernels": len(kernels)}
+    for name, group in (("d2h", [e for e in dmas if "DtoH" in e.name]), ("h2d", [e for e in dmas if "HtoD" in e.name])):
+        if not group:
+            continue
+        gaps = [b.time_range.start - a.time_range.end for a, b in zip(group, group[1:])]
+        out[name] = {
+            "first_start_us": round(group[0].time_range.start - t0, 1),
+            "last_end_us": round(group[-1].time_range.end - t0, 1),
+            "busy_us": round(sum(e.time_range.end - e.time_range.start for e in group), 1),
+            "n": len(group),
+            "gap_sum_us": round(sum(g for g in gaps if g > 0), 1),
+            "largest_gaps_us": sorted((round(g, 1) for g in gaps), reverse=True)[:5],
+        }
+    if kernels:
+        out["last_kernel_end_us"] = round(max(e.time_range.end for e in kernels) - t0, 1)
+        by: dict[str, list[float]] = {}
+        for e in kernels:
+            by.setdefault(e.name[:40], []).append(e.time_range.end - e.time_range.start)
+        out["kernels_us"] = {k: [len(v), round(sum(v), 1)] for k, v in by.items()}
+    launches = [e for e in evs if e.device_type == DeviceType.CPU and t0 <= e.time_range.start <= t1
+                and e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+                               "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventSynchronize",
+                               "cudaEventQuery")]
+    calls: dict[str, list[float]] = {}
+    for e in launches:
+        calls.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    out["host_calls_us"] = {k: [len(v), round(sum(v), 1)] for k, v in calls.items()}
+    return out
+
+
+def main(argv=None) -> int:
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    args = _args(argv)
+    if not torch.cuda.is_available():
+        print("moves_trace: needs a GPU (the device's clock is the point)")
+        return 2
+    b = mb.Bench(args)
+    res: dict = {"bench": "moves_trace", "date": time.strftime("%Y-%m-%d"), "git_commit": mb.git_commit(),
+                 "device": mb.device_name(b.dev), "pipeline_blocks": args.pipeline_blocks, "moves": {}}
+    try:
+        e = b.e
+        e.ctx.copy_modes.update(d2h="staged", h2d="staged")
+        for _ in range(2):                                   # warm: compile, caches, allocator
+            b.run(b.mv("evict", "device", "host", b.A))
+            b.run(b.mv("restore", "host", "device", b.A))
+
+        def spill():
+            b.run(b.mv("evict", "device", "host", b.A))
+
+        def restore():
+            b.run(b.mv("restore", "host", "device", b.A))
+
+        def restore_nohash():
+            with mb.no_checksums():
+                b.run(b.mv("evict", "device", "host", b.A))
+            torch.cuda.synchronize()
+            with mb.no_checksums(), torch.profiler.record_function("restore_nohash"):
+                b.run(b.mv("restore", "host", "device", b.A))
+
+        def both():
+            b.run(b.mv("evict", "device", "host", b.A))
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("both"):
+                t_out = e.submit(b.mv("evict", "device", "host", b.B))
+                t_in = e.submit(b.mv("restore", "host", "device", b.A))
+                e.wait(t_in), e.wait(t_out)
+            b.run(b.mv("restore", "host", "device", b.B))
+
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        for label, fn, wrap in (("spill", spill, True), ("restore", restore, True),
+                                ("restore_nohash", restore_nohash, False), ("both", both, False)):
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=acts) as prof:
+                if wrap:
+                    with torch.profiler.record_function(label):
+                        fn()
+                else:
+                    fn()
+                torch.cuda.synchronize()
+            s = _summary(prof, label)
+            s["phases_us"] = mb.phases(e.last_phases)
+            res["moves"][label] = s
+            print(label, json.dumps(s))
+            if args.trace_dir:
+                prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace-{label}.json"))
+    finally:
+        b.close()
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
