@@ -194,3 +194,99 @@ def test_a_refused_policy_ask_is_not_repeated_until_something_changed():
 def test_watermarks_must_be_ordered():
     with pytest.raises(ValueError):
         PolicyConfig(high_watermark=0.5, low_watermark=0.8)
+
+
+class _RecencyRef:
+    """The plain version of ``Recency``: one dict keyed by (worker, block), a Python step per block."""
+
+    def __init__(self):
+        self.used, self.moved, self.active = {}, {}, {}
+
+    def observe(self, state, e, ts):
+        t = type(e)
+        if t is ev.BlocksCommitted:
+            for b in e.blocks:
+                self.used[(e.worker, b)] = ts
+            if e.session is not None:
+                self.active[e.session] = ts
+        elif t in (ev.MoveAcked, ev.MoveLateAcked):
+            mv = (state.inflight if t is ev.MoveAcked else state.stranded).get(e.move_id)
+            if mv is None:
+                return
+            for b in mv.blocks:
+                self.moved[(mv.worker, b)] = ts
+                if mv.dst == "device" and mv.src != "device":
+                    self.used[(mv.worker, b)] = ts
+            if mv.dst == "device" and mv.session is not None:
+                self.active[mv.session] = ts
+        elif t in (ev.RequestAdmitted, ev.SessionRestored) and e.session is not None:
+            self.active[e.session] = ts
+        elif t is ev.WorkerLost:
+            for d in (self.used, self.moved):
+                for k in [k for k in d if k[0] == e.worker]:
+                    del d[k]
+
+    def prune(self, state):
+        for d in (self.used, self.moved):
+            for k in [k for k in d if k[1] not in state.blocks.get(k[0], ())]:
+                del d[k]
+
+
+def test_recency_answers_what_a_per_block_record_of_every_event_answers():
+    import random
+    rng = random.Random(3)
+    for _ in range(40):
+        b = Book(device=40, host=40, disk=40)
+        b.add(ev.WorkerJoined(worker=1, device="cpu", block_bytes=BB, tiers={"device": 40 * BB, "host": 40 * BB,
+                                                                             "disk": 40 * BB}))
+        ref = _RecencyRef()
+        state = b.state
+
+        def add(e, t_s):
+            ref.observe(state, e, int(t_s * S))
+            b.add(e, t_s)
+        for w in (0, 1):
+            add(ev.BlocksCommitted(worker=w, session=f"s{w}", tier="device", blocks=list(range(12)), keys=[""] * 12,
+                                   bytes=12 * BB), 1)
+        for step in range(30):
+            w, t_s = rng.choice((0, 1)), 2 + step
+            on = {t: [i for i, st in state.blocks.get(w, {}).items() if t in st.tiers and len(st.tiers) == 1]
+                  for t in ("device", "host")}
+            src = rng.choice([t for t in on if on[t]] or ["device"])
+            picked = rng.sample(on[src], min(len(on[src]), rng.randint(1, 4))) if on[src] else []
+            if not picked:
+                continue
+            dst = "host" if src == "device" else "device"
+            mid = f"m{step}"
+            add(ev.MoveRequested(move_id=mid, kind="restore" if dst == "device" else "evict", worker=w, src=src,
+                                 dst=dst, blocks=picked, bytes_planned=len(picked) * BB, keep_source=False,
+                                 deadline_ns=10**19, reason="t", session=rng.choice([None, f"s{w}"])), t_s)
+            done = rng.random()
+            if done < 0.15:
+                add(ev.MoveStranded(move_id=mid, worker=w, bytes_at_risk=len(picked) * BB, why="deadline"), t_s)
+                add(ev.MoveLateAcked(move_id=mid, worker=w, bytes_moved=len(picked) * BB,
+                                     bytes_freed_src=len(picked) * BB, checksum_ok=True, started_ns=0,
+                                     finished_ns=1), t_s + 0.5)
+            else:
+                add(ev.MoveAcked(move_id=mid, worker=w, bytes_moved=len(picked) * BB, bytes_freed_src=len(picked) * BB,
+                                 checksum_ok=True, started_ns=0, finished_ns=1), t_s)
+            if rng.random() < 0.1:
+                gone = rng.sample(sorted(state.blocks.get(w, {})), 2)
+                for g in gone:
+                    for tier in list(state.blocks[w][g].tiers):
+                        add(ev.BlocksFreed(worker=w, tier=tier, blocks=[g], bytes=BB, reason="t"), t_s)
+                b.recency.prune(state)
+                ref.prune(state)
+        if rng.random() < 0.5:
+            add(ev.WorkerLost(worker=1, reason="t", blocks_lost=sorted(state.blocks.get(1, {})), bytes_lost=0), 40)
+        now = 45 * S
+        for w in (0, 1):
+            for blk in range(12):
+                for hot_ns in (5 * S, 30 * S, 60 * S):
+                    used = ref.used.get((w, blk))
+                    assert b.recency.is_hot(w, blk, now, hot_ns) == (used is None or now - used < hot_ns)
+                    moved = ref.moved.get((w, blk))
+                    assert b.recency.is_cooling(w, blk, now, hot_ns) == (moved is not None and now - moved < hot_ns)
+                assert b.recency.last_used(w, blk) == ref.used.get((w, blk), 1 << 62)
+        for s in ("s0", "s1", "none"):
+            assert b.recency.idle_ns(s, now) == (None if s not in ref.active else now - ref.active[s])
