@@ -64,11 +64,10 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
     wb = state.blocks.get(msg.worker, {})
     if msg.blocks:
         blocks = msg.blocks
-        unique = set(blocks)
-        if len(unique) != len(blocks):
+        if len(set(blocks)) != len(blocks):
             blocks = list(dict.fromkeys(blocks))
-        if not wb.keys() >= unique:
-            raise InvalidAsk(f"worker {msg.worker} has no blocks {[b for b in blocks if b not in wb][:16]}")
+        # every block is looked up once below, by the pass that plans it: a KeyError there means
+        # an unknown block (``_raise_unknown`` names them), so no separate pass checks that they exist
     elif msg.session is not None:
         session = msg.session
         blocks = [b for b, st in wb.items() if st.session == session]
@@ -78,19 +77,34 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
         raise InvalidAsk("name the blocks or the session to move")
     if msg.kind == "restore":
         # plan_restore keeps only blocks with a copy on their source and none on the device
-        asks = plan_restore(state, asker, msg.worker, blocks, msg.session, keep, msg.src)
+        try:
+            asks = plan_restore(state, asker, msg.worker, blocks, msg.session, keep, msg.src)
+        except KeyError:
+            _raise_unknown(msg.worker, wb, blocks)
+            raise
         if not asks:
             raise InvalidAsk(f"nothing to restore: blocks {blocks[:16]} are on the device or have no copy"
                              f"{' on ' + msg.src if msg.src else ''}")
     else:
         if src == dst:
+            _raise_unknown(msg.worker, wb, blocks)      # unknown blocks are named first, as for any kind
             raise InvalidAsk(f"{msg.kind} needs two different tiers, got {src} -> {dst}")
-        asks = _split(msg, asker, wb, blocks, src, dst, keep)
+        try:
+            asks = _split(msg, asker, wb, blocks, src, dst, keep)
+        except KeyError:
+            _raise_unknown(msg.worker, wb, blocks)
+            raise           # no named block is unknown: a bug, raised as it is
     busy = busy if busy is not None else busy_blocks(state)
     for a in asks:      # the blocks' copies were checked above, against this same state
         _check_route(state, a)
         _check_not_busy(a, busy)
     return asks
+
+
+def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:
+    """InvalidAsk naming the blocks ``worker`` does not have, if any."""
+    if not wb.keys() >= set(blocks):
+        raise InvalidAsk(f"worker {worker} has no blocks {[b for b in blocks if b not in wb][:16]}") from None
 
 
 def _split(msg: AskMove, asker: str, wb: dict, blocks: list[int], src: str, dst: str, keep: bool) -> list[Ask]:

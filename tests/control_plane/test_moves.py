@@ -233,3 +233,46 @@ def test_join_causation_round_trips_and_epochs_only_grow():
     assert recovery.parse_join_causation(recovery.join_causation(3, 17)) == (3, 17)
     assert recovery.parse_join_causation("operator:park") is None
     assert recovery.next_epoch(100, 50) == 101 and recovery.next_epoch(100, 500) == 500
+
+
+def _plan_restore_ref(state, blocks, src=None):
+    """The plain version of ``plan_restore``: each block from the fastest tier holding it (host
+    before disk), none already on the device, one move per source in order of first use."""
+    wb = state.blocks.get(0, {})
+    by_src: dict[str, list[int]] = {}
+    for b in blocks:
+        tiers = wb[b].tiers
+        if "device" in tiers:
+            continue
+        source = src if src is not None else next((t for t in ("host", "disk") if t in tiers), None)
+        if source is None or source not in tiers:
+            continue
+        by_src.setdefault(source, []).append(b)
+    return [(s, tuple(bl)) for s, bl in by_src.items()]
+
+
+def test_a_restore_takes_each_block_from_its_fastest_copy_one_move_per_source_in_order_of_first_use():
+    import random
+    from control.policy.restore import plan_restore
+    rng = random.Random(11)
+    tiers = ["device", "host", "disk"]
+    for _ in range(300):
+        b = Book(device=64, host=64, disk=64)
+        ids = rng.sample(range(100), 12)
+        for i in ids:
+            have = [t for t in tiers if rng.random() < 0.5] or [rng.choice(tiers)]
+            b.commit([i], 0, tier=have[0])
+            for n, t in enumerate(have[1:]):
+                b.move(f"c{i}-{n}", "spill", have[0], t, [i], 0, keep=True)
+        names = rng.sample(ids, rng.randint(1, 8))
+        src = rng.choice([None, None, "host", "disk", "device"])
+        got = [(a.src, a.blocks) for a in plan_restore(b.state, "operator", 0, names, None, False, src)]
+        assert got == _plan_restore_ref(b.state, names, src), (names, src)
+
+
+def test_an_ask_naming_unknown_blocks_names_them_whatever_its_kind():
+    b = Book()
+    b.commit([1, 2], 0)
+    for kind, extra in (("restore", {}), ("evict", {}), ("spill", {}), ("evict", {"src": "device", "dst": "device"})):
+        with pytest.raises(moves.InvalidAsk, match=re.escape("worker 0 has no blocks [7, 9]")):
+            moves.resolve(b.state, AskMove(ask_id="x", kind=kind, worker=0, blocks=[1, 7, 9, 7], **extra), "operator")
