@@ -30,6 +30,7 @@ The parts of the class, one role per module (each runs on the loop thread):
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import queue
 import threading
@@ -91,6 +92,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     config_digest: str = ""
     faults: str = ""                      # ControlFaults spec; off unless set (tests only)
     trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)
+    gc_freeze: bool = True                # after recovery, freeze what exists out of the collector (until stop)
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
@@ -116,6 +118,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._stop_reason: str | None = None
         self._fatal: BaseException | None = None
         self._stopped = threading.Event()
+        self._frozen = False
         self._beat_ns = time.monotonic_ns()
         self._handlers: dict[type, Callable] = {
             Hello: self._on_hello, Pong: self._on_pong, ev.MoveAcked: self._on_outcome,
@@ -226,6 +229,12 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         try:
             self._open()
             self._recover()
+            if self.cfg.gc_freeze:
+                # NOTE: the process's modules and the recovered state live as long as the loop: out of
+                # the collector's sight, a full collection (~90 ms with torch in the process) scans
+                # only what came after. Unfrozen at stop, so what dies with the loop is collected.
+                gc.freeze()
+                self._frozen = True
             self._ready.set()
             while self._stop_reason is None:
                 self._poll()
@@ -260,6 +269,9 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _close(self) -> None:
+        if self._frozen:
+            self._frozen = False
+            gc.unfreeze()
         for name in ("_router", "_asks"):
             sock = getattr(self, name, None)
             if sock is not None:
