@@ -3,11 +3,14 @@
 Pure over what the store returns; the store is the only I/O. ``progress`` is any callable
 taking the number of events folded since the last call (the CLI passes a tqdm bar's update).
 
-Speed (bench/replay.py): the store hands over gapless runs of (type, schema version, payload)
-(``LedgerStore.payload_runs``), each payload is decoded as exactly its row's type
-(``events.codec.current_decoders``) and folded by ``fold_run``: no per-row tuples or envelopes of
-ours. Rows of an older schema, gaps, and any payload that does not decode go through
-``decode_event`` row by row, which upcasts, and names the seq of a bad payload.
+Speed (bench/replay.py): the database packs each gapless run of rows into one bytes of
+payloads and two strings (``LedgerStore.packed_runs``, on the prefetch thread), msgspec decodes
+the whole run in one call (``events.codec.decode_packed``, which checks every row's type and
+span) and ``fold_run`` folds it: no per-row tuples or envelopes. A run with a row of an older
+schema comes as (type, schema version, payload) rows (``LedgerStore.payload_runs``): each
+payload is decoded as its row's type, and ``decode_event`` upcasts the older ones. A packed run
+that does not decode is read again that way, and ``decode_event`` names the seq of the bad
+payload; a range with a gap comes as whole rows with their seqs.
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import gc
 from operator import call, itemgetter
 from typing import Callable
 
-from events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event
+from events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event, decode_packed
 from control.fold import fold_decoded, fold_run
 from control.state import State, decode_state, encode_state, state_hash
+from ledger.schema import PackedRun, PayloadRun
 
 
 _payload = itemgetter(2)
@@ -69,15 +73,28 @@ def _collector_paused():
 
 def _fold_range(state: State, store, lo: int, hi: int, progress=None) -> None:
     with _collector_paused():
-        for run in store.payload_runs(lo, hi):
-            if type(run) is list:                       # a range with a gap: rows with their seqs
-                fold_decoded(state, _decoded(run))
-                n = len(run)
+        for run in store.packed_runs(lo, hi):
+            if type(run) is PackedRun:
+                events = decode_packed(run.num_rows, run.payloads, run.types, run.lengths)
+                if events is not None:
+                    fold_run(state, run.first_seq, events, run.last_ts_ns)
+                else:                                   # names the bad payload: row by row
+                    for rows in store.payload_runs(run.first_seq, run.last_seq):
+                        _fold_rows(state, rows)
+                n = run.num_rows
             else:
-                _fold_payload_run(state, run)
-                n = len(run.rows)
+                n = _fold_rows(state, run)
             if progress is not None:
                 progress(n)
+
+
+def _fold_rows(state: State, run: PayloadRun | list) -> int:
+    """Fold a PayloadRun, or the RawRow-shaped rows of a range with a gap; returns how many rows."""
+    if type(run) is list:                               # a range with a gap: rows with their seqs
+        fold_decoded(state, _decoded(run))
+        return len(run)
+    _fold_payload_run(state, run)
+    return len(run.rows)
 
 
 def _fold_payload_run(state: State, run) -> None:

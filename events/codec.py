@@ -28,6 +28,10 @@ _DECODE_CURRENT = {(name, cls.SCHEMA_VERSION): msgspec.msgpack.Decoder(cls).deco
 # What a decode function of ``current_decoders`` raises on a bad payload.
 PAYLOAD_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 _type_and_version = itemgetter(0, 1)
+# A packed run (``decode_packed``): every payload at once, and only their spans, as msgpack arrays.
+_packed_decoder = msgspec.msgpack.Decoder(list[AnyEvent])
+_spans_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_type_name = {cls: name for name, cls in EVENT_TYPES.items()}.__getitem__
 
 
 def encode_event(event: Event) -> bytes:
@@ -79,6 +83,34 @@ def current_decoders(rows: Sequence[tuple]) -> list | None:
         return list(map(_DECODE_CURRENT.__getitem__, map(_type_and_version, rows)))
     except (KeyError, TypeError):
         return None
+
+
+def decode_packed(num_rows: int, payloads: bytes, types: str, lengths: str) -> list[Event] | None:
+    """Decode ``num_rows`` payloads stored back to back, all in one msgspec call, or None.
+
+    For rows stored under their type's current schema (the caller knows; ``LedgerStore.packed_runs``
+    packs only those): ``types`` names each row's type ("MoveAcked,MoveRequested,...") and
+    ``lengths`` gives each payload's size in bytes ("41, 67, ..."), in row order. The events come
+    back only when they are exactly what ``current_decoders`` gives row by row: each payload is
+    exactly one msgpack value (its span in the concatenation is its own length: bytes cannot
+    slide from one row into the next), each decodes, and each is of its row's type. Anything
+    else (an unknown type, a bad payload) is None: decode those rows one by one, which names
+    the seq of a bad payload.
+
+        payloads:  |9a a9 MoveAcked ...|98 ad MoveRequested ...|...     (num_rows values)
+        framed:    dd <num_rows, 4 bytes> payloads                     (one msgpack array)
+    """
+    framed = b"\xdd" + num_rows.to_bytes(4, "big") + payloads
+    try:
+        # a list's repr is "[41, 67, ...]": the spans' lengths, written as ``lengths`` writes them
+        if str(list(map(len, _spans_decoder.decode(framed))))[1:-1] != lengths:
+            return None
+        events = _packed_decoder.decode(framed)
+    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError):
+        return None
+    if ",".join(map(_type_name, map(type, events))) != types:
+        return None
+    return events
 
 
 def encode_message(msg: Message | Event) -> bytes:

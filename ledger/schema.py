@@ -109,6 +109,23 @@ class PayloadRun(NamedTuple):
         return self.first_seq + len(self.rows) - 1
 
 
+class PackedRun(NamedTuple):
+    """A gapless run of events rows, every one at its type's current schema version, packed by
+    the database (``LedgerStore.packed_runs``): row i is seq ``first_seq + i``;
+    ``events.codec.decode_packed`` takes the last four fields."""
+
+    first_seq: int
+    last_ts_ns: int                  # ts_ns of the run's last row
+    num_rows: int
+    payloads: bytes                  # every row's payload, back to back, in seq order
+    types: str                       # the rows' types, joined by ","
+    lengths: str                     # len(payload) of each row, joined by ", "
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + self.num_rows - 1
+
+
 class Snapshot(NamedTuple):
     through_seq: int
     state_bytes: bytes

@@ -1,5 +1,6 @@
-"""Replay's fast read path (payload runs, decoded as each row's type, fold_run) against the
-reference (every row through decode_event, then fold_decoded), on every backend."""
+"""Replay's fast read paths (packed runs decoded in one call; payload runs, decoded as each
+row's type; fold_run) against the reference (every row through decode_event, then
+fold_decoded), on every backend."""
 from __future__ import annotations
 
 import msgspec
@@ -11,9 +12,9 @@ from control.replay import ReplayError, replay
 from control.simulate import simulate
 from control.state import State, state_hash
 from events.catalog import BlocksFreed
-from events.codec import current_decoders, decode_event
+from events.codec import current_decoders, decode_event, decode_packed
 from ledger.chain import row_hash
-from ledger.schema import PayloadRun
+from ledger.schema import PackedRun, PayloadRun
 from tests.ledger.tamper import insert_row, run_unguarded
 
 
@@ -58,19 +59,42 @@ def test_payload_runs_are_gapless_and_carry_the_last_rows_time(ledger_store, rng
     assert seq == 701
 
 
+def test_packed_runs_hold_what_the_rows_hold(ledger_store, rng, small_batches):
+    _simulated(ledger_store, rng, 700)
+    rows = list(ledger_store.read_raw())
+    seq = 1
+    for run in ledger_store.packed_runs(1, 700):
+        assert isinstance(run, PackedRun) and run.first_seq == seq
+        mine = rows[seq - 1:run.last_seq]
+        assert run.payloads == b"".join(r.payload for r in mine)
+        assert run.types == ",".join(r.type for r in mine)
+        assert run.lengths == ", ".join(str(len(r.payload)) for r in mine)
+        assert run.last_ts_ns == mine[-1].ts_ns
+        assert decode_packed(run.num_rows, run.payloads, run.types, run.lengths) == \
+            [decode_event(r.payload, r.type, r.schema_version) for r in mine]
+        seq = run.last_seq + 1
+    assert seq == 701
+
+
 def _corrupt(store, seq: int, payload: bytes) -> None:
     run_unguarded(store, "UPDATE events SET payload = :p WHERE seq = :s", {"p": payload, "s": seq})
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "other_type", "trailing_byte"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "other_type", "trailing_byte", "slid_into_the_next_row"])
 def test_a_payload_that_does_not_decode_is_named_by_its_seq(ledger_store, rng, small_batches, damage):
     _simulated(ledger_store, rng, 1200)
     rows = list(ledger_store.read_raw())
-    bad = rng.randint(2, 1199)
+    if damage == "slid_into_the_next_row":
+        # the first byte of the next row (of the same type) moved to the end of this one: the
+        # concatenation of the payloads, and the type of every row, are as they were
+        bad = rng.choice([x.seq for x, y in zip(rows[1:], rows[2:]) if x.type == y.type])
+        _corrupt(ledger_store, bad + 1, rows[bad].payload[1:])
+    else:
+        bad = rng.randint(2, 1199)
     r = rows[bad - 1]
     other = next(x for x in rows if x.type != r.type)
     payload = {"truncated": r.payload[:-1], "garbage": b"\xc1\xc1\xc1", "other_type": other.payload,
-               "trailing_byte": r.payload + b"\x00"}[damage]
+               "trailing_byte": r.payload + b"\x00", "slid_into_the_next_row": r.payload + rows[bad].payload[:1]}[damage]
     _corrupt(ledger_store, bad, payload)
     with pytest.raises(ReplayError) as err:
         replay(ledger_store, use_snapshots=False)
@@ -91,6 +115,7 @@ def test_an_older_schema_row_in_a_run_is_upcast(ledger_store, rng, small_batches
     row = (last.seq + 1, last.ts_ns + 1, "control", 1, 1 << 40, "BlocksFreed", 1, None, None, v1)
     insert_row(ledger_store, (*row, row_hash(last.row_hash, row)))
     assert current_decoders([("BlocksFreed", 1, v1)]) is None
+    assert type(list(ledger_store.packed_runs(1, last.seq + 1))[-1]) is PayloadRun     # not packed: upcast
     got, _ = replay(ledger_store, use_snapshots=False)
     want = reference(ledger_store)
     assert state_hash(got) == state_hash(want) and got.last_seq == last.seq + 1
@@ -104,6 +129,8 @@ def test_a_gap_is_read_row_by_row_with_its_real_seqs(ledger_store, rng, small_ba
     run_unguarded(ledger_store, "DELETE FROM events WHERE seq = :s", {"s": gone})
     kinds = [type(b) for b in ledger_store.payload_runs(1, 600)]
     assert list in kinds and PayloadRun in kinds
+    kinds = [type(b) for b in ledger_store.packed_runs(1, 600)]
+    assert list in kinds and PackedRun in kinds
     got, _ = replay(ledger_store, use_snapshots=False)
     want = reference(ledger_store)
     assert state_hash(got) == state_hash(want)

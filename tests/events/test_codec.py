@@ -17,6 +17,7 @@ from events import (
     event_to_json_obj,
 )
 from events import catalog as ev
+from events.codec import decode_packed
 from events.commands import ExecuteMove, Ping
 
 
@@ -93,3 +94,31 @@ def test_json_with_unknown_or_missing_fields_is_refused_by_name():
         event_from_json_obj({"type": "ServerStopped", "reason": "x", "colour": "red"})
     with pytest.raises(DecodeError, match="MoveAcked"):
         event_from_json_obj({"type": "MoveAcked", "move_id": "m"})
+
+
+def _lengths(payloads) -> str:
+    return ", ".join(str(len(p)) for p in payloads)
+
+
+def test_a_packed_run_decodes_only_when_each_row_holds_exactly_its_own_event():
+    rng = random.Random()
+    events = [_random_event(rng) for _ in range(rng.randint(3, 40))]
+    payloads = [encode_event(e) for e in events]
+    types = ",".join(["MoveRequested"] * len(events))
+    assert decode_packed(len(events), b"".join(payloads), types, _lengths(payloads)) == events
+
+    # one byte of row i + 1 stored at the end of row i: the same concatenation, every tag in
+    # place, but neither row decodes on its own
+    i = rng.randrange(len(events) - 1)
+    slid = payloads[:i] + [payloads[i] + payloads[i + 1][:1], payloads[i + 1][1:]] + payloads[i + 2:]
+    assert b"".join(slid) == b"".join(payloads)
+    assert decode_packed(len(events), b"".join(slid), types, _lengths(slid)) is None
+
+    # a row whose type is not its payload's, a row too many or too few, a payload that is not msgpack
+    other = types.split(",")
+    other[i] = "MoveAcked"
+    assert decode_packed(len(events), b"".join(payloads), ",".join(other), _lengths(payloads)) is None
+    assert decode_packed(len(events) + 1, b"".join(payloads), types, _lengths(payloads)) is None
+    assert decode_packed(len(events) - 1, b"".join(payloads), types, _lengths(payloads)) is None
+    broken = payloads[:i] + [b"\xc1"] + payloads[i + 1:]
+    assert decode_packed(len(events), b"".join(broken), types, _lengths(broken)) is None
