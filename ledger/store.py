@@ -209,9 +209,15 @@ class LedgerStore:
     def _fetch_packed(self, start: int, to_seq: int, batch: int) -> Iterator[PackedRun | PayloadRun | list[tuple]]:
         while start <= to_seq:
             hi = min(to_seq, start + batch - 1)
-            with self._raw.cursor("reading events") as (_conn, cur):
-                num, num_older, payloads, types, lengths, last_ts = \
-                    self._d.fetchall(cur, self._packed_sql, (hi, start, hi))[0]
+            with self._raw.cursor("reading events") as (conn, cur):
+                try:
+                    num, num_older, payloads, types, lengths, last_ts = \
+                        self._d.fetchall(cur, self._packed_sql, (hi, start, hi))[0]
+                except self._d.dbapi_error as e:
+                    if not self._d.too_big(e):
+                        raise
+                    conn.rollback()
+                    num = None          # the run's payloads exceed one value of the database: rows
             if num == hi - start + 1 and num_older == 0:
                 # seq is the primary key: hi - start + 1 rows in [start, hi] means none is missing
                 yield PackedRun(start, last_ts, num, bytes(payloads), types, lengths)

@@ -3,8 +3,11 @@ row's type; fold_run) against the reference (every row through decode_event, the
 fold_decoded), on every backend."""
 from __future__ import annotations
 
+import sqlite3
+
 import msgspec
 import pytest
+from sqlalchemy import event
 
 import ledger.store
 from control.fold import fold_decoded
@@ -13,6 +16,7 @@ from control.simulate import simulate
 from control.state import State, state_hash
 from events.catalog import BlocksFreed
 from events.codec import current_decoders, decode_event, decode_packed
+from ledger import LedgerStore
 from ledger.chain import row_hash
 from ledger.schema import PackedRun, PayloadRun
 from tests.ledger.tamper import insert_row, run_unguarded
@@ -135,3 +139,15 @@ def test_a_gap_is_read_row_by_row_with_its_real_seqs(ledger_store, rng, small_ba
     want = reference(ledger_store)
     assert state_hash(got) == state_hash(want)
     assert (got.last_seq, got.anomalies) == (want.last_seq, want.anomalies)
+
+
+def test_a_run_too_big_for_one_database_value_is_read_row_by_row(tmp_path, rng):
+    # SQLite builds no value over SQLITE_LIMIT_LENGTH (1 GB by default; PostgreSQL stops at 1 GB
+    # too): here 4 KiB, so every packed run is too big, while each row still fits
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.db'}", create=True) as store:
+        _simulated(store, rng, 1500)
+        event.listen(store.engine, "connect", lambda conn, _: conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 4096))
+        store.engine.dispose()
+        assert {type(r) for r in store.packed_runs(1, 1500, batch=500)} == {PayloadRun}
+        got, _ = replay(store, use_snapshots=False)
+        assert state_hash(got) == state_hash(reference(store)) and got.last_seq == 1500
