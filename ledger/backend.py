@@ -40,6 +40,7 @@ _SQLITE_PRAGMAS = (
     "PRAGMA foreign_keys = ON",
     "PRAGMA cache_size = -65536",      # 64 MiB page cache
     "PRAGMA temp_store = MEMORY",
+    "PRAGMA reverse_unordered_selects = OFF",    # the default; replay's packed runs rely on it
 )
 
 

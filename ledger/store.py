@@ -307,19 +307,22 @@ def _packed_sql(sqlite: bool, p: str) -> str:
     order, types joined by ",", payload lengths joined by ", ", ts_ns of row ``hi``).
     See ``LedgerStore.packed_runs``.
 
-    NOTE: SQLite before 3.44 has no ORDER BY inside an aggregate; an aggregate over a subquery
-    with ORDER BY gets the subquery's order (SQLite never flattens such a subquery into an
-    aggregate: its flattening rule 16), and a rowid range is walked in order anyway. Its
+    NOTE: on SQLite the rows are aggregated in the order of the scan, and the scan of a seq
+    range is a walk of the table's B-tree by rowid (seq is the rowid; no index holds the
+    payload), which visits rows in seq order: the plan is "SEARCH events USING INTEGER PRIMARY
+    KEY" (tests/control/test_replay.py checks it) and our connections keep
+    reverse_unordered_selects off. SQLite before 3.44 has no ORDER BY inside an aggregate, and
+    an ordered subquery to aggregate over costs as much again as the whole aggregate. Its
     group_concat copies a BLOB's bytes as they are (no text conversion in a UTF-8 database);
     the CAST hands them back as a BLOB. ``events.codec.decode_packed`` checks every span.
+    PostgreSQL orders inside the aggregates.
     """
     older = f"count(*) FILTER (WHERE schema_version <> {_current_version_sql()})"
     if sqlite:
         return (f"SELECT count(*), {older}, CAST(group_concat(payload, '') AS BLOB), "
                 f"group_concat(type, ','), group_concat(length(payload), ', '), "
                 f"(SELECT ts_ns FROM events WHERE seq = {p}) "
-                f"FROM (SELECT type, schema_version, payload FROM events "
-                f"WHERE seq >= {p} AND seq <= {p} ORDER BY seq)")
+                f"FROM events WHERE seq >= {p} AND seq <= {p}")
     return (f"SELECT count(*), {older}, string_agg(payload, ''::bytea ORDER BY seq), "
             f"string_agg(type, ',' ORDER BY seq), string_agg(length(payload)::text, ', ' ORDER BY seq), "
             f"(SELECT ts_ns FROM events WHERE seq = {p}) "

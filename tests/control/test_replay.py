@@ -80,6 +80,17 @@ def test_packed_runs_hold_what_the_rows_hold(ledger_store, rng, small_batches):
     assert seq == 701
 
 
+def test_sqlite_packs_a_run_by_walking_its_seqs_in_order(ledger_store):
+    # the packed statement has no ORDER BY (see ledger.store._packed_sql): the plan must stay a
+    # walk of the rowid range, forwards
+    if ledger_store.backend != "sqlite":
+        pytest.skip("PostgreSQL orders inside its aggregates")
+    with ledger_store.engine.connect() as conn:
+        plan = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + ledger_store._packed_sql, (5, 1, 5)).all()
+        assert conn.exec_driver_sql("PRAGMA reverse_unordered_selects").scalar() == 0
+    assert plan[0][-1] == "SEARCH events USING INTEGER PRIMARY KEY (rowid>? AND rowid<?)"
+
+
 def _corrupt(store, seq: int, payload: bytes) -> None:
     run_unguarded(store, "UPDATE events SET payload = :p WHERE seq = :s", {"p": payload, "s": seq})
 
