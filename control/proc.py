@@ -61,6 +61,7 @@ from control.transport import AskServer, WorkerRouter
 
 log = structlog.get_logger("control.proc")
 MS, S = 1_000_000, 1_000_000_000
+QUIET_NEVER_NS = 3600 * S       # the "quiet" timer when no heavy work waits for a quiet iteration
 
 __all__ = ["ControlConfig", "ControlProc", "Health", "ControlError", "LedgerDiverged", "ControlFaults", "MoveTraces",
            "Recorder", "WorkerLink", "SERVER_VERSION"]
@@ -119,6 +120,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._fatal: BaseException | None = None
         self._stopped = threading.Event()
         self._frozen = False
+        self._acted = False           # this loop iteration sent a command or answered an asker
+        self._policy_due = 0          # when the policies held for a quiet iteration were due
         self._beat_ns = time.monotonic_ns()
         self._handlers: dict[type, Callable] = {
             Hello: self._on_hello, Pong: self._on_pong, ev.MoveAcked: self._on_outcome,
@@ -239,7 +242,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             while self._stop_reason is None:
                 self._poll()
                 self._recorder.flush()
-                self._commits()
+                self._acted = self._commits()
                 # NOTE: after the commits, so a checkpoint's hash or a policy's scan never sits
                 # between an outcome and its answer; what the tick records commits right here.
                 self._tick()
@@ -332,24 +335,36 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                 if self.roster.get(worker) == epoch:    # not an incarnation already replaced
                     self._lose(worker, f"worker process exited with code {rc}")
 
-    def _commits(self) -> None:
+    def _commits(self) -> bool:
+        """Send the commands and answers whose events are committed; True when any went."""
         committed = self._recorder.advance()
+        acted = False
         for req in self.book.committed(committed):
             self._dispatch(req)
+            acted = True
         answers = self._answers
         while answers and answers[0][0] <= committed:
             _, waiter = answers.popleft()
             self._answer(waiter)
+            acted = True
         if self._snapshot_pending and self._snapshot_pending[0] <= committed:
             through, data, digest = self._snapshot_pending
             self._snapshot_pending = None
             self.store.save_snapshot(through, data, digest)
             self._last_snapshot_seq = through
             log.info("snapshot_saved", through_seq=through, bytes=len(data))
+        return acted
 
     def _tick(self) -> None:
         now = time.monotonic_ns()
         nxt = self._next
+        # NOTE: a policy's scan and a checkpoint's hash hold the loop (and the GIL, and on a small
+        # host a core) for O(blocks). In the iteration that just sent a command or answered an
+        # asker they would stand in the way of the worker starting that move and of an in-process
+        # asker taking its answer: they wait for a quiet iteration (the poll wakes 1 ms later for
+        # one), one period at most. A checkpoint due by its event count never waits.
+        wait = self._acted
+        nxt["quiet"] = now + QUIET_NEVER_NS
         if now >= nxt["watchdog"]:
             nxt["watchdog"] = now + 10 * MS
             self._watch_deadlines()
@@ -360,14 +375,25 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             nxt["requery"] = now + int(self.cfg.requery_interval_s * S)
             self._requery(now)
         if now >= nxt["policy"]:
-            nxt["policy"] = now + int(self.cfg.policy_interval_s * S)
-            if not self._adopting:
-                self._run_policies()
+            period = int(self.cfg.policy_interval_s * S)
+            due = self._policy_due = self._policy_due or nxt["policy"]
+            if wait and now - due < period:
+                nxt["policy"] = now + MS
+            else:
+                self._policy_due = 0
+                nxt["policy"] = now + period
+                if not self._adopting:
+                    self._run_policies()
         pseq, at = self._last_ckpt
-        if self._recorder.producer_seq > pseq and (
-                self._recorder.producer_seq - pseq >= self.cfg.checkpoint_every_events
-                or now - at >= int(self.cfg.checkpoint_every_s * S)):
-            self._checkpoint(now)
+        if self._recorder.producer_seq > pseq:
+            every = int(self.cfg.checkpoint_every_s * S)
+            if self._recorder.producer_seq - pseq >= self.cfg.checkpoint_every_events:
+                self._checkpoint(now)
+            elif now - at >= every:
+                if wait and now - at < 2 * every:
+                    nxt["quiet"] = now + MS
+                else:
+                    self._checkpoint(now)
 
     # ================================================================== recording
     def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:

@@ -56,7 +56,7 @@ class StartStop:
         self._next_block: dict[int, int] = {}
         self._ask_ns = self._recv_ns = 0
         now = time.monotonic_ns()
-        self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now}
+        self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + 3600 * S}
         self._next_park = now
         self._last_ckpt = (self._recorder.producer_seq, now)
         self._last_snapshot_seq = rec.from_snapshot

@@ -600,6 +600,36 @@ def test_when_the_tick_runs_every_outcome_is_committed_and_every_answer_that_can
     check_ledger(store)
 
 
+def test_a_checkpoint_due_by_time_waits_for_an_iteration_that_sent_and_answered_nothing(
+        make_control, fake_worker, sqlite_url):
+    """Its hash would stand between a command and the worker starting it, or an answer and its
+    in-process asker; it waits for a quiet iteration (one period at most)."""
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, checkpoint_every_s=0.02)
+    seen: list[tuple[bool, bool]] = []
+
+    def spy(p):
+        checkpoint = p._checkpoint
+
+        def watched(now):
+            overdue = now - p._last_ckpt[1] >= 2 * int(p.cfg.checkpoint_every_s * 1e9)
+            seen.append((p._acted, overdue))
+            checkpoint(now)
+        p._checkpoint = watched
+    proc.call(spy).result(5)
+    blocks = commit_blocks(proc, fw, 8)
+    for i, b in enumerate(blocks):
+        fut = proc.submit(AskMove(ask_id=f"a{i}", kind="evict", worker=0, blocks=[b]))
+        cmd = fw.expect(ExecuteMove)
+        time.sleep(0.025)       # a move longer than the period: its ack finds a checkpoint due
+        fw.send(fw.ack(cmd))
+        assert fut.result(5).error is None
+    wait_for(lambda: len(seen) >= 3, what="checkpoints")
+    proc.stop("done")
+    assert all(not acted or overdue for acted, overdue in seen), seen
+    assert any(not acted for acted, _ in seen)
+    check_ledger(store)
+
+
 def test_a_traced_move_keeps_its_phases_in_order_with_the_workers_own(make_control, fake_worker, sqlite_url):
     from events.commands import MoveTimed
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, trace_moves=2)
