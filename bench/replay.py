@@ -34,6 +34,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _load_1m() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1_000_000)
@@ -61,19 +68,19 @@ def main() -> None:
             store.append(batch, durability="normal")
         results["simulate_and_append_s"] = time.perf_counter() - t
 
-        runs = []
+        runs, loads = [], []
         for _ in range(args.repeat):
             t = time.perf_counter()
             state, snap = replay(store, use_snapshots=False)
             runs.append(time.perf_counter() - t)
+            loads.append(_load_1m())
         results["replay_from_zero_s"] = min(runs)
         results["replay_from_zero_events_per_s"] = args.events / min(runs)
         results["replay_from_zero_samples_s"] = runs
         results["replay_from_zero_events_per_s_median"] = args.events / sorted(runs)[len(runs) // 2]
-        try:
-            results["load_average_1m_at_end"] = os.getloadavg()[0]
-        except OSError:
-            pass
+        # the 1-minute load after each run (this replay's own two threads count in it too)
+        results["load_average_1m_after_each_run"] = loads
+        results["load_average_1m_at_end"] = loads[-1] if loads else None
         results["replay_state_hash"] = state.state_hash()
 
         t = time.perf_counter()
@@ -95,6 +102,7 @@ def main() -> None:
         ("replay from zero (decode+fold), best", f"{results['replay_from_zero_events_per_s']:,.0f} ev/s", ">= 300,000"),
         (f"  median / worst of {len(runs)}", f"{results['replay_from_zero_events_per_s_median']:,.0f} / "
                                          f"{args.events / max(runs):,.0f}", ""),
+        ("  1-min load after each run", " ".join(f"{x:.1f}" for x in loads if x is not None), ""),
         ("replay --at last, with snapshots", f"{results['replay_at_last_with_snapshots_s']:.3f} s", "<= 2 s"),
         ("replay --at mid, from snapshot", f"{results['replay_at_mid_after_snapshot_with_snapshots_s']:.3f} s", ""),
         ("snapshot == zero replay", str(results["snapshot_replay_matches_zero_replay"]), "True"),
