@@ -97,7 +97,7 @@ def decode_packed(num_rows: int, payloads: bytes, types: str, lengths: str) -> l
     else (an unknown type, a bad payload) is None: decode those rows one by one, which names
     the seq of a bad payload.
 
-        payloads:  |9a a9 MoveAcked ...|98 ad MoveRequested ...|...     (num_rows values)
+        payloads:  |99 a9 MoveAcked ...|9c ad MoveRequested ...|...     (num_rows values)
         framed:    dd <num_rows, 4 bytes> payloads                     (one msgpack array)
     """
     framed = b"\xdd" + num_rows.to_bytes(4, "big") + payloads
