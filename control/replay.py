@@ -3,14 +3,15 @@
 Pure over what the store returns; the store is the only I/O. ``progress`` is any callable
 taking the number of events folded since the last call (the CLI passes a tqdm bar's update).
 
-Speed (bench/replay.py): the database packs each gapless run of rows into one bytes of
-payloads and two strings (``LedgerStore.packed_runs``, on the prefetch thread), msgspec decodes
-the whole run in one call (``events.codec.decode_packed``, which checks every row's type and
-span) and ``fold_run`` folds it: no per-row tuples or envelopes. A run with a row of an older
-schema comes as (type, schema version, payload) rows (``LedgerStore.payload_runs``): each
-payload is decoded as its row's type, and ``decode_event`` upcasts the older ones. A packed run
-that does not decode is read again that way, and ``decode_event`` names the seq of the bad
-payload; a range with a gap comes as whole rows with their seqs.
+Speed (bench/replay.py): SQLite packs each gapless run of rows into one bytes of payloads and
+two strings (``LedgerStore.packed_runs``, on the prefetch thread), msgspec decodes the whole run
+in one call (``events.codec.decode_packed``, which checks every row's type and span) and
+``fold_run`` folds it: no per-row tuples or envelopes. PostgreSQL sends (type, schema version,
+payload) rows instead (``LedgerStore.payload_runs``; it is faster at that), each payload
+decoded as its row's type; so does a run with a row of an older schema, which
+``decode_event`` upcasts. A packed run that does not decode is read again as rows, and
+``decode_event`` names the seq of the bad payload; a range with a gap comes as whole rows
+with their seqs.
 """
 from __future__ import annotations
 

@@ -146,13 +146,6 @@ class Dialect:
             cur.execute(sql, params, binary=True)
         return cur.fetchall()
 
-    def too_big(self, e: BaseException) -> bool:
-        """Whether ``e`` says a value grew past what the database builds in one piece (SQLite's
-        SQLITE_MAX_LENGTH, 1 GB by default; PostgreSQL's 1 GB per value)."""
-        if self.sqlite:
-            return getattr(e, "sqlite_errorname", None) == "SQLITE_TOOBIG"
-        return getattr(e, "sqlstate", None) == "54000"          # program_limit_exceeded
-
     def begin_write(self, cur, durability: str) -> None:
         """Start the writing transaction and take the ledger's write lock.
 

@@ -65,6 +65,9 @@ def test_payload_runs_are_gapless_and_carry_the_last_rows_time(ledger_store, rng
 
 def test_packed_runs_hold_what_the_rows_hold(ledger_store, rng, small_batches):
     _simulated(ledger_store, rng, 700)
+    if ledger_store.backend != "sqlite":        # PostgreSQL sends rows (see LedgerStore.packed_runs)
+        assert list(ledger_store.packed_runs(1, 700)) == list(ledger_store.payload_runs(1, 700))
+        return
     rows = list(ledger_store.read_raw())
     seq = 1
     for run in ledger_store.packed_runs(1, 700):
@@ -145,7 +148,7 @@ def test_a_gap_is_read_row_by_row_with_its_real_seqs(ledger_store, rng, small_ba
     kinds = [type(b) for b in ledger_store.payload_runs(1, 600)]
     assert list in kinds and PayloadRun in kinds
     kinds = [type(b) for b in ledger_store.packed_runs(1, 600)]
-    assert list in kinds and PackedRun in kinds
+    assert list in kinds and (PackedRun if ledger_store.backend == "sqlite" else PayloadRun) in kinds
     got, _ = replay(ledger_store, use_snapshots=False)
     want = reference(ledger_store)
     assert state_hash(got) == state_hash(want)
