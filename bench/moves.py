@@ -451,7 +451,13 @@ def phases(marks: dict) -> dict:
     """Host-clock phase durations (µs) of one move from Engine.last_phases."""
     order = ["submitted", "validated", "enqueued", "landed", "settled"]
     names = ["validate", "begin", "wait", "commit"]
-    return {n: (marks[b] - marks[a]) / 1e3 for n, a, b in zip(names, order, order[1:]) if a in marks and b in marks}
+    out = {n: (marks[b] - marks[a]) / 1e3 for n, a, b in zip(names, order, order[1:]) if a in marks and b in marks}
+    # inside begin: slots reserved, first chunk's copy enqueued (the link can start), the rest
+    if all(k in marks for k in ("validated", "reserved", "first_chunk", "enqueued")):
+        out["begin.reserve"] = (marks["reserved"] - marks["validated"]) / 1e3
+        out["begin.first_chunk"] = (marks["first_chunk"] - marks["reserved"]) / 1e3
+        out["begin.rest"] = (marks["enqueued"] - marks["first_chunk"]) / 1e3
+    return out
 
 
 class no_checksums:

@@ -40,6 +40,7 @@ class SpillToHost(InFlight):
         c, s = self.ctx, self.ctx.streams
         self.dslots = c.device.slots_of(self.ids)
         self.hslots = c.host.reserve(self.ids)
+        self.mark("reserved")
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
         self.pending = self._chunks()
@@ -51,6 +52,7 @@ class SpillToHost(InFlight):
         step, n = max(1, c.pipeline_blocks), len(self.ids)
         # Copy first: the link is the bottleneck, so it must start before anything else is queued.
         copier.enqueue(0, min(n, step))
+        self.mark("first_chunk")
         # The checksums read the device source (which stays put until commit) beside the copies.
         self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
         self.hasher.enqueue(0, n)
@@ -109,6 +111,7 @@ class RestoreFromHost(InFlight):
         c, s = self.ctx, self.ctx.streams
         hslots = c.host.slots_of(self.ids)
         self.dslots = c.device.reserve(self.ids)
+        self.mark("reserved")
         # NOTE: the reserved slots may have been freed while kernels queued on the compute stream
         # still read their old contents; the copy must not overwrite them before those finish.
         self.after_compute(s.h2d, s.stage_h2d)
@@ -135,6 +138,8 @@ class RestoreFromHost(InFlight):
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             copier.enqueue(lo, hi)
+            if lo == 0:
+                self.mark("first_chunk")
             self.hasher.enqueue(lo, hi, after=copier.done())
             yield
         self.hashed = self.hasher.done()
