@@ -48,7 +48,8 @@ def _summary(prof, label: str) -> dict:
     evs = prof.events()
     host = [e for e in evs if e.name == label and e.device_type == DeviceType.CPU]
     t0, t1 = host[0].time_range.start, host[0].time_range.end
-    dev = sorted((e for e in evs if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start),
+    dev = sorted((e for e in evs if e.device_type == DeviceType.CUDA
+                  and t0 <= e.time_range.start <= t1),
                  key=lambda e: e.time_range.start)
     dmas = [e for e in dev if e.name.startswith("Memcpy")]
     kernels = [e for e in dev if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")]
