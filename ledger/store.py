@@ -43,7 +43,7 @@ class LedgerStore:
         self._run_sql = (f"SELECT type, schema_version, payload FROM events "
                          f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
         self._ts_sql = f"SELECT ts_ns FROM events WHERE seq = {self._d.p}"
-        self._packed_sql = _packed_sql(self._d.p)
+        self._packed_sql = _packed_sql(self._d.p) if self._d.sqlite else None
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -224,10 +224,10 @@ class LedgerStore:
                     if getattr(e, "sqlite_errorname", None) != "SQLITE_TOOBIG":    # over SQLITE_MAX_LENGTH
                         raise
                     conn.rollback()
-                    num = None          # the run's payloads exceed one value of the database: rows
+                    num = num_older = None      # the run's payloads exceed one value of the database
             if num == hi - start + 1 and num_older == 0:
                 # seq is the primary key: hi - start + 1 rows in [start, hi] means none is missing
-                yield PackedRun(start, last_ts, num, bytes(payloads), types, lengths)
+                yield PackedRun(start, last_ts, num, payloads, types, lengths)
             else:
                 yield from self._fetch_runs(start, hi, batch)
             start = hi + 1
