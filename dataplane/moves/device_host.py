@@ -1,5 +1,11 @@
 """Moves between the device pool and the pinned host pool: spill/evict/park out, restore in.
 
+Both directions start the link first: a move claims its destination slots (a slice off the
+free list), copies a first chunk of half a pipelined chunk's blocks into them, and only then
+writes its per-block maps, uploads its full slot indices and queues its checksums, while those
+first bytes cross (the time from command to the first byte on the link is most of a move's
+overhead: ~0.3 ms of validation, then this).
+
 Spill (device -> host), in chunks of pipeline_blocks blocks:
 
     compute ──► d2h:  copy c0 ─► copy c1 ─► copy c2 ... ──────────────► e_copy ─┐
@@ -28,6 +34,13 @@ from dataplane.moves.copy import Copier
 from dataplane.pools.errors import ChecksumMismatch
 
 
+def first_chunk_blocks(ctx, n: int) -> int:
+    """Blocks of a move's first chunk: half a pipelined chunk, so its gather (or scatter) is short
+    and its copy starts soon, yet crosses long enough (~1.2 ms for 32 blocks of 2 MiB) to hide
+    the rest of the move's bookkeeping."""
+    return min(n, max(1, ctx.pipeline_blocks // 2))
+
+
 # Chunks a move enqueues inside begin(); the rest wait in ``pending`` for Engine.pump / finish.
 # Two chunks keep the link busy (~2.4 ms at 55 GB/s for 64 MiB chunks) while the caller goes on.
 PRIME_CHUNKS = 2
@@ -38,28 +51,32 @@ class SpillToHost(InFlight):
 
     def begin(self) -> None:
         c, s = self.ctx, self.ctx.streams
-        self.dslots = c.device.slots_of(self.ids)
-        self.hslots = c.host.reserve(self.ids)
+        ids = self.ids
+        # The link starts first: half a chunk's blocks are copied into claimed host slots before
+        # any other bookkeeping, which then runs while those bytes cross.
+        n0 = first_chunk_blocks(c, len(ids))
+        self.claimed = c.host.table.claim(len(ids))
         self.mark("reserved")
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
-        self.pending = self._chunks()
+        Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0]).enqueue(0, n0)
+        self.mark("first_chunk")
+        c.host.table.record_reserved(ids, self.claimed)
+        self.hslots, self.claimed = self.claimed, None
+        self.dslots = c.device.slots_of(ids)
+        self.pending = self._chunks(n0)
         self.advance(PRIME_CHUNKS)
 
-    def _chunks(self):
+    def _chunks(self, n0: int):
         c = self.ctx
         copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
-        # Copy first: the link is the bottleneck, so it must start before anything else is queued.
-        copier.enqueue(0, min(n, step))
-        self.mark("first_chunk")
         # The checksums read the device source (which stays put until commit) beside the copies.
         self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
         self.hasher.enqueue(0, n)
         self.hashed = self.hasher.done()
         self.nearly = copier.done()
-        yield
-        for lo in range(step, n, step):
+        for lo in range(n0, n, step):
             self.nearly = copier.done()          # the link is busy with the chunks before this one
             copier.enqueue(lo, min(n, lo + step))
             yield
@@ -99,6 +116,9 @@ class SpillToHost(InFlight):
         return self.acked(freed, sums)
 
     def rollback(self) -> None:
+        if getattr(self, "claimed", None) is not None:
+            self.ctx.host.table.unclaim(self.claimed)
+            self.claimed = None
         if getattr(self, "hslots", None) is not None:
             self.ctx.host.cancel(self.ids)
             self.hslots = None
@@ -109,37 +129,45 @@ class RestoreFromHost(InFlight):
 
     def begin(self) -> None:
         c, s = self.ctx, self.ctx.streams
-        hslots = c.host.slots_of(self.ids)
-        self.dslots = c.device.reserve(self.ids)
+        ids = self.ids
+        hslots = c.host.slots_of(ids)
+        # Walk the blocks in host-slot order: host runs get long (fewer, larger DMAs). The k-th
+        # block walked gets the k-th claimed device slot, so device runs are long too.
+        order = sorted(range(len(ids)), key=hslots.__getitem__)
+        src = list(map(hslots.__getitem__, order))
+        n0 = first_chunk_blocks(c, len(ids))
+        self.claimed = c.device.table.claim(len(ids))
         self.mark("reserved")
-        # NOTE: the reserved slots may have been freed while kernels queued on the compute stream
+        # NOTE: the claimed slots may have been freed while kernels queued on the compute stream
         # still read their old contents; the copy must not overwrite them before those finish.
         self.after_compute(s.h2d, s.stage_h2d)
-        # Walk the blocks in host-slot order: host runs get long (fewer, larger DMAs); the device
-        # side is scattered anyway. Checksums are mapped back to the command's order at the end.
-        order = sorted(range(len(self.ids)), key=hslots.__getitem__)
-        self.order_ids = [self.ids[i] for i in order]
+        first = Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0])
+        first.enqueue(0, n0)
+        first_done = first.done()
+        self.mark("first_chunk")
+        # The rest of the bookkeeping runs while the first chunk crosses.
+        self.order_ids = list(map(ids.__getitem__, order))
+        c.device.table.record_reserved(self.order_ids, self.claimed)
+        self.dslots, self.claimed = self.claimed, None       # walk order
+        self.hsrc = hslots
         back = [0] * len(order)                  # command position -> position in walk order
         for k, i in enumerate(order):
             back[i] = k
         self.back = back
-        self.pending = self._chunks([hslots[i] for i in order], [self.dslots[i] for i in order])
-        self.hsrc = hslots
+        self.pending = self._chunks(src, self.dslots, n0, first_done)
         self.advance(PRIME_CHUNKS)
-        # after the first chunks: off the link's path
-        self.expected = c.host.checksums_of(self.ids)
+        self.expected = c.host.checksums_of(ids)
         self.expected_walk = list(map(self.expected.__getitem__, order))
 
-    def _chunks(self, src_slots, dst_slots):
+    def _chunks(self, src_slots, dst_slots, n0: int, first_done):
         c = self.ctx
         copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
         self.hasher = Hasher(c, c.device.words, dst_slots, self.order_ids)
+        self.hasher.enqueue(0, n0, after=first_done)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
-        for lo in range(0, n, step):
+        for lo in range(n0, n, step):
             hi = min(n, lo + step)
             copier.enqueue(lo, hi)
-            if lo == 0:
-                self.mark("first_chunk")
             self.hasher.enqueue(lo, hi, after=copier.done())
             yield
         self.hashed = self.hasher.done()
@@ -205,6 +233,9 @@ class RestoreFromHost(InFlight):
         return self.acked(self.free_source(), self.expected)
 
     def rollback(self) -> None:
+        if getattr(self, "claimed", None) is not None:
+            self.ctx.device.table.unclaim(self.claimed)
+            self.claimed = None
         if getattr(self, "dslots", None) is not None:
             self.ctx.device.cancel(self.ids)
             self.dslots = None

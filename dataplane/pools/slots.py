@@ -164,18 +164,42 @@ class SlotTable:
         """Take a slot for each new block, not yet readable. Raises AlreadyResident, NoRoom."""
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         self._check_new(ids)
-        refused = self.room_for(len(ids))
+        slots = self.claim(len(ids))
+        self._record_reserved(ids, slots)
+        return slots
+
+    # A move that must start its copy at once splits ``reserve`` in two: ``claim`` takes the slots
+    # off the free list (a slice: the copy can target them now), ``record_reserved`` writes the
+    # per-block maps while the first bytes cross. Nothing else touches the table in between (the
+    # engine's one thread); ``unclaim`` gives claimed slots back if the move fails first.
+    def claim(self, n: int) -> list[int]:
+        """The n lowest free slots, taken but not yet assigned to blocks. Raises NoRoom."""
+        refused = self.room_for(n)
         if refused is not None:
             raise refused
         if not self._free_sorted:
             self._free.sort()
             self._free_sorted = True
-        slots = self._free[: len(ids)]
-        del self._free[: len(ids)]
+        slots = self._free[:n]
+        del self._free[:n]
+        return slots
+
+    def record_reserved(self, block_ids: list[int], slots: list[int]) -> None:
+        """Assign claimed ``slots`` to new blocks, RESERVED. Raises AlreadyResident (nothing recorded)."""
+        if len(block_ids) != len(slots):
+            raise IntegrityError(f"{self.tier}: {len(block_ids)} blocks for {len(slots)} claimed slots")
+        self._check_new(block_ids)
+        self._record_reserved(block_ids, slots)
+
+    def unclaim(self, slots: list[int]) -> None:
+        """Give back slots from ``claim`` that were never recorded."""
+        self._free.extend(slots)
+        self._free_sorted = False
+
+    def _record_reserved(self, ids: list[int], slots: list[int]) -> None:
         self._slot.update(zip(ids, slots))
         self._block.update(zip(slots, ids))
         self._reserved.update(ids)
-        return slots
 
     def publish(self, block_ids: Iterable[int]) -> None:
         """RESERVED -> READY with refcount 1: from now on readers may see the bytes."""

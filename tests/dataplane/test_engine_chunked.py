@@ -10,7 +10,8 @@ from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, 
 
 @pytest.fixture
 def chunky(tmp_path, engine_device):
-    # 3 blocks per chunk: a 10-block move is 4 chunks, 2 enqueued by submit, 2 left pending.
+    # 3 blocks per chunk: a 10-block move is a first chunk of 1 block (half a chunk, the link
+    # starts at once), then chunks of 3, 3, 3: submit enqueues the first and two more, 1 is left.
     e = make_engine(tmp_path / "disk", device=engine_device, device_blocks=24, host_blocks=24, pipeline_blocks=3)
     yield e
     e.check_integrity()
@@ -27,12 +28,12 @@ def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(ch
     t_out = e.submit(move("evict", "device", "host", out_ids[::-1]))
     t_in = e.submit(move("restore", "host", "device", in_ids[3:] + in_ids[:3]))
     moves = {m.cmd.move_id: m for m in e._inflight.values()}
-    assert log == ["d2h", "d2h", "h2d", "h2d"], "submit enqueues only the first two chunks"
+    assert log == ["d2h"] * 3 + ["h2d"] * 3, "submit enqueues the first chunk and two more"
     assert all(m.pending is not None for m in moves.values())
     e.pump()
-    assert log[4:] == ["d2h", "h2d"], "pump enqueues one more chunk of each move in flight"
-    a = e.wait(t_in)                                      # pumps both until the restore is enqueued
-    assert log[6:] == ["d2h", "h2d"]
+    assert log[6:] == ["d2h", "h2d"], "pump enqueues one more chunk of each move in flight"
+    a = e.wait(t_in)
+    assert len(log) == 8
     b = e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
     assert all(m.pending is None for m in moves.values())
@@ -50,7 +51,7 @@ def test_a_chunk_that_raises_half_way_fails_the_move_and_changes_nothing(chunky,
 
     def flaky(self, lo, hi):
         calls.append(lo)
-        if len(calls) == 3:                              # the first chunk pump enqueues, not submit's
+        if len(calls) == 4:                              # the chunk pump enqueues, not submit's
             raise RuntimeError("copy engine fell over")
         return real(self, lo, hi)
 
@@ -58,7 +59,7 @@ def test_a_chunk_that_raises_half_way_fails_the_move_and_changes_nothing(chunky,
     ticket = e.submit(move("evict", "device", "host", list(range(10))))
     out = e.wait(ticket)
     assert isinstance(out, MoveFailed) and "copy engine fell over" in out.error, out
-    assert len(calls) == 3
+    assert len(calls) == 4
     assert_same(before, snapshot(e))
     assert e.wait(ticket) is out                         # the outcome is recorded once
 
@@ -107,8 +108,8 @@ def test_a_spill_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypatch
     before = snapshot(e)
     real = dh.SpillToHost._chunks
 
-    def chunks(self):
-        yield from real(self)
+    def chunks(self, *args):
+        yield from real(self, *args)
         self.copied = _Broken()
 
     monkeypatch.setattr(dh.SpillToHost, "_chunks", chunks)
@@ -134,4 +135,26 @@ def test_a_restore_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypat
     monkeypatch.setattr(base.Hasher, "land", land)
     out = e.execute(move("restore", "host", "device", ids))
     assert isinstance(out, MoveFailed) and "fell over" in out.error, out
+    assert_same(before, snapshot(e))
+
+
+@pytest.mark.parametrize("kind", ["evict", "restore"])
+def test_a_move_that_fails_after_claiming_its_slots_gives_them_back(chunky, monkeypatch, kind):
+    """Slots are claimed (and the first chunk copied into them) before the per-block maps are
+    written; a failure in between returns them: the pools are exactly as before."""
+    e = chunky
+    ids = list(range(10))
+    commit(e, "device", ids)
+    if kind == "restore":
+        assert isinstance(e.execute(move("evict", "device", "host", ids)), MoveAcked)
+    before = snapshot(e)
+    table = (e.host_pool if kind == "evict" else e.device_pool).table
+
+    def refuse(block_ids, slots):
+        raise RuntimeError("maps could not be written")
+
+    monkeypatch.setattr(table, "record_reserved", refuse)
+    src, dst = ("device", "host") if kind == "evict" else ("host", "device")
+    out = e.execute(move(kind, src, dst, ids))
+    assert isinstance(out, MoveFailed) and "could not be written" in out.error, out
     assert_same(before, snapshot(e))
