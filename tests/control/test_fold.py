@@ -207,3 +207,120 @@ def test_fold_run_over_a_gapless_run_equals_fold_all():
     assert (got.last_seq, got.last_ts_ns, got.anomalies, got.checkpoints) == \
         (want.last_seq, want.last_ts_ns, want.anomalies, want.checkpoints)
     assert (k, "MoveAcked for move never that was never requested") in got.anomalies
+
+
+# ---------------------------------------------------------------------- fast paths vs their references
+def _apply_arrival_ref(s: State, mv, bytes_freed_src: int, checksum_ok: bool, seq: int) -> None:
+    """control.fold._apply_arrival before its sole-copy fast path: every block the general way."""
+    from control.fold import _anomaly
+
+    ws = s.workers.get(mv.worker)
+    if ws is None:
+        return
+    get = s.blocks.get(mv.worker, {}).get
+    src, dst, drop, to_device = mv.src, mv.dst, not mv.keep_source, mv.dst == "device"
+    added = dropped = 0
+    for bid in mv.blocks:
+        b = get(bid)
+        if b is None:
+            _anomaly(s, seq, f"move {mv.move_id} acked for block {bid} that no longer exists")
+            continue
+        tiers = b.tiers
+        if dst not in tiers:
+            tiers.append(dst)
+            added += 1
+        if to_device:
+            b.device_verified = checksum_ok
+        if drop and src in tiers:
+            tiers.remove(src)
+            dropped += 1
+    accounts = ws.tiers
+    accounts[dst].used_bytes += added * ws.block_bytes
+    accounts[src].used_bytes -= dropped * ws.block_bytes
+    accounts[src].reclaimed_bytes += bytes_freed_src
+
+
+def _blocks_committed_ref(s: State, e: ev.BlocksCommitted, seq: int) -> None:
+    """control.fold._blocks_committed before new blocks were made with their copy in place."""
+    from control.fold import _anomaly
+    from control.state import BlockState, SessionState
+
+    ws = s.workers.get(e.worker)
+    if ws is None:
+        _anomaly(s, seq, f"BlocksCommitted names unknown worker {e.worker}")
+        return
+    keys = e.keys if len(e.keys) == len(e.blocks) else [""] * len(e.blocks)
+    blocks = s.blocks.setdefault(e.worker, {})
+    added = 0
+    for bid, key in zip(e.blocks, keys):
+        b = blocks.get(bid)
+        if b is None:
+            b = blocks[bid] = BlockState(session=e.session, key=key, tiers=[])
+        if e.tier in b.tiers:
+            _anomaly(s, seq, f"block {bid} already has a copy on {e.tier} of worker {e.worker}")
+            continue
+        b.tiers.append(e.tier)
+        added += 1
+    ws.tiers[e.tier].used_bytes += added * ws.block_bytes
+    if e.session is not None:
+        sess = s.sessions.get(e.session)
+        if sess is None:
+            sess = s.sessions[e.session] = SessionState(session=e.session)
+        sess.worker = e.worker
+
+
+_TIER_LISTS = st.lists(st.sampled_from(["device", "host", "disk"]), max_size=3, unique=True)
+
+
+@st.composite
+def _worker_with_blocks(draw):
+    """A state with worker 0 holding random blocks: any tiers in any order (none at all too), any
+    verification; plus block ids that are not there (up to 40, so a few are missing)."""
+    from control.state import BlockState, new_worker
+
+    s = State()
+    s.workers[0] = new_worker(0, "cpu", {"device": 1 << 40, "host": 1 << 40, "disk": 1 << 40}, draw(st.integers(1, 4096)))
+    ids = draw(st.lists(st.integers(0, 40), max_size=30, unique=True))
+    s.blocks[0] = {bid: BlockState(session=draw(st.sampled_from([None, "a"])), key="",
+                                   tiers=draw(_TIER_LISTS), device_verified=draw(st.booleans())) for bid in ids}
+    for t, acc in s.workers[0].tiers.items():      # any starting accounts: both ways must move them alike
+        acc.used_bytes = draw(st.integers(0, 1 << 30))
+    return s
+
+
+@settings(max_examples=400, deadline=None)
+@given(state=_worker_with_blocks(), data=st.data())
+def test_an_ack_folds_the_same_with_and_without_the_sole_copy_fast_path(state, data):
+    """Every block kind at once: sole copies on the source (the fast path), copies on other tiers too,
+    copies already on the destination, no copy anywhere, missing blocks, a block named twice, a
+    kept source, a move naming one tier twice, a failed checksum toward the device."""
+    from control.fold import _apply_arrival
+    from control.state import MoveState
+
+    known = list(state.blocks[0]) or [0]
+    blocks = data.draw(st.lists(st.one_of(st.sampled_from(known), st.integers(0, 45)), max_size=40))
+    mv = MoveState("m", "evict", 0, data.draw(st.sampled_from(["device", "host", "disk"])),
+                   data.draw(st.sampled_from(["device", "host", "disk"])), blocks, 0, data.draw(st.booleans()),
+                   1, None, 1)
+    freed, ok = data.draw(st.integers(0, 1 << 30)), data.draw(st.booleans())
+    want, got = decode_state(encode_state(state)), decode_state(encode_state(state))
+    _apply_arrival_ref(want, mv, freed, ok, 7)
+    _apply_arrival(got, mv, freed, ok, 7)
+    assert encode_state(got) == encode_state(want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(state=_worker_with_blocks(), data=st.data())
+def test_blocks_committed_folds_the_same_as_its_reference(state, data):
+    """New blocks, blocks already there (with or without a copy on the tier), a block named twice."""
+    from control.fold import _blocks_committed
+
+    blocks = data.draw(st.lists(st.integers(0, 45), max_size=40))
+    keys = data.draw(st.one_of(st.just([]), st.lists(st.text(max_size=3), min_size=len(blocks), max_size=len(blocks))))
+    e = ev.BlocksCommitted(worker=data.draw(st.sampled_from([0, 0, 1])), session=data.draw(st.sampled_from([None, "b"])),
+                           tier=data.draw(st.sampled_from(["device", "host", "disk"])), blocks=blocks, keys=keys,
+                           bytes=len(blocks))
+    want, got = decode_state(encode_state(state)), decode_state(encode_state(state))
+    _blocks_committed_ref(want, e, 7)
+    _blocks_committed(got, e, 7)
+    assert encode_state(got) == encode_state(want)
