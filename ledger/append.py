@@ -1,15 +1,25 @@
 """Appending: encode outside the lock, then number, chain and insert inside it.
 
-    prepare(items)             no lock: payload bytes, type, schema version, audit columns
-    write(cur, dialect, rows)  inside the write transaction (see Dialect.begin_write):
-        1. read the tail (last seq, last hash)
-        2. look up any (producer, epoch, producer_seq) already stored     -> idempotent retries
+    prepare(items)                   no lock: payload bytes, type, schema version, audit columns
+    write(cur, dialect, rows, tail)  inside the write transaction (see Dialect.begin_write):
+        1. the tail (last seq, last hash): remembered from this writer's last commit, else read
+        2. look up any (producer, epoch, producer_seq) already stored     -> idempotent retries;
+           skipped when every triple is beyond what this writer has seen stored
         3. seq = last+1, +2, ... in item order; hash chained from the tail
         4. one executemany (SQLite) or COPY (PostgreSQL) of pre-built tuples
 
 Idempotence: the triple names a fact. A retry of a stored triple (or a repeat inside one batch)
 gets the stored seq back and writes nothing; a retry whose type or payload differs is a
 ``LedgerConflict`` and the whole batch is rolled back. ``envelope.seq`` is ignored on input.
+
+NOTE: what the writer remembers (``Tail``) is a guess the database checks, never a fact it
+trusts. Another writer (a second store, another process, a tool writing plain SQL) may append
+between two of our commits. Then the remembered tail is behind the real one, and the first seq
+we number (remembered + 1) is already stored: the primary key refuses the insert. A triple
+another writer stored, that we did not look up, is refused by the unique index on the triple.
+Either way ``write`` raises ``StaleTail``; the caller rolls back and writes again with the tail
+forgotten, which reads the tail and looks every triple up, as a writer that remembers nothing
+does. Rows are never deleted (triggers), so a tail that is behind always collides.
 """
 from __future__ import annotations
 
@@ -120,13 +130,84 @@ def _chain(prepared: list[Prepared], seq: int, prev: bytes) -> list[tuple]:
     return rows
 
 
-def write(cur, dialect, prepared: list[Prepared]) -> list[int]:
-    """Number, chain and insert ``prepared`` inside the caller's write transaction; returns seqs."""
-    last_seq, prev = read_tail(cur)
+class StaleTail(Exception):
+    """The database refused a batch numbered from the remembered tail, or a triple this writer
+    did not look up: another writer appended meanwhile. Roll back and write again (the tail is
+    forgotten). Never leaves the ledger package."""
+
+
+class Tail:
+    """What one writer remembers of the ledger between its commits (guarded by its write lock).
+
+        seq, hash   the last row after this writer's last commit; seq None: not known, read it
+        high        per (producer, epoch), the highest producer_seq known to be stored
+
+    ``write`` stages what a commit will make true (``staged``); ``committed()`` makes it what is
+    remembered, ``forget()`` (any failure, any rollback) drops the tail. ``high`` is only ever
+    a lower bound of what is stored, so it is kept across failures.
+    """
+
+    MAX_PRODUCERS = 4096      # (producer, epoch) pairs remembered; past that, forget them all (it only costs lookups)
+
+    __slots__ = ("seq", "hash", "high", "staged")
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+        self.hash: bytes = GENESIS
+        self.high: dict[tuple, int] = {}
+        self.staged: tuple | None = None
+
+    def forget(self) -> None:
+        self.seq, self.hash, self.staged = None, GENESIS, None
+
+    def committed(self) -> None:
+        staged, self.staged = self.staged, None
+        if staged is None:
+            return
+        self.seq, self.hash, ranges = staged
+        high = self.high
+        if len(high) + len(ranges) > self.MAX_PRODUCERS:
+            high.clear()
+        for key, (_lo, hi) in ranges.items():
+            if high.get(key, hi) <= hi:
+                high[key] = hi
+
+    def beyond(self, ranges: dict[tuple, list[int]]) -> bool:
+        """Every producer's lowest producer_seq in the batch is above what this writer has seen stored."""
+        high = self.high
+        for key, (lo, _hi) in ranges.items():
+            seen = high.get(key)
+            if seen is not None and lo <= seen:
+                return False
+        return True
+
+
+def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> list[int]:
+    """Number, chain and insert ``prepared`` inside the caller's write transaction; returns seqs.
+
+    ``tail``: the writer's memory (see the module's NOTE). When it knows the tail and every triple
+    is new to it, nothing is read: the batch is numbered from the remembered tail and inserted,
+    and the database's keys are the check (``StaleTail`` if they refuse). Otherwise the tail is
+    read and the triples looked up. Either way ``tail.staged`` holds the new end, for
+    ``tail.committed()`` after the commit.
+    """
     ranges, increasing = _ranges(prepared)
+    if tail is not None and tail.seq is not None and increasing and tail.beyond(ranges):
+        last_seq = tail.seq
+        rows = _chain(prepared, last_seq, tail.hash)
+        try:
+            dialect.insert_events(cur, rows)
+        except dialect.integrity_error as e:
+            raise StaleTail(str(e)) from e
+        tail.staged = (last_seq + len(rows), rows[-1][10], ranges)
+        return list(range(last_seq + 1, last_seq + 1 + len(rows)))
+    last_seq, prev = read_tail(cur)
     stored = _stored(cur, dialect, ranges) if last_seq else {}
     if increasing and not stored:     # the usual case: all new, no repeats
-        dialect.insert_events(cur, _chain(prepared, last_seq, prev))
+        rows = _chain(prepared, last_seq, prev)
+        dialect.insert_events(cur, rows)
+        if tail is not None:
+            tail.staged = (last_seq + len(rows), rows[-1][10], ranges)
         return list(range(last_seq + 1, last_seq + 1 + len(prepared)))
     seqs: list[int] = []
     new: list[Prepared] = []
@@ -145,5 +226,9 @@ def write(cur, dialect, prepared: list[Prepared]) -> list[int]:
         in_batch[key] = (seq, p[4], p[5], p[8])
         seqs.append(seq)
     if new:
-        dialect.insert_events(cur, _chain(new, last_seq, prev))
+        rows = _chain(new, last_seq, prev)
+        dialect.insert_events(cur, rows)
+        last_seq, prev = last_seq + len(rows), rows[-1][10]
+    if tail is not None:
+        tail.staged = (last_seq, prev, ranges)
     return seqs

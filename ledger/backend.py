@@ -3,6 +3,8 @@
 Hot paths (append, read, verify, import) run on the raw DBAPI connection that SQLAlchemy pools
 (``engine.raw_connection()``) with pre-built tuples: per-row SQLAlchemy objects cost more than
 the whole insert. Everything else (schema checks, snapshots, small queries, Alembic) uses Core.
+Appends (and imports) run on one connection each store keeps for writing (``Raw.writing``), not
+on a pool checkout per transaction.
 
 SQLite: WAL, ``busy_timeout``, a larger page cache and mmap are set on every new connection.
 The sqlite3 module's implicit transactions are turned off (``isolation_level=None``) and
@@ -31,6 +33,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
+from ledger.append import Tail
 from ledger.schema import EVENT_COLUMNS
 from ledger.errors import LedgerError, LedgerUnavailable, NotALedger, init_hint, masked, translating
 
@@ -117,6 +120,7 @@ class Dialect:
         self.name = engine.dialect.name
         self.sqlite = self.name == "sqlite"
         self.dbapi_error = engine.dialect.loaded_dbapi.Error
+        self.integrity_error = engine.dialect.loaded_dbapi.IntegrityError   # a key or constraint said no
         self.p = "?" if self.sqlite else "%s"
         cols = ", ".join(EVENT_COLUMNS)
         self._insert_sql = f"INSERT INTO events ({cols}) VALUES ({self.marks(len(EVENT_COLUMNS))})"
@@ -146,6 +150,13 @@ class Dialect:
             cur.execute(sql, params, binary=True)
         return cur.fetchall()
 
+    def set_durability(self, cur, durability: str) -> None:
+        """SQLite: ``PRAGMA synchronous``, a setting of the connection (not of a transaction), so the
+        kept writing connection sets it once per level (``Raw.writing``). PostgreSQL: nothing here;
+        ``begin_write`` sets it for each transaction, in the round trip that takes the lock."""
+        if self.sqlite:
+            cur.execute("PRAGMA synchronous = " + ("FULL" if durability == "full" else "NORMAL"))
+
     def begin_write(self, cur, durability: str) -> None:
         """Start the writing transaction and take the ledger's write lock.
 
@@ -153,11 +164,11 @@ class Dialect:
         inside the transaction that holds it, so seq N+1 can never commit before seq N and a reader
         tailing by seq never skips one. A bare sequence/identity column hands numbers out at insert
         time: a reader can see 5 committed before 4 and skip 4 forever (Marten shipped that bug).
-        SQLite: BEGIN IMMEDIATE takes the database's single write lock up front.
+        SQLite: BEGIN IMMEDIATE takes the database's single write lock up front (``durability`` is
+        the connection's, see ``set_durability``).
         PostgreSQL: EXCLUSIVE blocks other writers of ``events`` but not plain SELECTs.
         """
         if self.sqlite:
-            cur.execute("PRAGMA synchronous = " + ("FULL" if durability == "full" else "NORMAL"))
             cur.execute("BEGIN IMMEDIATE")
         else:
             cur.execute("SET LOCAL synchronous_commit TO " + ("on" if durability == "full" else "off")
@@ -172,17 +183,24 @@ class Raw:
         self.url = url
         self.dialect = Dialect(engine)
         self.memory = is_sqlite_memory(url)
-        # Appends from threads of one process queue here rather than spin on SQLite's busy handler.
-        self.write_lock = threading.Lock() if self.dialect.sqlite else contextlib.nullcontext()
+        # Appends from threads of one process queue here (rather than spin on SQLite's busy handler
+        # or wait on PostgreSQL's table lock): they share the one connection kept for writing.
+        self.write_lock = threading.Lock()
         self._mem_lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self.closed = False
+        # under write_lock: the connection kept for writing, its cursor, the durability it is set to
+        self._kept: tuple | None = None
+        self._kept_durability: str | None = None
+        self.tail = Tail()
 
     def close(self) -> None:
-        """Dispose of the engine. Waits for an in-flight statement on a shared in-memory
-        connection: closing it under a running query would pull the database out from under it."""
-        with self._mem_lock:
+        """Dispose of the engine. Waits for an append in progress, and for an in-flight statement on
+        a shared in-memory connection: closing it under a running query would pull the database out
+        from under it."""
+        with self.write_lock, self._mem_lock:
             if not self.closed:
                 self.closed = True
+                self._drop_kept(invalidate=False)
                 self.engine.dispose()
 
     def check_open(self) -> None:
@@ -221,3 +239,49 @@ class Raw:
                 raise
             finally:
                 conn.close()
+
+    @contextlib.contextmanager
+    def writing(self, doing: str, durability: str) -> Iterator[tuple]:
+        """(dbapi connection, cursor) inside a writing transaction (``Dialect.begin_write``) on the
+        connection this store keeps for its writes; the caller holds ``write_lock`` and commits.
+
+        The connection is opened on first use and kept: no pool checkout and return (a rollback)
+        around every append, and SQLite's ``PRAGMA synchronous`` is issued only when the level
+        changes. Whatever is uncommitted on the way out is rolled back and ``tail`` is forgotten.
+        A connection that failed (anything but a key or constraint saying no) is dropped and the
+        next call opens another; SQLite in memory keeps its one connection (it is the database).
+        """
+        with self._mem_lock, translating(self.url, doing, self.dialect.dbapi_error):
+            self.check_open()          # under the lock: close() may have run while we waited
+            d = self.dialect
+            if self._kept is None:
+                conn = self.engine.raw_connection()
+                self._kept = (conn, conn.cursor())
+                self._kept_durability = None
+            conn, cur = self._kept
+            try:
+                if self._kept_durability != durability:
+                    d.set_durability(cur, durability)
+                    self._kept_durability = durability
+                d.begin_write(cur, durability)
+                yield conn, cur
+            except BaseException as e:
+                self.tail.forget()
+                with contextlib.suppress(Exception):
+                    conn.rollback()
+                if isinstance(e, d.dbapi_error) and not isinstance(e, d.integrity_error):
+                    self._drop_kept(invalidate=not self.memory)
+                raise
+
+    def _drop_kept(self, invalidate: bool) -> None:
+        """Let go of the kept writing connection; ``invalidate``: it is broken, close it for good."""
+        kept, self._kept, self._kept_durability = self._kept, None, None
+        if kept is None:
+            return
+        conn, cur = kept
+        with contextlib.suppress(Exception):
+            cur.close()
+        with contextlib.suppress(Exception):
+            if invalidate:
+                conn.invalidate()
+            conn.close()

@@ -111,8 +111,8 @@ def _row_from_line(lineno: int, line: str, expected_seq: int, prev: bytes) -> tu
 
 def import_jsonl(store: "LedgerStore", fp: IO[str], progress: Callable[[int], None] | None = None) -> int:
     raw, d = store._raw, store._raw.dialect
-    with raw.write_lock, raw.cursor("importing events") as (conn, cur):
-        d.begin_write(cur, "full")
+    with raw.write_lock, raw.writing("importing events", "full") as (conn, cur):
+        raw.tail.forget()            # rows are written here without it
         if _append.read_tail(cur)[0] != 0:
             raise LedgerConflict(f"cannot import into {store.url}: it already holds events (import needs an empty ledger)")
         seq, prev, batch = 0, GENESIS, []

@@ -107,10 +107,21 @@ class LedgerStore:
         if not items:
             return []
         prepared = _append.prepare(items)
-        with self._raw.write_lock, self._raw.cursor("appending events") as (conn, cur):
-            self._d.begin_write(cur, durability)
-            seqs = _append.write(cur, self._d, prepared)
+        raw = self._raw
+        with raw.write_lock:
+            tail = raw.tail
+            try:
+                return self._write(prepared, durability, tail)
+            except _append.StaleTail:        # another writer appended: write again, reading everything
+                tail.forget()
+                return self._write(prepared, durability, tail)
+
+    def _write(self, prepared: list, durability: str, tail: _append.Tail) -> list[int]:
+        """One transaction on the kept writing connection; the caller holds the write lock."""
+        with self._raw.writing("appending events", durability) as (conn, cur):
+            seqs = _append.write(cur, self._d, prepared, tail)
             conn.commit()
+        tail.committed()
         return seqs
 
     # ------------------------------------------------------------------ reading

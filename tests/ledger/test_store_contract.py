@@ -278,3 +278,85 @@ def test_an_error_while_prefetching_reaches_the_reader(ledger_store, rng):
     with pytest.raises(LedgerError, match="is closed"):
         for _ in it:
             pass
+
+
+# ---------------------------------------------------------------------- what the writer remembers
+def _append_elsewhere(store, items) -> list[int]:
+    """Append as another writer does (a second store, another process): the same database, on a
+    connection of its own (SQLite in memory: the one connection), none of this store's memory."""
+    from ledger import append as _append
+
+    raw = store._raw
+    with raw.write_lock, raw.cursor("appending elsewhere") as (conn, cur):
+        raw.dialect.begin_write(cur, "normal")
+        seqs = _append.write(cur, raw.dialect, _append.prepare(items))
+        conn.commit()
+    return seqs
+
+
+def test_rows_another_writer_appended_meanwhile_are_chained_after_never_over(ledger_store, rng):
+    """The store numbers from the tail it remembers; another writer's rows make that tail stale,
+    the database refuses the seq, and the store writes again from the real tail."""
+    ours, theirs = random_items(rng, 30), random_items(rng, 10)
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    assert ledger_store.append(ours[:a]) == list(range(1, a + 1))
+    assert ledger_store.append(ours[a:a + b]) == list(range(a + 1, a + b + 1))     # from the remembered tail
+    k = rng.randint(1, 10)
+    assert _append_elsewhere(ledger_store, theirs[:k]) == list(range(a + b + 1, a + b + k + 1))
+    n = a + b + k
+    assert ledger_store.append(ours[a + b:]) == list(range(n + 1, n + 1 + 30 - a - b))
+    assert ledger_store.append(theirs[k:]) == list(range(n + 31 - a - b, 41))
+    assert [r.event for r in ledger_store.read()] == [e for _, e in ours[:a + b] + theirs[:k] + ours[a + b:] + theirs[k:]]
+    report = ledger_store.verify()
+    assert report.ok and report.num_events == 40
+
+
+def test_a_triple_another_writer_stored_is_still_a_retry_the_store_never_looked_up(ledger_store, rng):
+    """The store skips the lookup for triples beyond what it has seen; the unique index on the
+    triple refuses a repeat it did not know of, and the store answers it as any retry."""
+    theirs = random_items(rng, 3)
+    assert _append_elsewhere(ledger_store, theirs) == [1, 2, 3]
+    ours = random_items(rng, 4)
+    assert ledger_store.append(ours[:2]) == [4, 5]          # the tail is now remembered, and fresh
+    assert ledger_store.append([ours[2], theirs[1], ours[3]]) == [6, 2, 7]
+    env, ev = theirs[2]
+    other = random_event(rng, type(ev).__name__)
+    while other == ev:
+        other = random_event(rng, type(ev).__name__)
+    with pytest.raises(LedgerConflict, match=f"producer_seq {env.producer_seq} is already seq 3"):
+        ledger_store.append([(env, other)])
+    assert ledger_store.append(random_items(rng, 1)) == [8]    # a refused batch leaves no hole
+    report = ledger_store.verify()
+    assert report.ok and report.num_events == 8
+
+
+def test_a_conflicting_batch_leaves_the_next_append_gapless(ledger_store, rng):
+    items = random_items(rng, 6)
+    assert ledger_store.append(items[:4]) == [1, 2, 3, 4]
+    env, ev = items[1]
+    with pytest.raises(LedgerConflict):
+        ledger_store.append([items[4], (env, random_event(rng, "ServerStopped" if type(ev).__name__ != "ServerStopped"
+                                                            else "StateCheckpoint"))])
+    assert ledger_store.append(items[4:]) == [5, 6]
+    assert ledger_store.verify().ok
+
+
+@pytest.mark.postgres
+def test_a_lost_writing_connection_costs_one_append_not_the_store(pg_schema_url, pg_admin, rng):
+    """The store keeps one connection for its writes: when the server drops it, that append fails
+    (LedgerError, nothing written) and the next one opens a fresh connection."""
+    from sqlalchemy import text
+
+    from ledger import LedgerError
+
+    with LedgerStore.open(pg_schema_url, create=True) as store:
+        items = random_items(rng, 9)
+        assert store.append(items[:3]) == [1, 2, 3]
+        pid = store._raw._kept[0].dbapi_connection.info.backend_pid
+        with pg_admin.connect() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar_one()
+        with pytest.raises(LedgerError):
+            store.append(items[3:6])
+        assert store.append(items[3:]) == [4, 5, 6, 7, 8, 9]
+        report = store.verify()
+        assert report.ok and report.num_events == 9
