@@ -53,7 +53,7 @@ class Copier:
     everything queued so far has landed (use it to order checksums after the copy).
     """
 
-    def __init__(self, ctx, direction: str, src_words, src_slots, dst_words, dst_slots):
+    def __init__(self, ctx, direction: str, src_words, src_slots, dst_words, dst_slots, mode: str | None = None):
         self.ctx = ctx
         self.direction = direction
         s = ctx.streams
@@ -61,7 +61,7 @@ class Copier:
         self.stage = s.stage_d2h if direction == "d2h" else s.stage_h2d
         self.src_words, self.dst_words = src_words, dst_words
         self.src_slots, self.dst_slots = list(src_slots), list(dst_slots)
-        self.mode = ctx.copy_modes[direction]
+        self.mode = mode or ctx.copy_modes[direction]
         self.dev_idx = None
         if self.mode == "kernel":
             self.dev_idx = ctx.indexes[direction].upload(self.stream, self.src_slots, self.dst_slots)

@@ -1,7 +1,7 @@
 """Moves between the device pool and the pinned host pool: spill/evict/park out, restore in.
 
 Both directions start the link first: a move claims its destination slots (a slice off the
-free list), copies a first chunk of half a pipelined chunk's blocks into them, and only then
+free list), copies a first chunk into them by plain DMAs (no index upload, no kernel launch), and only then
 writes its per-block maps, uploads its full slot indices and queues its checksums, while those
 first bytes cross (the time from command to the first byte on the link is most of a move's
 overhead: ~0.3 ms of validation, then this).
@@ -35,10 +35,10 @@ from dataplane.pools.errors import ChecksumMismatch
 
 
 def first_chunk_blocks(ctx, n: int) -> int:
-    """Blocks of a move's first chunk: half a pipelined chunk, so its gather (or scatter) is short
-    and its copy starts soon, yet crosses long enough (~1.2 ms for 32 blocks of 2 MiB) to hide
-    the rest of the move's bookkeeping."""
-    return min(n, max(1, ctx.pipeline_blocks // 2))
+    """Blocks of a move's first chunk, copied by plain DMAs the moment its slots are claimed: one
+    pipelined chunk (64 blocks of 2 MiB cross in ~2.4 ms), long enough to hide the rest of the
+    move's bookkeeping behind it."""
+    return min(n, max(1, ctx.pipeline_blocks))
 
 
 # Chunks a move enqueues inside begin(); the rest wait in ``pending`` for Engine.pump / finish.
@@ -59,7 +59,9 @@ class SpillToHost(InFlight):
         self.mark("reserved")
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
-        Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0]).enqueue(0, n0)
+        # By plain DMAs (one per 2 MiB block): no index upload and no kernel launch before the link starts.
+        Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0],
+               mode="dma").enqueue(0, n0)
         self.mark("first_chunk")
         c.host.table.record_reserved(ids, self.claimed)
         self.hslots, self.claimed = self.claimed, None
@@ -71,16 +73,23 @@ class SpillToHost(InFlight):
         c = self.ctx
         copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
-        # The checksums read the device source (which stays put until commit) beside the copies.
-        self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
-        self.hasher.enqueue(0, n)
-        self.hashed = self.hasher.done()
         self.nearly = copier.done()
         for lo in range(n0, n, step):
             self.nearly = copier.done()          # the link is busy with the chunks before this one
             copier.enqueue(lo, min(n, lo + step))
+            if lo == n0:
+                self._hash()                     # once the link has its second chunk
             yield
+        if n0 >= n:
+            self._hash()
         self.copied = copier.done(spin=True)
+
+    def _hash(self) -> None:
+        # The checksums read the device source (which stays put until commit) beside the copies.
+        c = self.ctx
+        self.hasher = Hasher(c, c.device.words, self.dslots, self.ids)
+        self.hasher.enqueue(0, len(self.ids))
+        self.hashed = self.hasher.done()
 
     def finish(self):
         c = self.ctx
@@ -141,7 +150,8 @@ class RestoreFromHost(InFlight):
         # NOTE: the claimed slots may have been freed while kernels queued on the compute stream
         # still read their old contents; the copy must not overwrite them before those finish.
         self.after_compute(s.h2d, s.stage_h2d)
-        first = Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0])
+        # By plain DMAs (host runs coalesced): no index upload and no kernel launch before the link starts.
+        first = Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0], mode="dma")
         first.enqueue(0, n0)
         first_done = first.done()
         self.mark("first_chunk")
@@ -162,15 +172,23 @@ class RestoreFromHost(InFlight):
     def _chunks(self, src_slots, dst_slots, n0: int, first_done):
         c = self.ctx
         copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
-        self.hasher = Hasher(c, c.device.words, dst_slots, self.order_ids)
-        self.hasher.enqueue(0, n0, after=first_done)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
+        self.hasher = None
         for lo in range(n0, n, step):
             hi = min(n, lo + step)
             copier.enqueue(lo, hi)
-            self.hasher.enqueue(lo, hi, after=copier.done())
+            done = copier.done()
+            if self.hasher is None:              # once the link has its second chunk
+                self._start_hash(dst_slots, n0, first_done)
+            self.hasher.enqueue(lo, hi, after=done)
             yield
+        if self.hasher is None:
+            self._start_hash(dst_slots, n0, first_done)
         self.hashed = self.hasher.done()
+
+    def _start_hash(self, dst_slots, n0: int, first_done) -> None:
+        self.hasher = Hasher(self.ctx, self.ctx.device.words, dst_slots, self.order_ids)
+        self.hasher.enqueue(0, n0, after=first_done)
 
     def finish(self):
         c, s = self.ctx, self.ctx.streams

@@ -10,8 +10,8 @@ from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, 
 
 @pytest.fixture
 def chunky(tmp_path, engine_device):
-    # 3 blocks per chunk: a 10-block move is a first chunk of 1 block (half a chunk, the link
-    # starts at once), then chunks of 3, 3, 3: submit enqueues the first and two more, 1 is left.
+    # 3 blocks per chunk: a 10-block move is a first chunk of 3 blocks (by plain DMAs, the link
+    # starts at once), then chunks of 3, 3, 1: submit enqueues the first and two more, 1 is left.
     e = make_engine(tmp_path / "disk", device=engine_device, device_blocks=24, host_blocks=24, pipeline_blocks=3)
     yield e
     e.check_integrity()
