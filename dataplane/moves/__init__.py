@@ -10,7 +10,7 @@
 """
 from dataplane.moves.base import Hasher, InFlight, MoveContext
 from dataplane.moves.copy import COPY_MODES, Copier, coalesce
-from dataplane.moves.device_host import RestoreFromHost, SpillToHost
+from dataplane.moves.device_host import PRIME_CHUNKS, RestoreFromHost, SpillToHost
 from dataplane.moves.disk_routes import Demote, Promote, RestoreFromDisk, SpillToDisk
 from dataplane.moves.indexes import IndexUploader, SumsLanding
 from dataplane.moves.plan import FREES_SOURCE, ROUTES, MovePlan, validate
@@ -22,7 +22,7 @@ EXECUTORS: dict[tuple[str, str], type[InFlight]] = {
 }
 
 __all__ = [
-    "EXECUTORS", "ROUTES", "FREES_SOURCE", "COPY_MODES", "MovePlan", "validate", "MoveContext",
+    "EXECUTORS", "PRIME_CHUNKS", "ROUTES", "FREES_SOURCE", "COPY_MODES", "MovePlan", "validate", "MoveContext",
     "InFlight", "Hasher", "Copier", "coalesce", "IndexUploader", "SumsLanding", "StagingRing", "DeviceStaging", "CopyStreams", "Done",
     "SpillToHost", "RestoreFromHost", "SpillToDisk", "RestoreFromDisk", "Demote", "Promote",
 ]

@@ -79,6 +79,16 @@ class InFlight:
     def begin(self) -> None:
         """Enqueue work. May raise; the engine then calls abort()."""
 
+    def start(self) -> None:
+        """The part of begin that gets the link going; ``prepare`` does the rest. Routes that can
+        (device<->host) claim their slots and enqueue a first chunk here, so moves submitted
+        together (``Engine.submit_many``) all reach the link before any of them does its
+        bookkeeping. By default the whole of begin."""
+        self.begin()
+
+    def prepare(self, prime: int) -> None:
+        """The rest of begin after ``start``, enqueuing at most ``prime`` more chunks."""
+
     def finish(self) -> MoveAcked | MoveFailed:
         raise NotImplementedError
 

@@ -46,10 +46,18 @@ def first_chunk_blocks(ctx, n: int) -> int:
 PRIME_CHUNKS = 2
 
 
-class SpillToHost(InFlight):
-    route = ("device", "host")
+class _LinkFirst(InFlight):
+    """begin = start (claim slots, first chunk by plain DMAs) + prepare (maps, indices, chunks)."""
 
     def begin(self) -> None:
+        self.start()
+        self.prepare(PRIME_CHUNKS)
+
+
+class SpillToHost(_LinkFirst):
+    route = ("device", "host")
+
+    def start(self) -> None:
         c, s = self.ctx, self.ctx.streams
         ids = self.ids
         # The link starts first: half a chunk's blocks are copied into claimed host slots before
@@ -62,12 +70,16 @@ class SpillToHost(InFlight):
         # By plain DMAs (one per 2 MiB block): no index upload and no kernel launch before the link starts.
         Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0],
                mode="dma").enqueue(0, n0)
+        self.n0 = n0
         self.mark("first_chunk")
+
+    def prepare(self, prime: int) -> None:
+        c, ids = self.ctx, self.ids
         c.host.table.record_reserved(ids, self.claimed)
         self.hslots, self.claimed = self.claimed, None
         self.dslots = c.device.slots_of(ids)
-        self.pending = self._chunks(n0)
-        self.advance(PRIME_CHUNKS)
+        self.pending = self._chunks(self.n0)
+        self.advance(prime)
 
     def _chunks(self, n0: int):
         c = self.ctx
@@ -133,10 +145,10 @@ class SpillToHost(InFlight):
             self.hslots = None
 
 
-class RestoreFromHost(InFlight):
+class RestoreFromHost(_LinkFirst):
     route = ("host", "device")
 
-    def begin(self) -> None:
+    def start(self) -> None:
         c, s = self.ctx, self.ctx.streams
         ids = self.ids
         hslots = c.host.slots_of(ids)
@@ -153,19 +165,22 @@ class RestoreFromHost(InFlight):
         # By plain DMAs (host runs coalesced): no index upload and no kernel launch before the link starts.
         first = Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0], mode="dma")
         first.enqueue(0, n0)
-        first_done = first.done()
+        self.first_done = first.done()
         self.mark("first_chunk")
+        self.n0, self.order, self.src, self.hsrc = n0, order, src, hslots
+
+    def prepare(self, prime: int) -> None:
         # The rest of the bookkeeping runs while the first chunk crosses.
+        c, ids, order = self.ctx, self.ids, self.order
         self.order_ids = list(map(ids.__getitem__, order))
         c.device.table.record_reserved(self.order_ids, self.claimed)
         self.dslots, self.claimed = self.claimed, None       # walk order
-        self.hsrc = hslots
         back = [0] * len(order)                  # command position -> position in walk order
         for k, i in enumerate(order):
             back[i] = k
         self.back = back
-        self.pending = self._chunks(src, self.dslots, n0, first_done)
-        self.advance(PRIME_CHUNKS)
+        self.pending = self._chunks(self.src, self.dslots, self.n0, self.first_done)
+        self.advance(prime)
         self.expected = c.host.checksums_of(ids)
         self.expected_walk = list(map(self.expected.__getitem__, order))
 

@@ -43,6 +43,63 @@ def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(ch
         assert torch.equal(words_of(e, "device", blk), data[blk]) and not e.host_pool.has(blk)
 
 
+def test_moves_submitted_together_all_reach_the_link_before_any_second_chunk(chunky, monkeypatch):
+    e = chunky
+    out_ids, in_ids = list(range(10)), list(range(10, 20))
+    data = commit(e, "device", out_ids + in_ids)
+    assert isinstance(e.execute(move("evict", "device", "host", in_ids)), MoveAcked)
+    real, log = copy_mod.Copier.enqueue, []
+    monkeypatch.setattr(copy_mod.Copier, "enqueue", lambda self, lo, hi: (log.append(self.direction), real(self, lo, hi)))
+    t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids[::-1]),
+                                 move("restore", "host", "device", in_ids[3:] + in_ids[:3])])
+    assert log == ["d2h", "h2d"] * 3, "both first chunks, then two more of each in turn"
+    a, b = e.wait(t_in), e.wait(t_out)
+    assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
+    for blk in out_ids:
+        assert torch.equal(words_of(e, "host", blk), data[blk]) and not e.device_pool.has(blk)
+    for blk in in_ids:
+        assert torch.equal(words_of(e, "device", blk), data[blk]) and not e.host_pool.has(blk)
+
+
+def test_submit_many_refuses_a_move_that_collides_with_an_earlier_one_and_lands_the_rest(chunky):
+    e = chunky
+    ids = list(range(10))
+    data = commit(e, "device", ids)
+    first, clash = move("evict", "device", "host", ids[:6]), move("evict", "device", "disk", ids[4:])
+    t1, t2 = e.submit_many([first, clash])
+    refused = e.wait(t2)
+    assert type(refused).__name__ == "MoveRejected" and refused.blocks == [4, 5], refused
+    assert "busy" in refused.reason and first.move_id in refused.reason, refused
+    assert isinstance(e.wait(t1), MoveAcked)
+    for blk in ids[:6]:
+        assert torch.equal(words_of(e, "host", blk), data[blk])
+    assert all(e.device_pool.has(b) for b in ids[6:])
+
+
+def test_a_move_whose_start_raises_in_submit_many_fails_alone(chunky, monkeypatch):
+    import dataplane.moves.device_host as dh
+
+    e = chunky
+    ids = list(range(10))
+    data = commit(e, "device", ids)
+    assert isinstance(e.execute(move("evict", "device", "host", ids[5:])), MoveAcked)
+    before_host = {b: words_of(e, "host", b).clone() for b in ids[5:]}
+    real = dh.SpillToHost.start
+
+    def start(self):
+        real(self)
+        raise RuntimeError("link went away")
+
+    monkeypatch.setattr(dh.SpillToHost, "start", start)
+    t_out, t_in = e.submit_many([move("evict", "device", "host", ids[:5]), move("restore", "host", "device", ids[5:])])
+    out = e.wait(t_out)
+    assert isinstance(out, MoveFailed) and "link went away" in out.error, out
+    assert all(e.device_pool.has(b) and not e.host_pool.holds(b) for b in ids[:5])
+    assert isinstance(e.wait(t_in), MoveAcked)
+    for b in ids[5:]:
+        assert torch.equal(words_of(e, "device", b), before_host[b]) and torch.equal(before_host[b], data[b])
+
+
 def test_a_chunk_that_raises_half_way_fails_the_move_and_changes_nothing(chunky, monkeypatch):
     e = chunky
     commit(e, "device", list(range(10)))

@@ -1,0 +1,305 @@
+"""Why "both at once" (a spill and a restore together) stays below the bidirectional ceiling.
+
+bench/moves.py measures it (1.61x one direction on the H200, 90.5% of the bidirectional ceiling)
+and its bidir_probe showed that even the bare staged copy path, without any bookkeeping, gets only
+~88% both ways while plain copies get ~98%. This probe takes that apart on the same engine and
+blocks (1024 scattered 2 MiB blocks each way), aggregate GB/s, median of --reps, rounds interleaved:
+
+    copy paths   plain copies on the engine's / default-priority streams, the host pool as the
+                 host side, staged in one direction only, staged both ways with staging buffers of
+                 16..128 blocks, staged both ways with chunks interleaved, with default-priority streams
+    host         cProfile of Engine.submit for a 2 GiB spill and restore: where begin's host time goes
+    both         the engine's spill+restore wall, and when each move's first chunk was enqueued
+
+    python3 bench/moves_probe.py [--out probe.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import moves as mb  # noqa: E402  (bench/moves.py: the same engine set-up)
+from dataplane.moves import Copier, DeviceStaging  # noqa: E402
+from dataplane.moves.copy import coalesce  # noqa: E402
+
+GB = 1e9
+
+
+def _args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--pipeline-blocks", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    p.add_argument("--sections", default="both,dma_issue,copy_paths,host")
+    a = p.parse_args(argv)
+    a.layers, a.page_tokens, a.kv_heads, a.head_dim = 32, 16, 8, 128
+    a.latency_iters, a.chunk_blocks, a.matmuls, a.seed, a.cpu, a.quick = 1, 128, 1, 1, False, False
+    return a
+
+
+@contextlib.contextmanager
+def swapped(obj, **attrs):
+    old = {k: getattr(obj, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
+
+
+def copy_paths(b: mb.Bench, reps: int) -> dict:
+    e, d = b.e, b.dev
+    ctx, dp, hp, s = e.ctx, e.device_pool, e.host_pool, e.ctx.streams
+    n = b.n
+    b.run(b.mv("evict", "device", "host", b.A))             # A on the host, B on the device
+    b_dev = dp.slots_of(b.B)
+    free_host = sorted(hp.table._free)[:n]
+    a_host = sorted(hp.slots_of(b.A))
+    free_dev = sorted(dp.table._free)[:n]
+    h_a, h_b = b.h_a.tensor, b.h_b.tensor
+    runs = {"free_host_runs": len(coalesce(free_host, free_host)), "a_host_runs": len(coalesce(a_host, a_host)),
+            "b_dev_runs": len(coalesce(b_dev, b_dev)), "free_dev_runs": len(coalesce(free_dev, free_dev))}
+
+    def plain_out():
+        with torch.cuda.stream(s.d2h):
+            h_b.copy_(b.d_a, non_blocking=True)
+
+    def plain_in():
+        with torch.cuda.stream(s.h2d):
+            b.d_b.copy_(h_a, non_blocking=True)
+
+    def pool_out():                      # into the host pool's free slots, in their runs
+        with torch.cuda.stream(s.d2h):
+            for a, c, k in coalesce(list(range(n)), free_host):
+                hp.words[c:c + k].copy_(b.d_a[a:a + k], non_blocking=True)
+
+    def pool_in():                       # out of A's host rows, in their runs
+        with torch.cuda.stream(s.h2d):
+            for a, c, k in coalesce(a_host, list(range(n))):
+                b.d_b[c:c + k].copy_(hp.words[a:a + k], non_blocking=True)
+
+    def staged_out():
+        return Copier(ctx, "d2h", dp.words, b_dev, hp.words, free_host, mode="staged")
+
+    def staged_in():
+        return Copier(ctx, "h2d", hp.words, a_host, dp.words, free_dev, mode="staged")
+
+    def whole(*parts):
+        def go():
+            cs = [p() for p in parts]
+            for c in cs:
+                if c is not None:
+                    c.enqueue(0, n)
+            for c in cs:
+                if c is not None:
+                    c.done().synchronize()
+        return go
+
+    def interleaved():
+        o, i = staged_out(), staged_in()
+        step = ctx.staging.rows
+        for lo in range(0, n, step):
+            o.enqueue(lo, min(n, lo + step))
+            i.enqueue(lo, min(n, lo + step))
+        o.done().synchronize()
+        i.done().synchronize()
+
+    def with_staging(rows, fn):
+        def go():
+            with swapped(ctx, staging=stagings[rows]):
+                fn()
+        return go
+
+    def default_prio(fn):
+        def go():
+            with swapped(s, **plain_streams):
+                fn()
+        return go
+
+    plain_streams = {k: torch.cuda.Stream(d) for k in ("d2h", "h2d", "stage_d2h", "stage_h2d")}
+    stagings = {r: DeviceStaging(b.layout, r, d) for r in (16, 32, 128)}
+    variants = {
+        "plain_engine_streams": whole(plain_out, plain_in),
+        "plain_default_prio": default_prio(whole(plain_out, plain_in)),
+        "host_pool_plain": whole(pool_out, pool_in),
+        "staged_out_plain_in": whole(staged_out, plain_in),
+        "plain_out_staged_in": whole(plain_out, staged_in),
+        "staged_both_64": whole(staged_out, staged_in),
+        "staged_both_64_interleaved": interleaved,
+        "staged_both_64_default_prio": default_prio(whole(staged_out, staged_in)),
+        "staged_both_16": with_staging(16, whole(staged_out, staged_in)),
+        "staged_both_32": with_staging(32, whole(staged_out, staged_in)),
+        "staged_both_128": with_staging(128, whole(staged_out, staged_in)),
+        "staged_out_only": whole(staged_out),
+        "staged_in_only": whole(staged_in),
+    }
+    one_way = {"staged_out_only", "staged_in_only"}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    try:
+        for fn in variants.values():      # warm every path once (allocations, compiles)
+            mb.timed(d, fn)
+        for _ in range(reps):
+            for k, fn in variants.items():
+                times[k].append(mb.timed(d, fn))
+    finally:
+        b.run(b.mv("restore", "host", "device", b.A))
+    out = {k: (1 if k in one_way else 2) * b.bytes / statistics.median(v) / GB for k, v in times.items()}
+    return {"GBps": out, "runs": runs}
+
+
+def host_profile(b: mb.Bench) -> dict:
+    """cProfile of one submit (begin) of a 2 GiB spill and of a 2 GiB restore."""
+    e = b.e
+    out = {}
+    for label, mk in (("spill", lambda: b.mv("evict", "device", "host", b.A)),
+                      ("restore", lambda: b.mv("restore", "host", "device", b.A))):
+        cmd = mk()
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        t0 = time.perf_counter_ns()
+        pr.enable()
+        t = e.submit(cmd)
+        pr.disable()
+        t1 = time.perf_counter_ns()
+        ack = e.wait(t)
+        assert ack.__class__.__name__ == "MoveAcked", ack
+        buf = io.StringIO()
+        st = pstats.Stats(pr, stream=buf)
+        st.sort_stats("tottime").print_stats(22)
+        st.sort_stats("cumulative").print_stats(30)
+        out[label] = {"submit_us_profiled": (t1 - t0) / 1e3, "phases_us": mb.phases(e.last_phases),
+                      "profile": buf.getvalue()}
+        print(f"--- submit {label}: {(t1 - t0) / 1e3:.0f} us profiled")
+        print(buf.getvalue()[:6000])
+    return out
+
+
+def both(b: mb.Bench, reps: int) -> dict:
+    """The engine's spill+restore, submitted one after the other and through submit_many."""
+    e = b.e
+    res = {}
+    for how in ("sequential", "submit_many", "sequential", "submit_many"):
+        walls, marks = [], []
+        for _ in range(reps):
+            b.run(b.mv("evict", "device", "host", b.A))
+            torch.cuda.synchronize()
+            out_cmd, in_cmd = b.mv("evict", "device", "host", b.B), b.mv("restore", "host", "device", b.A)
+            t0 = time.perf_counter_ns()
+            if how == "sequential":
+                t_out = e.submit(out_cmd)
+                t_in = e.submit(in_cmd)
+            else:
+                t_out, t_in = e.submit_many([out_cmd, in_cmd])
+            po = dict(e._inflight[out_cmd.move_id].phases)
+            pi = dict(e._inflight[in_cmd.move_id].phases)
+            e.wait(t_in), e.wait(t_out)
+            walls.append((time.perf_counter_ns() - t0) / 1e9)
+            marks.append({f"spill.{k}": (v - t0) / 1e3 for k, v in po.items()}
+                         | {f"restore.{k}": (v - t0) / 1e3 for k, v in pi.items()})
+            b.run(b.mv("restore", "host", "device", b.B))
+        med = {k: statistics.median(m[k] for m in marks) for k in marks[0]}
+        r = res.setdefault(how, {"GBps": [], "walls_ms": [], "marks_us_median": med})
+        r["GBps"].append(2 * b.bytes / statistics.median(walls) / GB)
+        r["walls_ms"] += [1e3 * w for w in walls]
+    return res
+
+
+def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
+    """Host µs to enqueue 64 scattered 2 MiB device->host DMAs: torch ``copy_`` on slices against
+    the driver's cuMemcpyAsync through ctypes (UVA pointers); the bytes of both are compared."""
+    import ctypes
+
+    e = b.e
+    dp, hp, s = e.device_pool, e.host_pool, e.ctx.streams
+    lib = ctypes.CDLL("libcuda.so.1")
+    memcpy = lib.cuMemcpyAsync
+    memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    memcpy.restype = ctypes.c_int
+    bb = b.layout.block_bytes
+    src_slots = dp.slots_of(b.B[:64])
+    h = b.h_b.tensor
+    out: dict = {"torch_us": [], "ctypes_us": []}
+    dbase, hbase, stream = dp.words.data_ptr(), h.data_ptr(), s.d2h.cuda_stream
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        with torch.cuda.stream(s.d2h):
+            for k, sl in enumerate(src_slots):
+                h[k:k + 1].copy_(dp.words[sl:sl + 1], non_blocking=True)
+        out["torch_us"].append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+        ref = h[:64].clone()
+        h[:64].zero_()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for k, sl in enumerate(src_slots):
+            rc = memcpy(hbase + k * bb, dbase + sl * bb, bb, stream)
+            if rc:
+                raise RuntimeError(f"cuMemcpyAsync returned {rc}")
+        out["ctypes_us"].append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+        out["same_bytes"] = bool(torch.equal(ref, h[:64]))
+    out["torch_us_median"] = statistics.median(out["torch_us"])
+    out["ctypes_us_median"] = statistics.median(out["ctypes_us"])
+    return out
+
+
+def main(argv=None) -> int:
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    args = _args(argv)
+    if not torch.cuda.is_available():
+        print("moves_probe: needs a GPU")
+        return 2
+    b = mb.Bench(args)
+    res: dict = {"bench": "moves_probe", "date": time.strftime("%Y-%m-%d"), "git_commit": mb.git_commit(),
+                 "device": mb.device_name(b.dev), "pipeline_blocks": args.pipeline_blocks, "errors": {}}
+    try:
+        b.e.ctx.copy_modes.update(d2h="staged", h2d="staged")
+        for _ in range(2):
+            b.run(b.mv("evict", "device", "host", b.A))
+            b.run(b.mv("restore", "host", "device", b.A))
+        b.ceiling()
+        res.update({k: v for k, v in b.res.items() if k.startswith("ceiling")})
+        import gc
+
+        gc.collect()
+        gc.freeze()                                          # as bench/moves.py does
+        sections = {"both": lambda: both(b, args.reps), "dma_issue": lambda: dma_issue_cost(b, args.reps),
+                    "copy_paths": lambda: copy_paths(b, args.reps), "host": lambda: host_profile(b)}
+        for name in args.sections.split(","):
+            fn = sections[name]
+            try:
+                res[name] = fn()
+                if name != "host":
+                    print(name, json.dumps(res[name], indent=1))
+            except Exception as ex:  # noqa: BLE001 - keep the other sections
+                res["errors"][name] = repr(ex)
+                print(f"section {name} failed: {ex!r}", file=sys.stderr)
+    finally:
+        b.close()
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
