@@ -206,7 +206,6 @@ class Bench:
         else:
             src, src_slots = hp.words, sorted(hp.slots_of(self.A))
             dst, dst_slots = dp.words, sorted(dp.table._free)[: len(self.A)]
-        stream = ctx.streams.d2h if direction == "d2h" else ctx.streams.h2d
 
         def go():
             copier = Copier(ctx, direction, src, src_slots, dst, dst_slots)
@@ -543,6 +542,22 @@ def git_commit() -> str | None:
                                        cwd=os.path.dirname(os.path.abspath(__file__))).strip()
     except Exception:  # noqa: BLE001 - the device machine may have no git metadata
         return os.environ.get("GIT_COMMIT")
+
+
+def gpu_bench(name: str, args, why: str = "") -> tuple[Bench, dict] | None:
+    """What the GPU-only benches (moves_trace, moves_probe) share: warnings-only logs, the GPU
+    check, this bench's engine and blocks, and the JSON header. None (after saying why) without a GPU."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a GPU{why}")
+        return None
+    b = Bench(args)
+    return b, {"bench": name, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(),
+               "device": device_name(b.dev), "pipeline_blocks": args.pipeline_blocks}
 
 
 def device_name(dev) -> str:

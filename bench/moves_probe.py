@@ -225,7 +225,7 @@ def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
     import ctypes
 
     e = b.e
-    dp, hp, s = e.device_pool, e.host_pool, e.ctx.streams
+    dp, s = e.device_pool, e.ctx.streams
     lib = ctypes.CDLL("libcuda.so.1")
     memcpy = lib.cuMemcpyAsync
     memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
@@ -260,18 +260,12 @@ def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    import logging
-
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     args = _args(argv)
-    if not torch.cuda.is_available():
-        print("moves_probe: needs a GPU")
+    got = mb.gpu_bench("moves_probe", args)
+    if got is None:
         return 2
-    b = mb.Bench(args)
-    res: dict = {"bench": "moves_probe", "date": time.strftime("%Y-%m-%d"), "git_commit": mb.git_commit(),
-                 "device": mb.device_name(b.dev), "pipeline_blocks": args.pipeline_blocks, "errors": {}}
+    b, res = got
+    res["errors"] = {}
     try:
         b.e.ctx.copy_modes.update(d2h="staged", h2d="staged")
         for _ in range(2):

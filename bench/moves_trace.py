@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,18 +83,12 @@ def _summary(prof, label: str) -> dict:
 
 
 def main(argv=None) -> int:
-    import logging
-
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     args = _args(argv)
-    if not torch.cuda.is_available():
-        print("moves_trace: needs a GPU (the device's clock is the point)")
+    got = mb.gpu_bench("moves_trace", args, " (the device's clock is the point)")
+    if got is None:
         return 2
-    b = mb.Bench(args)
-    res: dict = {"bench": "moves_trace", "date": time.strftime("%Y-%m-%d"), "git_commit": mb.git_commit(),
-                 "device": mb.device_name(b.dev), "pipeline_blocks": args.pipeline_blocks, "moves": {}}
+    b, res = got
+    res["moves"] = {}
     try:
         e = b.e
         e.ctx.copy_modes.update(d2h="staged", h2d="staged")

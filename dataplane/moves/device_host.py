@@ -60,8 +60,8 @@ class SpillToHost(_LinkFirst):
     def start(self) -> None:
         c, s = self.ctx, self.ctx.streams
         ids = self.ids
-        # The link starts first: half a chunk's blocks are copied into claimed host slots before
-        # any other bookkeeping, which then runs while those bytes cross.
+        # The link starts first: the first chunk's blocks are copied into claimed host slots
+        # before any other bookkeeping, which then runs (prepare) while those bytes cross.
         n0 = first_chunk_blocks(c, len(ids))
         self.claimed = c.host.table.claim(len(ids))
         self.mark("reserved")

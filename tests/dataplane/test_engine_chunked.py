@@ -18,15 +18,32 @@ def chunky(tmp_path, engine_device):
     e.close()
 
 
-def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(chunky, monkeypatch):
-    e = chunky
-    out_ids, in_ids = list(range(10)), list(range(10, 20))
-    data = commit(e, "device", out_ids + in_ids)
-    assert isinstance(e.execute(move("evict", "device", "host", in_ids)), MoveAcked)
+OUT_IDS, IN_IDS = list(range(10)), list(range(10, 20))
+
+
+def _spill_and_restore(e, monkeypatch):
+    """OUT_IDS on the device, IN_IDS on the host; returns their bytes, the log of chunk enqueues
+    (direction per Copier.enqueue) and the two commands (scattered orders on both sides)."""
+    data = commit(e, "device", OUT_IDS + IN_IDS)
+    assert isinstance(e.execute(move("evict", "device", "host", IN_IDS)), MoveAcked)
     real, log = copy_mod.Copier.enqueue, []
     monkeypatch.setattr(copy_mod.Copier, "enqueue", lambda self, lo, hi: (log.append(self.direction), real(self, lo, hi)))
-    t_out = e.submit(move("evict", "device", "host", out_ids[::-1]))
-    t_in = e.submit(move("restore", "host", "device", in_ids[3:] + in_ids[:3]))
+    return data, log, (move("evict", "device", "host", OUT_IDS[::-1]),
+                       move("restore", "host", "device", IN_IDS[3:] + IN_IDS[:3]))
+
+
+def _landed_intact(e, data):
+    for blk in OUT_IDS:
+        assert torch.equal(words_of(e, "host", blk), data[blk]) and not e.device_pool.has(blk)
+    for blk in IN_IDS:
+        assert torch.equal(words_of(e, "device", blk), data[blk]) and not e.host_pool.has(blk)
+
+
+def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(chunky, monkeypatch):
+    e = chunky
+    data, log, (out_cmd, in_cmd) = _spill_and_restore(e, monkeypatch)
+    t_out = e.submit(out_cmd)
+    t_in = e.submit(in_cmd)
     moves = {m.cmd.move_id: m for m in e._inflight.values()}
     assert log == ["d2h"] * 3 + ["h2d"] * 3, "submit enqueues the first chunk and two more"
     assert all(m.pending is not None for m in moves.values())
@@ -37,28 +54,17 @@ def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(ch
     b = e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
     assert all(m.pending is None for m in moves.values())
-    for blk in out_ids:
-        assert torch.equal(words_of(e, "host", blk), data[blk]) and not e.device_pool.has(blk)
-    for blk in in_ids:
-        assert torch.equal(words_of(e, "device", blk), data[blk]) and not e.host_pool.has(blk)
+    _landed_intact(e, data)
 
 
 def test_moves_submitted_together_all_reach_the_link_before_any_second_chunk(chunky, monkeypatch):
     e = chunky
-    out_ids, in_ids = list(range(10)), list(range(10, 20))
-    data = commit(e, "device", out_ids + in_ids)
-    assert isinstance(e.execute(move("evict", "device", "host", in_ids)), MoveAcked)
-    real, log = copy_mod.Copier.enqueue, []
-    monkeypatch.setattr(copy_mod.Copier, "enqueue", lambda self, lo, hi: (log.append(self.direction), real(self, lo, hi)))
-    t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids[::-1]),
-                                 move("restore", "host", "device", in_ids[3:] + in_ids[:3])])
+    data, log, cmds = _spill_and_restore(e, monkeypatch)
+    t_out, t_in = e.submit_many(cmds)
     assert log == ["d2h", "h2d"] * 3, "both first chunks, then two more of each in turn"
     a, b = e.wait(t_in), e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
-    for blk in out_ids:
-        assert torch.equal(words_of(e, "host", blk), data[blk]) and not e.device_pool.has(blk)
-    for blk in in_ids:
-        assert torch.equal(words_of(e, "device", blk), data[blk]) and not e.host_pool.has(blk)
+    _landed_intact(e, data)
 
 
 def test_submit_many_refuses_a_move_that_collides_with_an_earlier_one_and_lands_the_rest(chunky):
