@@ -4,6 +4,8 @@
     Hello (same incarnation) ─► adopted after a control restart (no event), asked again
     silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
     a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
+    Hello.lane (the worker's engine lane) ─► the engine's commands wait for the lane's LaneHello,
+                   then go to the lane; Ping, QueryMoves and Shutdown always go to the Hello socket
 
 ``WorkerLinks`` is a part of ``ControlProc`` (control/proc.py), run on its loop thread. It reads and
 sets the loop's fields made by ``StartStop._recover``: ``state``, ``roster``, ``book``, ``busy``,
@@ -18,7 +20,7 @@ import structlog
 import zmq
 
 from events import catalog as ev
-from events.commands import ErrorReply, Hello, Ping, Pong, QueryMoves, Shutdown
+from events.commands import ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown
 from control import recovery, watchdog
 from control.errors import ControlError, LedgerDiverged
 from control.transport import (
@@ -28,28 +30,40 @@ from control.transport import (
 
 log = structlog.get_logger("control.links")
 S = 1_000_000_000
+# what a worker's I/O thread answers: never sent to its engine lane
+TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply)
 
 
 class WorkerLink:
     """One joined worker incarnation as the loop knows it: its socket identity, when it was last
     heard, and the move ids it has been asked about (QueryMoves) and not yet answered for."""
 
-    __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "asked", "last_query_ns", "device")
+    __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "asked", "last_query_ns", "device",
+                 "lane", "lane_up", "held")
 
-    def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int):
+    def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int, lane: bytes | None = None):
         self.worker, self.identity, self.epoch, self.device = worker, identity, epoch, device
         self.last_heard_ns = now_ns
         self.missed = False
         self.asked: set[str] = set()
         self.last_query_ns = 0
+        self.lane = lane              # the engine lane's identity, or None (everything to ``identity``)
+        self.lane_up = False          # its LaneHello came: commands may go there
+        self.held: list = []          # engine commands waiting for the lane to come up
 
 
 class WorkerLinks:
     """Worker links and their messages (a part of ControlProc; loop thread only)."""
 
     def _send(self, link: WorkerLink, msg) -> bool:
+        identity = link.identity
+        if link.lane is not None and type(msg) not in TO_IO_THREAD:
+            if not link.lane_up:      # in order, once its LaneHello proves the lane connected
+                link.held.append(msg)
+                return True
+            identity = link.lane
         try:
-            self._router.send(link.identity, msg)
+            self._router.send(identity, msg)
             return True
         except WorkerUnreachable as e:
             self.metrics["send_unreachable"] += 1
@@ -77,7 +91,10 @@ class WorkerLinks:
             log.warning("bad_worker_message", error=e.name, detail=e.detail, identity=repr(e.identity[:32]))
             self._reply_error(e.identity, e.reply())
             return True
-        link = self._links.get(identity)
+        link = self._links.get(identity) or self._lanes.get(identity)
+        if type(msg) is LaneHello:
+            self._on_lane_hello(link, identity, msg)
+            return True
         if link is None:
             if type(msg) is Hello:
                 self._on_hello_new(identity, msg)
@@ -117,6 +134,22 @@ class WorkerLinks:
         except WorkerUnreachable:
             pass
 
+    def _on_lane_hello(self, link: WorkerLink | None, identity: bytes, msg: LaneHello) -> None:
+        if link is None or link.lane != identity or link.epoch != msg.epoch:
+            # before its Hello (two connections, no order between them), or a stale incarnation's
+            self._early_lanes[identity] = msg.epoch
+            return
+        link.last_heard_ns = time.monotonic_ns()
+        self._lane_up(link)
+
+    def _lane_up(self, link: WorkerLink) -> None:
+        if not link.lane_up:
+            link.lane_up = True
+            log.info("worker_lane_up", worker=link.worker, held=len(link.held))
+        held, link.held = link.held, []
+        for msg in held:
+            self._send(link, msg)
+
     def _on_hello(self, link: WorkerLink, msg: Hello) -> None:
         if msg.epoch == link.epoch:      # the worker thought we restarted; ask again what it knows
             self._query(link, recovery.asked_of(self.state, link.worker, self.book))
@@ -150,8 +183,13 @@ class WorkerLinks:
             except WorkerUnreachable:
                 pass
             return
-        link = WorkerLink(w, identity, msg.epoch, msg.device, now)
+        lane = msg.lane.encode() if msg.lane else None
+        link = WorkerLink(w, identity, msg.epoch, msg.device, now, lane)
         self._links[identity] = self._by_worker[w] = link
+        if lane is not None:
+            self._lanes[lane] = link
+            if self._early_lanes.pop(lane, None) == msg.epoch:
+                link.lane_up = True
         adopted = ws is not None and ws.alive and self.roster.get(w) == msg.epoch
         self._adopting.pop(w, None)
         if adopted:
@@ -210,6 +248,8 @@ class WorkerLinks:
         link = self._by_worker.pop(worker, None)
         if link is not None:
             self._links.pop(link.identity, None)
+            if link.lane is not None and self._lanes.get(link.lane) is link:
+                del self._lanes[link.lane]
         self._adopting.pop(worker, None)
         for e in watchdog.loss(self.state, worker, reason, self.book.undispatched):
             if type(e) is ev.WorkerLost:

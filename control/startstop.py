@@ -46,6 +46,8 @@ class StartStop:
         self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
         self._links: dict[bytes, WorkerLink] = {}
+        self._lanes: dict[bytes, WorkerLink] = {}        # engine lane identity -> its worker's link
+        self._early_lanes: dict[bytes, int] = {}         # LaneHellos ahead of their Hello: identity -> epoch
         self._by_worker: dict[int, WorkerLink] = {}
         self._answers: collections.deque = collections.deque()   # (seq needed, waiter)
         self._commits_pending: dict[str, tuple] = {}            # commit ref -> (waiter, worker, tier, session, bytes, deadline)

@@ -3,6 +3,9 @@
     DEALER  identity b"w<N>", connected to the control's ROUTER (ipc:// by default, tcp:// if asked)
             frames in:  [payload]          decodes: events.commands.AnyCommand
             frames out: [payload]          any reply (Hello, Pong, acks, reports, ...)
+    DEALER  identity b"w<N>.lane" (the engine lane, owned by the worker's engine thread; optional):
+            the engine's commands in, their replies out, so neither waits for a hand-over between
+            the worker's two threads. Announced in Hello.lane; used by the control after LaneHello.
 
 Input that does not decode raises a ``WorkerTransportError`` naming what it is; the worker answers
 it with an ``ErrorReply`` and goes on. The error names are the protocol's (the control process
@@ -62,13 +65,18 @@ def identity_of(worker: int) -> bytes:
     return b"w%d" % worker
 
 
-class ControlLink:
-    """DEALER to the control process. Not thread-safe: the worker's I/O thread owns it."""
+def lane_identity_of(worker: int) -> bytes:
+    return b"w%d.lane" % worker
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, worker: int):
+
+class ControlLink:
+    """DEALER to the control process. Not thread-safe: one thread owns it (the worker's I/O thread;
+    the engine thread owns the lane, ``lane=True``)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, worker: int, lane: bool = False):
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, identity_of(worker))
+        self.sock.setsockopt(zmq.IDENTITY, lane_identity_of(worker) if lane else identity_of(worker))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 0)

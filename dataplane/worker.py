@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,9 @@ class WorkerFaults:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.worker.WorkerFaults")
         self.rng = random.Random(seed)
         self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms)
+        # faults that hold, drop, repeat or rewrite what is sent: they live on the I/O thread's
+        # timers, so a worker with any of them sends everything from there (no engine lane)
+        self.on_replies = bool(self.p or self.delay_p)
         self.counts: dict[str, int] = {}
 
     def roll(self, name: str) -> bool:
@@ -151,16 +155,37 @@ class WorkerCore:
 
 
 class WorkerRecord:
-    """What this incarnation did, by move_id. I/O-thread only."""
+    """What this incarnation did, by move_id. Shared by the I/O thread and, when the worker has an
+    engine lane, the engine thread: every method takes ``lock``."""
+
+    NEW, DUPLICATE, TOMBSTONED, RUNNING = "new", "duplicate", "tombstoned", "running"
 
     def __init__(self, worker: int):
         self.worker = worker
+        self.lock = threading.Lock()
         self.outcomes: dict[str, Outcome] = {}     # for QueryMoves
         self.replies: dict[str, list] = {}          # what was (or would have been) sent, for duplicates
         self.running: set[str] = set()
         self.tombstones: set[str] = set()
 
+    def claim(self, ref: str) -> tuple[str, list | None]:
+        """A command arrived: run it (NEW, now counted running), send its replies again
+        (DUPLICATE, with them), refuse it (TOMBSTONED: promised never to run) or drop it (RUNNING)."""
+        with self.lock:
+            if ref in self.replies:
+                return self.DUPLICATE, self.replies[ref]
+            if ref in self.tombstones:
+                return self.TOMBSTONED, None
+            if ref in self.running:
+                return self.RUNNING, None
+            self.running.add(ref)
+            return self.NEW, None
+
     def note(self, ref: str, replies: list, now_ns: int) -> None:
+        with self.lock:
+            self._note(ref, replies, now_ns)
+
+    def _note(self, ref: str, replies: list, now_ns: int) -> None:
         self.running.discard(ref)
         self.replies[ref] = replies
         for r in replies:
@@ -178,6 +203,11 @@ class WorkerRecord:
         """Outcomes we have; ids never seen become tombstones; ids still running are left out
         (their outcome is sent when they finish)."""
         outcomes, unknown = [], []
+        with self.lock:
+            self._report(move_ids, outcomes, unknown)
+        return MovesReport(worker=self.worker, outcomes=outcomes, unknown=unknown)
+
+    def _report(self, move_ids: list[str], outcomes: list, unknown: list) -> None:
         for mid in move_ids:
             o = self.outcomes.get(mid)
             if o is not None:
@@ -185,7 +215,6 @@ class WorkerRecord:
             elif mid not in self.running:
                 unknown.append(mid)
                 self.tombstones.add(mid)
-        return MovesReport(worker=self.worker, outcomes=outcomes, unknown=unknown)
 
     def refusal(self, cmd) -> list:
         """The answer to a command whose id was promised never to run."""

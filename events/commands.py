@@ -67,6 +67,10 @@ class Hello(Message):
     device: str
     tiers: dict[str, int]
     block_bytes: int
+    # The identity of the worker's engine lane (a second DEALER owned by its engine thread), or
+    # None. With a lane, the engine's commands go to the lane once a LaneHello came from it, and
+    # their replies come back on it; Ping, QueryMoves and Shutdown stay on this socket.
+    lane: str | None = None
 
 
 class Pong(Message):
@@ -403,3 +407,16 @@ class MoveTimed(Message):
 AnyReply = Union[AnyReply, MoveTimed]  # type: ignore[misc]
 AnyMessage = Union[AnyMessage, MoveTimed]  # type: ignore[misc]
 __all__ += ["MoveTimed"]
+
+
+class LaneHello(Message):
+    """The first message on a worker's engine lane (and again after each Hello): the lane's
+    connection is up, so the control may now send the engine's commands there."""
+
+    worker: int
+    epoch: int
+
+
+AnyReply = Union[AnyReply, LaneHello]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, LaneHello]  # type: ignore[misc]
+__all__ += ["LaneHello"]

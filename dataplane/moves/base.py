@@ -86,6 +86,13 @@ class InFlight:
         bookkeeping. By default the whole of begin."""
         self.begin()
 
+    def start_in_slices(self, slice_blocks: int):
+        """``start`` as a generator, one step per ``slice_blocks`` blocks of the first chunk
+        (``Engine.submit_many`` steps the moves in turn). By default all of start in one step."""
+        self.start()
+        return
+        yield
+
     def prepare(self, prime: int) -> None:
         """The rest of begin after ``start``, enqueuing at most ``prime`` more chunks."""
 

@@ -47,31 +47,55 @@ PRIME_CHUNKS = 2
 
 
 class _LinkFirst(InFlight):
-    """begin = start (claim slots, first chunk by plain DMAs) + prepare (maps, indices, chunks)."""
+    """begin = start (claim slots, first chunk by plain DMAs) + prepare (maps, indices, chunks).
+
+    ``start_in_slices`` is start as a generator, for moves submitted together: it claims and
+    enqueues the first slice, then one more slice per step, so the engine can hand the links
+    their first bytes in turn (a spill's 64 scattered DMAs take ~0.65 ms to enqueue: the other
+    direction should not wait for all of them)."""
 
     def begin(self) -> None:
         self.start()
         self.prepare(PRIME_CHUNKS)
 
+    def start(self) -> None:
+        for _ in self.start_in_slices(1 << 30):
+            pass
+
+    def start_in_slices(self, slice_blocks: int):
+        first = self.claim()
+        n0, step = self.n0, max(1, slice_blocks)
+        for lo in range(0, n0, step):
+            if lo:
+                yield
+            first.enqueue(lo, min(n0, lo + step))
+        self.first_enqueued(first)
+        self.mark("first_chunk")
+
+    def claim(self):
+        """Claim the destination slots; the Copier of the first chunk (``n0`` blocks, plain DMAs)."""
+        raise NotImplementedError
+
+    def first_enqueued(self, first) -> None:
+        """The whole first chunk is enqueued."""
+
 
 class SpillToHost(_LinkFirst):
     route = ("device", "host")
 
-    def start(self) -> None:
+    def claim(self):
         c, s = self.ctx, self.ctx.streams
         ids = self.ids
         # The link starts first: the first chunk's blocks are copied into claimed host slots
         # before any other bookkeeping, which then runs (prepare) while those bytes cross.
-        n0 = first_chunk_blocks(c, len(ids))
+        n0 = self.n0 = first_chunk_blocks(c, len(ids))
         self.claimed = c.host.table.claim(len(ids))
         self.mark("reserved")
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
         # By plain DMAs (one per 2 MiB block): no index upload and no kernel launch before the link starts.
-        Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0],
-               mode="dma").enqueue(0, n0)
-        self.n0 = n0
-        self.mark("first_chunk")
+        return Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0],
+                      mode="dma")
 
     def prepare(self, prime: int) -> None:
         c, ids = self.ctx, self.ids
@@ -148,7 +172,7 @@ class SpillToHost(_LinkFirst):
 class RestoreFromHost(_LinkFirst):
     route = ("host", "device")
 
-    def start(self) -> None:
+    def claim(self):
         c, s = self.ctx, self.ctx.streams
         ids = self.ids
         hslots = c.host.slots_of(ids)
@@ -162,12 +186,12 @@ class RestoreFromHost(_LinkFirst):
         # NOTE: the claimed slots may have been freed while kernels queued on the compute stream
         # still read their old contents; the copy must not overwrite them before those finish.
         self.after_compute(s.h2d, s.stage_h2d)
-        # By plain DMAs (host runs coalesced): no index upload and no kernel launch before the link starts.
-        first = Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0], mode="dma")
-        first.enqueue(0, n0)
-        self.first_done = first.done()
-        self.mark("first_chunk")
         self.n0, self.order, self.src, self.hsrc = n0, order, src, hslots
+        # By plain DMAs (host runs coalesced): no index upload and no kernel launch before the link starts.
+        return Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0], mode="dma")
+
+    def first_enqueued(self, first) -> None:
+        self.first_done = first.done()
 
     def prepare(self, prime: int) -> None:
         # The rest of the bookkeeping runs while the first chunk crosses.

@@ -666,3 +666,103 @@ def test_tracing_is_off_unless_configured_and_a_workers_timings_are_then_ignored
     assert fut.result(5).error is None
     fw.quiet(0.1)
     assert proc.call(lambda p: (p.traces.by_move, p.metrics["handler_failed"])).result(5) == ({}, 0)
+
+
+# ---------------------------------------------------------------------- the engine lane
+@pytest.mark.parametrize("lane_first", [False, True], ids=["hello-first", "lane-hello-first"])
+def test_the_engines_commands_wait_for_the_lane_then_go_there_and_its_acks_count(make_control, fake_worker,
+                                                                                 sqlite_url, short_dir, lane_first):
+    """A worker that names an engine lane in its Hello gets the engine's commands on the lane, not
+    before the lane's LaneHello (whichever of the two arrives first), in the order they were asked;
+    Pings and QueryMoves stay on its Hello socket; what comes back on the lane is the worker's."""
+    from events.commands import BlocksWritten, CommitBlocks, LaneHello, Pong
+    from tests.control_plane.conftest import FakeWorker
+    proc, store = make_control(sqlite_url, ping_interval_s=0.05)
+    main = fake_worker()
+    lane = FakeWorker(f"ipc://{short_dir}/w.sock", identity=b"w0.lane")
+    try:
+        def say_lane_hello():
+            lane.send(LaneHello(worker=0, epoch=main.epoch))
+        if lane_first:
+            say_lane_hello()
+            time.sleep(0.2)
+        main.send(Hello(worker=0, epoch=main.epoch, device="cpu", tiers=main.tiers, block_bytes=main.block_bytes,
+                        lane="w0.lane"))
+        wait_for(lambda: joined(proc), what="worker joined")
+        from events.commands import AskCommitBlocks
+        fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=4))
+        if not lane_first:
+            assert lane.quiet(0.3) == [] and main.quiet(0.1) == []   # held: the lane is not known up yet
+            say_lane_hello()
+        cmd = lane.expect(CommitBlocks)
+        lane.send(BlocksWritten(request_id=cmd.request_id, worker=0, tier="device", blocks=cmd.blocks,
+                                bytes=4 * main.block_bytes, keys=[""] * 4))
+        assert fut.result(5).error is None
+        futs = [proc.submit(AskMove(ask_id=f"a{i}", kind="evict", worker=0, blocks=[b])) for i, b in
+                enumerate(cmd.blocks[:2])]
+        got = [lane.expect(ExecuteMove), lane.expect(ExecuteMove)]
+        assert [c.blocks for c in got] == [cmd.blocks[:1], cmd.blocks[1:2]]
+        for c in got:
+            lane.send(lane.ack(c))
+        assert all(f.result(5).error is None for f in futs)
+        # the I/O thread's messages: Pings keep coming to the Hello socket, none to the lane
+        main.answer_pings = False
+        ping = main.sock.poll(2000)
+        assert ping and type(main._decoder.decode(main.sock.recv())) is Ping
+        assert [m for m in lane.quiet(0.2) if type(m) is Ping] == []
+        main.send(Pong(worker=0, nonce=1, ts_ns=1))
+        proc.stop("done")
+        state = check_ledger(store)
+        assert state.tier(0, "host").used_bytes == 2 * main.block_bytes
+    finally:
+        lane.close()
+
+
+def test_a_lane_of_a_worker_that_never_said_hello_is_not_taken_for_it(make_control, fake_worker, sqlite_url,
+                                                                     short_dir):
+    """An outcome from a lane nobody announced is refused like any unknown sender's; a LaneHello of
+    another incarnation does not open the lane of this one."""
+    from events.commands import LaneHello
+    from tests.control_plane.conftest import FakeWorker
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)     # a worker without a lane
+    lane = FakeWorker(f"ipc://{short_dir}/w.sock", identity=b"w0.lane")
+    try:
+        blocks = commit_blocks(proc, fw, 2)
+        fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks[:1]))
+        cmd = fw.expect(ExecuteMove)                                   # no lane named: the Hello socket
+        lane.send(LaneHello(worker=0, epoch=fw.epoch + 1))
+        lane.send(lane.ack(cmd))
+        err = lane.expect(ErrorReply)
+        assert err.error == "unknown_worker"
+        assert not fut.done()
+        fw.send(fw.ack(cmd))
+        assert fut.result(5).error is None
+        proc.stop("done")
+        assert len(events_of(store, ev.MoveAcked)) == 1
+        check_ledger(store)
+    finally:
+        lane.close()
+
+
+def test_with_ack_spin_on_the_loop_polls_awake_for_a_predicted_ack_then_sleeps_again(make_control, fake_worker,
+                                                                                     sqlite_url):
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_before_ms=5.0, ack_spin_after_ms=20.0)
+    blocks = commit_blocks(proc, fw, 4)
+    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks[:2]))
+    cmd = fw.expect(ExecuteMove)
+    assert proc.call(lambda p: p.spin.spin_at).result(5) is None        # no rate for the route yet
+    t = time.time_ns()
+    fw.send(fw.ack(cmd, started_ns=t, finished_ns=t + 10_000_000))      # 2 blocks in 10 ms
+    assert fut.result(5).error is None
+    fut = proc.submit(AskMove(ask_id="b", kind="evict", worker=0, blocks=blocks[2:]))
+    cmd = fw.expect(ExecuteMove)
+    spin_at, sent = proc.call(lambda p: (p.spin.spin_at, p.book.dispatched[cmd.move_id])).result(5)
+    assert spin_at == sent + 10_000_000                                  # predicted from the first ack
+    time.sleep(0.06)                                                     # the window (5 + 20 ms) passes
+    assert proc.call(lambda p: p.spin.spin_at).result(5) is None
+    assert proc.health().metrics["ack_spin_polls"] > 0
+    fw.send(fw.ack(cmd))                                                 # a late ack still lands
+    assert fut.result(5).error is None
+    proc.stop("done")
+    assert len(events_of(store, ev.MoveAcked)) == 2
+    check_ledger(store)

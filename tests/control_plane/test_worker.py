@@ -16,8 +16,8 @@ from dataplane.worker import WorkerFaults, WorkerRecord
 from events import catalog as ev
 from events.codec import encode_message
 from events.commands import (
-    AnyReply, BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, MovesReport,
-    Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+    AnyReply, BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, LaneHello,
+    MovesReport, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
 
 from tests.control_plane.conftest import REPO, spawn, worker_argv  # noqa: E402
@@ -49,49 +49,79 @@ def test_an_id_reported_unknown_becomes_a_tombstone_and_is_never_run():
 
 
 class Control:
-    """A ROUTER standing in for the control process."""
+    """A ROUTER standing in for the control process. ``use_lane``: once the worker's LaneHello came,
+    the engine's commands go to its lane (as the control process does); else all to the worker's
+    Hello socket (a control that ignores the lane)."""
 
     _decoder = msgspec.msgpack.Decoder(AnyReply)
+    TO_IO_THREAD = (Ping, QueryMoves, Shutdown)
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, use_lane: bool = False):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.identity = None
+        self.use_lane = use_lane
+        self.lane = None
+        self.senders: dict[type, set[bytes]] = {}
 
     def recv(self, timeout: float = 30.0):
         if not self.sock.poll(int(timeout * 1000)):
             raise AssertionError("the worker said nothing")
         identity, data = self.sock.recv_multipart()
-        self.identity = identity
-        return self._decoder.decode(data)
+        msg = self._decoder.decode(data)
+        self.senders.setdefault(type(msg), set()).add(identity)
+        if type(msg) is LaneHello:
+            self.lane = identity
+        elif identity != self.lane:
+            self.identity = identity
+        return msg
 
     def expect(self, t, timeout: float = 10.0):
         while True:
             m = self.recv(timeout)
             if type(m) is t:
                 return m
-            assert type(m) in (Hello, Pong), m
+            assert type(m) in (Hello, Pong, LaneHello), m
 
     def send(self, msg) -> None:
-        self.send_raw(encode_message(msg))
+        to_lane = self.use_lane and type(msg) not in self.TO_IO_THREAD
+        if to_lane:
+            while self.lane is None:
+                self.expect(LaneHello)
+        self.sock.send_multipart([self.lane if to_lane else self.identity, encode_message(msg)])
 
     def send_raw(self, *frames: bytes) -> None:
         self.sock.send_multipart([self.identity, *frames])
 
 
-def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombstones(short_dir, tmp_path):
+LANE_MODES = pytest.mark.parametrize("mode", ["lane", "lane ignored", "no lane"])
+
+
+def _spawn_for(mode: str, argv: list[str], log_path: Path):
+    return spawn(argv + (["--no-lane"] if mode == "no lane" else []), log_path)
+
+
+@LANE_MODES
+def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombstones(short_dir, tmp_path, mode):
     endpoint = f"ipc://{short_dir}/w.sock"
-    ctl = Control(endpoint)
-    w = spawn(worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
+    ctl = Control(endpoint, use_lane=mode == "lane")
+    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
     try:
         hello = ctl.expect(Hello)
         assert (hello.worker, hello.block_bytes) == (0, 16384) and ctl.identity == b"w0"
+        assert hello.lane == (None if mode == "no lane" else "w0.lane")
         for frames, name in (((b"\x00garbage",), "malformed_message"), ((b"\x92\xa5Bogus\x01",), "unknown_message_type"),
                              ((encode_message(Pong(worker=0, nonce=1, ts_ns=1)),), "unexpected_message"),
                              ((b"a", b"b"), "malformed_message")):
             ctl.send_raw(*frames)
             assert ctl.expect(ErrorReply).error == name
+        if mode == "lane":        # bad input on the lane is answered from the lane
+            while ctl.lane is None:
+                ctl.expect(LaneHello)
+            ctl.senders.pop(ErrorReply)
+            ctl.sock.send_multipart([ctl.lane, b"\x00garbage"])
+            assert ctl.expect(ErrorReply).error == "malformed_message" and ctl.senders[ErrorReply] == {b"w0.lane"}
         ctl.send(Ping(nonce=42, ts_ns=1))
         assert ctl.expect(Pong).nonce == 42
         ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))
@@ -113,16 +143,23 @@ def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombs
         assert failed.ref == "m-3" and "not resident" in failed.detail
         ctl.send(Shutdown(reason="test"))
         assert w.wait(10) == 0
+        # the engine's replies came back the way its commands went; everything else from the I/O thread
+        engine_side = {b"w0.lane"} if mode == "lane" else {b"w0"}
+        assert ctl.senders[ev.MoveAcked] == ctl.senders[BlocksWritten] == ctl.senders[CommandFailed] == engine_side
+        assert ctl.senders[Pong] == ctl.senders[MovesReport] == ctl.senders[Hello] == {b"w0"}
+        assert (LaneHello in ctl.senders) == (mode != "no lane")
     finally:
         w.kill()
         ctl.sock.close(0)
 
 
-def test_a_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order(short_dir, tmp_path):
+@LANE_MODES
+def test_a_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order(short_dir, tmp_path, mode):
     from events.commands import MoveTimed
     endpoint = f"ipc://{short_dir}/w.sock"
-    ctl = Control(endpoint)
-    w = spawn(worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"], tmp_path / "worker.log")
+    ctl = Control(endpoint, use_lane=mode == "lane")
+    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"],
+                   tmp_path / "worker.log")
     try:
         ctl.expect(Hello)
         ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))

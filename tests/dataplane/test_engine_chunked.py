@@ -67,6 +67,46 @@ def test_moves_submitted_together_all_reach_the_link_before_any_second_chunk(chu
     _landed_intact(e, data)
 
 
+def test_moves_submitted_together_hand_their_links_the_first_chunks_a_slice_of_each_in_turn(chunky, monkeypatch):
+    import dataplane.engine as engine_mod
+
+    e = chunky
+    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
+    data, log, cmds = _spill_and_restore(e, monkeypatch)
+    t_out, t_in = e.submit_many(cmds)
+    # first chunks of 3 blocks, one block of each in turn; then two more chunks of each in turn
+    assert log == ["d2h", "h2d"] * 3 + ["d2h", "h2d"] * 2, log
+    a, b = e.wait(t_in), e.wait(t_out)
+    assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
+    _landed_intact(e, data)
+
+
+def test_a_move_failing_half_way_through_its_first_chunk_fails_alone(chunky, monkeypatch):
+    import dataplane.engine as engine_mod
+    import dataplane.moves.device_host as dh
+
+    e = chunky
+    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
+    data, log, cmds = _spill_and_restore(e, monkeypatch)
+    real, calls = copy_mod.Copier.enqueue, []
+
+    def enqueue(self, lo, hi):
+        calls.append(self.direction)
+        if self.direction == "h2d" and calls.count("h2d") == 2:
+            raise RuntimeError("h2d link went away")
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(copy_mod.Copier, "enqueue", enqueue)
+    t_out, t_in = e.submit_many(cmds)
+    failed = e.wait(t_in)
+    assert isinstance(failed, MoveFailed) and "h2d link went away" in failed.error, failed
+    assert isinstance(e.wait(t_out), MoveAcked)
+    for blk in IN_IDS:                            # the restore changed nothing: still on the host only
+        assert e.host_pool.has(blk) and not e.device_pool.has(blk)
+        assert torch.equal(words_of(e, "host", blk), data[blk])
+    e.check_integrity()                           # its claimed device slots came back (free + taken = all)
+
+
 def test_submit_many_refuses_a_move_that_collides_with_an_earlier_one_and_lands_the_rest(chunky):
     e = chunky
     ids = list(range(10))
@@ -90,13 +130,13 @@ def test_a_move_whose_start_raises_in_submit_many_fails_alone(chunky, monkeypatc
     data = commit(e, "device", ids)
     assert isinstance(e.execute(move("evict", "device", "host", ids[5:])), MoveAcked)
     before_host = {b: words_of(e, "host", b).clone() for b in ids[5:]}
-    real = dh.SpillToHost.start
+    real = dh.SpillToHost.claim
 
-    def start(self):
-        real(self)
+    def claim(self):
+        real(self)                                # its host slots are claimed: they must come back
         raise RuntimeError("link went away")
 
-    monkeypatch.setattr(dh.SpillToHost, "start", start)
+    monkeypatch.setattr(dh.SpillToHost, "claim", claim)
     t_out, t_in = e.submit_many([move("evict", "device", "host", ids[:5]), move("restore", "host", "device", ids[5:])])
     out = e.wait(t_out)
     assert isinstance(out, MoveFailed) and "link went away" in out.error, out
