@@ -72,18 +72,21 @@ class Cluster:
     """A control process in this process, one worker process, one ledger."""
 
     def __init__(self, url: str, engine: str, device: str, layout: str, device_blocks: int, host_bytes: int,
-                 durability: str = "normal", traced: bool = False):
+                 durability: str = "normal", traced: bool = False, lane: bool = True, ack_spin_ms: float = -1.0,
+                 ack_spin_warm: bool = True):
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
                             durability=durability, policy=PolicyConfig(pressure=False, park=False),
                             moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
-                            trace_moves=64 if traced else 0)
+                            trace_moves=64 if traced else 0, ack_spin_before_ms=ack_spin_ms,
+                            ack_spin_warm=ack_spin_warm)
         self.proc = ControlProc(self.store, cfg).start()
         argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
-                "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else [])
+                "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else []) + (
+                    [] if lane else ["--no-lane"])
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -265,8 +268,21 @@ def layout_bytes(spec: str) -> int:
     return layout_block_bytes(parse_layout(spec))
 
 
-def spill(url: str, device: str, spill_bytes: int, reps: int = 3) -> dict:
-    """A large spill device->host: in this process (the engine alone) vs through the control process."""
+# Ways through the control process the spill is measured (each its own worker): the worker's engine
+# lane on or off (dataplane/proc.py), the control polling awake near the predicted ack and reading
+# the move's blocks meanwhile (control/spin.py): (lane, spin before the ack ms, warm).
+VARIANTS = {"lane+spin": (True, 1.0, True), "lane+spin-nowarm": (True, 1.0, False), "lane": (True, 0.0, False),
+            "no-lane+spin": (False, 1.0, True), "no-lane": (False, 0.0, False)}
+
+
+def default_variant() -> str:
+    """What ``residency serve`` runs on this host: the lane, and the spin where there are >= 8 CPUs."""
+    return "lane+spin" if (os.cpu_count() or 1) >= 8 else "lane"
+
+
+def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
+    """A large spill device->host: in this process (the engine alone) vs through the control process,
+    once per variant (the headline figures are the default variant's; all are under "variants")."""
     import torch  # noqa: PLC0415
 
     from dataplane.engine import Engine  # noqa: PLC0415
@@ -288,7 +304,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3) -> dict:
                      disk_bytes=0, fsync=False)
         eng.commit_blocks(CommitBlocks(request_id="c", session=None, tier="device", blocks=list(range(n)), seed=1))
         times = []
-        for rep in range(3):
+        for rep in range(7):      # evict, restore, ...: the first evict compiles; 3 more evicts are timed
             kind, src, dst = ("evict", "device", "host") if rep % 2 == 0 else ("restore", "host", "device")
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -297,7 +313,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3) -> dict:
                                         keep_source=False, deadline_ns=time.time_ns() + 600 * 10**9))
             times.append((kind, time.perf_counter() - t0, type(o).__name__))
         eng.close()
-        spills = [t for k, t, _ in times if k == "evict"]
+        spills = [t for k, t, _ in times[2:] if k == "evict"]
         out["in_process_s"] = min(spills)
         out["in_process_gb_s"] = n * bb / min(spills) / 1e9
         out["in_process_runs"] = times
@@ -305,7 +321,27 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3) -> dict:
         shutil.rmtree(d, ignore_errors=True)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True)
+    variants = variants or [default_variant()]
+    headline = default_variant() if default_variant() in variants else variants[0]
+    out["headline_variant"] = headline
+    out["variants"] = {}
+    for name in variants:
+        lane, spin_ms, warm = VARIANTS[name]
+        # a ledger of its own per variant (a second control on one ledger would write the first's worker off)
+        vurl = url[:-3] + f"-{name}.db" if url.startswith("sqlite") and url.endswith(".db") else url
+        v = through_control(vurl, device, n, host_bytes, reps, lane, spin_ms, warm, out["in_process_s"])
+        out["variants"][name] = v
+        if name == headline:
+            out.update(v)
+    return out
+
+
+def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, lane: bool, spin_ms: float,
+                    warm: bool, in_process_s: float) -> dict:
+    bb = layout_bytes(BIG_LAYOUT)
+    out: dict = {"lane": lane, "ack_spin_before_ms": spin_ms, "ack_spin_warm": warm}
+    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=lane, ack_spin_ms=spin_ms,
+                ack_spin_warm=warm)
     try:
         blocks = c.commit(n)
         runs = []
@@ -318,7 +354,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3) -> dict:
         vs_engine = sorted(r[3]["control_overhead_vs_engine_call_s"] for r in spills
                            if "control_overhead_vs_engine_call_s" in r[3])
         out.update(through_control_s=best[1], worker_measured_s=best[2], through_control_gb_s=n * bb / best[1] / 1e9,
-                   control_overhead_s=best[1] - out["in_process_s"],
+                   control_overhead_s=best[1] - in_process_s,
                    control_overhead_vs_worker_s=best[1] - best[2],
                    control_overhead_vs_engine_call_s=best[3].get("control_overhead_vs_engine_call_s"),
                    control_overhead_vs_engine_call_p50_s=vs_engine[len(vs_engine) // 2] if vs_engine else None,
@@ -327,6 +363,9 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3) -> dict:
                    through_control_runs=[r[:3] for r in runs])
     finally:
         c.close()
+        if device.startswith("cuda"):
+            import torch  # noqa: PLC0415
+            torch.cuda.empty_cache()
     return out
 
 
@@ -361,6 +400,8 @@ def main() -> int:
                          "default 9 on cuda (the breakdown is the median of 5 spills), 3 on cpu (17 s each)")
     ap.add_argument("--control-only-reps", type=int, default=60,
                     help="1024-block moves through a no-copy worker (half evict, half restore)")
+    ap.add_argument("--spill-variants", default=None,
+                    help=f"comma-separated, of {','.join(VARIANTS)}; default: all four on cuda, this host's default on cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.spill_reps is None:
@@ -419,7 +460,9 @@ def main() -> int:
         print(line, flush=True)
         url, drop = backends[0][1]()
         try:
-            results["spill"] = spill(url, args.device, args.spill_bytes, args.spill_reps)
+            variants = (args.spill_variants.split(",") if args.spill_variants
+                        else list(VARIANTS) if args.device.startswith("cuda") else None)
+            results["spill"] = spill(url, args.device, args.spill_bytes, args.spill_reps, variants)
         finally:
             drop()
         s = results["spill"]
@@ -439,6 +482,14 @@ def main() -> int:
                    f"{s['control_overhead_vs_engine_call_p50_s'] * 1e3:.2f})" if vs_engine is not None else ""))
         rows.append(line)
         print(line)
+        for name, v in s["variants"].items():
+            vs = v["control_overhead_vs_engine_call_all_s"]
+            line = (f"spill through control, {name:12s}: overhead vs the engine call min {min(vs) * 1e3:.3f} ms  "
+                    f"p50 {v['control_overhead_vs_engine_call_p50_s'] * 1e3:.3f}  ({len(vs)} spills)"
+                    + ("  <- headline" if name == s["headline_variant"] else "")
+                    + ("  (this host's default)" if name == default_variant() else ""))
+            rows.append(line)
+            print(line)
     shutil.rmtree(tmp, ignore_errors=True)
     doc = {
         "bench": "control", "date": dt.date.today().isoformat(), "git_commit": git_commit(),

@@ -11,10 +11,10 @@ parts=" ${*:-tests moves control ttft} "
 nvidia-smi -L
 if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
-    tests/dataplane/test_engine_streams.py 2>&1 | tail -6
+    tests/dataplane/test_engine_streams.py tests/dataplane/test_engine_chunked.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 3 --latency-iters 100 --out "$OUT/moves.json" 2>&1 | tail -50
-[[ $parts == *" control "* ]] && timeout 130 python3 bench/control.py --device cuda --spill-bytes 2GiB --moves 300 --sustained 3000 \
+[[ $parts == *" control "* ]] && timeout 280 python3 bench/control.py --device cuda --spill-bytes 2GiB --moves 300 --sustained 3000 \
   --repeat 1 --engines real --out "$OUT/control.json" 2>&1 | tail -8
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8

@@ -6,7 +6,8 @@ bench/moves.py (1024 scattered 2 MiB blocks), warms up, then profiles one of eac
     spill            evict A device -> host (staged copy, checksums)
     restore          restore A host -> device (verified)
     restore_nohash   the same without hashing (bench/moves.py's no_checksums)
-    both             spill B and restore A submitted together
+    both             spill B and restore A submitted one after the other (two submits)
+    both_many        the same through Engine.submit_many (first chunks in turn, by slices)
 
 and prints, per move, on one timeline starting at the host's call: when the first DMA started,
 how long the DMAs were busy, the gaps between them (the link idle inside the move), when the last
@@ -135,9 +136,20 @@ def main(argv=None) -> int:
             ph["both"] = mb.phases(e.last_phases)
             b.run(b.mv("restore", "host", "device", b.B))
 
+        def both_many():
+            b.run(b.mv("evict", "device", "host", b.A))
+            torch.cuda.synchronize()
+            out_cmd, in_cmd = b.mv("evict", "device", "host", b.B), b.mv("restore", "host", "device", b.A)
+            with torch.profiler.record_function("both_many"):
+                t_out, t_in = e.submit_many([out_cmd, in_cmd])
+                e.wait(t_in), e.wait(t_out)
+            ph["both_many"] = mb.phases(e.last_phases)
+            b.run(b.mv("restore", "host", "device", b.B))
+
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         sched = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
-        for label, fn in (("spill", spill), ("restore", restore), ("restore_nohash", restore_nohash), ("both", both)):
+        for label, fn in (("spill", spill), ("restore", restore), ("restore_nohash", restore_nohash), ("both", both),
+                          ("both_many", both_many)):
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=acts, schedule=sched) as prof:
                 for _ in range(2):
