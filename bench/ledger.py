@@ -32,7 +32,7 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from events import Envelope  # noqa: E402
-from events.catalog import BlocksCommitted, BlocksFreed, MoveAcked, MoveRequested  # noqa: E402
+from events.catalog import BlocksCommitted, BlocksFreed, MoveAcked, MoveRequested, pack_checksums  # noqa: E402
 from ledger import LedgerStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ class Workload:
             return (self._env(f"worker:{w}", s, move_id),
                     MoveAcked(move_id=move_id, worker=w, bytes_moved=planned, bytes_freed_src=rng.choice((0, planned)),
                               checksum_ok=True, started_ns=t0, finished_ns=t0 + rng.randrange(10**7),
-                              checksums=[rng.getrandbits(32) for _ in range(rng.randint(2, 6))]))
+                              checksums=pack_checksums([rng.getrandbits(32) for _ in range(rng.randint(2, 6))])))
         move_id, w, s, blocks = f"mv-{self.next_move:09d}", rng.randrange(self.num_workers), rng.choice(self.sessions), self._blocks()
         self.next_move += 1
         self.pending.append((move_id, w, len(blocks) * BLOCK_BYTES, s))

@@ -73,7 +73,7 @@ def one_line(rec: Recorded, iso) -> str:
     fields = msgspec.structs.asdict(rec.event)
     for k in ("checksums",):
         if fields.get(k):
-            fields[k] = f"[{len(fields[k])} checksums]"
+            fields[k] = f"[{len(fields[k]) // 8} checksums]"
     if isinstance(fields.get("blocks"), list) and len(fields["blocks"]) > 8:
         fields["blocks"] = f"[{len(fields['blocks'])} blocks: {fields['blocks'][:4]}…]"
     if isinstance(fields.get("keys"), list) and len(fields["keys"]) > 4:

@@ -56,6 +56,8 @@ def decode_event(payload: bytes, type_name: str | None = None, schema_version: i
             raw = _raw_decoder.decode(payload)
             if not isinstance(raw, list) or not raw:
                 raise DecodeError(f"{type_name} payload is not an array")
+            if raw[0] != type_name:          # an upcaster of one type must never see another's payload
+                raise DecodeError(f"row says {type_name} but payload is {str(raw[0])[:64]}")
             raw = upcast(type_name, schema_version, cls.SCHEMA_VERSION, raw)
             event = msgspec.convert(raw, type=AnyEvent)
         else:
@@ -125,8 +127,10 @@ def decode_message(data: bytes) -> Message | Event:
 
 
 def event_to_json_obj(event: Event) -> dict[str, Any]:
+    """The event as a JSON-ready dict (bytes as base64 strings, as msgspec writes them)."""
     obj: dict[str, Any] = {"type": type(event).__name__}
-    obj.update(msgspec.structs.asdict(event))
+    for k, v in msgspec.structs.asdict(event).items():
+        obj[k] = msgspec.to_builtins(v) if type(v) is bytes else v
     return obj
 
 

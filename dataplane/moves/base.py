@@ -30,7 +30,7 @@ from dataplane.moves.plan import MovePlan
 from dataplane.moves.staging import DeviceStaging, StagingRing
 from dataplane.moves.streams import CopyStreams
 from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
-from events.catalog import MoveAcked, MoveFailed
+from events.catalog import MoveAcked, MoveFailed, pack_checksums
 from kernels.checksum import block_checksums
 
 
@@ -86,9 +86,10 @@ class InFlight:
         bookkeeping. By default the whole of begin."""
         self.begin()
 
-    def start_in_slices(self, slice_blocks: int):
-        """``start`` as a generator, one step per ``slice_blocks`` blocks of the first chunk
-        (``Engine.submit_many`` steps the moves in turn). By default all of start in one step."""
+    def start_in_slices(self, slice_blocks: int, first_chunks: int = 1):
+        """``start`` as a generator, one step per ``slice_blocks`` blocks of a first chunk of
+        ``first_chunks`` pipeline chunks (``Engine.submit_many`` steps the moves in turn). By
+        default all of start in one step."""
         self.start()
         return
         yield
@@ -139,7 +140,7 @@ class InFlight:
         return MoveAcked(
             move_id=self.cmd.move_id, worker=self.ctx.worker, bytes_moved=int(self.bytes_moved or 0),
             bytes_freed_src=int(bytes_freed_src), checksum_ok=True, started_ns=self.started_ns,
-            finished_ns=self.ctx.clock(), checksums=list(checksums),
+            finished_ns=self.ctx.clock(), checksums=pack_checksums(checksums),
         )
 
     def failed(self, error: str) -> MoveFailed:

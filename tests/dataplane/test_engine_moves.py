@@ -18,7 +18,7 @@ def test_spill_keeps_the_source_and_acks_measured_bytes_and_checksums(engine):
     ack = engine.execute(move("spill", "device", "host", [9, 2]))
     assert isinstance(ack, MoveAcked), ack
     assert (ack.bytes_moved, ack.bytes_freed_src, ack.checksum_ok) == (2 * BB, 0, True)
-    assert ack.checksums == [psum(9, data[9]), psum(2, data[2])]
+    assert ack.checksum_list() == [psum(9, data[9]), psum(2, data[2])]
     assert ack.started_ns <= ack.finished_ns
     for b in (9, 2):
         assert torch.equal(words_of(engine, "host", b), data[b])
@@ -41,7 +41,7 @@ def test_park_then_restore_brings_back_identical_bytes_with_the_same_checksums(e
     back = engine.execute(move("restore", "host", "device", [3, 5, 0, 6]))
     assert isinstance(back, MoveAcked), back
     assert back.bytes_freed_src == 4 * BB                 # keep_source=False: host copies freed
-    assert back.checksums == [park.checksums[i] for i in (2, 3, 1, 0)]
+    assert back.checksum_list() == [park.checksum_list()[i] for i in (2, 3, 1, 0)]
     for b in range(7):
         assert torch.equal(words_of(engine, "device", b), data[b])
     assert engine.usage()["host"] == 0
@@ -64,9 +64,9 @@ def test_spill_and_evict_to_disk_then_restore(engine):
     a = engine.execute(move("spill", "device", "disk", [20, 21]))
     b = engine.execute(move("evict", "device", "disk", [25, 22, 24, 23]))   # more blocks than the ring
     assert (a.bytes_freed_src, b.bytes_freed_src) == (0, 4 * BB)
-    assert b.checksums == [psum(x, data[x]) for x in (25, 22, 24, 23)]
+    assert b.checksum_list() == [psum(x, data[x]) for x in (25, 22, 24, 23)]
     r = engine.execute(move("restore", "disk", "device", [24, 22, 25, 23], keep_source=True))
-    assert isinstance(r, MoveAcked) and r.bytes_freed_src == 0 and r.checksums == [b.checksums[i] for i in (2, 1, 0, 3)]
+    assert isinstance(r, MoveAcked) and r.bytes_freed_src == 0 and r.checksum_list() == [b.checksum_list()[i] for i in (2, 1, 0, 3)]
     for x in data:
         assert torch.equal(words_of(engine, "device", x), data[x])
         if x != 20 and x != 21:
@@ -82,7 +82,7 @@ def test_every_copy_mode_moves_the_same_bytes(tmp_path, engine_device, mode):
         release(e, "device", [1, 4, 7])
         out = e.execute(move("evict", "device", "host", [9, 0, 5, 6, 2]))
         back = e.execute(move("restore", "host", "device", [6, 2, 9, 0, 5]))
-        assert back.checksums == [out.checksums[i] for i in (3, 4, 0, 1, 2)]
+        assert back.checksum_list() == [out.checksum_list()[i] for i in (3, 4, 0, 1, 2)]
         for b in (0, 2, 3, 5, 6, 8, 9):
             assert torch.equal(words_of(e, "device", b), data[b])
         e.check_integrity()

@@ -1,6 +1,7 @@
 """Events and messages: round trips, upcasting, and named errors for malformed input."""
 from __future__ import annotations
 
+import json
 import random
 
 import msgspec
@@ -122,3 +123,24 @@ def test_a_packed_run_decodes_only_when_each_row_holds_exactly_its_own_event():
     assert decode_packed(len(events) - 1, b"".join(payloads), types, _lengths(payloads)) is None
     broken = payloads[:i] + [b"\xc1"] + payloads[i + 1:]
     assert decode_packed(len(events), b"".join(broken), types, _lengths(broken)) is None
+
+
+def test_move_acked_carries_its_checksums_packed_and_a_v1_list_is_upcast_to_the_same_bytes():
+    rng = random.Random()
+    sums = [rng.getrandbits(64) for _ in range(rng.randint(1, 300))] + [0, (1 << 64) - 1]
+    head = ["MoveAcked", "m-7", 2, 4096 * len(sums), 4096 * len(sums), True, 11, 22]
+    packed = ev.pack_checksums(sums)
+    assert len(packed) == 8 * len(sums) and ev.unpack_checksums(packed) == sums
+    e = ev.MoveAcked(move_id="m-7", worker=2, bytes_moved=4096 * len(sums), bytes_freed_src=4096 * len(sums),
+                     checksum_ok=True, started_ns=11, finished_ns=22, checksums=packed)
+    assert ev.MoveAcked.SCHEMA_VERSION == 2
+    assert decode_event(encode_event(e), "MoveAcked", 2) == e
+    assert event_from_json_obj(event_to_json_obj(e)) == e
+    assert event_from_json_obj(json.loads(json.dumps(event_to_json_obj(e)))) == e             # plain json too
+    assert decode_event(msgspec.msgpack.encode([*head, sums]), "MoveAcked", 1) == e            # v1, a list
+    empty = decode_event(msgspec.msgpack.encode(head), "MoveAcked", 1)                         # v1, none
+    assert empty.checksums == b"" and empty.checksum_list() == []
+    with pytest.raises(ValueError, match=r"\[0, 2\^64\)"):
+        ev.pack_checksums([1 << 64])
+    with pytest.raises(ValueError, match="8 bytes each"):
+        ev.unpack_checksums(b"\x00" * 9)

@@ -30,6 +30,8 @@ def _value(rng: random.Random, t: mi.Type) -> Any:
         return _text(rng)
     if isinstance(t, mi.BoolType):
         return rng.random() < 0.5
+    if isinstance(t, mi.BytesType):
+        return rng.randbytes(8 * rng.randint(0, 6))
     if isinstance(t, mi.LiteralType):
         return rng.choice(t.values)
     if isinstance(t, mi.ListType):

@@ -160,7 +160,7 @@ def test_the_quiet_ledger_replays_clean_and_the_reference_never_moved(quiet):
     for e in events:
         ack = e.event
         if type(ack).__name__ == "MoveAcked" and ack.move_id in by_id:
-            for b, c in zip(by_id[ack.move_id].blocks, ack.checksums):
+            for b, c in zip(by_id[ack.move_id].blocks, ack.checksum_list()):
                 sums.setdefault(b, set()).add(c)
     assert sums and all(len(c) == 1 for c in sums.values())
 
