@@ -66,6 +66,10 @@ DEFAULT_COPY_MODES = {"d2h": "staged", "h2d": "staged"}
 # Moves submitted together start their links in turn by slices of this many blocks of their first
 # chunks (8 blocks of 2 MiB: ~0.3 ms on the link, ~0.08 ms of DMA enqueues each).
 FIRST_SLICE_BLOCKS = 8
+# ...and first chunks this many pipeline chunks long: each link stays busy while the engine thread
+# does both moves' bookkeeping (a one-chunk first chunk left the restore's link idle ~1.6 ms in a
+# trace on the H200: bench/results/moves-trace-2026-12-04-h200-run2.json, both_many).
+FIRST_CHUNKS_TOGETHER = 2
 _STARTED = object()
 
 
@@ -187,7 +191,7 @@ class Engine:
             mv = self._admit(cmd)
             if mv is None:
                 continue
-            steps = mv.start_in_slices(FIRST_SLICE_BLOCKS)
+            steps = mv.start_in_slices(FIRST_SLICE_BLOCKS, FIRST_CHUNKS_TOGETHER if len(cmds) > 1 else 1)
             starting.append((mv, steps))
             started.append(mv)
             if not self._step_start(mv, steps):

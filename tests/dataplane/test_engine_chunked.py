@@ -74,8 +74,10 @@ def test_moves_submitted_together_hand_their_links_the_first_chunks_a_slice_of_e
     monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
     data, log, cmds = _spill_and_restore(e, monkeypatch)
     t_out, t_in = e.submit_many(cmds)
-    # first chunks of 3 blocks, one block of each in turn; then two more chunks of each in turn
-    assert log == ["d2h", "h2d"] * 3 + ["d2h", "h2d"] * 2, log
+    # first chunks two pipeline chunks long (6 blocks), one block of each in turn; then the two
+    # chunks left of each (3 blocks and 1), in turn
+    assert engine_mod.FIRST_CHUNKS_TOGETHER == 2
+    assert log == ["d2h", "h2d"] * 6 + ["d2h", "h2d"] * 2, log
     a, b = e.wait(t_in), e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
     _landed_intact(e, data)
@@ -132,8 +134,8 @@ def test_a_move_whose_start_raises_in_submit_many_fails_alone(chunky, monkeypatc
     before_host = {b: words_of(e, "host", b).clone() for b in ids[5:]}
     real = dh.SpillToHost.claim
 
-    def claim(self):
-        real(self)                                # its host slots are claimed: they must come back
+    def claim(self, *args):
+        real(self, *args)                         # its host slots are claimed: they must come back
         raise RuntimeError("link went away")
 
     monkeypatch.setattr(dh.SpillToHost, "claim", claim)
