@@ -192,9 +192,11 @@ def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int], float
 
     NOTE: the wall time is submit -> answer only. Collecting the trace afterwards (a ``call`` on
     the loop, and waiting for the worker's MoveTimed) is the bench's own work, never the move's."""
+    spins0 = c.proc.spin.num_spins       # read racily from this thread: a count for the record only
     t0 = time.time_ns()
     ans = c.proc.submit(ask).result(600)
     t1 = time.time_ns()
+    spins = c.proc.spin.num_spins - spins0
     if ans.error or type(ans.events[0]).__name__ != "MoveAcked":
         raise RuntimeError(f"{ask.kind} through control: {ans}")
     e = ans.events[0]
@@ -205,7 +207,7 @@ def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int], float
         if "w_sent" in marks:
             break
         time.sleep(0.002)
-    marks.update(submit=t0, returned=t1, w_started=e.started_ns, w_finished=e.finished_ns)
+    marks.update(submit=t0, returned=t1, w_started=e.started_ns, w_finished=e.finished_ns, spin_polls=spins)
     return e, marks, (t1 - t0) / 1e9
 
 
@@ -349,6 +351,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, l
             kind = "evict" if rep % 2 == 0 else "restore"
             e, marks, wall = traced_move(c, AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks))
             runs.append((kind, wall, (e.finished_ns - e.started_ns) / 1e9, overheads(wall, marks), breakdown(marks)))
+            out.setdefault("spin_polls_per_move", []).append(marks["spin_polls"])
         spills = [r for r in runs if r[0] == "evict"]
         best = min(spills, key=lambda r: r[1])
         vs_engine = sorted(r[3]["control_overhead_vs_engine_call_s"] for r in spills
