@@ -72,15 +72,13 @@ class Cluster:
     """A control process in this process, one worker process, one ledger."""
 
     def __init__(self, url: str, engine: str, device: str, layout: str, device_blocks: int, host_bytes: int,
-                 durability: str = "normal", traced: bool = False, lane: bool = True, ack_spin_ms: float = -1.0,
-                 ack_spin_warm: bool = True):
+                 durability: str = "normal", traced: bool = False, lane: bool = True):
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
                             durability=durability, policy=PolicyConfig(pressure=False, park=False),
                             moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
-                            trace_moves=64 if traced else 0, ack_spin_before_ms=ack_spin_ms,
-                            ack_spin_warm=ack_spin_warm)
+                            trace_moves=64 if traced else 0)
         self.proc = ControlProc(self.store, cfg).start()
         argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
@@ -192,11 +190,9 @@ def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int], float
 
     NOTE: the wall time is submit -> answer only. Collecting the trace afterwards (a ``call`` on
     the loop, and waiting for the worker's MoveTimed) is the bench's own work, never the move's."""
-    spins0 = c.proc.spin.num_spins       # read racily from this thread: a count for the record only
     t0 = time.time_ns()
     ans = c.proc.submit(ask).result(600)
     t1 = time.time_ns()
-    spins = c.proc.spin.num_spins - spins0
     if ans.error or type(ans.events[0]).__name__ != "MoveAcked":
         raise RuntimeError(f"{ask.kind} through control: {ans}")
     e = ans.events[0]
@@ -207,7 +203,7 @@ def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int], float
         if "w_sent" in marks:
             break
         time.sleep(0.002)
-    marks.update(submit=t0, returned=t1, w_started=e.started_ns, w_finished=e.finished_ns, spin_polls=spins)
+    marks.update(submit=t0, returned=t1, w_started=e.started_ns, w_finished=e.finished_ns)
     return e, marks, (t1 - t0) / 1e9
 
 
@@ -270,16 +266,14 @@ def layout_bytes(spec: str) -> int:
     return layout_block_bytes(parse_layout(spec))
 
 
-# Ways through the control process the spill is measured (each its own worker): the worker's engine
-# lane on or off (dataplane/proc.py), the control polling awake near the predicted ack and reading
-# the move's blocks meanwhile (control/spin.py): (lane, spin before the ack ms, warm).
-VARIANTS = {"lane+spin": (True, 1.0, True), "lane+spin-nowarm": (True, 1.0, False), "lane": (True, 0.0, False),
-            "no-lane+spin": (False, 1.0, True), "no-lane": (False, 0.0, False)}
+# Ways through the control process the spill is measured (each its own worker): with the worker's
+# engine lane (the default; dataplane/proc.py) and without it. -> --lane / --no-lane of the worker.
+VARIANTS = {"lane": True, "no-lane": False}
 
 
 def default_variant() -> str:
-    """What ``residency serve`` runs on this host: the lane, and the spin where there are >= 8 CPUs."""
-    return "lane+spin" if (os.cpu_count() or 1) >= 8 else "lane"
+    """What ``residency serve`` runs."""
+    return "lane"
 
 
 def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
@@ -328,22 +322,21 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
     out["headline_variant"] = headline
     out["variants"] = {}
     for name in variants:
-        lane, spin_ms, warm = VARIANTS[name]
+        lane = VARIANTS[name]
         # a ledger of its own per variant (a second control on one ledger would write the first's worker off)
         vurl = url[:-3] + f"-{name}.db" if url.startswith("sqlite") and url.endswith(".db") else url
-        v = through_control(vurl, device, n, host_bytes, reps, lane, spin_ms, warm, out["in_process_s"])
+        v = through_control(vurl, device, n, host_bytes, reps, lane, out["in_process_s"])
         out["variants"][name] = v
         if name == headline:
             out.update(v)
     return out
 
 
-def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, lane: bool, spin_ms: float,
-                    warm: bool, in_process_s: float) -> dict:
+def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, lane: bool,
+                    in_process_s: float) -> dict:
     bb = layout_bytes(BIG_LAYOUT)
-    out: dict = {"lane": lane, "ack_spin_before_ms": spin_ms, "ack_spin_warm": warm}
-    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=lane, ack_spin_ms=spin_ms,
-                ack_spin_warm=warm)
+    out: dict = {"lane": lane}
+    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=lane)
     try:
         blocks = c.commit(n)
         runs = []
@@ -351,7 +344,6 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, l
             kind = "evict" if rep % 2 == 0 else "restore"
             e, marks, wall = traced_move(c, AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks))
             runs.append((kind, wall, (e.finished_ns - e.started_ns) / 1e9, overheads(wall, marks), breakdown(marks)))
-            out.setdefault("spin_polls_per_move", []).append(marks["spin_polls"])
         spills = [r for r in runs if r[0] == "evict"]
         best = min(spills, key=lambda r: r[1])
         vs_engine = sorted(r[3]["control_overhead_vs_engine_call_s"] for r in spills
@@ -404,7 +396,7 @@ def main() -> int:
     ap.add_argument("--control-only-reps", type=int, default=60,
                     help="1024-block moves through a no-copy worker (half evict, half restore)")
     ap.add_argument("--spill-variants", default=None,
-                    help=f"comma-separated, of {','.join(VARIANTS)}; default: all four on cuda, this host's default on cpu")
+                    help=f"comma-separated, of {','.join(VARIANTS)}; default: both on cuda, the default (lane) on cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.spill_reps is None:

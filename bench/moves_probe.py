@@ -9,7 +9,8 @@ blocks (1024 scattered 2 MiB blocks each way), aggregate GB/s, median of --reps,
                  host side, staged in one direction only, staged both ways with staging buffers of
                  16..128 blocks, staged both ways with chunks interleaved, with default-priority streams
     host         cProfile of Engine.submit for a 2 GiB spill and restore: where begin's host time goes
-    both         the engine's spill+restore wall, and when each move's first chunk was enqueued
+    both         the engine's spill+restore wall, and when each move's first chunk was enqueued:
+                 two submits, and submit_many with first chunks of 1, 2, 3 pipeline chunks
 
     python3 bench/moves_probe.py [--out probe.json]
 """
@@ -190,33 +191,46 @@ def host_profile(b: mb.Bench) -> dict:
 
 
 def both(b: mb.Bench, reps: int) -> dict:
-    """The engine's spill+restore, submitted one after the other and through submit_many."""
-    e = b.e
+    """The engine's spill+restore, submitted one after the other and through submit_many with
+    first chunks 1, 2 and 3 pipeline chunks long (``submit_many_x<k>``; the engine's default is
+    ``dataplane.engine.FIRST_CHUNKS_TOGETHER``), two interleaved rounds."""
+    import dataplane.engine as engine_mod
+
     res = {}
-    for how in ("sequential", "submit_many", "sequential", "submit_many"):
-        walls, marks = [], []
-        for _ in range(reps):
-            b.run(b.mv("evict", "device", "host", b.A))
-            torch.cuda.synchronize()
-            out_cmd, in_cmd = b.mv("evict", "device", "host", b.B), b.mv("restore", "host", "device", b.A)
-            t0 = time.perf_counter_ns()
-            if how == "sequential":
-                t_out = e.submit(out_cmd)
-                t_in = e.submit(in_cmd)
-            else:
-                t_out, t_in = e.submit_many([out_cmd, in_cmd])
-            po = dict(e._inflight[out_cmd.move_id].phases)
-            pi = dict(e._inflight[in_cmd.move_id].phases)
-            e.wait(t_in), e.wait(t_out)
-            walls.append((time.perf_counter_ns() - t0) / 1e9)
-            marks.append({f"spill.{k}": (v - t0) / 1e3 for k, v in po.items()}
-                         | {f"restore.{k}": (v - t0) / 1e3 for k, v in pi.items()})
-            b.run(b.mv("restore", "host", "device", b.B))
-        med = {k: statistics.median(m[k] for m in marks) for k in marks[0]}
+    hows = ("sequential", "submit_many_x1", "submit_many_x2", "submit_many_x3")
+    for how in hows + hows:
+        k = engine_mod.FIRST_CHUNKS_TOGETHER if how == "sequential" else int(how[-1])
+        with swapped(engine_mod, FIRST_CHUNKS_TOGETHER=k):
+            walls, marks = _both_reps(b, reps, how == "sequential")
+        med = {key: statistics.median(m[key] for m in marks) for key in marks[0]}
         r = res.setdefault(how, {"GBps": [], "walls_ms": [], "marks_us_median": med})
         r["GBps"].append(2 * b.bytes / statistics.median(walls) / GB)
         r["walls_ms"] += [1e3 * w for w in walls]
+    res["engine_default_first_chunks"] = engine_mod.FIRST_CHUNKS_TOGETHER
     return res
+
+
+def _both_reps(b: mb.Bench, reps: int, sequential: bool) -> tuple[list[float], list[dict]]:
+    e = b.e
+    walls, marks = [], []
+    for _ in range(reps):
+        b.run(b.mv("evict", "device", "host", b.A))
+        torch.cuda.synchronize()
+        out_cmd, in_cmd = b.mv("evict", "device", "host", b.B), b.mv("restore", "host", "device", b.A)
+        t0 = time.perf_counter_ns()
+        if sequential:
+            t_out = e.submit(out_cmd)
+            t_in = e.submit(in_cmd)
+        else:
+            t_out, t_in = e.submit_many([out_cmd, in_cmd])
+        po = dict(e._inflight[out_cmd.move_id].phases)
+        pi = dict(e._inflight[in_cmd.move_id].phases)
+        e.wait(t_in), e.wait(t_out)
+        walls.append((time.perf_counter_ns() - t0) / 1e9)
+        marks.append({f"spill.{k}": (v - t0) / 1e3 for k, v in po.items()}
+                     | {f"restore.{k}": (v - t0) / 1e3 for k, v in pi.items()})
+        b.run(b.mv("restore", "host", "device", b.B))
+    return walls, marks
 
 
 def dma_issue_cost(b: mb.Bench, reps: int) -> dict:

@@ -56,9 +56,7 @@ class MoveLifecycle:
         self.traces.mark(req.move_id, "committed")
         if self._send(link, moves.command_for(req)):
             self.traces.mark(req.move_id, "sent")
-            now = time.monotonic_ns()
-            self.book.sent(req.move_id, now)
-            self.spin.dispatched(req.move_id, (req.worker, req.src, req.dst), req.bytes_planned, now)
+            self.book.sent(req.move_id, time.monotonic_ns())
             self.faults.hit("crash_after_dispatch", delay_s=0.05)
 
     def _on_outcome(self, link: WorkerLink, msg) -> None:
@@ -68,10 +66,6 @@ class MoveLifecycle:
             self.traces.mark(msg.move_id, "decoded")
         verdict, event = moves.classify(self.state, link.worker, msg)
         self.metrics[f"outcome_{verdict}"] += 1
-        if type(msg) is ev.MoveAcked and self.spin.enabled:
-            mv = self.state.inflight.get(msg.move_id)
-            if mv is not None:
-                self.spin.learned((mv.worker, mv.src, mv.dst), msg.bytes_moved, msg.finished_ns - msg.started_ns)
         if verdict == moves.LATE_FAILURE:
             self._stranded_answered(msg.move_id)
         if event is None:
@@ -118,7 +112,6 @@ class MoveLifecycle:
         mv = self.state.inflight.get(mid) or self.state.stranded.get(mid)
         if mv is None:
             return
-        self.spin.settled(mid)
         recorded = [(self._record(e, correlation=mv.session, causation=mid), e)
                     for e in moves.settle_events(mv, event, self.cfg.moves)]
         if type(event) is not ev.MoveStranded:

@@ -298,22 +298,6 @@ class AskWaiter:
         return not self.open
 
 
-def warm(state: State, move_id: str) -> int:
-    """Read what folding ``move_id``'s ack will touch (its blocks' entries); changes nothing.
-    The control loop calls it while it waits awake for that ack (control/spin.py)."""
-    mv = state.inflight.get(move_id)
-    if mv is None:
-        return 0
-    n = 0
-    for b in map(state.blocks.get(mv.worker, _EMPTY).get, mv.blocks):
-        if b is not None and b.tiers:
-            n += 1
-    return n
-
-
-_EMPTY: dict = {}
-
-
 class BusyIndex:
     """Blocks named by a move without a settled outcome, per worker, kept as moves come and go
     (``policy.asks.busy_blocks`` recomputes the same from the state, for the pure callers).

@@ -55,7 +55,6 @@ from control.policy import PolicyConfig
 from control.policy.recency import Recency
 from control.probes import ControlFaults, MoveTraces
 from control.recorder import Recorder
-from control.spin import AckSpin
 from control.startstop import SERVER_VERSION, StartStop
 from control.state import State, encode_state, state_hash
 from control.transport import AskServer, WorkerRouter
@@ -95,11 +94,6 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     faults: str = ""                      # ControlFaults spec; off unless set (tests only)
     trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)
     gc_freeze: bool = True                # after recovery, freeze what exists out of the collector (until stop)
-    # poll awake from this long before a move's predicted end to ack_spin_after_ms past it
-    # (control/spin.py); -1: 1 ms on hosts with >= 8 CPUs, off on smaller ones (0 = off)
-    ack_spin_before_ms: float = -1.0
-    ack_spin_after_ms: float = 3.0
-    ack_spin_warm: bool = True            # while spinning, read the blocks the predicted ack will touch
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
@@ -141,10 +135,6 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
         self.metrics: collections.Counter = collections.Counter()
         self.traces = MoveTraces(config.trace_moves)
-        before = config.ack_spin_before_ms
-        if before < 0:
-            before = 1.0 if (os.cpu_count() or 1) >= 8 else 0.0
-        self.spin = AckSpin(before, config.ack_spin_after_ms if before > 0 else 0.0)
         # set by _recover()
         self.state = State()
         self.recency = Recency()
@@ -221,7 +211,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             problems.append(f"ledger back-pressure: queue full ({stats['queue_depth']})")
         metrics = {k: float(v) for k, v in dict(self.metrics).items()}
         metrics.update({f"ledger_{k}": float(v) for k, v in stats.items()})
-        metrics.update(loop_lag_ms=loop_lag / MS, commit_lag_ms=commit_lag / MS, ack_spin_polls=float(self.spin.num_spins))
+        metrics.update(loop_lag_ms=loop_lag / MS, commit_lag_ms=commit_lag / MS)
         return Health(healthy=not problems, problems=problems, metrics=metrics)
 
     def _post(self, item) -> None:
@@ -305,14 +295,10 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
 
     def _poll(self) -> None:
         self._beat_ns = now = time.monotonic_ns()
-        timeout_ms = -(-max(0, min(self._next.values()) - now) // MS)     # rounded up: no spin before a timer
-        timeout_ms = self.spin.timeout_ms(now, min(timeout_ms, 50))
-        if timeout_ms == 0 and self.cfg.ack_spin_warm:
-            mid = self.spin.warm_move(now)
-            if mid is not None:
-                moves.warm(self.state, mid)
+        # rounded up: a timer due in under a ms is waited for, not polled for in a busy loop
+        timeout_ms = -(-max(0, min(self._next.values()) - now) // MS)
         self._recorder.arm(self._wake)
-        events = dict(self._poller.poll(timeout_ms))
+        events = dict(self._poller.poll(min(timeout_ms, 50)))
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):

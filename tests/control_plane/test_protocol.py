@@ -743,26 +743,3 @@ def test_a_lane_of_a_worker_that_never_said_hello_is_not_taken_for_it(make_contr
     finally:
         lane.close()
 
-
-def test_with_ack_spin_on_the_loop_polls_awake_for_a_predicted_ack_then_sleeps_again(make_control, fake_worker,
-                                                                                     sqlite_url):
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_before_ms=5.0, ack_spin_after_ms=20.0)
-    blocks = commit_blocks(proc, fw, 4)
-    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks[:2]))
-    cmd = fw.expect(ExecuteMove)
-    assert proc.call(lambda p: p.spin.spin_at).result(5) is None        # no rate for the route yet
-    t = time.time_ns()
-    fw.send(fw.ack(cmd, started_ns=t, finished_ns=t + 10_000_000))      # 2 blocks in 10 ms
-    assert fut.result(5).error is None
-    fut = proc.submit(AskMove(ask_id="b", kind="evict", worker=0, blocks=blocks[2:]))
-    cmd = fw.expect(ExecuteMove)
-    spin_at, sent = proc.call(lambda p: (p.spin.spin_at, p.book.dispatched[cmd.move_id])).result(5)
-    assert spin_at == sent + 10_000_000                                  # predicted from the first ack
-    time.sleep(0.06)                                                     # the window (5 + 20 ms) passes
-    assert proc.call(lambda p: p.spin.spin_at).result(5) is None
-    assert proc.health().metrics["ack_spin_polls"] > 0
-    fw.send(fw.ack(cmd))                                                 # a late ack still lands
-    assert fut.result(5).error is None
-    proc.stop("done")
-    assert len(events_of(store, ev.MoveAcked)) == 2
-    check_ledger(store)
