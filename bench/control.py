@@ -178,7 +178,7 @@ PHASES = [
     ("worker: outcome encoded and sent", "w_engine_end", "w_sent"),
     ("outcome to the control's socket", "w_sent", "received"),
     ("control: decode outcome", "received", "decoded"),
-    ("control: classify, fold MoveAcked", "decoded", "recorded"),
+    ("control: classify, record MoveAcked (folded after the answer when it commits at once)", "decoded", "recorded"),
     ("control: commit MoveAcked, answer", "recorded", "answered"),
     ("answer reaches the asker", "answered", "returned"),
 ]

@@ -47,12 +47,12 @@ class Asks:
             log.warning("bad_ask", error=e.name, detail=e.detail)
             self._asks.send(e.identity, e.reply())
             return True
-        self._on_ask_guarded(msg, "operator", lambda reply, _id=identity: self._asks.send(_id, reply))
+        self._on_ask_guarded(msg, "operator", lambda reply, _id=identity: self._asks.send(_id, reply), True)
         return True
 
-    def _on_ask_guarded(self, msg, asker: str, reply: Callable) -> None:
+    def _on_ask_guarded(self, msg, asker: str, reply: Callable, off_loop: bool = False) -> None:
         try:
-            self._on_ask(msg, asker, reply)
+            self._on_ask(msg, asker, reply, off_loop)
         except (ControlError, LedgerDiverged):
             raise
         except Exception as e:  # noqa: BLE001 - answered, logged once; the loop goes on
@@ -60,7 +60,7 @@ class Asks:
             log.exception("ask_failed", ask=type(msg).__name__, asker=asker)
             reply(AskAnswered(ask_id=getattr(msg, "ask_id", ""), error="internal_error", detail=repr(e)))
 
-    def _on_ask(self, msg, asker: str, reply: Callable) -> None:
+    def _on_ask(self, msg, asker: str, reply: Callable, off_loop: bool = False) -> None:
         ask_id = getattr(msg, "ask_id", "")
         self._ask_ns = time.time_ns()
         if type(msg) is AskStatus:
@@ -69,6 +69,7 @@ class Asks:
         waiter = moves.AskWaiter(ask_id, lambda events, mids, error, detail: reply(AskAnswered(
             ask_id=ask_id, events=[e for _, e in events], seqs=[s for s, _ in events], move_ids=mids,
             error=error, detail=detail)), wait=getattr(msg, "wait", True))
+        waiter.off_loop = off_loop
         if self._stop_reason is not None:
             waiter.answer([], [], "shutting_down", "the control process is stopping")
             return
@@ -179,6 +180,19 @@ class Asks:
             mine = set(waiter.move_ids)
             need = max([need] + [s for s, req in self.book.awaiting_commit if req.move_id in mine])
         self._answers.append((need, waiter))
+
+    def _answer_off_loop(self) -> None:
+        """Answer now the committed askers that are off the loop's thread (a socket, another
+        thread's future); the others stay queued for ``_commits``."""
+        committed, answers = self._recorder.committed, self._answers
+        if not any(need <= committed and w.off_loop for need, w in answers):
+            return
+        later = [(need, w) for need, w in answers if need > committed or not w.off_loop]
+        now = [w for need, w in answers if need <= committed and w.off_loop]
+        answers.clear()
+        answers.extend(later)
+        for w in now:
+            self._answer(w)
 
     def _answer(self, waiter: moves.AskWaiter) -> None:
         if self.traces.keep:

@@ -73,7 +73,6 @@ class MoveLifecycle:
                      type=type(msg).__name__, why=getattr(msg, "reason", None) or getattr(msg, "error", None))
             return
         self._settle(msg.move_id, event)
-        self.traces.mark(msg.move_id, "recorded")
 
     def _on_timed(self, link: WorkerLink, msg: MoveTimed) -> None:
         if self.traces.keep and msg.move_id in self.traces.by_move:
@@ -108,22 +107,36 @@ class MoveLifecycle:
         return budget.stranded_toward(self.state, self.answered_stranded)
 
     def _settle(self, mid: str, event: ev.Event) -> None:
-        """Record a move's terminal (or late) event, its session follow-ups, and tell its asker."""
+        """Record a move's terminal (or late) event, its session follow-ups, and tell its asker.
+
+        An ack, when no commit of ours is in flight, takes the short way: its events are committed
+        here and an asker off the loop's thread (an operator's socket, the API's or a bench's
+        future) answered before they are folded (the fold of a 1024-block ack is most of the
+        control's work on it, ~0.15-0.4 ms on the H200). They are folded before this returns, so
+        nothing the loop runs (the next message, a policy, a checkpoint, a ``call``, a loop-thread
+        asker's callback) ever sees the state without them.
+        """
         mv = self.state.inflight.get(mid) or self.state.stranded.get(mid)
         if mv is None:
             return
-        recorded = [(self._record(e, correlation=mv.session, causation=mid), e)
+        short = type(event) is ev.MoveAcked and self._recorder.commits_inline
+        recorded = [(self._record(e, correlation=mv.session, causation=mid, fold_later=short), e)
                     for e in moves.settle_events(mv, event, self.cfg.moves)]
+        self.traces.mark(mid, "recorded")
+        if type(event) is not ev.MoveLateAcked:
+            waiter = self.book.settled(mid)
+            if waiter is not None:
+                waiter.events.extend(recorded)
+                waiter.open.discard(mid)
+                if waiter.done:
+                    self._answer_after(waiter)
+        if short:
+            self._recorder.flush()          # durable (inline commit) ...
+            self._answer_off_loop()         # ... then the answer to an asker off this thread ...
+            self._fold_deferred()           # ... then the bookkeeping (and any loop-thread asker)
+            self.traces.mark(mid, "folded")
         if type(event) is not ev.MoveStranded:
             self.busy.remove(mv.worker, mv.blocks)
-        if type(event) is ev.MoveLateAcked:
-            return
-        waiter = self.book.settled(mid)
-        if waiter is not None:
-            waiter.events.extend(recorded)
-            waiter.open.discard(mid)
-            if waiter.done:
-                self._answer_after(waiter)
 
     def _watch_deadlines(self) -> None:
         if self._commits_pending:

@@ -282,7 +282,7 @@ class AskWaiter:
     """Someone waiting for an ask's outcome: answered once every move it started has its terminal
     event (or at once with the refusal), after those events are committed."""
 
-    __slots__ = ("ask_id", "answer", "wait", "move_ids", "open", "events", "refs")
+    __slots__ = ("ask_id", "answer", "wait", "move_ids", "open", "events", "refs", "off_loop")
 
     def __init__(self, ask_id: str, answer: Callable, wait: bool = True):
         self.ask_id = ask_id
@@ -292,6 +292,7 @@ class AskWaiter:
         self.open: set[str] = set()     # move ids (or command refs) still without an outcome
         self.events: list[tuple[int, ev.Event]] = []
         self.refs: set[str] = set()
+        self.off_loop = False           # asked from off the loop's thread: may hear before the ack's fold
 
     @property
     def done(self) -> bool:

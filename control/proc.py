@@ -153,16 +153,22 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         """Hand an ask (AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus) to the
         loop; the future resolves to its AskAnswered / StatusReport once the outcome is committed."""
         fut: Future = Future()
-        self._post(("ask", ask, asker, fut.set_result))
+        self._post(("ask", ask, asker, fut.set_result, self._off_loop()))
         return fut
 
     def submit_many(self, asks, asker: str = "api") -> list["Future"]:
         """``submit`` for many asks at once: one wake of the loop, and their events share commits."""
         futs = [Future() for _ in asks]
         for ask, fut in zip(asks, futs):
-            self._inbox.put(("ask", ask, asker, fut.set_result))
+            self._inbox.put(("ask", ask, asker, fut.set_result, self._off_loop()))
         self._wake()
         return futs
+
+    def _off_loop(self) -> bool:
+        """The caller is not the loop's thread: its answer may come before the ack's fold
+        (MoveLifecycle._settle). Loop-thread askers (the serving path) react to an answer in a
+        future's callback, on the loop thread, reading the state: they hear after the fold."""
+        return threading.current_thread() is not self._thread
 
     def call(self, fn: Callable[["ControlProc"], Any]) -> "Future":
         """Run ``fn(self)`` on the loop's thread (the one place it may touch state and sockets)."""
@@ -323,8 +329,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                 return
             kind = item[0]
             if kind == "ask":
-                _, ask, asker, reply = item
-                self._on_ask_guarded(ask, asker, reply)
+                _, ask, asker, reply, off_loop = item
+                self._on_ask_guarded(ask, asker, reply, off_loop)
             elif kind == "call":
                 _, fn, fut = item
                 try:
@@ -397,18 +403,31 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                     self._checkpoint(now)
 
     # ================================================================== recording
-    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
+    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None,
+               fold_later: bool = False) -> int:
         """Fold ``event`` into the live state and queue it for the ledger; returns its seq.
         Loop thread only (handlers, ``call``). It is committed by the end of this loop iteration
-        (or handed to the group-commit writer, when commits are already in flight)."""
+        (or handed to the group-commit writer, when commits are already in flight).
+        ``fold_later``: folded (and the listeners told) at ``_fold_deferred``, which the caller
+        runs before its handler returns (MoveLifecycle._settle: commit and answer first)."""
         self.metrics[f"recorded_{type(event).__name__}"] += 1
-        seq = self._recorder.record(event, correlation, causation)
+        if self._recorder.unfolded and not fold_later:
+            self._fold_deferred()
+        seq = self._recorder.record(event, correlation, causation, fold_later)
+        if not fold_later:
+            self._tell_listeners(seq, event)
+        return seq
+
+    def _fold_deferred(self) -> None:
+        for rec in self._recorder.fold_deferred():
+            self._tell_listeners(rec.envelope.seq, rec.event)
+
+    def _tell_listeners(self, seq: int, event: ev.Event) -> None:
         for listener in self._listeners:
             try:
                 listener(seq, event)
             except Exception:  # noqa: BLE001 - a listener's bug must not stop the ledger's writer
                 log.exception("listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
-        return seq
 
     _record = record
 

@@ -21,6 +21,8 @@ class Recorder:
     """The producer side of the ledger: fold now, commit at the end of the loop's iteration.
 
         record(event)   folds it into the live state with the seq it will get; buffers it
+                        (``fold_later``: buffers it now, folds it at ``fold_deferred`` -- for an
+                        ack whose commit and answer go first, see MoveLifecycle._settle)
         flush()         writer idle (nothing of ours committing): append the buffer here, in one
                         transaction, now -- the lowest latency for a lone move;
                         otherwise hand it to the group-commit writer's thread, whose next batch
@@ -28,7 +30,8 @@ class Recorder:
         advance()       settle the writer's futures in order; the highest committed seq
 
     NOTE: both paths keep seq order: the inline path is taken only when no writer future of ours
-    is unresolved, and only this thread records.
+    is unresolved, and only this thread records. Folds keep seq order too: a record that folds at
+    once first folds whatever waits in ``fold_deferred``.
     """
 
     def __init__(self, store, writer, state: State, recency: Recency, epoch: int, faults: ControlFaults,
@@ -47,21 +50,45 @@ class Recorder:
         self._buffer: list[tuple[Envelope, ev.Event]] = []
         self._pending: collections.deque[tuple[int, Future, int]] = collections.deque()
         self._armed: Future | None = None
+        self._unfolded: list[tuple[Recorded, int]] = []       # recorded, not folded yet (ts for recency)
         self._inline_since = 0
         self.num_inline = self.num_handed = 0
 
-    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
+    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None,
+               fold_later: bool = False) -> int:
         ts = time.time_ns()
         self.producer_seq += 1
         seq = self.next_seq
         self.next_seq += 1
         env = Envelope(producer=PRODUCER, epoch=self.epoch, producer_seq=self.producer_seq, ts_ns=ts,
                        correlation_id=correlation, causation=causation, seq=seq)
-        self.recency.observe(self.state, event, ts)
-        fold(self.state, Recorded(env, event))
+        if fold_later:
+            self._unfolded.append((Recorded(env, event), ts))
+        else:
+            if self._unfolded:
+                self.fold_deferred()
+            self.recency.observe(self.state, event, ts)
+            fold(self.state, Recorded(env, event))
         self._buffer.append((env, event))
         self.faults.hit("crash_after_events")
         return seq
+
+    def fold_deferred(self) -> list[Recorded]:
+        """Fold the events recorded with ``fold_later``, in seq order; returns them."""
+        done, self._unfolded = self._unfolded, []
+        for rec, ts in done:
+            self.recency.observe(self.state, rec.event, ts)
+            fold(self.state, rec)
+        return [rec for rec, _ in done]
+
+    @property
+    def unfolded(self) -> bool:
+        return bool(self._unfolded)
+
+    @property
+    def commits_inline(self) -> bool:
+        """A flush now commits on this thread, at once (no commit of ours is in flight)."""
+        return not self._pending
 
     def flush(self) -> None:
         if not self._buffer:

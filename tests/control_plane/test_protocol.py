@@ -743,3 +743,56 @@ def test_a_lane_of_a_worker_that_never_said_hello_is_not_taken_for_it(make_contr
     finally:
         lane.close()
 
+
+
+def test_an_ack_is_committed_and_answered_before_its_fold_yet_nothing_else_sees_it_unfolded(make_control, fake_worker,
+                                                                                          sqlite_url):
+    """The short way of an ack (MoveLifecycle._settle): durable, then the asker's answer, then the
+    fold, all before the next message; listeners (the scheduler, reports) hear it folded."""
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
+    blocks = commit_blocks(proc, fw, 4)
+    heard = []
+    futs = []
+
+    def listener(seq, e):
+        if type(e) is ev.MoveAcked:
+            with LedgerStore.open(sqlite_url) as reader:
+                durable = any(r.seq == seq for r in reader.read(seq))
+            heard.append((e.move_id in proc.state.inflight, proc.busy.by_worker[0] & set(blocks[:2]),
+                          futs[0].done(), durable))
+
+    proc.call(lambda p: p.add_listener(listener)).result(5)
+    futs.append(proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks[:2])))
+    cmd = fw.expect(ExecuteMove)
+    fw.send(fw.ack(cmd))
+    assert futs[0].result(5).error is None
+    wait_for(lambda: heard, what="the listener heard the ack")
+    in_flight, busy, answered, durable = heard[0]
+    assert not in_flight and answered and durable        # folded when heard; answered and committed before
+    assert busy == set(blocks[:2])                      # the blocks are freed for others after the fold
+    assert proc.call(lambda p: p.busy.by_worker[0] & set(blocks[:2])).result(5) == set()
+    proc.stop("done")
+    state = check_ledger(store)
+    assert state.tier(0, "host").used_bytes == 2 * fw.block_bytes
+
+
+def test_an_asker_on_the_loop_thread_hears_of_an_ack_only_after_its_fold(make_control, fake_worker, sqlite_url):
+    """The serving path asks from the loop thread and reads the state in its future's callback:
+    that answer waits for the fold (only askers off the loop's thread hear before it)."""
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
+    blocks = commit_blocks(proc, fw, 4)
+    seen = []
+
+    def ask_on_loop(p):
+        f = p.submit(AskMove(ask_id="loop", kind="evict", worker=0, blocks=blocks[:2]))
+        f.add_done_callback(lambda f: seen.append((any(b in p.busy.by_worker.get(0, ()) for b in blocks[:2]),
+                                                   [m for m in p.state.inflight])))
+        return f
+
+    inner = proc.call(ask_on_loop).result(5)
+    cmd = fw.expect(ExecuteMove)
+    fw.send(fw.ack(cmd))
+    assert inner.result(5).error is None
+    assert seen == [(False, [])]             # folded (nothing in flight) and its blocks free, when heard
+    proc.stop("done")
+    check_ledger(store)
