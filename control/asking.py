@@ -47,10 +47,10 @@ class Asks:
             log.warning("bad_ask", error=e.name, detail=e.detail)
             self._asks.send(e.identity, e.reply())
             return True
-        self._on_ask_guarded(msg, "operator", lambda reply, _id=identity: self._asks.send(_id, reply), True)
+        self._on_ask_guarded(msg, "operator", lambda reply, _id=identity: self._asks.send(_id, reply), "socket")
         return True
 
-    def _on_ask_guarded(self, msg, asker: str, reply: Callable, off_loop: bool = False) -> None:
+    def _on_ask_guarded(self, msg, asker: str, reply: Callable, off_loop: str = "") -> None:
         try:
             self._on_ask(msg, asker, reply, off_loop)
         except (ControlError, LedgerDiverged):
@@ -60,7 +60,7 @@ class Asks:
             log.exception("ask_failed", ask=type(msg).__name__, asker=asker)
             reply(AskAnswered(ask_id=getattr(msg, "ask_id", ""), error="internal_error", detail=repr(e)))
 
-    def _on_ask(self, msg, asker: str, reply: Callable, off_loop: bool = False) -> None:
+    def _on_ask(self, msg, asker: str, reply: Callable, off_loop: str = "") -> None:
         ask_id = getattr(msg, "ask_id", "")
         self._ask_ns = time.time_ns()
         if type(msg) is AskStatus:
@@ -183,7 +183,12 @@ class Asks:
 
     def _answer_off_loop(self) -> None:
         """Answer now the committed askers that are off the loop's thread (a socket, another
-        thread's future); the others stay queued for ``_commits``."""
+        thread's future); the others stay queued for ``_commits``.
+
+        NOTE: a thread of this process woken by its answer still needs the GIL, which the loop
+        would hold through the fold that follows: after answering one, the loop sleeps
+        ``answer_yield_us`` so the asker takes its answer first (measured on the 2-vCPU VM, a
+        1024-block move's overhead p50 0.89 ms without, 0.59 ms with 50 us)."""
         committed, answers = self._recorder.committed, self._answers
         if not any(need <= committed and w.off_loop for need, w in answers):
             return
@@ -193,6 +198,9 @@ class Asks:
         answers.extend(later)
         for w in now:
             self._answer(w)
+        if self.cfg.answer_yield_us and any(w.off_loop == "thread" for w in now):
+            self.metrics["answer_yields"] += 1
+            time.sleep(self.cfg.answer_yield_us / 1e6)
 
     def _answer(self, waiter: moves.AskWaiter) -> None:
         if self.traces.keep:

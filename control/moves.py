@@ -292,7 +292,8 @@ class AskWaiter:
         self.open: set[str] = set()     # move ids (or command refs) still without an outcome
         self.events: list[tuple[int, ev.Event]] = []
         self.refs: set[str] = set()
-        self.off_loop = False           # asked from off the loop's thread: may hear before the ack's fold
+        self.off_loop = ""              # "thread" / "socket": asked from off the loop's thread, may hear
+                                        # before the ack's fold; "": the loop thread, hears after it
 
     @property
     def done(self) -> bool:

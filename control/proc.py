@@ -94,6 +94,9 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     faults: str = ""                      # ControlFaults spec; off unless set (tests only)
     trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)
     gc_freeze: bool = True                # after recovery, freeze what exists out of the collector (until stop)
+    # after answering a thread of this process before an ack's fold, the loop steps off the GIL
+    # this long so that thread can take its answer first (0: not at all); see Asks._answer_off_loop
+    answer_yield_us: int = 50
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
@@ -164,11 +167,12 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._wake()
         return futs
 
-    def _off_loop(self) -> bool:
-        """The caller is not the loop's thread: its answer may come before the ack's fold
-        (MoveLifecycle._settle). Loop-thread askers (the serving path) react to an answer in a
-        future's callback, on the loop thread, reading the state: they hear after the fold."""
-        return threading.current_thread() is not self._thread
+    def _off_loop(self) -> str:
+        """"thread" when the caller is another thread of this process: its answer may come
+        before the ack's fold (MoveLifecycle._settle). "" on the loop's thread: loop-thread
+        askers (the serving path) react to an answer in a future's callback, on the loop thread,
+        reading the state, so they hear after the fold."""
+        return "thread" if threading.current_thread() is not self._thread else ""
 
     def call(self, fn: Callable[["ControlProc"], Any]) -> "Future":
         """Run ``fn(self)`` on the loop's thread (the one place it may touch state and sockets)."""

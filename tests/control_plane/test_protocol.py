@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -794,5 +795,24 @@ def test_an_asker_on_the_loop_thread_hears_of_an_ack_only_after_its_fold(make_co
     fw.send(fw.ack(cmd))
     assert inner.result(5).error is None
     assert seen == [(False, [])]             # folded (nothing in flight) and its blocks free, when heard
+    proc.stop("done")
+    check_ledger(store)
+
+
+def test_the_loop_steps_off_the_gil_after_answering_a_thread_of_its_process_not_a_socket(make_control, fake_worker,
+                                                                                        sqlite_url, short_dir):
+    from control.transport import AskClient
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
+    blocks = commit_blocks(proc, fw, 4)
+    fut = proc.submit(AskMove(ask_id="thread", kind="evict", worker=0, blocks=blocks[:1]))
+    fw.send(fw.ack(fw.expect(ExecuteMove)))
+    assert fut.result(5).error is None
+    assert proc.health().metrics["answer_yields"] == 1
+    client = AskClient(f"ipc://{short_dir}/c.sock", timeout_s=5)
+    with ThreadPoolExecutor(1) as pool:          # the operator's CLI: an answer over its socket
+        ans = pool.submit(client.ask, AskMove(ask_id="cli", kind="evict", worker=0, blocks=blocks[1:2]))
+        fw.send(fw.ack(fw.expect(ExecuteMove)))
+        assert ans.result(10).error is None
+    assert proc.health().metrics["answer_yields"] == 1
     proc.stop("done")
     check_ledger(store)
