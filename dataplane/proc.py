@@ -9,6 +9,7 @@ Two threads, two sockets:
                         engine's commands arrive there and their replies leave from there, so a
                         move's command and its ack each skip a hand-over between the threads
                         (a wake of a sleeping thread: ~0.1 ms each way on an idle host).
+                        Its loop with the lane is dataplane/lane.py.
 
 Without the lane (``--no-lane``, or any fault hook on replies: they run on the I/O thread's timers)
 the I/O thread hands every command to the engine thread and sends what comes back, as before.
@@ -41,27 +42,21 @@ import structlog
 import zmq
 
 from dataplane.serving_worker import add_serving_args
+from dataplane.lane import EngineLane
 from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError, lane_identity_of
-from dataplane.worker import NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord
-from events import catalog as ev
+from dataplane.worker import OUTCOMES, NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord, command_ref
 from events.codec import encode_message
 from events.commands import (
-    BlocksReleased, ErrorReply, ExecuteMove, Hello, LaneHello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks,
-    Shutdown,
+    BlocksReleased, ErrorReply, ExecuteMove, Hello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
 from events.logconfig import configure_logging
 
 log = structlog.get_logger("dataplane.proc")
 MS = 1_000_000
-OUTCOMES = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, BlocksReleased)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def _ref(cmd) -> str | None:
-    return getattr(cmd, "move_id", None) or getattr(cmd, "release_id", None) or getattr(cmd, "request_id", None)
-
-
-class WorkerProc:
+class WorkerProc(EngineLane):
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
                  report_timings: bool = False, lane: bool = True, ctx: zmq.Context | None = None):
@@ -174,116 +169,12 @@ class WorkerProc:
                 return
             self._run_handed(cmd)
 
-    def _lane_loop(self) -> None:
-        """The engine thread with its own socket: commands from the lane run here and their replies
-        leave from here. Commands the I/O thread hands over (a control that ignores the lane)
-        still run in order, their replies sent from the I/O thread."""
-        lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
-        poller = zmq.Poller()
-        poller.register(lane.sock, zmq.POLLIN)
-        poller.register(self._engine_wake_r, zmq.POLLIN)
-        try:
-            while True:
-                if self._lane_hello_due:
-                    self._lane_hello_due = False
-                    lane.send(LaneHello(worker=self.worker, epoch=self.epoch))
-                while True:           # handed over by the I/O thread (None: stop)
-                    try:
-                        cmd = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if cmd is None:
-                        return
-                    self._run_handed(cmd)
-                bg = self.core.background
-                busy = bg is not None and bg[0]()
-                ready = dict(poller.poll(0 if busy else 100))
-                if self._engine_wake_r in ready:
-                    try:
-                        while os.read(self._engine_wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                ran = False
-                if lane.sock in ready:
-                    for _ in range(64):
-                        recv_ns = time.time_ns()
-                        try:
-                            cmd = lane.recv()
-                        except zmq.Again:
-                            break
-                        except WorkerTransportError as e:
-                            self.log.warning("bad_control_message", error=e.name, detail=e.detail, lane=True)
-                            lane.send(ErrorReply(error=e.name, detail=e.detail))
-                            continue
-                        ran = True
-                        self._lane_command(lane, cmd, recv_ns)
-                        if self._lane_hello_due or not self._jobs.empty():
-                            break
-                if busy and not ran:
-                    self._lane_background_step(lane, bg[1])
-        finally:
-            lane.close()
-
-    def _lane_command(self, lane: ControlLink, cmd, recv_ns: int) -> None:
-        t = type(cmd)
-        if t is ExecuteMove or t is ReleaseBlocks:
-            ref = _ref(cmd)
-            verdict, replies = self.record.claim(ref)
-            if verdict == self.record.DUPLICATE:       # the same answer again
-                for r in replies:
-                    lane.send(r)
-                return
-            if verdict == self.record.TOMBSTONED:
-                self.log.warning("tombstoned_command_refused", ref=ref)
-                self._lane_deliver(lane, cmd, self.record.refusal(cmd))
-                return
-            if verdict == self.record.RUNNING:
-                return
-        elif t is ErrorReply:     # e.g. unknown_worker from a restarted control: the I/O thread says Hello
-            self.log.info("control_error_on_lane", error=cmd.error, detail=cmd.detail)
-            return
-        elif t not in self.core.handlers:
-            lane.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the engine lane"))
-            return
-        queued_ns = time.time_ns()
-        t0 = time.time_ns()
-        replies = self._run_core(cmd)
-        t1 = time.time_ns()
-        sent_ns = self._lane_deliver(lane, cmd, replies)
-        if self.report_timings and t in (ExecuteMove, ReleaseBlocks):
-            lane.send(MoveTimed(move_id=_ref(cmd), worker=self.worker, received_ns=recv_ns, queued_ns=queued_ns,
-                                engine_start_ns=t0, engine_end_ns=t1, sent_ns=sent_ns))
-
-    def _lane_deliver(self, lane: ControlLink, cmd, replies: list) -> int:
-        """Record (for QueryMoves and duplicates), then send; returns when the outcome went (ns)."""
-        if type(cmd) in (ExecuteMove, ReleaseBlocks):
-            self.record.note(_ref(cmd), replies, time.time_ns())
-        sent_ns = 0
-        for r in replies:
-            if isinstance(r, OUTCOMES):
-                payload = encode_message(r)
-                sent_ns = time.time_ns()
-                lane.send_bytes(payload)
-            else:
-                lane.send(r)
-        return sent_ns
-
-    def _lane_background_step(self, lane: ControlLink, step) -> None:
-        try:
-            replies = step()
-        except Exception as e:  # noqa: BLE001 - a bug in the serving loop must not kill the worker
-            self.log.error("background_step_raised", error=repr(e), exc_info=True)
-            replies = [ErrorReply(error="background_step_raised", detail=repr(e))]
-        for r in replies or ():
-            lane.send(r)
-
     def _run_core(self, cmd) -> list:
         try:
             return self.core.run(cmd)
         except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the worker
-            self.log.error("command_raised", type=type(cmd).__name__, ref=_ref(cmd), error=repr(e), exc_info=True)
-            return [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {_ref(cmd)}: {e!r}")]
+            self.log.error("command_raised", type=type(cmd).__name__, ref=command_ref(cmd), error=repr(e), exc_info=True)
+            return [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {command_ref(cmd)}: {e!r}")]
 
     def _run_handed(self, cmd) -> None:
         """A command the I/O thread handed over: run it; the I/O thread sends its replies."""
@@ -339,7 +230,7 @@ class WorkerProc:
         elif t is ErrorReply:
             self._on_error(cmd)
         elif t is ExecuteMove or t is ReleaseBlocks:
-            ref = _ref(cmd)
+            ref = command_ref(cmd)
             verdict, replies = self.record.claim(ref)
             if verdict == self.record.DUPLICATE:     # a duplicate command: the same answer again
                 for r in replies:
@@ -372,9 +263,9 @@ class WorkerProc:
             except queue.Empty:
                 return
             self._send_replies(cmd, replies)
-            marks = self._timings.pop(_ref(cmd), None) if self._timings and cmd is not None else None
+            marks = self._timings.pop(command_ref(cmd), None) if self._timings and cmd is not None else None
             if marks is not None and engine_ns is not None:
-                self.link.send(MoveTimed(move_id=_ref(cmd), worker=self.worker, received_ns=marks[0],
+                self.link.send(MoveTimed(move_id=command_ref(cmd), worker=self.worker, received_ns=marks[0],
                                          queued_ns=marks[1], engine_start_ns=engine_ns[0],
                                          engine_end_ns=engine_ns[1], sent_ns=self._sent_ns))
 
@@ -385,9 +276,9 @@ class WorkerProc:
                 replies = [msgspec.structs.replace(replies[0], bytes_freed=0)]
             silent = self.faults.roll("silent_release")
         if type(cmd) in (ExecuteMove, ReleaseBlocks):
-            self.record.note(_ref(cmd), replies, time.time_ns())
+            self.record.note(command_ref(cmd), replies, time.time_ns())
         if silent:
-            self.log.warning("fault_silent_release", ref=_ref(cmd))
+            self.log.warning("fault_silent_release", ref=command_ref(cmd))
             return
         for r in replies:
             if isinstance(r, OUTCOMES):

@@ -28,6 +28,13 @@ from events.commands import (
 
 log = structlog.get_logger("dataplane.worker")
 Outcome = ev.MoveAcked | ev.MoveFailed | ev.MoveRejected
+# replies that are a command's outcome (encoded once, and held or dropped by the reply faults)
+OUTCOMES = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, BlocksReleased)
+
+
+def command_ref(cmd) -> str | None:
+    """The id a command is known by: its move_id, release_id or request_id."""
+    return getattr(cmd, "move_id", None) or getattr(cmd, "release_id", None) or getattr(cmd, "request_id", None)
 
 
 class WorkerFaults:

@@ -57,27 +57,18 @@ def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(ch
     _landed_intact(e, data)
 
 
-def test_moves_submitted_together_all_reach_the_link_before_any_second_chunk(chunky, monkeypatch):
-    e = chunky
-    data, log, cmds = _spill_and_restore(e, monkeypatch)
-    t_out, t_in = e.submit_many(cmds)
-    assert log == ["d2h", "h2d"] * 3, "both first chunks, then two more of each in turn"
-    a, b = e.wait(t_in), e.wait(t_out)
-    assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
-    _landed_intact(e, data)
-
-
-def test_moves_submitted_together_hand_their_links_the_first_chunks_a_slice_of_each_in_turn(chunky, monkeypatch):
+@pytest.mark.parametrize("slice_blocks, pairs", [(8, 3), (1, 8)], ids=["one-slice", "block-by-block"])
+def test_moves_submitted_together_reach_the_link_in_turn_then_advance_in_turn(chunky, monkeypatch, slice_blocks, pairs):
+    """First chunks two pipeline chunks long (6 blocks: one slice of 8, or 6 slices of 1), a slice of
+    each move in turn; then the two chunks left of each (3 blocks and 1), in turn."""
     import dataplane.engine as engine_mod
 
     e = chunky
-    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
+    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", slice_blocks)
     data, log, cmds = _spill_and_restore(e, monkeypatch)
     t_out, t_in = e.submit_many(cmds)
-    # first chunks two pipeline chunks long (6 blocks), one block of each in turn; then the two
-    # chunks left of each (3 blocks and 1), in turn
     assert engine_mod.FIRST_CHUNKS_TOGETHER == 2
-    assert log == ["d2h", "h2d"] * 6 + ["d2h", "h2d"] * 2, log
+    assert log == ["d2h", "h2d"] * pairs, log
     a, b = e.wait(t_in), e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
     _landed_intact(e, data)
@@ -85,7 +76,6 @@ def test_moves_submitted_together_hand_their_links_the_first_chunks_a_slice_of_e
 
 def test_a_move_failing_half_way_through_its_first_chunk_fails_alone(chunky, monkeypatch):
     import dataplane.engine as engine_mod
-    import dataplane.moves.device_host as dh
 
     e = chunky
     monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)

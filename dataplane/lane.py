@@ -1,0 +1,132 @@
+"""The engine lane: a worker's engine thread with a socket of its own (``WorkerProc``'s mixin).
+
+The control process sends the engine's commands to the lane once its ``LaneHello`` arrived
+(control/links.py); they run here in arrival order and their replies leave from here, so a move's
+command and its ack each skip a hand-over between the worker's two threads (a wake of a sleeping
+thread: ~0.1 ms each way on an idle host). The I/O thread keeps its own socket for Hello,
+heartbeats, ``QueryMoves`` and ``Shutdown``, answered at once even mid-move; the record of what
+ran (``WorkerRecord``) is shared between the two threads under its lock, so a command still
+unread on the lane when a ``QueryMoves`` reports it unknown is refused when it is read.
+
+The fields it uses are ``WorkerProc``'s (dataplane/proc.py).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import zmq
+
+from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
+from dataplane.worker import OUTCOMES, command_ref
+from events.codec import encode_message
+from events.commands import ErrorReply, ExecuteMove, LaneHello, MoveTimed, ReleaseBlocks
+
+
+class EngineLane:
+    """The engine thread's loop with a lane (a part of WorkerProc; engine thread only)."""
+
+    def _lane_loop(self) -> None:
+        """The engine thread with its own socket: commands from the lane run here and their replies
+        leave from here. Commands the I/O thread hands over (a control that ignores the lane)
+        still run in order, their replies sent from the I/O thread."""
+        lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
+        poller = zmq.Poller()
+        poller.register(lane.sock, zmq.POLLIN)
+        poller.register(self._engine_wake_r, zmq.POLLIN)
+        try:
+            while True:
+                if self._lane_hello_due:
+                    self._lane_hello_due = False
+                    lane.send(LaneHello(worker=self.worker, epoch=self.epoch))
+                while True:           # handed over by the I/O thread (None: stop)
+                    try:
+                        cmd = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if cmd is None:
+                        return
+                    self._run_handed(cmd)
+                bg = self.core.background
+                busy = bg is not None and bg[0]()
+                ready = dict(poller.poll(0 if busy else 100))
+                if self._engine_wake_r in ready:
+                    try:
+                        while os.read(self._engine_wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                ran = False
+                if lane.sock in ready:
+                    for _ in range(64):
+                        recv_ns = time.time_ns()
+                        try:
+                            cmd = lane.recv()
+                        except zmq.Again:
+                            break
+                        except WorkerTransportError as e:
+                            self.log.warning("bad_control_message", error=e.name, detail=e.detail, lane=True)
+                            lane.send(ErrorReply(error=e.name, detail=e.detail))
+                            continue
+                        ran = True
+                        self._lane_command(lane, cmd, recv_ns)
+                        if self._lane_hello_due or not self._jobs.empty():
+                            break
+                if busy and not ran:
+                    self._lane_background_step(lane, bg[1])
+        finally:
+            lane.close()
+
+    def _lane_command(self, lane: ControlLink, cmd, recv_ns: int) -> None:
+        t = type(cmd)
+        if t is ExecuteMove or t is ReleaseBlocks:
+            ref = command_ref(cmd)
+            verdict, replies = self.record.claim(ref)
+            if verdict == self.record.DUPLICATE:       # the same answer again
+                for r in replies:
+                    lane.send(r)
+                return
+            if verdict == self.record.TOMBSTONED:
+                self.log.warning("tombstoned_command_refused", ref=ref)
+                self._lane_deliver(lane, cmd, self.record.refusal(cmd))
+                return
+            if verdict == self.record.RUNNING:
+                return
+        elif t is ErrorReply:     # e.g. unknown_worker from a restarted control: the I/O thread says Hello
+            self.log.info("control_error_on_lane", error=cmd.error, detail=cmd.detail)
+            return
+        elif t not in self.core.handlers:
+            lane.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the engine lane"))
+            return
+        queued_ns = time.time_ns()
+        t0 = time.time_ns()
+        replies = self._run_core(cmd)
+        t1 = time.time_ns()
+        sent_ns = self._lane_deliver(lane, cmd, replies)
+        if self.report_timings and t in (ExecuteMove, ReleaseBlocks):
+            lane.send(MoveTimed(move_id=command_ref(cmd), worker=self.worker, received_ns=recv_ns, queued_ns=queued_ns,
+                                engine_start_ns=t0, engine_end_ns=t1, sent_ns=sent_ns))
+
+    def _lane_deliver(self, lane: ControlLink, cmd, replies: list) -> int:
+        """Record (for QueryMoves and duplicates), then send; returns when the outcome went (ns)."""
+        if type(cmd) in (ExecuteMove, ReleaseBlocks):
+            self.record.note(command_ref(cmd), replies, time.time_ns())
+        sent_ns = 0
+        for r in replies:
+            if isinstance(r, OUTCOMES):
+                payload = encode_message(r)
+                sent_ns = time.time_ns()
+                lane.send_bytes(payload)
+            else:
+                lane.send(r)
+        return sent_ns
+
+    def _lane_background_step(self, lane: ControlLink, step) -> None:
+        try:
+            replies = step()
+        except Exception as e:  # noqa: BLE001 - a bug in the serving loop must not kill the worker
+            self.log.error("background_step_raised", error=repr(e), exc_info=True)
+            replies = [ErrorReply(error="background_step_raised", detail=repr(e))]
+        for r in replies or ():
+            lane.send(r)
