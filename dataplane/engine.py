@@ -164,6 +164,40 @@ class Engine:
         """Bytes taken on each tier, including slots reserved by moves in flight."""
         return {t: self.pool(t).used_bytes for t in ("device", "host", "disk")}
 
+    # ------------------------------------------------------------ warm-up
+    WARM_UP_IDS_FROM = 1 << 62          # block ids no caller uses: [2^62, 2^62 + n)
+
+    def warm_up(self) -> dict:
+        """Run the move paths once on scratch blocks before any command: a 1-block spill and
+        restore (the first chunk alone) and, room allowing, one a pipeline chunk longer than the
+        first (every chunked kernel), then free them. On a GPU the first move of a process
+        otherwise compiles (or loads) its Triton kernels: ~0.1 s measured on the H200 on the
+        first 1-block spill. Leaves no block, slot, reservation or checksum behind (the outcomes
+        of its moves stay in the engine's memory under ``warm-up-*`` ids, never reported).
+        Returns what it did and how long it took."""
+        t0 = time.perf_counter()
+        room = min(self.device_pool.table.num_free, self.host_pool.table.num_free)
+        sizes = [n for n in (1, self.ctx.pipeline_blocks + 1) if n <= room]
+        for k, n in enumerate(sizes):
+            ids = list(range(self.WARM_UP_IDS_FROM, self.WARM_UP_IDS_FROM + n))
+            self.commit_blocks(CommitBlocks(request_id=f"warm-up-{k}", session=None, tier="device", blocks=ids,
+                                            seed=k))
+            try:
+                for step, (kind, src, dst) in enumerate((("evict", "device", "host"), ("restore", "host", "device"))):
+                    out = self.execute(ExecuteMove(move_id=f"warm-up-{k}-{step}", kind=kind, src=src, dst=dst,
+                                                   blocks=ids, keep_source=False,
+                                                   deadline_ns=self.clock() + 600 * 10**9))
+                    if not isinstance(out, MoveAcked):
+                        raise DataPlaneError(f"warm-up {kind} of {n} blocks: {out}")
+            finally:
+                for tier in ("device", "host"):
+                    held = [b for b in ids if self.pool(tier).holds(b)]
+                    if held:
+                        self.pool(tier).free(held)
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+        return {"blocks": sizes, "seconds": time.perf_counter() - t0}
+
     # ------------------------------------------------------------ moves
     def execute(self, cmd: ExecuteMove) -> Outcome:
         return self.wait(self.submit(cmd))

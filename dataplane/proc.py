@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="fault hooks for tests (see dataplane.worker.WorkerFaults); off by default")
     p.add_argument("--control-silent-s", type=float, default=1.0)
     p.add_argument("--orphan-exit-s", type=float, default=60.0)
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each move path once on scratch blocks before Hello (default: on a GPU)")
     p.add_argument("--lane", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine thread's own socket for the engine's commands and replies (default on)")
     p.add_argument("--report-timings", action="store_true",
@@ -415,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     if faults.enabled:
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     core, block_bytes = build_core(args, faults)
+    warm = args.warm_up if args.warm_up is not None else args.device.startswith("cuda")
+    if warm and hasattr(core.engine, "warm_up"):     # before Hello: the first move pays no kernel compile
+        did = core.engine.warm_up()
+        log.info("engine_warmed_up", worker=args.worker, blocks=did["blocks"], ms=round(1e3 * did["seconds"], 1))
     # NOTE: what exists now (torch, the engine, its pools and tables) lives as long as this process:
     # frozen out of the collector, a full collection scans only what came after (with torch
     # imported a full collection of everything takes ~90 ms, a pause between a command and its ack).

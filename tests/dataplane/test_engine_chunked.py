@@ -253,3 +253,24 @@ def test_a_move_that_fails_after_claiming_its_slots_gives_them_back(chunky, monk
     out = e.execute(move(kind, src, dst, ids))
     assert isinstance(out, MoveFailed) and "could not be written" in out.error, out
     assert_same(before, snapshot(e))
+
+
+def test_warm_up_runs_every_move_path_and_leaves_nothing_behind(chunky, monkeypatch):
+    """Engine.warm_up (run by a GPU worker before its Hello): a 1-block spill and restore and one
+    a pipeline chunk longer than the first chunk, on scratch ids, then freed. The pools, checksums
+    and bytes of the blocks already there are as before; a block can be committed under any id."""
+    e = chunky
+    data = commit(e, "device", list(range(6)))
+    assert isinstance(e.execute(move("evict", "device", "host", [4, 5])), MoveAcked)
+    before = snapshot(e)
+    real, log = copy_mod.Copier.enqueue, []
+    monkeypatch.setattr(copy_mod.Copier, "enqueue", lambda self, lo, hi: (log.append((self.direction, self.mode)),
+                                                                         real(self, lo, hi)))
+    did = e.warm_up()
+    assert did["blocks"] == [1, 3 + 1]              # a first chunk alone, and one chunk past it
+    assert ("d2h", "staged") in log and ("h2d", "staged") in log and ("d2h", "dma") in log
+    assert_same(before, snapshot(e))
+    e.check_integrity()
+    assert isinstance(e.execute(move("restore", "host", "device", [4, 5])), MoveAcked)
+    for b in range(6):
+        assert torch.equal(words_of(e, "device", b), data[b])
