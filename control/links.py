@@ -5,7 +5,9 @@
     silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
     a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
     Hello.lane (the worker's engine lane) ─► the engine's commands wait for the lane's LaneHello,
-                   then go to the lane; Ping, QueryMoves and Shutdown always go to the Hello socket
+                   then go to the lane; Ping, QueryMoves and Shutdown always go to the Hello socket;
+                   no LaneHello within lane_wait_s ─► the lane is given up: held and later commands
+                   go to the Hello socket (the worker's I/O thread hands them to its engine in order)
 
 ``WorkerLinks`` is a part of ``ControlProc`` (control/proc.py), run on its loop thread. It reads and
 sets the loop's fields made by ``StartStop._recover``: ``state``, ``roster``, ``book``, ``busy``,
@@ -39,7 +41,7 @@ class WorkerLink:
     heard, and the move ids it has been asked about (QueryMoves) and not yet answered for."""
 
     __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "asked", "last_query_ns", "device",
-                 "lane", "lane_up", "held")
+                 "lane", "lane_up", "held", "lane_by_ns")
 
     def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int, lane: bytes | None = None):
         self.worker, self.identity, self.epoch, self.device = worker, identity, epoch, device
@@ -50,6 +52,7 @@ class WorkerLink:
         self.lane = lane              # the engine lane's identity, or None (everything to ``identity``)
         self.lane_up = False          # its LaneHello came: commands may go there
         self.held: list = []          # engine commands waiting for the lane to come up
+        self.lane_by_ns = 0           # when the lane must be up (monotonic), or it is given up
 
 
 class WorkerLinks:
@@ -150,6 +153,19 @@ class WorkerLinks:
         for msg in held:
             self._send(link, msg)
 
+    def _give_up_lane(self, link: WorkerLink) -> None:
+        """No LaneHello in time: everything for this incarnation goes to its Hello socket (one
+        path from now on, so the engine's commands keep their order)."""
+        self.metrics["lanes_given_up"] += 1
+        log.warning("worker_lane_not_up", worker=link.worker, lane=link.lane.decode(errors="replace"),
+                    waited_s=self.cfg.lane_wait_s, held=len(link.held))
+        if self._lanes.get(link.lane) is link:
+            del self._lanes[link.lane]
+        link.lane = None
+        held, link.held = link.held, []
+        for msg in held:
+            self._send(link, msg)
+
     def _on_hello(self, link: WorkerLink, msg: Hello) -> None:
         if msg.epoch == link.epoch:      # the worker thought we restarted; ask again what it knows
             self._query(link, recovery.asked_of(self.state, link.worker, self.book))
@@ -187,6 +203,7 @@ class WorkerLinks:
         link = WorkerLink(w, identity, msg.epoch, msg.device, now, lane)
         self._links[identity] = self._by_worker[w] = link
         if lane is not None:
+            link.lane_by_ns = now + int(self.cfg.lane_wait_s * S)
             self._lanes[lane] = link
             if self._early_lanes.pop(lane, None) == msg.epoch:
                 link.lane_up = True
@@ -225,6 +242,8 @@ class WorkerLinks:
         ping = Ping(nonce=now & 0x7FFFFFFF, ts_ns=time.time_ns())
         for link in list(self._links.values()):
             self._send(link, ping)
+            if link.lane is not None and not link.lane_up and now > link.lane_by_ns:
+                self._give_up_lane(link)
         for w, until in list(self._adopting.items()):
             if now > until:
                 del self._adopting[w]

@@ -74,6 +74,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     ping_interval_s: float = 0.25
     heartbeat_missed_s: float = 1.5
     worker_lost_s: float = 5.0
+    lane_wait_s: float = 2.0              # a lane named in Hello but silent this long: use the Hello socket
     adopt_grace_s: float = 3.0            # after a crash: how long workers have to come back
     requery_interval_s: float = 1.0       # ask workers again about stranded moves (late acks)
     deadline_grace_s: float = 1.0         # past a move's deadline, wait this long for the worker's own

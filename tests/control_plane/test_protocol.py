@@ -816,3 +816,26 @@ def test_the_loop_steps_off_the_gil_after_answering_a_thread_of_its_process_not_
     assert proc.health().metrics["answer_yields"] == 1
     proc.stop("done")
     check_ledger(store)
+
+
+def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_the_hello_socket(
+        make_control, fake_worker, sqlite_url):
+    from events.commands import CommitBlocks, Hello as H, BlocksWritten
+    proc, store = make_control(sqlite_url, ping_interval_s=0.05, lane_wait_s=0.3)
+    fw = fake_worker()
+    fw.send(H(worker=0, epoch=fw.epoch, device="cpu", tiers=fw.tiers, block_bytes=fw.block_bytes, lane="w0.lane"))
+    wait_for(lambda: joined(proc), what="worker joined")
+    from events.commands import AskCommitBlocks
+    fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=2))
+    t0 = time.monotonic()
+    cmd = fw.expect(CommitBlocks, timeout=5)              # held, then sent here once the lane is given up
+    assert time.monotonic() - t0 >= 0.2
+    fw.send(BlocksWritten(request_id=cmd.request_id, worker=0, tier="device", blocks=cmd.blocks,
+                          bytes=2 * fw.block_bytes, keys=["", ""]))
+    assert fut.result(5).error is None
+    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=cmd.blocks))
+    fw.send(fw.ack(fw.expect(ExecuteMove)))               # and so is every later command
+    assert fut.result(5).error is None
+    assert proc.health().metrics["lanes_given_up"] == 1
+    proc.stop("done")
+    check_ledger(store)
