@@ -23,6 +23,7 @@ import zmq
 
 from events import catalog as ev
 from events.commands import ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown
+from ledger.errors import LedgerError
 from control import recovery, watchdog
 from control.errors import ControlError, LedgerDiverged
 from control.transport import (
@@ -124,8 +125,8 @@ class WorkerLinks:
             return True
         try:
             handler(link, msg)
-        except (ControlError, LedgerDiverged):
-            raise
+        except (ControlError, LedgerDiverged, LedgerError):
+            raise       # the ledger failing (an ack commits inside its handler) ends the loop
         except Exception:  # noqa: BLE001 - one message's bug must not stop the control process
             self.metrics["handler_failed"] += 1
             log.exception("worker_message_handler_failed", type=type(msg).__name__, worker=link.worker)

@@ -839,3 +839,51 @@ def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_th
     assert proc.health().metrics["lanes_given_up"] == 1
     proc.stop("done")
     check_ledger(store)
+
+
+class _FailingDisk:
+    """The ledger store, except that appends raise LedgerUnavailable once ``broken`` is set."""
+
+    def __init__(self, store):
+        self._store, self.broken = store, False
+
+    def append(self, items, **kw):
+        if self.broken:
+            from ledger.errors import LedgerUnavailable
+            raise LedgerUnavailable("disk gone (test)")
+        return self._store.append(items, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_ledger_that_fails_committing_an_ack_stops_the_control_and_nothing_is_answered(fake_worker, sqlite_url,
+                                                                                        short_dir):
+    """The ack's commit runs inside its message handler (the short way): a ledger error there must
+    end the loop like any failed commit, never be logged as one handler's bug while the loop goes on
+    with events folded that were never committed."""
+    from control.policy import PolicyConfig
+    from control.proc import ControlConfig, ControlProc
+    from ledger.errors import LedgerUnavailable
+    store = LedgerStore.open(sqlite_url, create=True)
+    disk = _FailingDisk(store)
+    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", release_on_stop=False,
+                        policy=PolicyConfig(pressure=False, park=False))
+    proc = ControlProc(disk, cfg).start()
+    try:
+        fw = fake_worker()
+        fw.hello()
+        wait_for(lambda: joined(proc), what="worker joined")
+        blocks = commit_blocks(proc, fw, 2)
+        fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
+        cmd = fw.expect(ExecuteMove)
+        disk.broken = True
+        fw.send(fw.ack(cmd))
+        wait_for(lambda: proc.fatal is not None, what="the control loop stopped on the ledger error")
+        assert isinstance(proc.fatal, LedgerUnavailable)
+        assert proc.metrics["handler_failed"] == 0          # it ended the loop, not one message
+        assert not fut.done() or fut.result().error is not None
+        assert not events_of(store, ev.MoveAcked)
+    finally:
+        proc.stop()
+        store.close()
