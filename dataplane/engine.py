@@ -171,7 +171,7 @@ class Engine:
         """Run the move paths once on scratch blocks before any command: a 1-block spill and
         restore (the first chunk alone) and, room allowing, one a pipeline chunk longer than the
         first (every chunked kernel), then free them. On a GPU the first move of a process
-        otherwise compiles (or loads) its Triton kernels: ~0.1 s measured on the H200 on the
+        otherwise compiles (or loads) its Triton kernels: 0.1-0.54 s measured on the H200 on the
         first 1-block spill. Leaves no block, slot, reservation or checksum behind (the outcomes
         of its moves stay in the engine's memory under ``warm-up-*`` ids, never reported).
         Returns what it did and how long it took."""

@@ -99,8 +99,7 @@ class EngineLane:
         elif t not in self.core.handlers:
             lane.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the engine lane"))
             return
-        queued_ns = time.time_ns()
-        t0 = time.time_ns()
+        queued_ns = t0 = time.time_ns()
         replies = self._run_core(cmd)
         t1 = time.time_ns()
         sent_ns = self._lane_deliver(lane, cmd, replies)
@@ -123,10 +122,5 @@ class EngineLane:
         return sent_ns
 
     def _lane_background_step(self, lane: ControlLink, step) -> None:
-        try:
-            replies = step()
-        except Exception as e:  # noqa: BLE001 - a bug in the serving loop must not kill the worker
-            self.log.error("background_step_raised", error=repr(e), exc_info=True)
-            replies = [ErrorReply(error="background_step_raised", detail=repr(e))]
-        for r in replies or ():
+        for r in self._run_step(step):
             lane.send(r)

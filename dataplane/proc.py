@@ -186,12 +186,16 @@ class WorkerProc(EngineLane):
         except OSError:
             pass
 
-    def _background_step(self, step) -> None:
+    def _run_step(self, step) -> list:
+        """One step of background work (serving); its replies, or the error it raised, named."""
         try:
-            replies = step()
+            return step() or []
         except Exception as e:  # noqa: BLE001 - a bug in the serving loop must not kill the worker
             self.log.error("background_step_raised", error=repr(e), exc_info=True)
-            replies = [ErrorReply(error="background_step_raised", detail=repr(e))]
+            return [ErrorReply(error="background_step_raised", detail=repr(e))]
+
+    def _background_step(self, step) -> None:
+        replies = self._run_step(step)
         if replies:
             self._results.put((None, replies, None))
             try:

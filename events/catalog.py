@@ -144,9 +144,12 @@ class MoveAcked(Event):
 def pack_checksums(values) -> bytes:
     """Checksums in [0, 2^64) as MoveAcked carries them (ValueError names one out of range)."""
     try:
-        return array.array("Q", values).tobytes() if sys.byteorder == "little" else _swapped(values)
+        a = array.array("Q", values)
     except OverflowError as e:
         raise ValueError(f"checksums must be in [0, 2^64): {e}") from None
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
 
 
 def unpack_checksums(data: bytes) -> list[int]:
@@ -157,12 +160,6 @@ def unpack_checksums(data: bytes) -> list[int]:
     if sys.byteorder != "little":
         a.byteswap()
     return a.tolist()
-
-
-def _swapped(values) -> bytes:
-    a = array.array("Q", values)
-    a.byteswap()
-    return a.tobytes()
 
 
 class MoveFailed(Event):
