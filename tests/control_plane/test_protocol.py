@@ -841,22 +841,6 @@ def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_th
     check_ledger(store)
 
 
-class _FailingDisk:
-    """The ledger store, except that appends raise LedgerUnavailable once ``broken`` is set."""
-
-    def __init__(self, store):
-        self._store, self.broken = store, False
-
-    def append(self, items, **kw):
-        if self.broken:
-            from ledger.errors import LedgerUnavailable
-            raise LedgerUnavailable("disk gone (test)")
-        return self._store.append(items, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def test_a_ledger_that_fails_committing_an_ack_stops_the_control_and_nothing_is_answered(fake_worker, sqlite_url,
                                                                                         short_dir):
     """The ack's commit runs inside its message handler (the short way): a ledger error there must
