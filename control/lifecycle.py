@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from events import catalog as ev
-from events.commands import BlocksReleased, MovesReport, MoveTimed
+from events.commands import BlocksReleased, CommandAhead, MovesReport, MoveTimed
 from control import budget, moves, recovery, watchdog
 from control.links import WorkerLink
 from control.policy import plan
@@ -35,6 +35,8 @@ class MoveLifecycle:
         self._num_moves += 1
         mid = moves.move_id(self.epoch, self._num_moves)
         req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
+        if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not ask.is_release:
+            self._command_ahead(req)
         seq = self._record(req, correlation=ask.session, causation=ask.asker)
         self.book.requested(seq, req, waiter)
         self.busy.add(ask.worker, ask.blocks)
@@ -42,6 +44,14 @@ class MoveLifecycle:
             self.traces.mark(mid, "asked", self._ask_ns)
             self.traces.mark(mid, "requested")
         return mid
+
+    def _command_ahead(self, req: ev.MoveRequested) -> None:
+        """Tell the worker's lane that this move's command follows its commit (a hint, never the
+        command: write-ahead holds), so its thread is awake to read it."""
+        link = self._by_worker.get(req.worker)
+        if link is not None and link.lane is not None and link.lane_up:
+            self.metrics["commands_ahead"] += 1
+            self._send(link, CommandAhead(move_id=req.move_id, within_us=self.cfg.command_ahead_us))
 
     def _dispatch(self, req: ev.MoveRequested) -> None:
         """The MoveRequested is committed: now (and only now) the command may leave."""
@@ -61,6 +71,8 @@ class MoveLifecycle:
 
     def _on_outcome(self, link: WorkerLink, msg) -> None:
         self.faults.hit("crash_before_ack_append")
+        if self._awake:
+            self._awake.pop(msg.move_id, None)
         if self.traces.keep:
             self.traces.mark(msg.move_id, "received", self._recv_ns)
             self.traces.mark(msg.move_id, "decoded")

@@ -42,9 +42,10 @@ import msgspec
 import structlog
 import zmq
 
+from events import affinity
 from events import catalog as ev
 from events.commands import (
-    BlocksReleased, BlocksWritten, CommandFailed, ErrorReply, Hello, MovesReport, MoveTimed, Pong,
+    BlocksReleased, BlocksWritten, CommandFailed, ErrorReply, Hello, MoveNearlyDone, MovesReport, MoveTimed, Pong,
 )
 from control import moves
 from control.asking import Asks
@@ -98,6 +99,16 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # after answering a thread of this process before an ack's fold, the loop steps off the GIL
     # this long so that thread can take its answer first (0: not at all); see Asks._answer_off_loop
     answer_yield_us: int = 50
+    # the CPU of the loop thread and of its ZMQ I/O thread (None: the kernel's choice); see
+    # events/affinity.py. ``residency serve --pin-cpus`` sets it.
+    cpu: int | None = None
+    # on a worker's MoveNearlyDone, poll without sleeping until that move's outcome comes, at most
+    # this long (its bytes_left at 10 GB/s, capped here); 0: sleep in the poll as always
+    ack_spin_max_us: int = 3000
+    # a copy of at least this many bytes: its worker's lane hears CommandAhead before the
+    # MoveRequested commits and polls awake for the command (0: never)
+    command_ahead_min_bytes: int = 64 << 20
+    command_ahead_us: int = 2000          # ... for at most this long
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
@@ -114,7 +125,9 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self.store = store
         self.cfg = config
         self.faults = ControlFaults(config.faults or os.environ.get("RESIDENCY_CONTROL_FAULTS", ""))
-        self._ctx = ctx or zmq.Context.instance()
+        self._own_ctx = ctx is None and config.cpu is not None
+        self._ctx = ctx or affinity.context_on(config.cpu)
+        self._awake: dict[str, int] = {}      # move_id -> poll awake until (monotonic ns): MoveNearlyDone
         self._writer_factory = writer_factory or self._default_writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -131,7 +144,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             Hello: self._on_hello, Pong: self._on_pong, ev.MoveAcked: self._on_outcome,
             ev.MoveFailed: self._on_outcome, ev.MoveRejected: self._on_outcome, BlocksReleased: self._on_released,
             BlocksWritten: self._on_written, MovesReport: self._on_report, CommandFailed: self._on_command_failed,
-            ErrorReply: self._on_worker_error, MoveTimed: self._on_timed,
+            ErrorReply: self._on_worker_error, MoveTimed: self._on_timed, MoveNearlyDone: self._on_nearly_done,
         }
         self._unhandled_logged: set[type] = set()
         self._listeners: list[Callable[[int, ev.Event], None]] = []
@@ -243,6 +256,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         try:
             self._open()
             self._recover()
+            affinity.pin_this_thread(self.cfg.cpu)   # after the ledger writer's thread started: it stays unplaced
             if self.cfg.gc_freeze:
                 # NOTE: the process's modules and the recovered state live as long as the loop: out of
                 # the collector's sight, a full collection (~90 ms with torch in the process) scans
@@ -290,6 +304,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close()
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
         w = getattr(self, "_writer", None)
         if w is not None:
             try:
@@ -309,7 +325,9 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         # rounded up: a timer due in under a ms is waited for, not polled for in a busy loop
         timeout_ms = -(-max(0, min(self._next.values()) - now) // MS)
         self._recorder.arm(self._wake)
-        events = dict(self._poller.poll(min(timeout_ms, 50)))
+        events = self._poll_awake(now, timeout_ms) if self._awake else None
+        if events is None:
+            events = dict(self._poller.poll(min(timeout_ms, 50)))
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
@@ -325,6 +343,30 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             for _ in range(64):
                 if not self._recv_ask():
                     break
+
+    def _poll_awake(self, now: int, timeout_ms: int) -> dict | None:
+        """Poll without sleeping while a worker said a move's outcome is about to come
+        (MoveNearlyDone), yielding the CPU between polls (to this CPU's ZMQ I/O thread, when they
+        share one): the outcome is read the moment it lands, not after this thread and its vCPU
+        wake up. None when no such wait is on (then the caller sleeps in the poll as usual)."""
+        self._awake = {m: t for m, t in self._awake.items() if t > now}
+        if not self._awake:
+            return None
+        until = min(max(self._awake.values()), now + timeout_ms * MS)
+        poll = self._poller.poll
+        self.metrics["awake_polls"] += 1
+        while True:
+            events = poll(0)
+            if events or time.monotonic_ns() >= until:
+                return dict(events)
+            os.sched_yield()
+
+    def _on_nearly_done(self, link: WorkerLink, msg: MoveNearlyDone) -> None:
+        self.traces.mark(msg.move_id, "nearly_done")
+        self.metrics["nearly_done_hints"] += 1
+        cap = self.cfg.ack_spin_max_us * 1000
+        if cap and msg.move_id in self.state.inflight:
+            self._awake[msg.move_id] = time.monotonic_ns() + min(cap, msg.bytes_left // 10)   # 10 GB/s = 10 B/ns
 
     def _drain_inbox(self) -> None:
         while True:

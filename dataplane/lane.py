@@ -20,8 +20,11 @@ import zmq
 
 from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
 from dataplane.worker import OUTCOMES, command_ref
+from events import affinity
 from events.codec import encode_message
-from events.commands import ErrorReply, ExecuteMove, LaneHello, MoveTimed, ReleaseBlocks
+from events.commands import CommandAhead, ErrorReply, ExecuteMove, LaneHello, MoveNearlyDone, MoveTimed, ReleaseBlocks
+
+AWAKE_MAX_US = 5000       # the longest a CommandAhead keeps the lane polling awake
 
 
 class EngineLane:
@@ -31,7 +34,12 @@ class EngineLane:
         """The engine thread with its own socket: commands from the lane run here and their replies
         leave from here. Commands the I/O thread hands over (a control that ignores the lane)
         still run in order, their replies sent from the I/O thread."""
+        affinity.pin_this_thread(self.cpu)
         lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
+        move_ctx = getattr(self.core.engine, "ctx", None)      # the real engine's (not nocopy's)
+        if self.nearly_done and move_ctx is not None:
+            move_ctx.on_nearly_done = lambda mid, left: lane.send(
+                MoveNearlyDone(move_id=mid, worker=self.worker, bytes_left=left))
         poller = zmq.Poller()
         poller.register(lane.sock, zmq.POLLIN)
         poller.register(self._engine_wake_r, zmq.POLLIN)
@@ -50,7 +58,12 @@ class EngineLane:
                     self._run_handed(cmd)
                 bg = self.core.background
                 busy = bg is not None and bg[0]()
-                ready = dict(poller.poll(0 if busy else 100))
+                if busy:
+                    ready = dict(poller.poll(0))
+                elif self._awake_until:           # a command is on its way (CommandAhead)
+                    ready = self._poll_awake(poller)
+                else:
+                    ready = dict(poller.poll(100))
                 if self._engine_wake_r in ready:
                     try:
                         while os.read(self._engine_wake_r, 4096):
@@ -76,10 +89,30 @@ class EngineLane:
                 if busy and not ran:
                     self._lane_background_step(lane, bg[1])
         finally:
+            if move_ctx is not None:
+                move_ctx.on_nearly_done = None
             lane.close()
+
+    def _poll_awake(self, poller: zmq.Poller) -> dict:
+        """Poll without sleeping (yielding the CPU between polls) until something comes or the
+        CommandAhead's time is up."""
+        until = self._awake_until
+        while True:
+            ready = poller.poll(0)
+            if ready:
+                return dict(ready)
+            if time.monotonic_ns() >= until:
+                self._awake_until = 0
+                return {}
+            os.sched_yield()
 
     def _lane_command(self, lane: ControlLink, cmd, recv_ns: int) -> None:
         t = type(cmd)
+        if t is CommandAhead:
+            if self.awake_for_commands:
+                self._awake_until = time.monotonic_ns() + min(AWAKE_MAX_US, cmd.within_us) * 1000
+            return
+        self._awake_until = 0
         if t is ExecuteMove or t is ReleaseBlocks:
             ref = command_ref(cmd)
             verdict, replies = self.record.claim(ref)

@@ -45,9 +45,10 @@ from dataplane.serving_worker import add_serving_args
 from dataplane.lane import EngineLane
 from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError, lane_identity_of
 from dataplane.worker import OUTCOMES, NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord, command_ref
+from events import affinity
 from events.codec import encode_message
 from events.commands import (
-    BlocksReleased, ErrorReply, ExecuteMove, Hello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+    BlocksReleased, CommandAhead, ErrorReply, ExecuteMove, Hello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
 from events.logconfig import configure_logging
 
@@ -59,13 +60,19 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 class WorkerProc(EngineLane):
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
-                 report_timings: bool = False, lane: bool = True, ctx: zmq.Context | None = None):
+                 report_timings: bool = False, lane: bool = True, ctx: zmq.Context | None = None,
+                 cpu: int | None = None, nearly_done: bool = True, awake_for_commands: bool = True):
         self.worker, self.epoch, self.endpoint = worker, epoch, endpoint
         self.core, self.device, self.block_bytes = core, device, block_bytes
         self.faults = faults
         self.control_silent_ns = int(control_silent_s * 1e9)
         self.orphan_exit_ns = int(orphan_exit_s * 1e9)
-        self.ctx = ctx or zmq.Context.instance()
+        # the engine thread and the ZMQ I/O thread on one CPU (events/affinity.py); None: unplaced
+        self.cpu = cpu
+        self.ctx = ctx or affinity.context_on(cpu)
+        self.nearly_done = nearly_done          # the lane sends MoveNearlyDone before a big move's last chunk
+        self.awake_for_commands = awake_for_commands    # the lane polls awake on a CommandAhead
+        self._awake_until = 0                   # monotonic ns; the engine thread's
         self.record = WorkerRecord(worker)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -155,6 +162,7 @@ class WorkerProc(EngineLane):
 
     # ------------------------------------------------------------------ engine thread
     def _engine_loop(self) -> None:
+        affinity.pin_this_thread(self.cpu)
         while True:
             bg = self.core.background
             if bg is not None and bg[0]():
@@ -233,6 +241,8 @@ class WorkerProc(EngineLane):
             self.stop(f"asked: {cmd.reason}")
         elif t is ErrorReply:
             self._on_error(cmd)
+        elif t is CommandAhead:
+            pass            # a hint for the engine lane; this thread has nothing to wait for
         elif t is ExecuteMove or t is ReleaseBlocks:
             ref = command_ref(cmd)
             verdict, replies = self.record.claim(ref)
@@ -406,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="run each move path once on scratch blocks before Hello (default: on a GPU)")
     p.add_argument("--lane", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine thread's own socket for the engine's commands and replies (default on)")
+    p.add_argument("--cpu", type=int, default=None,
+                   help="run the engine thread and the ZMQ I/O thread on this CPU (events/affinity.py; GPU workers)")
+    p.add_argument("--nearly-done", action=argparse.BooleanOptionalAction, default=True,
+                   help="on the lane, tell the control when a big move's last chunk is crossing (default on)")
+    p.add_argument("--awake-for-commands", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CommandAhead, the lane polls awake until the command comes (default on)")
     p.add_argument("--report-timings", action="store_true",
                    help="after each move's outcome send MoveTimed (where its time went here); benchmarks")
     add_serving_args(p)
@@ -433,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = WorkerProc(worker=args.worker, epoch=epoch, endpoint=args.control, core=core, device=args.device,
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
                       orphan_exit_s=args.orphan_exit_s, report_timings=args.report_timings,
-                      lane=args.lane)
+                      lane=args.lane, cpu=args.cpu, nearly_done=args.nearly_done,
+                      awake_for_commands=args.awake_for_commands)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:

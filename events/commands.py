@@ -420,3 +420,36 @@ class LaneHello(Message):
 AnyReply = Union[AnyReply, LaneHello]  # type: ignore[misc]
 AnyMessage = Union[AnyMessage, LaneHello]  # type: ignore[misc]
 __all__ += ["LaneHello"]
+
+
+class MoveNearlyDone(Message):
+    """Sent on a worker's engine lane when a move of several pipelined chunks has all but its last
+    chunk across: its ack follows in about the time ``bytes_left`` takes on the link. The control
+    stays awake for that ack (``ControlConfig.ack_spin_max_us``) instead of sleeping in its poll
+    through the wake-up of a long-idle thread (bench/zmq_wake.py). A hint, never recorded in the
+    ledger; a lost or ignored one changes nothing but the ack's latency."""
+
+    move_id: str
+    worker: int
+    bytes_left: int
+
+
+AnyReply = Union[AnyReply, MoveNearlyDone]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, MoveNearlyDone]  # type: ignore[misc]
+__all__ += ["MoveNearlyDone"]
+
+
+class CommandAhead(Message):
+    """Sent to a worker's engine lane when a big move has been decided, before its MoveRequested
+    commits: its ExecuteMove follows once the commit is done (write-ahead: never before). The lane
+    polls without sleeping until the command comes, at most ``within_us``, so the command is read
+    the moment it lands instead of after a long-idle thread wakes (bench/zmq_wake.py). A hint: it
+    asks for nothing, is never answered, and a lost or ignored one changes only latency."""
+
+    move_id: str
+    within_us: int
+
+
+AnyCommand = Union[AnyCommand, CommandAhead]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, CommandAhead]  # type: ignore[misc]
+__all__ += ["CommandAhead"]

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from dataplane.moves.indexes import IndexUploader, Landed, SumsLanding
@@ -30,6 +31,8 @@ from dataplane.moves.plan import MovePlan
 from dataplane.moves.staging import DeviceStaging, StagingRing
 from dataplane.moves.streams import CopyStreams
 from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
+
+log = structlog.get_logger("dataplane.moves")
 from events.catalog import MoveAcked, MoveFailed, pack_checksums
 from kernels.checksum import block_checksums
 
@@ -52,6 +55,9 @@ class MoveContext:
     copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma" | "staged"
     pipeline_blocks: int                   # blocks per pipelined chunk (copy+hash, staging buffer)
     clock: Callable[[], int]
+    # told (move_id, bytes still to cross) when a move of several chunks has all but its last
+    # across (the engine lane sends MoveNearlyDone); None: nobody listens
+    on_nearly_done: Callable[[str, int], None] | None = None
 
 
 class InFlight:
@@ -74,6 +80,19 @@ class InFlight:
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter_ns()
+
+    def nearly_done(self, blocks_left: int) -> None:
+        """All but the last ``blocks_left`` blocks are across: tell ``ctx.on_nearly_done``, if
+        anyone listens and the move had more than that one chunk (a hint; its failure is logged
+        and changes nothing about the move)."""
+        hook = self.ctx.on_nearly_done
+        if hook is None or blocks_left >= len(self.ids):
+            return
+        self.mark("nearly_done")
+        try:
+            hook(self.cmd.move_id, blocks_left * self.ctx.layout.block_bytes)
+        except Exception as e:  # noqa: BLE001
+            log.warning("nearly_done_hook_failed", move_id=self.cmd.move_id, error=repr(e))
 
     # ------------------------------------------------------------ protocol
     def begin(self) -> None:

@@ -111,8 +111,10 @@ class SpillToHost(_LinkFirst):
         copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
         self.nearly = copier.done()
+        self.last_chunk = n0
         for lo in range(n0, n, step):
             self.nearly = copier.done()          # the link is busy with the chunks before this one
+            self.last_chunk = min(n, lo + step) - lo
             copier.enqueue(lo, min(n, lo + step))
             if lo == n0:
                 self._hash()                     # once the link has its second chunk
@@ -138,6 +140,7 @@ class SpillToHost(_LinkFirst):
         keep = self.cmd.keep_source
         early = c.host.table.can_publish(self.ids) and (keep or c.device.table.can_free_all(self.ids))
         self.nearly.synchronize()                # sleep while all but the last chunk cross
+        self.nearly_done(self.last_chunk)
         self.bytes_moved = len(self.ids) * c.layout.block_bytes
         if not early:                            # publish raises naming what is wrong; free as it can
             self.copied.synchronize()
@@ -241,7 +244,9 @@ class RestoreFromHost(_LinkFirst):
         tail = self.hasher.land(k - 1, k, spin=True)
         early = c.device.table.can_publish(ids) and (keep or c.host.table.can_free_all(ids))
         n_head = sum(p.numel() for p in self.hasher.parts[: k - 1]) if k > 1 else 0
-        early = early and head.read() == self.expected_walk[:n_head]   # sleeps while the head crosses
+        if early:
+            early = head.read() == self.expected_walk[:n_head]   # sleeps while the head crosses
+            self.nearly_done(len(ids) - n_head)
         self.bytes_moved = len(ids) * c.layout.block_bytes
         if not early:
             tail.read()

@@ -3,6 +3,7 @@ idempotent commands, tombstones, orphan exit. The socket side runs a no-copy eng
 the real engine is exercised by the kill, crash and random-fault tests."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -17,7 +18,7 @@ from events import catalog as ev
 from events.codec import encode_message
 from events.commands import (
     AnyReply, BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, LaneHello,
-    MovesReport, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+    MoveNearlyDone, MovesReport, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
 
 from tests.control_plane.conftest import REPO, spawn, worker_argv  # noqa: E402
@@ -192,6 +193,86 @@ def test_a_worker_whose_control_never_comes_back_says_hello_again_then_exits(sho
         assert w.wait(10) == 0 and time.monotonic() - t0 < 5
         assert hellos[0].epoch == hellos[1].epoch
         assert "control_gone" in (tmp_path / "worker.log").read_text()
+    finally:
+        w.kill()
+        ctl.sock.close(0)
+
+
+def _threads_of(pid: int, comm: str) -> dict[int, set[int]]:
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == comm:
+                out[int(task.name)] = os.sched_getaffinity(int(task.name))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("nearly", [True, False], ids=["nearly-done", "no-nearly-done"])
+def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_thread_where_told(
+        short_dir, tmp_path, nearly):
+    """A real engine on the lane: a move of several pipeline chunks (64 blocks each) is preceded by
+    MoveNearlyDone with its last chunk's bytes (unless --no-nearly-done); a move of one chunk is
+    not. With --cpu C the worker's ZMQ I/O thread runs on C alone."""
+    cpu = max(os.sched_getaffinity(0))
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint, use_lane=True)
+    argv = worker_argv(0, endpoint, short_dir, device_blocks=256) + ["--cpu", str(cpu)] + (
+        [] if nearly else ["--no-nearly-done"])
+    w = spawn(argv, tmp_path / "worker.log")
+    try:
+        ctl.expect(Hello, timeout=60)
+        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=list(range(200)), seed=3))
+        ctl.expect(BlocksWritten)
+        ctl.send(ExecuteMove(move_id="m-big", kind="evict", src="device", dst="host", blocks=list(range(100)),
+                             keep_source=False, deadline_ns=0))
+        got = []
+        while not got or type(got[-1]) is not ev.MoveAcked:
+            got.append(ctl.recv())
+        got = [m for m in got if type(m) not in (Pong, Hello, LaneHello)]
+        if nearly:
+            assert [type(m) for m in got] == [MoveNearlyDone, ev.MoveAcked]
+            assert got[0].move_id == "m-big" and got[0].bytes_left == (100 - 64) * 16384
+            assert ctl.senders[MoveNearlyDone] == {b"w0.lane"}
+        else:
+            assert [type(m) for m in got] == [ev.MoveAcked]
+        ctl.send(ExecuteMove(move_id="m-small", kind="evict", src="device", dst="host", blocks=[150, 151],
+                             keep_source=False, deadline_ns=0))
+        assert ctl.expect(ev.MoveAcked).move_id == "m-small"
+        zmq_threads = _threads_of(w.pid, "ZMQbg/IO/0")
+        assert zmq_threads and all(cpus == {cpu} for cpus in zmq_threads.values()), zmq_threads
+        ctl.send(Shutdown(reason="test"))
+        assert w.wait(10) == 0
+        assert MoveNearlyDone not in ctl.senders or nearly
+    finally:
+        w.kill()
+        ctl.sock.close(0)
+
+
+@LANE_MODES
+def test_a_command_ahead_is_a_silent_hint_on_either_socket(short_dir, tmp_path, mode):
+    """CommandAhead is never answered (neither by the lane, which polls awake for the command,
+    nor by the I/O thread, which ignores it) and the command that follows runs as usual."""
+    from events.commands import CommandAhead
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint, use_lane=mode == "lane")
+    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
+    try:
+        ctl.expect(Hello)
+        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))
+        ctl.expect(BlocksWritten)
+        for i, blocks in enumerate(([1], [2])):
+            ctl.send(CommandAhead(move_id=f"m-{i}", within_us=1_000_000 if i == 0 else 1000))
+            time.sleep(0.05)
+            ctl.send(ExecuteMove(move_id=f"m-{i}", kind="evict", src="device", dst="host", blocks=blocks,
+                                 keep_source=False, deadline_ns=0))
+            assert ctl.expect(ev.MoveAcked).move_id == f"m-{i}"     # expect: nothing but Pong/Hello/LaneHello before
+        ctl.send(Ping(nonce=7, ts_ns=1))
+        assert ctl.expect(Pong).nonce == 7
+        assert ErrorReply not in ctl.senders
+        ctl.send(Shutdown(reason="test"))
+        assert w.wait(10) == 0
     finally:
         w.kill()
         ctl.sock.close(0)

@@ -274,3 +274,36 @@ def test_warm_up_runs_every_move_path_and_leaves_nothing_behind(chunky, monkeypa
     assert isinstance(e.execute(move("restore", "host", "device", [4, 5])), MoveAcked)
     for b in range(6):
         assert torch.equal(words_of(e, "device", b), data[b])
+
+
+def test_a_move_of_several_chunks_says_nearly_done_once_before_its_last_chunk_lands(chunky):
+    """The engine lane's MoveNearlyDone comes from ``MoveContext.on_nearly_done``: called once per
+    move of several chunks, with the bytes of its last chunk, after the others crossed and before
+    the move's bytes are seen landed; never for a move of one chunk; a hook that raises changes
+    nothing about the move."""
+    e = chunky
+    bb = e.ctx.layout.block_bytes
+    data = commit(e, "device", list(range(12)))
+    told = []
+    e.ctx.on_nearly_done = lambda mid, left: told.append((mid, left, dict(e._inflight[mid].phases)))
+    out = e.execute(move("evict", "device", "host", range(10), move_id="spill-10"))
+    assert isinstance(out, MoveAcked)
+    # chunks of 3, 3, 3, 1 (the first chunk: 3 plain DMAs): the last is one block
+    assert [(m, left) for m, left, _ in told] == [("spill-10", bb)]
+    assert "landed" not in told[0][2] and "enqueued" in told[0][2]
+    told.clear()
+    assert isinstance(e.execute(move("restore", "host", "device", [7, 2, 9, 0, 4, 1, 8, 3, 6, 5],
+                                     move_id="restore-10")), MoveAcked)
+    assert [(m, left) for m, left, _ in told] == [("restore-10", bb)]
+    assert "landed" not in told[0][2]
+    told.clear()
+    assert isinstance(e.execute(move("evict", "device", "host", [10, 11])), MoveAcked)
+    assert told == [], "one chunk: nothing to say before the ack"
+
+    def broken(mid, left):
+        raise RuntimeError("listener gone")
+    e.ctx.on_nearly_done = broken
+    assert isinstance(e.execute(move("evict", "device", "host", range(10))), MoveAcked)
+    e.ctx.on_nearly_done = None
+    for b in range(12):
+        assert torch.equal(words_of(e, "host", b), data[b])
