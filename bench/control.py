@@ -45,6 +45,7 @@ from control.cli.ctl_cmd import parse_size  # noqa: E402
 from control.moves import MoveConfig  # noqa: E402
 from control.policy import PolicyConfig  # noqa: E402
 from control.proc import ControlConfig, ControlProc  # noqa: E402
+from events import affinity  # noqa: E402
 from events.commands import AskCommitBlocks, AskMove  # noqa: E402
 from events.logconfig import configure_logging  # noqa: E402
 from ledger import LedgerStore  # noqa: E402
@@ -72,19 +73,24 @@ class Cluster:
     """A control process in this process, one worker process, one ledger."""
 
     def __init__(self, url: str, engine: str, device: str, layout: str, device_blocks: int, host_bytes: int,
-                 durability: str = "normal", traced: bool = False, lane: bool = True):
+                 durability: str = "normal", traced: bool = False, lane: bool = True,
+                 cpus: tuple[int | None, int | None] = (None, None), nearly_done: bool = False,
+                 ahead: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
                             durability=durability, policy=PolicyConfig(pressure=False, park=False),
                             moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
-                            trace_moves=64 if traced else 0)
+                            trace_moves=64 if traced else 0, cpu=cpus[0],
+                            command_ahead_min_bytes=(64 << 20) if ahead else 0)
         self.proc = ControlProc(self.store, cfg).start()
         argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
                 "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else []) + (
-                    [] if lane else ["--no-lane"])
+                    [] if lane else ["--no-lane"]) + (["--cpu", str(cpus[1])] if cpus[1] is not None else []) + (
+                    ["--nearly-done"] if nearly_done else ["--no-nearly-done"]) + (
+                    ["--awake-for-commands"] if ahead else ["--no-awake-for-commands"])
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -266,14 +272,26 @@ def layout_bytes(spec: str) -> int:
     return layout_block_bytes(parse_layout(spec))
 
 
-# Ways through the control process the spill is measured (each its own worker): with the worker's
-# engine lane (the default; dataplane/proc.py) and without it. -> --lane / --no-lane of the worker.
-VARIANTS = {"lane": True, "no-lane": False}
+# Ways through the control process the spill is measured (each its own worker and ledger):
+#   lane      the worker's engine lane (dataplane/lane.py); no-lane: without it
+#   nearly    the worker's MoveNearlyDone before the last chunk; the control polls awake for the ack
+#   ahead     the control's CommandAhead before the MoveRequested commits; the lane polls awake
+#   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
+#             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
+# name -> {lane, nearly, ahead, pin_control, pin_worker}
+def _variant(name: str) -> dict:
+    parts = set(name.split("+"))
+    return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
+            "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
+
+
+VARIANTS = {n: _variant(n) for n in ("lane", "no-lane", "lane+nearly", "lane+nearly+ahead",
+                                     "lane+nearly+ahead+pin-worker", "lane+nearly+ahead+pinned")}
 
 
 def default_variant() -> str:
-    """What ``residency serve`` runs."""
-    return "lane"
+    """What ``residency serve`` runs on a GPU host."""
+    return "lane+nearly+ahead"
 
 
 def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
@@ -322,21 +340,24 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
     out["headline_variant"] = headline
     out["variants"] = {}
     for name in variants:
-        lane = VARIANTS[name]
+        var = VARIANTS[name]
         # a ledger of its own per variant (a second control on one ledger would write the first's worker off)
         vurl = url[:-3] + f"-{name}.db" if url.startswith("sqlite") and url.endswith(".db") else url
-        v = through_control(vurl, device, n, host_bytes, reps, lane, out["in_process_s"])
+        v = through_control(vurl, device, n, host_bytes, reps, out["in_process_s"], var)
         out["variants"][name] = v
         if name == headline:
             out.update(v)
     return out
 
 
-def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, lane: bool,
-                    in_process_s: float) -> dict:
+def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, in_process_s: float,
+                    var: dict) -> dict:
     bb = layout_bytes(BIG_LAYOUT)
-    out: dict = {"lane": lane}
-    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=lane)
+    control_cpu, (worker_cpu,) = affinity.plan(1)
+    cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
+    out: dict = {**var, "cpus": list(cpus)}
+    c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
+                nearly_done=var["nearly"], ahead=var["ahead"])
     try:
         blocks = c.commit(n)
         runs = []
