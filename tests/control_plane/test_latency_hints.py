@@ -10,14 +10,7 @@ from events import affinity
 from events.commands import AskMove, ExecuteMove, MoveNearlyDone
 
 from tests.control_plane.conftest import check_ledger, commit_blocks, joined, wait_for  # noqa: E402
-
-
-def _setup(make_control, fake_worker, url, **over):
-    proc, store = make_control(url, **over)
-    fw = fake_worker()
-    fw.hello()
-    wait_for(lambda: joined(proc), what="worker joined")
-    return proc, store, fw
+from tests.control_plane.test_protocol import _setup, _SlowDisk  # noqa: E402
 
 
 def _pinned_zmq_threads(cpu: int) -> list[str]:
@@ -115,7 +108,6 @@ def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_f
     from control.proc import ControlConfig, ControlProc
     from events.commands import CommandAhead
     from ledger import LedgerStore
-    from tests.control_plane.test_protocol import _SlowDisk
 
     store = LedgerStore.open(sqlite_url, create=True)
     gate = threading.Event()
