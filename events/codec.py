@@ -134,6 +134,17 @@ def event_to_json_obj(event: Event) -> dict[str, Any]:
     return obj
 
 
+def event_to_display_obj(event: Event) -> dict[str, Any]:
+    """``event_to_json_obj`` for people (``residency timeline --json``, ``ctl --json``): an ack's
+    packed checksums as one 16-digit hex string per block, in the command's block order. Not for
+    export: ``event_from_json_obj`` reads only ``event_to_json_obj``'s form."""
+    obj = event_to_json_obj(event)
+    unpack = getattr(event, "checksum_list", None)
+    if unpack is not None:
+        obj["checksums"] = [f"{c:016x}" for c in unpack()]
+    return obj
+
+
 def event_from_json_obj(obj: dict[str, Any]) -> Event:
     if not isinstance(obj, dict) or "type" not in obj:
         raise DecodeError("event object has no 'type'")

@@ -194,14 +194,14 @@ def describe(seq: int, e) -> str:
 
 
 def run(args) -> int:
-    from events.codec import event_to_json_obj  # noqa: PLC0415
+    from events.codec import event_to_display_obj  # noqa: PLC0415
 
     reply = ask_server(args, ask_of(args))
     if reply.error:
         raise UserError(f"{reply.error}: {reply.detail}")
     if args.json:
         print(json.dumps({"ask_id": reply.ask_id, "move_ids": reply.move_ids,
-                          "events": [dict(seq=s, **event_to_json_obj(e)) for s, e in zip(reply.seqs, reply.events)]},
+                          "events": [dict(seq=s, **event_to_display_obj(e)) for s, e in zip(reply.seqs, reply.events)]},
                          indent=2))
     else:
         for seq, e in zip(reply.seqs, reply.events):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from events.codec import event_to_json_obj
+from events.codec import event_to_display_obj
 from control.cli.common import add_db_arg, open_store
 from control.cli.main import UserError
 from control.timeline import SubjectError, one_line, parse_subject, timeline
@@ -30,7 +30,7 @@ def run(args) -> int:
             if args.json:
                 env = rec.envelope
                 print(json.dumps({"seq": env.seq, "ts_ns": env.ts_ns, "producer": env.producer,
-                                  "event": event_to_json_obj(rec.event)}))
+                                  "event": event_to_display_obj(rec.event)}))
             else:
                 print(one_line(rec, iso))
     if n == 0:

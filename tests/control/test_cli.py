@@ -170,3 +170,25 @@ def test_bad_input_is_one_clear_line_and_a_nonzero_exit(sim_db, tmp_path, capsys
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_timeline_json_shows_an_acks_checksums_as_hex_per_block(tmp_path, capsys):
+    import json
+    import os
+
+    from events import catalog as ev
+    from events.envelope import Envelope
+    from ledger import LedgerStore
+    url = f"sqlite:///{tmp_path / 'acks.db'}"
+    sums = os.urandom(3 * 8)
+    events = [ev.MoveRequested(move_id="m-1", kind="evict", worker=0, src="device", dst="host", blocks=[7, 3, 9],
+                               bytes_planned=3 * 4096, keep_source=False, deadline_ns=1, reason="test"),
+              ev.MoveAcked(move_id="m-1", worker=0, bytes_moved=3 * 4096, bytes_freed_src=3 * 4096, checksum_ok=True,
+                           started_ns=1, finished_ns=2, checksums=sums)]
+    with LedgerStore.open(url, create=True) as store:
+        store.append([(Envelope(producer="test", epoch=1, producer_seq=i + 1, ts_ns=i + 1), e)
+                      for i, e in enumerate(events)])
+    code, out, _ = run(capsys, "timeline", "--db", url, "--subject", "move:m-1", "--json")
+    shown = [json.loads(line)["event"] for line in out.strip().splitlines()]
+    assert code == 0 and [e["type"] for e in shown] == ["MoveRequested", "MoveAcked"]
+    assert shown[1]["checksums"] == [f"{int.from_bytes(sums[i:i + 8], 'little'):016x}" for i in range(0, 24, 8)]
