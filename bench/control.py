@@ -267,6 +267,32 @@ def spill_control_only(url: str, num_blocks: int, reps: int = 60) -> dict:
     return out
 
 
+def dma_hog(seconds: float) -> None:
+    """(--dma-hog, run as its own process) Copy 2 GiB device -> pinned host and back, over and
+    over, for ``seconds``: the host-memory traffic of a spill and a restore, without the control."""
+    import torch  # noqa: PLC0415
+    dev = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    host = torch.empty(1 << 31, dtype=torch.uint8, pin_memory=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        host.copy_(dev, non_blocking=True)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+
+def under_dma_load(fn, seconds: float = 120.0):
+    """``fn()`` while another process streams 2 GiB copies between the GPU and pinned host memory."""
+    hog = subprocess.Popen([sys.executable, __file__, "--dma-hog", str(seconds)], cwd=ROOT)
+    try:
+        time.sleep(5.0)           # its CUDA context and first copies under way
+        if hog.poll() is not None:
+            raise RuntimeError(f"the DMA load ended early (rc {hog.returncode})")
+        return fn()
+    finally:
+        hog.kill()
+        hog.wait(10)
+
+
 def layout_bytes(spec: str) -> int:
     from dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
     return layout_block_bytes(parse_layout(spec))
@@ -417,9 +443,16 @@ def main() -> int:
     ap.add_argument("--control-only-reps", type=int, default=60,
                     help="1024-block moves through a no-copy worker (half evict, half restore)")
     ap.add_argument("--spill-variants", default=None,
-                    help=f"comma-separated, of {','.join(VARIANTS)}; default: both on cuda, the default (lane) on cpu")
+                    help=f"comma-separated, of {','.join(VARIANTS)}; default: all on cuda, the default on cpu")
+    ap.add_argument("--dma-load", action="store_true",
+                    help="(cuda) run the control-only moves a second time while another process streams "
+                         "2 GiB copies between the GPU and pinned host memory")
+    ap.add_argument("--dma-hog", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.dma_hog is not None:
+        dma_hog(args.dma_hog)
+        return 0
     if args.spill_reps is None:
         args.spill_reps = 9 if args.device.startswith("cuda") else 3
     configure_logging(level="warning")
@@ -463,6 +496,20 @@ def main() -> int:
                 url, max(1, args.spill_bytes // layout_bytes(BIG_LAYOUT)), args.control_only_reps)
         finally:
             drop()
+        if args.dma_load:
+            url, drop = backends[0][1]()
+            try:
+                results["spill_control_only_under_dma_load"] = under_dma_load(lambda: spill_control_only(
+                    url, max(1, args.spill_bytes // layout_bytes(BIG_LAYOUT)), args.control_only_reps))
+            finally:
+                drop()
+            u = results["spill_control_only_under_dma_load"]["evict"]
+            line = (f"control only, evict, under a DMA load: overhead min {u['overhead_vs_engine_call_ms']['min']:.3f} ms"
+                    f"  p50 {u['overhead_vs_engine_call_ms']['p50']:.3f}; phase medians: " + "; ".join(
+                        f"{k} {v:.3f}" for k, v in (u["breakdown_ms_phase_medians"] or {}).items()
+                        if not k.startswith("engine: measured")))
+            rows.append(line)
+            print(line, flush=True)
         for kind in ("evict", "restore"):
             o = co[kind]["overhead_vs_engine_call_ms"]
             line = (f"control only, {co['blocks']} blocks {kind:7s} (nocopy worker, {co['moves_per_kind']} moves): "
