@@ -280,6 +280,12 @@ def dma_hog(seconds: float) -> None:
         torch.cuda.synchronize()
 
 
+def cpu_spinner() -> subprocess.Popen:
+    """(--cpu-spinner) Another process that keeps one CPU busy doing nothing: no vCPU of this
+    machine ever has all of them halted."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
 def under_dma_load(fn, seconds: float = 120.0):
     """``fn()`` while another process streams 2 GiB copies between the GPU and pinned host memory."""
     hog = subprocess.Popen([sys.executable, __file__, "--dma-hog", str(seconds)], cwd=ROOT)
@@ -448,6 +454,8 @@ def main() -> int:
                     help="(cuda) run the control-only moves a second time while another process streams "
                          "2 GiB copies between the GPU and pinned host memory")
     ap.add_argument("--dma-hog", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-spinner", action="store_true",
+                    help="keep one CPU busy in another process through the spill section (what an idle host costs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.dma_hog is not None:
@@ -522,11 +530,17 @@ def main() -> int:
         rows.append(line)
         print(line, flush=True)
         url, drop = backends[0][1]()
+        spinner = None
         try:
             variants = (args.spill_variants.split(",") if args.spill_variants
                         else list(VARIANTS) if args.device.startswith("cuda") else None)
+            spinner = cpu_spinner() if args.cpu_spinner else None
             results["spill"] = spill(url, args.device, args.spill_bytes, args.spill_reps, variants)
+            results["spill"]["cpu_spinner"] = spinner is not None
         finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait(10)
             drop()
         s = results["spill"]
         bd = s.get("breakdown_ms_phase_medians")
