@@ -12,6 +12,10 @@ exactly what an operator needs to replay. It notes the seq and what was impossib
 Residency changes only on acked bytes: a MoveRequested books bytes in flight toward the
 destination; the copy appears there (and the source copy goes, unless kept) only when a
 MoveAcked or MoveLateAcked arrives.
+
+Here: workers, budgets, pinned memory, blocks and moves. The serving side's events (sessions,
+requests, steps, rebinds, weights arenas and flips) fold in control/fold_serving.py; the two
+helpers both use are in control/fold_base.py.
 """
 from __future__ import annotations
 
@@ -19,13 +23,12 @@ from typing import Callable
 
 from events import catalog as ev
 from events.envelope import Recorded
+from control import fold_serving
+from control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
 from control.state import (
-    MAX_ANOMALIES_KEPT,
     MAX_REFUSALS_KEPT,
-    ArenaState,
     BlockState,
     MoveState,
-    RebindState,
     RefusalSummary,
     SessionState,
     State,
@@ -76,18 +79,6 @@ def _ignore(s: State, e, seq: int) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
-def _anomaly(s: State, seq: int, what: str) -> None:
-    if len(s.anomalies) < MAX_ANOMALIES_KEPT:
-        s.anomalies.append((seq, what))
-
-
-def _worker(s: State, worker: int, seq: int, what: str):
-    ws = s.workers.get(worker)
-    if ws is None:
-        _anomaly(s, seq, f"{what} names unknown worker {worker}")
-    return ws
-
-
 def _add_copy(s: State, worker: int, block: int, tier: str, seq: int, session=None, key="") -> None:
     ws = s.workers[worker]
     blocks = s.blocks.setdefault(worker, {})
@@ -368,118 +359,6 @@ def _move_refused(s: State, e: ev.MoveRefused, seq: int) -> None:
         del s.refusals[0]
 
 
-def _session(s: State, name: str) -> SessionState:
-    sess = s.sessions.get(name)
-    if sess is None:
-        sess = s.sessions[name] = SessionState(session=name)
-    return sess
-
-
-def _session_parked(s: State, e: ev.SessionParked, seq: int) -> None:
-    sess = _session(s, e.session)
-    sess.worker, sess.parked_tier, sess.parked_bytes = e.worker, e.tier, e.bytes
-    sess.num_parks += 1
-
-
-def _session_restored(s: State, e: ev.SessionRestored, seq: int) -> None:
-    sess = _session(s, e.session)
-    sess.worker, sess.parked_tier, sess.parked_bytes = e.worker, None, 0
-    sess.num_restores += 1
-    sess.restored_tokens += e.restored_tokens
-    sess.computed_tokens += e.computed_tokens
-
-
-def _request_admitted(s: State, e: ev.RequestAdmitted, seq: int) -> None:
-    s.requests[e.request_id] = seq
-    if e.session is not None:
-        _session(s, e.session)
-
-
-def _request_done(s: State, e, seq: int) -> None:
-    s.requests.pop(e.request_id, None)
-
-
-def _step_completed(s: State, e: ev.StepCompleted, seq: int) -> None:
-    ws = s.workers.get(e.worker)
-    if ws is not None:
-        ws.last_step = e.step
-
-
-def _rebind_requested(s: State, e: ev.RebindRequested, seq: int) -> None:
-    s.rebinds[e.rebind_id] = RebindState(
-        rebind_id=e.rebind_id, worker=e.worker, pool=e.pool, from_gen=e.from_gen,
-        to_gen=e.to_gen, readers={r: e.from_gen for r in e.readers},
-    )
-
-
-def _reader_stamped(s: State, e: ev.ReaderStamped, seq: int) -> None:
-    rb = s.rebinds.get(e.rebind_id)
-    if rb is None or e.reader not in rb.readers:
-        _anomaly(s, seq, f"ReaderStamped {e.reader} for unknown rebind {e.rebind_id}")
-        return
-    rb.readers[e.reader] = e.gen
-
-
-def _rebind_committed(s: State, e: ev.RebindCommitted, seq: int) -> None:
-    rb = s.rebinds.get(e.rebind_id)
-    if rb is None:
-        _anomaly(s, seq, f"RebindCommitted for unknown rebind {e.rebind_id}")
-        return
-    behind = sorted(r for r, g in rb.readers.items() if g != rb.to_gen)
-    if behind:
-        _anomaly(s, seq, f"rebind {e.rebind_id} committed while readers {behind} are behind gen {rb.to_gen}")
-    rb.status = "committed"
-
-
-def _rebind_torn(s: State, e: ev.RebindTorn, seq: int) -> None:
-    rb = s.rebinds.get(e.rebind_id)
-    if rb is not None:
-        rb.status = "torn"
-
-
-def _pool_resized(s: State, e: ev.PoolResized, seq: int) -> None:
-    ws = _worker(s, e.worker, seq, "PoolResized")
-    if ws is not None and e.pool in ws.tiers:
-        ws.tiers[e.pool].capacity_bytes = e.to_bytes
-
-
-def _weights_loaded(s: State, e: ev.WeightsLoaded, seq: int) -> None:
-    key = f"{e.worker}:{e.arena}"
-    prior = s.arenas.get(key)
-    s.arenas[key] = ArenaState(worker=e.worker, arena=e.arena, model=e.model, bytes=e.bytes,
-                               gen=(prior.gen + 1) if prior else 0)
-
-
-def _flip_requested(s: State, e: ev.FlipRequested, seq: int) -> None:
-    key = f"{e.worker}:{e.arena}"
-    arena = s.arenas.get(key)
-    if arena is None:
-        _anomaly(s, seq, f"flip {e.flip_id} on unknown arena {key}")
-        return
-    arena.flip_in_flight = e.flip_id
-    arena.incoming_model = e.to_model
-    s.flips[e.flip_id] = key
-
-
-def _flip_completed(s: State, e: ev.FlipCompleted, seq: int) -> None:
-    key = s.flips.pop(e.flip_id, None)
-    arena = s.arenas.get(key) if key else None
-    if arena is None:
-        _anomaly(s, seq, f"FlipCompleted for unknown flip {e.flip_id}")
-        return
-    arena.flip_in_flight = None
-    arena.model, arena.incoming_model = arena.incoming_model or arena.model, None
-    arena.gen += 1
-    arena.bytes = e.bytes_in
-
-
-def _flip_failed(s: State, e: ev.FlipFailed, seq: int) -> None:
-    key = s.flips.pop(e.flip_id, None)
-    if key and key in s.arenas:
-        s.arenas[key].flip_in_flight = None
-        s.arenas[key].incoming_model = None
-
-
 def _state_checkpoint(s: State, e: ev.StateCheckpoint, seq: int) -> None:
     s.checkpoints.append((seq, e.through_seq, e.state_hash))
     if len(s.checkpoints) > 16:
@@ -506,20 +385,6 @@ _HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.MoveStranded: _move_stranded,
     ev.MoveLateAcked: _move_late_acked,
     ev.MoveAbandoned: _move_abandoned,
-    ev.SessionParked: _session_parked,
-    ev.SessionRestored: _session_restored,
-    ev.RequestAdmitted: _request_admitted,
-    ev.RequestRefused: _request_done,
-    ev.RequestFinished: _request_done,
-    ev.StepCompleted: _step_completed,
-    ev.RebindRequested: _rebind_requested,
-    ev.ReaderStamped: _reader_stamped,
-    ev.RebindCommitted: _rebind_committed,
-    ev.RebindTorn: _rebind_torn,
-    ev.PoolResized: _pool_resized,
-    ev.WeightsLoaded: _weights_loaded,
-    ev.FlipRequested: _flip_requested,
-    ev.FlipCompleted: _flip_completed,
-    ev.FlipFailed: _flip_failed,
     ev.StateCheckpoint: _state_checkpoint,
+    **fold_serving.HANDLERS,
 }

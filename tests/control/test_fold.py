@@ -212,7 +212,7 @@ def test_fold_run_over_a_gapless_run_equals_fold_all():
 # ---------------------------------------------------------------------- fast paths vs their references
 def _apply_arrival_ref(s: State, mv, bytes_freed_src: int, checksum_ok: bool, seq: int) -> None:
     """control.fold._apply_arrival before its sole-copy fast path: every block the general way."""
-    from control.fold import _anomaly
+    from control.fold_base import anomaly as _anomaly
 
     ws = s.workers.get(mv.worker)
     if ws is None:
@@ -242,7 +242,7 @@ def _apply_arrival_ref(s: State, mv, bytes_freed_src: int, checksum_ok: bool, se
 
 def _blocks_committed_ref(s: State, e: ev.BlocksCommitted, seq: int) -> None:
     """control.fold._blocks_committed before new blocks were made with their copy in place."""
-    from control.fold import _anomaly
+    from control.fold_base import anomaly as _anomaly
     from control.state import BlockState, SessionState
 
     ws = s.workers.get(e.worker)

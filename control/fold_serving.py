@@ -1,0 +1,140 @@
+"""The fold of the serving side's events: sessions parked and restored, requests admitted and
+done, batch steps, rebinds of a pool, weights arenas and their flips. Deterministic, no I/O, never
+raises on a surprising event (an anomaly is noted instead); ``control.fold`` dispatches here."""
+from __future__ import annotations
+
+from typing import Callable
+
+from events import catalog as ev
+from control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
+from control.state import ArenaState, RebindState, SessionState, State
+
+def _session(s: State, name: str) -> SessionState:
+    sess = s.sessions.get(name)
+    if sess is None:
+        sess = s.sessions[name] = SessionState(session=name)
+    return sess
+
+
+def _session_parked(s: State, e: ev.SessionParked, seq: int) -> None:
+    sess = _session(s, e.session)
+    sess.worker, sess.parked_tier, sess.parked_bytes = e.worker, e.tier, e.bytes
+    sess.num_parks += 1
+
+
+def _session_restored(s: State, e: ev.SessionRestored, seq: int) -> None:
+    sess = _session(s, e.session)
+    sess.worker, sess.parked_tier, sess.parked_bytes = e.worker, None, 0
+    sess.num_restores += 1
+    sess.restored_tokens += e.restored_tokens
+    sess.computed_tokens += e.computed_tokens
+
+
+def _request_admitted(s: State, e: ev.RequestAdmitted, seq: int) -> None:
+    s.requests[e.request_id] = seq
+    if e.session is not None:
+        _session(s, e.session)
+
+
+def _request_done(s: State, e, seq: int) -> None:
+    s.requests.pop(e.request_id, None)
+
+
+def _step_completed(s: State, e: ev.StepCompleted, seq: int) -> None:
+    ws = s.workers.get(e.worker)
+    if ws is not None:
+        ws.last_step = e.step
+
+
+def _rebind_requested(s: State, e: ev.RebindRequested, seq: int) -> None:
+    s.rebinds[e.rebind_id] = RebindState(
+        rebind_id=e.rebind_id, worker=e.worker, pool=e.pool, from_gen=e.from_gen,
+        to_gen=e.to_gen, readers={r: e.from_gen for r in e.readers},
+    )
+
+
+def _reader_stamped(s: State, e: ev.ReaderStamped, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is None or e.reader not in rb.readers:
+        _anomaly(s, seq, f"ReaderStamped {e.reader} for unknown rebind {e.rebind_id}")
+        return
+    rb.readers[e.reader] = e.gen
+
+
+def _rebind_committed(s: State, e: ev.RebindCommitted, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is None:
+        _anomaly(s, seq, f"RebindCommitted for unknown rebind {e.rebind_id}")
+        return
+    behind = sorted(r for r, g in rb.readers.items() if g != rb.to_gen)
+    if behind:
+        _anomaly(s, seq, f"rebind {e.rebind_id} committed while readers {behind} are behind gen {rb.to_gen}")
+    rb.status = "committed"
+
+
+def _rebind_torn(s: State, e: ev.RebindTorn, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is not None:
+        rb.status = "torn"
+
+
+def _pool_resized(s: State, e: ev.PoolResized, seq: int) -> None:
+    ws = _worker(s, e.worker, seq, "PoolResized")
+    if ws is not None and e.pool in ws.tiers:
+        ws.tiers[e.pool].capacity_bytes = e.to_bytes
+
+
+def _weights_loaded(s: State, e: ev.WeightsLoaded, seq: int) -> None:
+    key = f"{e.worker}:{e.arena}"
+    prior = s.arenas.get(key)
+    s.arenas[key] = ArenaState(worker=e.worker, arena=e.arena, model=e.model, bytes=e.bytes,
+                               gen=(prior.gen + 1) if prior else 0)
+
+
+def _flip_requested(s: State, e: ev.FlipRequested, seq: int) -> None:
+    key = f"{e.worker}:{e.arena}"
+    arena = s.arenas.get(key)
+    if arena is None:
+        _anomaly(s, seq, f"flip {e.flip_id} on unknown arena {key}")
+        return
+    arena.flip_in_flight = e.flip_id
+    arena.incoming_model = e.to_model
+    s.flips[e.flip_id] = key
+
+
+def _flip_completed(s: State, e: ev.FlipCompleted, seq: int) -> None:
+    key = s.flips.pop(e.flip_id, None)
+    arena = s.arenas.get(key) if key else None
+    if arena is None:
+        _anomaly(s, seq, f"FlipCompleted for unknown flip {e.flip_id}")
+        return
+    arena.flip_in_flight = None
+    arena.model, arena.incoming_model = arena.incoming_model or arena.model, None
+    arena.gen += 1
+    arena.bytes = e.bytes_in
+
+
+def _flip_failed(s: State, e: ev.FlipFailed, seq: int) -> None:
+    key = s.flips.pop(e.flip_id, None)
+    if key and key in s.arenas:
+        s.arenas[key].flip_in_flight = None
+        s.arenas[key].incoming_model = None
+
+
+HANDLERS: dict[type, Callable[[State, object, int], None]] = {
+    ev.SessionParked: _session_parked,
+    ev.SessionRestored: _session_restored,
+    ev.RequestAdmitted: _request_admitted,
+    ev.RequestRefused: _request_done,
+    ev.RequestFinished: _request_done,
+    ev.StepCompleted: _step_completed,
+    ev.RebindRequested: _rebind_requested,
+    ev.ReaderStamped: _reader_stamped,
+    ev.RebindCommitted: _rebind_committed,
+    ev.RebindTorn: _rebind_torn,
+    ev.PoolResized: _pool_resized,
+    ev.WeightsLoaded: _weights_loaded,
+    ev.FlipRequested: _flip_requested,
+    ev.FlipCompleted: _flip_completed,
+    ev.FlipFailed: _flip_failed,
+}
