@@ -15,6 +15,7 @@ import collections
 import os
 import shutil
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -295,3 +296,46 @@ def kill_pid_file(run_dir: Path, worker: int, sig: int = 9) -> int:
     pid = int((run_dir / f"worker-{worker}.pid").read_text().split()[0])
     os.kill(pid, sig)
     return pid
+
+
+def setup_control(make_control, fake_worker, url, **over):
+    """A control process on ``url`` with one scripted worker joined: (proc, store, worker)."""
+    proc, store = make_control(url, **over)
+    fw = fake_worker()
+    fw.hello()
+    wait_for(lambda: joined(proc), what="worker joined")
+    return proc, store, fw
+
+
+class SlowDisk:
+    """The ledger store, except that appends wait while ``gate`` is closed (a stalled disk)."""
+
+    def __init__(self, store, gate: threading.Event):
+        self._store, self.gate = store, gate
+
+    def append(self, items, **kw):
+        self.gate.wait()
+        return self._store.append(items, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+class FailingDisk(SlowDisk):
+    """Appends fail once ``broken`` is set (the database went away)."""
+
+    def __init__(self, store):
+        super().__init__(store, threading.Event())
+        self.gate.set()
+        self.broken = False
+
+    def append(self, items, **kw):
+        if self.broken:
+            from ledger.errors import LedgerUnavailable
+            raise LedgerUnavailable("cannot reach the ledger database (test)")
+        return self._store.append(items, **kw)
+
+
+def event_types(store) -> list[str]:
+    """The ledger's event type names, in seq order."""
+    return [type(r.event).__name__ for r in store.read()]
