@@ -99,6 +99,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # after answering a thread of this process before an ack's fold, the loop steps off the GIL
     # this long so that thread can take its answer first (0: not at all); see Asks._answer_off_loop
     answer_yield_us: int = 50
+    answer_yield_min_blocks: int = 32     # ... only before the fold of a move this big
     # the CPU of the loop thread and of its ZMQ I/O thread (None: the kernel's choice); see
     # events/affinity.py. ``residency serve --pin-cpus`` sets it.
     cpu: int | None = None

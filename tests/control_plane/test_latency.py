@@ -376,15 +376,19 @@ def test_an_asker_on_the_loop_thread_hears_of_an_ack_only_after_its_fold(make_co
 def test_the_loop_steps_off_the_gil_after_answering_a_thread_of_its_process_not_a_socket(make_control, fake_worker,
                                                                                         sqlite_url, short_dir):
     from control.transport import AskClient
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
-    blocks = commit_blocks(proc, fw, 4)
-    fut = proc.submit(AskMove(ask_id="thread", kind="evict", worker=0, blocks=blocks[:1]))
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, answer_yield_min_blocks=4)
+    blocks = commit_blocks(proc, fw, 12)
+    fut = proc.submit(AskMove(ask_id="thread", kind="evict", worker=0, blocks=blocks[:4]))
+    fw.send(fw.ack(fw.expect(ExecuteMove)))
+    assert fut.result(5).error is None
+    assert proc.health().metrics["answer_yields"] == 1
+    fut = proc.submit(AskMove(ask_id="small", kind="evict", worker=0, blocks=blocks[4:7]))   # a fold quicker than a yield
     fw.send(fw.ack(fw.expect(ExecuteMove)))
     assert fut.result(5).error is None
     assert proc.health().metrics["answer_yields"] == 1
     client = AskClient(f"ipc://{short_dir}/c.sock", timeout_s=5)
     with ThreadPoolExecutor(1) as pool:          # the operator's CLI: an answer over its socket
-        ans = pool.submit(client.ask, AskMove(ask_id="cli", kind="evict", worker=0, blocks=blocks[1:2]))
+        ans = pool.submit(client.ask, AskMove(ask_id="cli", kind="evict", worker=0, blocks=blocks[8:12]))
         fw.send(fw.ack(fw.expect(ExecuteMove)))
         assert ans.result(10).error is None
     assert proc.health().metrics["answer_yields"] == 1
@@ -413,3 +417,54 @@ def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_th
     assert proc.health().metrics["lanes_given_up"] == 1
     proc.stop("done")
     check_ledger(store)
+
+
+class _CountingDisk(_SlowDisk):
+    """The ledger store, counting its appends (commits)."""
+
+    def __init__(self, store):
+        super().__init__(store, threading.Event())
+        self.gate.set()
+        self.appends = 0
+
+    def append(self, items, **kw):
+        self.appends += 1
+        return self._store.append(items, **kw)
+
+
+def test_a_burst_of_acks_is_committed_together_and_only_a_lone_moves_ack_takes_the_short_way(
+        fake_worker, sqlite_url, short_dir):
+    """With many moves in flight their acks come in bursts: committed a few at a time at the end of
+    the loop's iterations (a commit and a GIL yield per ack would halve the moves/s the loop
+    sustains), while the ack of the only move in flight is committed and answered at once."""
+    from control.policy import PolicyConfig
+    from control.proc import ControlConfig, ControlProc
+    store = LedgerStore.open(sqlite_url, create=True)
+    disk = _CountingDisk(store)
+    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", release_on_stop=False,
+                        policy=PolicyConfig(pressure=False, park=False), trace_moves=64)
+    proc = ControlProc(disk, cfg).start()
+    try:
+        fw = fake_worker()
+        fw.hello()
+        wait_for(lambda: joined(proc), what="worker joined")
+        blocks = commit_blocks(proc, fw, 41)
+        short_way = lambda mids: proc.call(lambda p: [m for m in mids if "folded" in p.traces.by_move.get(m, {})]).result(5)  # noqa: E731
+        futs = [proc.submit(AskMove(ask_id=f"a{b}", kind="evict", worker=0, blocks=[b])) for b in blocks[:40]]
+        cmds = [fw.expect(ExecuteMove) for _ in futs]
+        before = disk.appends
+        for c in cmds:                                  # one burst
+            fw.send(fw.ack(c))
+        assert all(f.result(5).error is None for f in futs)
+        assert disk.appends - before <= 10, disk.appends - before
+        assert len(short_way([c.move_id for c in cmds])) <= 1          # at most the last, alone by then
+        fut = proc.submit(AskMove(ask_id="lone", kind="evict", worker=0, blocks=blocks[40:]))
+        cmd = fw.expect(ExecuteMove)
+        fw.send(fw.ack(cmd))
+        assert fut.result(5).error is None
+        assert short_way([cmd.move_id]) == [cmd.move_id]
+        proc.stop("done")
+        check_ledger(store)
+    finally:
+        proc.stop()
+        store.close()
