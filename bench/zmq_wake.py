@@ -126,6 +126,7 @@ def main() -> int:
     ap.add_argument("--gap-ms", type=float, default=3.0, help="the parent's pause before each command")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--machine", default=None, help="name in the result file (default: cpu, or h200 with a GPU)")
+    ap.add_argument("--out", default=None, help="where the JSON goes (default: bench/results/zmq-wake-<date>-<machine>.json)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--cpu", type=int, default=0)
     ap.add_argument("--variant", default="default")
@@ -151,7 +152,7 @@ def main() -> int:
     out = {"bench": "zmq_wake", "date": dt.date.today().isoformat(), "machine": machine, "git_commit": commit,
            "host": platform.node(), "cpu_count": os.cpu_count(), "cpus_used": cpus, "work_ms": args.work_ms,
            "tail_ms": args.tail_ms, "gap_ms": args.gap_ms, "zmq": zmq.zmq_version(), "results": rows}
-    path = ROOT / "bench" / "results" / f"zmq-wake-{out['date']}-{machine}.json"
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"zmq-wake-{out['date']}-{machine}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
     return 0

@@ -1,0 +1,50 @@
+"""The bench scripts run end to end on this machine with tiny sizes and write their JSON (their
+figures mean nothing at these sizes; the H200 runs are in bench/results/). Nothing here times
+anything: a bench that no longer starts, or drops a key its table or the README reads, fails."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{args[0]} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+def test_the_moves_bench_runs_its_sections_on_the_cpu(tmp_path):
+    out = tmp_path / "moves.json"
+    p = _run(["bench/moves.py", "--quick", "--cpu", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert not res["errors"]
+    for key in ("spill_fraction_of_ceiling", "restore_fraction_of_ceiling", "both_vs_one_direction",
+                "spill_checksum_cost_fraction", "single_block_spill_us", "modes"):
+        assert key in res, key
+    assert "target both_vs_one_direction >= 1.7" in p.stdout
+
+
+def test_the_zmq_wake_bench_measures_each_placement(tmp_path):
+    out = tmp_path / "zmq.json"
+    _run(["bench/zmq_wake.py", "--reps", "3", "--work-ms", "2", "--tail-ms", "0.5", "--gap-ms", "0.5",
+          "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [r["variant"] for r in res["results"]] == ["default", "pinned", "headsup", "pinned+headsup"]
+    assert all(r["ack_hop"]["p50_ms"] > 0 and len(r["ack_hop_all_ms"]) == 3 for r in res["results"])
+
+
+def test_the_control_bench_runs_round_trips_and_a_small_spill_through_each_default_way(tmp_path):
+    out = tmp_path / "control.json"
+    p = _run(["bench/control.py", "--engines", "nocopy", "--moves", "20", "--sustained", "300", "--repeat", "1",
+              "--spill-bytes", "8MiB", "--spill-reps", "3", "--control-only-reps", "4",
+              "--spill-variants", "lane,lane+nearly+ahead", "--out", str(out)], timeout=300)
+    res = json.loads(out.read_text())["results"] if "results" in json.loads(out.read_text()) else json.loads(out.read_text())
+    assert res["round_trip"][0]["p50_ms"] > 0 and res["sustained"][0]["moves_per_s"] > 0
+    spill = res["spill"]
+    assert set(spill["variants"]) == {"lane", "lane+nearly+ahead"} and spill["headline_variant"] == "lane+nearly+ahead"
+    assert spill["breakdown_ms_phase_medians"] is not None
+    assert "spill through control, lane+nearly+ahead" in p.stdout
