@@ -101,7 +101,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     answer_yield_us: int = 50
     answer_yield_min_blocks: int = 32     # ... only before the fold of a move this big
     # the CPU of the loop thread and of its ZMQ I/O thread (None: the kernel's choice); see
-    # events/affinity.py. ``residency serve --pin-cpus`` sets it.
+    # events/affinity.py. Off by default (measured slower for a big spill; README).
     cpu: int | None = None
     # on a worker's MoveNearlyDone, poll without sleeping until that move's outcome comes, at most
     # this long (its bytes_left at 10 GB/s, capped here); 0: sleep in the poll as always
