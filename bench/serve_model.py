@@ -17,10 +17,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
-from datetime import date
 
 import numpy as np
 import torch
@@ -30,56 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataplane.model import LLAMA3_8B, SMOLLM2_135M, SamplingParams, SeqInput, load_model, random_model  # noqa: E402
 from dataplane.model.hf_reference import build_hf_llama  # noqa: E402
 
-PAGE = 16
+from serve_common import PAGE, Timer, d2d_bandwidth, log, rel, slot_tables  # noqa: E402,F401
+from serve_ttft import bench_ttft  # noqa: E402
+
 DATE = "2026-12-02"
 
 
-def log(*a):
-    print(*a, flush=True)
-
-
-# ------------------------------------------------------------------ timing
-class Timer:
-    """Wall-clock timing that waits for the device first (CUDA work is asynchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def __call__(self, fn, repeat: int = 3, warmup: int = 1) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeat):
-            self.sync()
-            t = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-
-def d2d_bandwidth(device: torch.device) -> float:
-    """GB/s of a large device-to-device copy, read + write counted (METHOD.md)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
-    b = torch.empty_like(a)
-    t = Timer(device)(lambda: b.copy_(a), repeat=10, warmup=3)
-    return 2 * n / t / 1e9
-
-
-# ------------------------------------------------------------------ helpers
-def slot_tables(num_seqs: int, blocks_per_seq: int, first: int, gen: torch.Generator) -> list[list[int]]:
-    """Scattered, shuffled block tables (the kernel must not profit from contiguity)."""
-    perm = (torch.randperm(num_seqs * blocks_per_seq, generator=gen) + first).tolist()
-    return [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(num_seqs)]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 # ------------------------------------------------------------------ numerics on the device
@@ -253,130 +207,6 @@ def fmt_row(r: dict) -> str:
 
 
 # ------------------------------------------------------------------ TTFT with a restored history
-def bench_ttft(model, device, history: int, new: int, gen) -> dict:
-    """Turn N+1 of a chat whose history KV was parked to pinned host memory:
-    restore (one contiguous copy on a side stream) + prefill of the new turn, vs recompute."""
-    r = model.runner
-    timer = Timer(device)
-    hist_blocks = history // PAGE
-    total_blocks = -(-(history + new) // PAGE)
-    pool = r.allocate_kv_pool(total_blocks + 1, PAGE)
-    table = list(range(total_blocks))                    # history pages contiguous: one DMA
-    hist_ids = torch.randint(0, model.config.vocab_size, (history,), generator=gen).tolist()
-    new_ids = torch.randint(0, model.config.vocab_size, (new,), generator=gen).tolist()
-    r.forward([SeqInput(hist_ids, 0, table)], pool)      # turn N computed the history's KV
-    host = torch.empty_like(pool[:hist_blocks], device="cpu")
-    if device.type == "cuda":
-        host = host.pin_memory()
-    host.copy_(pool[:hist_blocks])                       # parked
-    side = torch.cuda.Stream() if device.type == "cuda" else None
-    out = {}
-
-    def restore_and_prefill():
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                pool[:hist_blocks].copy_(host, non_blocking=True)
-            torch.cuda.current_stream().wait_stream(side)
-        else:
-            pool[:hist_blocks].copy_(host)
-        out["restored"] = r.forward([SeqInput(new_ids, history, table)], pool)[0]
-
-    def recompute():
-        out["recomputed"] = r.forward([SeqInput(hist_ids + new_ids, 0, table)], pool)[0]
-
-    copy_layer = layer_copier(pool, host, hist_blocks) if side is not None else None
-
-    def pipelined_restore_and_prefill():
-        """The same restore as one pitched copy per layer (hist_blocks rows of one layer's bytes),
-        each with an event; layer l of the prefill waits only for its own layer."""
-        side.wait_stream(torch.cuda.current_stream())
-        ready = []
-        for layer in range(model.config.num_layers):
-            copy_layer(layer, side)
-            ev = torch.cuda.Event()
-            ev.record(side)
-            ready.append(ev)
-        out["pipelined"] = r.forward([SeqInput(new_ids, history, table)], pool, layer_ready=ready)[0]
-        torch.cuda.current_stream().wait_stream(side)
-
-    pool[:hist_blocks].fill_(float("nan"))               # prove the restore brings the bytes back
-    t_restore = timer(restore_and_prefill, repeat=5, warmup=1)
-    t_copy = timer(lambda: pool[:hist_blocks].copy_(host, non_blocking=True), repeat=5, warmup=1)
-    t_turn = timer(lambda: r.forward([SeqInput(new_ids, history, table)], pool), repeat=5, warmup=1)
-    # The same turn with its attention through SDPA over gathered pages (the path before the
-    # extend kernel), side by side: time and how far its logits are from the kernel's.
-    import dataplane.model.runner as runner_mod
-    saved, runner_mod.EXTEND_MAX_TOKENS = runner_mod.EXTEND_MAX_TOKENS, 0
-    try:
-        t_turn_sdpa = timer(lambda: r.forward([SeqInput(new_ids, history, table)], pool), repeat=5, warmup=1)
-        sdpa_logits = r.forward([SeqInput(new_ids, history, table)], pool)[0]
-    finally:
-        runner_mod.EXTEND_MAX_TOKENS = saved
-    extend_logits = r.forward([SeqInput(new_ids, history, table)], pool)[0]
-    t_recompute = timer(recompute, repeat=3, warmup=1)
-    t_pipe = None
-    if copy_layer is not None:
-        pool[:hist_blocks].fill_(float("nan"))
-        t_pipe = timer(pipelined_restore_and_prefill, repeat=5, warmup=1)
-    restore_and_prefill()
-    res = {
-        "history_tokens": history, "new_tokens": new,
-        "history_kv_bytes": host.numel() * host.element_size(),
-        "ttft_restore_ms": t_restore * 1e3, "restore_copy_ms": t_copy * 1e3,
-        "restore_copy_gbs": host.numel() * host.element_size() / t_copy / 1e9,
-        "new_turn_prefill_ms": t_turn * 1e3,
-        "new_turn_prefill_sdpa_ms": t_turn_sdpa * 1e3,
-        "rel_err_extend_vs_sdpa_logits": rel(extend_logits, sdpa_logits),
-        "same_greedy_token_extend_vs_sdpa": int(extend_logits.argmax()) == int(sdpa_logits.argmax()),
-        "ttft_recompute_ms": t_recompute * 1e3, "speedup": t_recompute / t_restore,
-        "same_greedy_token": int(out["restored"].argmax()) == int(out["recomputed"].argmax()),
-        "rel_err_restored_vs_recomputed": rel(out["restored"], out["recomputed"]),
-    }
-    if t_pipe is not None:
-        res.update(ttft_pipelined_ms=t_pipe * 1e3, speedup_pipelined=t_recompute / t_pipe,
-                   pipelined_equals_restored_bitwise=bool(torch.equal(out["pipelined"], out["restored"])))
-    log(f"  TTFT {history}+{new}: restore+prefill {res['ttft_restore_ms']:.1f} ms (copy {res['restore_copy_ms']:.1f} ms "
-        f"at {res['restore_copy_gbs']:.1f} GB/s, turn prefill {res['new_turn_prefill_ms']:.1f} ms, "
-        f"{res['new_turn_prefill_sdpa_ms']:.1f} ms through SDPA) vs recompute "
-        f"{res['ttft_recompute_ms']:.1f} ms: x{res['speedup']:.1f}"
-        + (f"; layer-pipelined {t_pipe * 1e3:.1f} ms: x{res['speedup_pipelined']:.1f}" if t_pipe else ""))
-    del pool
-    return res
-
-
-def layer_copier(pool: torch.Tensor, host: torch.Tensor, num_blocks: int):
-    """``copy(layer, stream)``: host[:, layer] -> pool[:num_blocks, layer] as ONE pitched DMA
-    (num_blocks rows of one layer's bytes, a block's bytes apart on both sides): cudaMemcpy2DAsync
-    through CuPy or cuda-python, whichever the machine has. None when neither is there."""
-    elem = pool.element_size()
-    pitch, width = pool.stride(0) * elem, pool.stride(1) * elem
-    assert host.stride(0) == pool.stride(0) and host.stride(1) == pool.stride(1) and host.is_pinned()
-    try:
-        import cupy
-
-        def memcpy2d(dst, src, stream):
-            cupy.cuda.runtime.memcpy2DAsync(dst, pitch, src, pitch, width, num_blocks,
-                                            cupy.cuda.runtime.memcpyHostToDevice, stream.cuda_stream)
-    except ImportError:
-        try:
-            from cuda.bindings import runtime as cudart
-        except ImportError:
-            return None
-
-        def memcpy2d(dst, src, stream):
-            (err,) = cudart.cudaMemcpy2DAsync(dst, pitch, src, pitch, width, num_blocks,
-                                              cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream.cuda_stream)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaMemcpy2DAsync: {err}")
-
-    def copy(layer: int, stream) -> None:
-        memcpy2d(pool[0, layer].data_ptr(), host[0, layer].data_ptr(), stream)
-
-    return copy
-
-
-# ------------------------------------------------------------------ drivers
 def stage(res: dict, key: str, save, fn):
     """Run one part of the bench; a failure is recorded (with its traceback) and the rest goes on."""
     import traceback

@@ -48,3 +48,13 @@ def test_the_control_bench_runs_round_trips_and_a_small_spill_through_each_defau
     assert set(spill["variants"]) == {"lane", "lane+nearly+ahead"} and spill["headline_variant"] == "lane+nearly+ahead"
     assert spill["breakdown_ms_phase_medians"] is not None
     assert "spill through control, lane+nearly+ahead" in p.stdout
+
+
+def test_the_model_runner_bench_runs_its_gpu_flow_with_tiny_shapes_on_the_cpu(tmp_path):
+    """``serve_model.py --gpu --dry-run``: kernel and runner numerics, decode beside transformers,
+    the restored-history TTFT; the greedy token after a restore must be the recomputed one's."""
+    out = tmp_path / "serve-model.json"
+    p = _run(["bench/serve_model.py", "--gpu", "--dry-run", "--out", str(out)], timeout=400)
+    res = json.loads(out.read_text())
+    assert res["ttft"]["same_greedy_token"] is True, res["ttft"]
+    assert "TTFT" in p.stdout
