@@ -1,0 +1,96 @@
+"""The set-up bench/control.py measures: a control process in the bench's process, one worker
+process, one ledger; the block layouts it uses; the run's commit."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from control.moves import MoveConfig  # noqa: E402
+from control.policy import PolicyConfig  # noqa: E402
+from control.proc import ControlConfig, ControlProc  # noqa: E402
+from events.commands import AskCommitBlocks  # noqa: E402
+from ledger import LedgerStore  # noqa: E402
+
+SMALL_LAYOUT = "2,16,2,64,float16"          # 16 KiB blocks: a one-block move is latency, not bandwidth
+BIG_LAYOUT = "32,16,8,128,bfloat16"         # 2 MiB blocks (Llama-8B-like pages): spills are bandwidth
+
+
+def git_commit() -> str:
+    try:
+        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "control", "dataplane", "bench/control.py",
+                                "bench/control_cluster.py", "bench/control_spill.py"],
+                               cwd=ROOT).returncode != 0
+        return rev + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Cluster:
+    """A control process in this process, one worker process, one ledger."""
+
+    def __init__(self, url: str, engine: str, device: str, layout: str, device_blocks: int, host_bytes: int,
+                 durability: str = "normal", traced: bool = False, lane: bool = True,
+                 cpus: tuple[int | None, int | None] = (None, None), nearly_done: bool = False,
+                 ahead: bool = False):
+        self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
+        self.store = LedgerStore.open(url, create=True)
+        cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
+                            durability=durability, policy=PolicyConfig(pressure=False, park=False),
+                            moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
+                            trace_moves=64 if traced else 0, cpu=cpus[0],
+                            command_ahead_min_bytes=(64 << 20) if ahead else 0)
+        self.proc = ControlProc(self.store, cfg).start()
+        argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
+                "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
+                "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
+                "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else []) + (
+                    [] if lane else ["--no-lane"]) + (["--cpu", str(cpus[1])] if cpus[1] is not None else []) + (
+                    ["--nearly-done"] if nearly_done else ["--no-nearly-done"]) + (
+                    ["--awake-for-commands"] if ahead else ["--no-awake-for-commands"])
+        if device == "cpu":
+            argv += ["--torch-threads", "1"]
+        self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while not self.proc.call(lambda p: 0 in p._by_worker).result(10):
+            if time.monotonic() > deadline or self.worker.poll() is not None:
+                raise RuntimeError("the worker did not join")
+            time.sleep(0.05)
+
+    def commit(self, n: int, tier: str = "device") -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            k = min(4096, n - len(out))
+            ans = self.proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="bench", tier=tier,
+                                                   num_blocks=k)).result(600)
+            if ans.error:
+                raise RuntimeError(f"commit failed: {ans.error}: {ans.detail}")
+            out += ans.events[0].blocks
+        return out
+
+    def close(self) -> None:
+        self.proc.stop("bench done")
+        self.worker.terminate()
+        try:
+            self.worker.wait(20)
+        except subprocess.TimeoutExpired:
+            self.worker.kill()
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def layout_bytes(spec: str) -> int:
+    from dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    return layout_block_bytes(parse_layout(spec))
