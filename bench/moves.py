@@ -34,7 +34,6 @@ import logging
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,23 +48,11 @@ from dataplane.pools import KVLayout  # noqa: E402
 from events.catalog import MoveAcked  # noqa: E402
 from events.commands import CommitBlocks, ExecuteMove  # noqa: E402
 from kernels.checksum import block_checksums  # noqa: E402
+from moves_parts import GB, no_checksums, phases, probe_bidir, sync, timed  # noqa: E402,F401
 from moves_report import TARGETS, device_name, git_commit, table, triton_version  # noqa: E402,F401
 
-GB = 1e9
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timed(dev, fn) -> float:
-    """Seconds from enqueue until the host sees completion."""
-    sync(dev)
-    t0 = time.perf_counter()
-    fn()
-    sync(dev)
-    return time.perf_counter() - t0
 
 
 class Bench:
@@ -233,68 +220,7 @@ class Bench:
         return 2 * self.bytes / statistics.median(walls) / GB
 
     def bidir_probe(self):
-        """Where does "both at once" lose against the bidirectional ceiling? The same 2 GiB each
-        way through ever more of the engine's machinery, aggregate GB/s:
-
-          plain_default_streams   one copy per direction on two fresh default-priority streams
-          plain_engine_streams    the same on the engine's (high-priority) d2h / h2d streams
-          chunked_64MiB           32 copies of 64 MiB per direction, engine streams
-          copy_path_<mode>        the engine's Copier both ways (gather/scatter + DMA), no bookkeeping
-        """
-        d = self.dev
-        if d.type != "cuda":
-            return
-        ctx, dp, hp = self.e.ctx, self.e.device_pool, self.e.host_pool
-        s = ctx.streams
-        h_a, h_b, reps = self.h_a.tensor, self.h_b.tensor, self.args.reps
-        out: dict = {}
-
-        def agg(fn) -> float:
-            return 2 * self.bytes / statistics.median(timed(d, fn) for _ in range(reps)) / GB
-
-        f1, f2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
-
-        def plain(sa, sb):
-            def go():
-                with torch.cuda.stream(sa):
-                    h_b.copy_(self.d_a, non_blocking=True)
-                with torch.cuda.stream(sb):
-                    self.d_b.copy_(h_a, non_blocking=True)
-            return go
-
-        def chunked():
-            step = max(1, (64 << 20) // self.layout.block_bytes)
-            for lo in range(0, self.n, step):
-                with torch.cuda.stream(s.d2h):
-                    h_b[lo:lo + step].copy_(self.d_a[lo:lo + step], non_blocking=True)
-                with torch.cuda.stream(s.h2d):
-                    self.d_b[lo:lo + step].copy_(h_a[lo:lo + step], non_blocking=True)
-
-        out["plain_default_streams_GBps"] = agg(plain(f1, f2))
-        out["plain_engine_streams_GBps"] = agg(plain(s.d2h, s.h2d))
-        out["chunked_64MiB_GBps"] = agg(chunked)
-        self.run(self.mv("evict", "device", "host", self.A))       # A on the host, B on the device
-        try:
-            for mode in ("staged", "dma"):
-                ctx.copy_modes.update(d2h=mode, h2d=mode)
-                b_dev = dp.slots_of(self.B)
-                free_host = sorted(hp.table._free)[: self.n]
-                a_host = sorted(hp.slots_of(self.A))
-                free_dev = sorted(dp.table._free)[: self.n]
-
-                def go():
-                    out_c = Copier(ctx, "d2h", dp.words, b_dev, hp.words, free_host)
-                    in_c = Copier(ctx, "h2d", hp.words, a_host, dp.words, free_dev)
-                    out_c.enqueue(0, self.n)
-                    in_c.enqueue(0, self.n)
-                    out_c.done().synchronize()
-                    in_c.done().synchronize()
-                out[f"copy_path_{mode}_GBps"] = agg(go)
-        finally:
-            self.run(self.mv("restore", "host", "device", self.A))
-        for k in list(out):
-            out[k.replace("_GBps", "_fraction_of_ceiling")] = self.frac(out[k], self.res["ceiling_bidir_GBps"])
-        self.res["bidir_probe"] = out
+        probe_bidir(self)
 
     def both(self, into: dict, d2h: str, h2d: str) -> None:
         into["both_GBps"] = self.both_at_once(d2h, h2d)
@@ -461,74 +387,6 @@ class Bench:
         self.tmp.cleanup()
 
 
-def phases(marks: dict) -> dict:
-    """Host-clock phase durations (µs) of one move from Engine.last_phases."""
-    order = ["submitted", "validated", "enqueued", "landed", "settled"]
-    names = ["validate", "begin", "wait", "commit"]
-    out = {n: (marks[b] - marks[a]) / 1e3 for n, a, b in zip(names, order, order[1:]) if a in marks and b in marks}
-    # inside begin: slots reserved, first chunk's copy enqueued (the link can start), the rest
-    if all(k in marks for k in ("validated", "reserved", "first_chunk", "enqueued")):
-        out["begin.reserve"] = (marks["reserved"] - marks["validated"]) / 1e3
-        out["begin.first_chunk"] = (marks["first_chunk"] - marks["reserved"]) / 1e3
-        out["begin.rest"] = (marks["enqueued"] - marks["first_chunk"]) / 1e3
-    return out
-
-
-class no_checksums:
-    """Within the block, device<->host moves skip hashing (checksums read as 0): the bench's way
-    of measuring what the checksum itself costs. Never used outside bench/."""
-
-    def __enter__(self):
-        import dataplane.moves.device_host as dh
-
-        from dataplane.moves.indexes import Landed
-
-        class Part:
-            def __init__(self, n):
-                self.n = n
-
-            def numel(self):
-                return self.n
-
-        class NoHash:
-            def __init__(self, ctx, words, slots, ids):
-                self.ctx, self.n, self.parts, self.marks = ctx, len(list(ids)), [], []
-
-            def enqueue(self, lo, hi, after=None):
-                self.parts.append(Part(hi - lo))
-                self.marks.append(after)         # a restore's chunk copy: what its hash would wait on
-
-            def done(self, spin=False):
-                return self.ctx.streams.mark(self.ctx.streams.hash, spin)
-
-            def land(self, lo=0, hi=None, spin=False):
-                # what the real one waits for: the copy of the parts' chunks, and no hashing
-                s = self.ctx.streams
-                parts = self.parts[lo:hi]
-                after = self.marks[len(self.parts[:hi]) - 1] if parts else None
-                if after is not None:
-                    s.wait_event(s.small, after)
-                ev = s.mark(s.small, spin)
-                n = sum(p.n for p in self.parts[lo:hi])
-                return Landed([0] * n, None, None) if not s.cuda else _Done0(ev, n)
-
-            def values(self):
-                return [0] * self.n
-
-        class _Done0:
-            def __init__(self, ev, n):
-                self.ev, self.n = ev, n
-
-            def read(self):
-                self.ev.synchronize()
-                return [0] * self.n
-
-        self.dh, self.saved = dh, dh.Hasher
-        dh.Hasher = NoHash
-        return self
-
-    def __exit__(self, *exc):
-        self.dh.Hasher = self.saved
 
 
 
