@@ -346,21 +346,14 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                     break
 
     def _poll_awake(self, now: int, timeout_ms: int) -> dict | None:
-        """Poll without sleeping while a worker said a move's outcome is about to come
-        (MoveNearlyDone), yielding the CPU between polls (to this CPU's ZMQ I/O thread, when they
-        share one): the outcome is read the moment it lands, not after this thread and its vCPU
-        wake up. None when no such wait is on (then the caller sleeps in the poll as usual)."""
+        """Poll awake (``affinity.poll_until``) while a worker said a move's outcome is about to
+        come (MoveNearlyDone), at most until the next timer; None when no such wait is on (then
+        the caller sleeps in the poll as usual)."""
         self._awake = {m: t for m, t in self._awake.items() if t > now}
         if not self._awake:
             return None
-        until = min(max(self._awake.values()), now + timeout_ms * MS)
-        poll = self._poller.poll
         self.metrics["awake_polls"] += 1
-        while True:
-            events = poll(0)
-            if events or time.monotonic_ns() >= until:
-                return dict(events)
-            os.sched_yield()
+        return dict(affinity.poll_until(self._poller, min(max(self._awake.values()), now + timeout_ms * MS)))
 
     def _on_nearly_done(self, link: WorkerLink, msg: MoveNearlyDone) -> None:
         self.traces.mark(msg.move_id, "nearly_done")

@@ -94,17 +94,12 @@ class EngineLane:
             lane.close()
 
     def _poll_awake(self, poller: zmq.Poller) -> dict:
-        """Poll without sleeping (yielding the CPU between polls) until something comes or the
-        CommandAhead's time is up."""
-        until = self._awake_until
-        while True:
-            ready = poller.poll(0)
-            if ready:
-                return dict(ready)
-            if time.monotonic_ns() >= until:
-                self._awake_until = 0
-                return {}
-            os.sched_yield()
+        """Poll awake (``affinity.poll_until``) until something comes or the CommandAhead's time
+        is up."""
+        ready = affinity.poll_until(poller, self._awake_until)
+        if not ready:
+            self._awake_until = 0
+        return dict(ready)
 
     def _lane_command(self, lane: ControlLink, cmd, recv_ns: int) -> None:
         t = type(cmd)

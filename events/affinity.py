@@ -19,6 +19,7 @@ so only GPU workers place theirs).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import zmq
@@ -42,6 +43,18 @@ def pin_this_thread(cpu: int | None) -> None:
     if cpu is not None:
         check_cpu(cpu)
         os.sched_setaffinity(0, {cpu})
+
+
+def poll_until(poller: zmq.Poller, until_ns: int) -> list:
+    """Poll without sleeping, yielding the CPU between polls, until something is ready or the
+    monotonic clock reaches ``until_ns`` (then []): for a message known to be on its way
+    (MoveNearlyDone, CommandAhead), read the moment it lands instead of after a long-idle thread
+    wakes (bench/zmq_wake.py)."""
+    while True:
+        ready = poller.poll(0)
+        if ready or time.monotonic_ns() >= until_ns:
+            return ready
+        os.sched_yield()
 
 
 def check_cpu(cpu: int) -> None:
