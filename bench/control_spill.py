@@ -58,11 +58,28 @@ def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int], float
     return e, marks, (t1 - t0) / 1e9
 
 
+# ... of an early start (the worker began on the CommandAhead that carried the command): the
+# request's commit and the command's trip run beside the copies; "(beside)" phases are not in the sum
+PHASES_EARLY = [
+    ("ask reaches the loop", "submit", "asked"),
+    ("control: resolve, fund, send CommandAhead", "asked", "ahead"),
+    ("CommandAhead to the worker's socket", "ahead", "w_ahead"),
+    ("worker: decode, begin the move", "w_ahead", "w_engine_start"),
+    *PHASES[6:],
+]
+BESIDE_EARLY = [
+    ("(beside) control: fold and commit MoveRequested", "ahead", "committed"),
+    ("(beside) ExecuteMove to the worker's socket", "committed", "w_received"),
+]
+
+
 def breakdown(marks: dict[str, int]) -> dict[str, float] | None:
-    """Phase durations in ms (None when a mark is missing); they add up to the whole round trip."""
-    if any(a not in marks or b not in marks for _, a, b in PHASES):
+    """Phase durations in ms (None when a mark is missing); they add up to the whole round trip
+    (an early start's "(beside)" phases overlap the copies and are not part of the sum)."""
+    phases = PHASES_EARLY + BESIDE_EARLY if "w_ahead" in marks else PHASES
+    if any(a not in marks or b not in marks for _, a, b in phases):
         return None
-    return {name: (marks[b] - marks[a]) / 1e6 for name, a, b in PHASES}
+    return {name: (marks[b] - marks[a]) / 1e6 for name, a, b in phases}
 
 
 def phase_medians(breakdowns: list[dict[str, float] | None]) -> dict[str, float] | None:
@@ -71,7 +88,12 @@ def phase_medians(breakdowns: list[dict[str, float] | None]) -> dict[str, float]
     bs = [b for b in breakdowns if b]
     if not bs:
         return None
-    return {name: sorted(b[name] for b in bs)[len(bs) // 2] for name in bs[0]}
+    names = dict.fromkeys(name for b in bs for name in b)      # early starts and others may mix
+    return {name: _median([b[name] for b in bs if name in b]) for name in names}
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def overheads(wall_s: float, marks: dict[str, int]) -> dict[str, float]:
@@ -148,22 +170,25 @@ def under_dma_load(fn, seconds: float = 120.0):
 #   lane      the worker's engine lane (dataplane/lane.py); no-lane: without it
 #   nearly    the worker's MoveNearlyDone before the last chunk; the control polls awake for the ack
 #   ahead     the control's CommandAhead before the MoveRequested commits; the lane polls awake
+#   early     ... and the hint carries the command: the worker begins the copies meanwhile (an
+#             early start; nothing is visible before the command comes)
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
-# name -> {lane, nearly, ahead, pin_control, pin_worker}
+# name -> {lane, nearly, ahead, early, pin_control, pin_worker}
 def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
+            "early": "early" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
-VARIANTS = {n: _variant(n) for n in ("lane", "no-lane", "lane+nearly", "lane+nearly+ahead",
-                                     "lane+nearly+ahead+pin-worker", "lane+nearly+ahead+pinned")}
+VARIANTS = {n: _variant(n) for n in ("lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early",
+                                     "lane+nearly+ahead+early+pin-worker", "lane+nearly+ahead+early+pinned")}
 
 
 def default_variant() -> str:
     """What ``residency serve`` runs on a GPU host."""
-    return "lane+nearly+ahead"
+    return "lane+nearly+ahead+early"
 
 
 def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
@@ -229,7 +254,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
-                nearly_done=var["nearly"], ahead=var["ahead"])
+                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], ahead_min_bytes=min(64 << 20, n * bb))
     try:
         blocks = c.commit(n)
         runs = []

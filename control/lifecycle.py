@@ -46,12 +46,22 @@ class MoveLifecycle:
         return mid
 
     def _command_ahead(self, req: ev.MoveRequested) -> None:
-        """Tell the worker's lane that this move's command follows its commit (a hint, never the
-        command: write-ahead holds), so its thread is awake to read it."""
+        """Tell the worker's lane that this move's command follows its commit, so its thread is
+        awake to read it; with ``start_ahead`` (device <-> host) the hint carries the command, and
+        the worker may begin the copies meanwhile. Write-ahead holds for everything anyone can
+        see: the worker publishes, frees and answers nothing before the command itself, which
+        leaves only after the commit (``_dispatch``); a hint whose command never comes is undone
+        there (``WorkerCore.drop_ahead``)."""
         link = self._by_worker.get(req.worker)
         if link is not None and link.lane is not None and link.lane_up:
             self.metrics["commands_ahead"] += 1
-            self._send(link, CommandAhead(move_id=req.move_id, within_us=self.cfg.command_ahead_us))
+            early = self.cfg.start_ahead and {req.src, req.dst} == {"device", "host"}
+            if early:
+                self.metrics["commands_sent_ahead"] += 1
+            self._send(link, CommandAhead(move_id=req.move_id, within_us=self.cfg.command_ahead_us,
+                                          command=moves.command_for(req) if early else None))
+            if self.traces.keep:
+                self.traces.mark(req.move_id, "ahead")
 
     def _dispatch(self, req: ev.MoveRequested) -> None:
         """The MoveRequested is committed: now (and only now) the command may leave."""
@@ -90,6 +100,8 @@ class MoveLifecycle:
         if self.traces.keep and msg.move_id in self.traces.by_move:
             for phase in ("received_ns", "queued_ns", "engine_start_ns", "engine_end_ns", "sent_ns"):
                 self.traces.mark(msg.move_id, "w_" + phase.removesuffix("_ns"), getattr(msg, phase))
+            if msg.ahead_ns:
+                self.traces.mark(msg.move_id, "w_ahead", msg.ahead_ns)
 
     def _on_released(self, link: WorkerLink, msg: BlocksReleased) -> None:
         self._on_outcome(link, moves.release_outcome(msg, time.time_ns()))

@@ -49,6 +49,7 @@ class MoveTraces:
     worker (bench/control.py prints the breakdown). Off (keep=0) unless configured.
 
         asked      the loop took the ask          requested  its MoveRequested folded and buffered
+        ahead      its CommandAhead handed to ZMQ (a big copy's; before ``requested``)
         committed  that event committed (sent)    sent       the command handed to ZMQ
         received   the outcome read off the socket (before decoding)
         decoded    the outcome decoded, handler entered

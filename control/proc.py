@@ -110,6 +110,10 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # MoveRequested commits and polls awake for the command (0: never)
     command_ahead_min_bytes: int = 64 << 20
     command_ahead_us: int = 2000          # ... for at most this long
+    # ... and (device <-> host copies) the hint carries the command, so the worker may begin its
+    # copies while the MoveRequested commits (an early start: nothing is visible on the worker
+    # before the command itself comes; see events.commands.CommandAhead)
+    start_ahead: bool = True
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 

@@ -25,6 +25,10 @@ from events.codec import encode_message
 from events.commands import CommandAhead, ErrorReply, ExecuteMove, LaneHello, MoveNearlyDone, MoveTimed, ReleaseBlocks
 
 AWAKE_MAX_US = 5000       # the longest a CommandAhead keeps the lane polling awake
+# the longest an early-started move (a CommandAhead that carried its command) waits for that
+# command before its copies are abandoned; meanwhile the engine thread does nothing else, as it
+# would while running the move (a 2 GiB move's copies take ~40 ms on the H200)
+AHEAD_HOLD_MS = 250
 
 
 class EngineLane:
@@ -58,7 +62,10 @@ class EngineLane:
                     self._run_handed(cmd)
                 bg = self.core.background
                 busy = bg is not None and bg[0]()
-                if busy:
+                if self.core.ahead is not None:   # an early start: its command is on its way
+                    busy = False
+                    ready = self._poll_ahead(poller)
+                elif busy:
                     ready = dict(poller.poll(0))
                 elif self._awake_until:           # a command is on its way (CommandAhead)
                     ready = self._poll_awake(poller)
@@ -89,6 +96,7 @@ class EngineLane:
                 if busy and not ran:
                     self._lane_background_step(lane, bg[1])
         finally:
+            self.core.drop_ahead("the engine lane stopped")
             if move_ctx is not None:
                 move_ctx.on_nearly_done = None
             lane.close()
@@ -101,16 +109,40 @@ class EngineLane:
             self._awake_until = 0
         return dict(ready)
 
+    def _poll_ahead(self, poller: zmq.Poller) -> dict:
+        """While an early-started move waits for its command: enqueue its next chunk (if any) and
+        look at the socket without waiting; once all is enqueued, poll (awake first, as for any
+        CommandAhead) until the command comes. Past ``AHEAD_HOLD_MS`` the move is abandoned."""
+        now = time.monotonic_ns()
+        if now >= self._ahead_until:
+            self.core.drop_ahead(f"its command did not come within {AHEAD_HOLD_MS} ms")
+            return dict(poller.poll(0))
+        pump = getattr(self.core.engine, "pump", None)
+        if pump is not None and pump():
+            return dict(poller.poll(0))
+        if self._awake_until:
+            return self._poll_awake(poller)
+        return dict(poller.poll(max(1, (self._ahead_until - now) // 1_000_000)))
+
     def _lane_command(self, lane: ControlLink, cmd, recv_ns: int) -> None:
         t = type(cmd)
         if t is CommandAhead:
             if self.awake_for_commands:
                 self._awake_until = time.monotonic_ns() + min(AWAKE_MAX_US, cmd.within_us) * 1000
+            if cmd.command is not None and self.start_ahead and self.core.ahead is None:
+                if self.core.start_ahead(cmd.command):
+                    self._ahead_until = time.monotonic_ns() + AHEAD_HOLD_MS * 1_000_000
+                    self._ahead_read_ns = recv_ns
             return
         self._awake_until = 0
+        ahead_ns = 0
         if t is ExecuteMove or t is ReleaseBlocks:
             ref = command_ref(cmd)
             verdict, replies = self.record.claim(ref)
+            if verdict != self.record.NEW and self.core.ahead is not None and self.core.ahead.move_id == ref:
+                self.core.drop_ahead(f"its command was {verdict}")
+            elif self.core.ahead is not None and self.core.ahead == cmd:
+                ahead_ns = self.core.ahead_ns
             if verdict == self.record.DUPLICATE:       # the same answer again
                 for r in replies:
                     lane.send(r)
@@ -133,7 +165,8 @@ class EngineLane:
         sent_ns = self._lane_deliver(lane, cmd, replies)
         if self.report_timings and t in (ExecuteMove, ReleaseBlocks):
             lane.send(MoveTimed(move_id=command_ref(cmd), worker=self.worker, received_ns=recv_ns, queued_ns=queued_ns,
-                                engine_start_ns=t0, engine_end_ns=t1, sent_ns=sent_ns))
+                                engine_start_ns=ahead_ns or t0, engine_end_ns=t1, sent_ns=sent_ns,
+                                ahead_ns=self._ahead_read_ns if ahead_ns else 0))
 
     def _lane_deliver(self, lane: ControlLink, cmd, replies: list) -> int:
         """Record (for QueryMoves and duplicates), then send; returns when the outcome went (ns)."""

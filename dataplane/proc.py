@@ -61,7 +61,8 @@ class WorkerProc(EngineLane):
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
                  report_timings: bool = False, lane: bool = True, ctx: zmq.Context | None = None,
-                 cpu: int | None = None, nearly_done: bool = True, awake_for_commands: bool = True):
+                 cpu: int | None = None, nearly_done: bool = True, awake_for_commands: bool = True,
+                 start_ahead: bool = True):
         self.worker, self.epoch, self.endpoint = worker, epoch, endpoint
         self.core, self.device, self.block_bytes = core, device, block_bytes
         self.faults = faults
@@ -73,6 +74,9 @@ class WorkerProc(EngineLane):
         self.nearly_done = nearly_done          # the lane sends MoveNearlyDone before a big move's last chunk
         self.awake_for_commands = awake_for_commands    # the lane polls awake on a CommandAhead
         self._awake_until = 0                   # monotonic ns; the engine thread's
+        self.start_ahead = start_ahead          # a CommandAhead carrying its command starts the copies
+        self._ahead_until = 0                   # monotonic ns: an early-started move is abandoned then
+        self._ahead_read_ns = 0                 # wall ns: its CommandAhead was read
         self.record = WorkerRecord(worker)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -422,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="on the lane, tell the control when a big move's last chunk is crossing (default on)")
     p.add_argument("--awake-for-commands", action=argparse.BooleanOptionalAction, default=True,
                    help="on a CommandAhead, the lane polls awake until the command comes (default on)")
+    p.add_argument("--start-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CommandAhead that carries its command, begin the copies before the command "
+                        "comes; nothing is visible until it does (default on)")
     p.add_argument("--report-timings", action="store_true",
                    help="after each move's outcome send MoveTimed (where its time went here); benchmarks")
     add_serving_args(p)
@@ -450,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
                       orphan_exit_s=args.orphan_exit_s, report_timings=args.report_timings,
                       lane=args.lane, cpu=args.cpu, nearly_done=args.nearly_done,
-                      awake_for_commands=args.awake_for_commands)
+                      awake_for_commands=args.awake_for_commands, start_ahead=args.start_ahead)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:

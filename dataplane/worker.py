@@ -116,16 +116,49 @@ class WorkerCore:
         # waits (has_work, step -> replies), and the messages that follow every Hello.
         self.background: tuple[Callable[[], bool], Callable[[], list]] | None = None
         self.hello_extras: Callable[[], list] = lambda: []
+        # an early-started move (``start_ahead``): its command, and when it began (wall ns)
+        self.ahead: ExecuteMove | None = None
+        self.ahead_ns = 0
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the engine thread; ``handler(cmd)`` returns the replies."""
         self.handlers[msg_type] = handler
 
     def run(self, cmd) -> list:
+        if self.ahead is not None and not (type(cmd) is ExecuteMove and cmd.move_id == self.ahead.move_id):
+            self.drop_ahead(f"{type(cmd).__name__} {command_ref(cmd)} came before its command")
         return self.handlers[type(cmd)](cmd)
 
+    # ------------------------------------------------------------ early start
+    def start_ahead(self, cmd: ExecuteMove) -> bool:
+        """Begin the copies of a command that has not come yet (it rode on a CommandAhead; its
+        MoveRequested is committing). Nothing is visible before the command itself comes and
+        ``execute`` finishes the move; until then at most one move is begun this way. True: begun
+        (the engine can, the route is device <-> host, and the move would not be refused)."""
+        begin = getattr(self.engine, "begin_ahead", None)
+        t0 = time.time_ns()
+        if self.ahead is not None or begin is None or not begin(cmd):
+            return False
+        self.ahead, self.ahead_ns = cmd, t0
+        return True
+
+    def drop_ahead(self, why: str) -> None:
+        """The early-started move's command did not come (or something else came first): its copies
+        are waited for and its reservations undone; nothing was ever visible (``Engine.abandon``)."""
+        if self.ahead is not None:
+            cmd, self.ahead = self.ahead, None
+            self.engine.abandon(cmd.move_id, why)
+
     def execute(self, cmd: ExecuteMove) -> list:
-        if self.faults.exec_delay_ms and hasattr(self.engine, "submit"):
+        ahead = self.ahead is not None and self.ahead == cmd
+        if self.ahead is not None and not ahead:          # the same move_id, another command: never
+            self.drop_ahead("its command differs from the one sent ahead")
+        self.ahead = None
+        if ahead:                             # begun on its CommandAhead: finish it now
+            if self.faults.exec_delay_ms:
+                time.sleep(self.faults.exec_delay_ms / 1000)
+            outcome = self.engine.wait(cmd.move_id)
+        elif self.faults.exec_delay_ms and hasattr(self.engine, "submit"):
             # the pause falls in the middle of the move: destination reserved, copies begun, not committed
             ticket = self.engine.submit(cmd)
             time.sleep(self.faults.exec_delay_ms / 1000)

@@ -393,6 +393,8 @@ class MoveTimed(Message):
         engine_start_ns     the engine thread took it
         engine_end_ns       the engine returned the outcome
         sent_ns             the outcome encoded and handed to ZMQ
+        ahead_ns            (an early start) when the CommandAhead carrying the command was read:
+                            received_ns is then the command's arrival, after engine_start_ns
     """
 
     move_id: str
@@ -402,6 +404,7 @@ class MoveTimed(Message):
     engine_start_ns: int
     engine_end_ns: int
     sent_ns: int
+    ahead_ns: int = 0
 
 
 AnyReply = Union[AnyReply, MoveTimed]  # type: ignore[misc]
@@ -444,10 +447,18 @@ class CommandAhead(Message):
     commits: its ExecuteMove follows once the commit is done (write-ahead: never before). The lane
     polls without sleeping until the command comes, at most ``within_us``, so the command is read
     the moment it lands instead of after a long-idle thread wakes (bench/zmq_wake.py). A hint: it
-    asks for nothing, is never answered, and a lost or ignored one changes only latency."""
+    asks for nothing, is never answered, and a lost or ignored one changes only latency.
+
+    ``command``: (device <-> host copies) the ExecuteMove that will follow, so the worker may
+    start its copies early, into destination slots it reserves and nobody can see
+    (``WorkerCore.start_ahead``). Nothing visible happens before the command itself arrives: no
+    block is published or freed, no outcome exists, a ``QueryMoves`` answers "unknown". If the
+    command does not come (the commit failed, the control died, the move was settled first) or
+    another command comes first, the copies are abandoned and the reservation undone exactly."""
 
     move_id: str
     within_us: int
+    command: ExecuteMove | None = None
 
 
 AnyCommand = Union[AnyCommand, CommandAhead]  # type: ignore[misc]
