@@ -172,23 +172,25 @@ def under_dma_load(fn, seconds: float = 120.0):
 #   ahead     the control's CommandAhead before the MoveRequested commits; the lane polls awake
 #   early     ... and the hint carries the command: the worker begins the copies meanwhile (an
 #             early start; nothing is visible before the command comes)
+#   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
 def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
-            "early": "early" in parts,
+            "early": "early" in parts, "warm": "warm" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
-VARIANTS = {n: _variant(n) for n in ("lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early",
-                                     "lane+nearly+ahead+early+pin-worker", "lane+nearly+ahead+early+pinned")}
+VARIANTS = {n: _variant(n) for n in (
+    "lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early", "lane+nearly+ahead+early+warm",
+    "lane+nearly+ahead+early+warm+pin-worker", "lane+nearly+ahead+early+warm+pinned")}
 
 
 def default_variant() -> str:
     """What ``residency serve`` runs on a GPU host."""
-    return "lane+nearly+ahead+early"
+    return "lane+nearly+ahead+early+warm"
 
 
 def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
@@ -254,7 +256,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
-                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], ahead_min_bytes=min(64 << 20, n * bb))
+                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], ahead_min_bytes=min(64 << 20, n * bb))
     try:
         blocks = c.commit(n)
         runs = []

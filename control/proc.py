@@ -106,6 +106,9 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # on a worker's MoveNearlyDone, poll without sleeping until that move's outcome comes, at most
     # this long (its bytes_left at 10 GB/s, capped here); 0: sleep in the poll as always
     ack_spin_max_us: int = 3000
+    # ... and first warm the ledger's write path (a transaction opened and rolled back), so the
+    # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer)
+    warm_writer: bool = True
     # a copy of at least this many bytes: its worker's lane hears CommandAhead before the
     # MoveRequested commits and polls awake for the command (0: never)
     command_ahead_min_bytes: int = 64 << 20
@@ -365,6 +368,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         cap = self.cfg.ack_spin_max_us * 1000
         if cap and msg.move_id in self.state.inflight:
             self._awake[msg.move_id] = time.monotonic_ns() + min(cap, msg.bytes_left // 10)   # 10 GB/s = 10 B/ns
+            if self.cfg.warm_writer and self._recorder.warm():     # its ack's commit comes next
+                self.metrics["writer_warm_ups"] += 1
 
     def _drain_inbox(self) -> None:
         while True:

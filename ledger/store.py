@@ -116,6 +116,23 @@ class LedgerStore:
                 tail.forget()
                 return self._write(prepared, durability, tail)
 
+    def warm_writer(self, durability: str = "normal") -> bool:
+        """Open a write transaction on the kept writing connection, read the tail, roll back:
+        nothing is written, and the append path's code and the tail's pages are back in the CPU's
+        caches for the append that follows soon (after 40 ms of idle an append of a 1024-block
+        ack took ~0.24 ms on the 2-vCPU VM, ~0.04 ms back to back; warmed ~1 ms before, ~0.1).
+        False (nothing done) when another thread is writing."""
+        raw = self._raw
+        if not raw.write_lock.acquire(blocking=False):
+            return False
+        try:
+            with raw.writing("warming the writer", durability) as (conn, cur):
+                _append.read_tail(cur)
+                conn.rollback()
+        finally:
+            raw.write_lock.release()
+        return True
+
     def _write(self, prepared: list, durability: str, tail: _append.Tail) -> list[int]:
         """One transaction on the kept writing connection; the caller holds the write lock."""
         with self._raw.writing("appending events", durability) as (conn, cur):

@@ -62,6 +62,7 @@ def test_a_nearly_done_hint_keeps_the_loop_awake_until_that_moves_outcome_and_no
     assert proc.call(lambda p: dict(p._awake)).result(5) == {}, "the outcome ends the wait at once"
     m = proc.health().metrics
     assert m["nearly_done_hints"] == 2 and m["outcome_terminal"] == 1
+    assert m["writer_warm_ups"] == 1                  # the known move's hint warmed the ledger's writer
     proc.stop("done")
     check_ledger(store)
 
@@ -78,6 +79,7 @@ def test_with_no_spin_allowed_a_hint_is_only_counted(make_control, fake_worker, 
     fw.send(fw.ack(cmd))
     assert fut.result(5).error is None
     assert proc.health().metrics.get("awake_polls", 0) == 0
+    assert proc.health().metrics.get("writer_warm_ups", 0) == 0
     proc.stop("done")
     check_ledger(store)
 

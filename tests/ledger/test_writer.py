@@ -109,3 +109,23 @@ def test_the_writer_checks_its_arguments(ledger_store, rng):
             writer.submit(random_items(rng, 1)[0][0], "MoveAcked")
         env, ev = random_items(rng, 1)[0]
         assert writer.submit(env, ev).result(timeout=5) == 1
+
+
+def test_warming_the_writer_writes_nothing_and_steps_aside_for_a_writing_thread(ledger_store, rng):
+    """``warm_writer`` opens a write transaction, reads the tail and rolls back: the ledger is
+    unchanged (rows, tail, chain), the next append numbers on from the tail, and while another
+    thread holds the write lock it does nothing rather than wait."""
+    seqs = ledger_store.append(random_items(rng, 5), durability="normal")
+    before = [(r.seq, r.row_hash) for r in ledger_store.read()]
+    assert ledger_store.warm_writer("normal") is True
+    assert ledger_store.warm_writer("full") is True
+    assert [(r.seq, r.row_hash) for r in ledger_store.read()] == before
+    assert ledger_store.append(random_items(rng, 2), durability="normal") == [seqs[-1] + 1, seqs[-1] + 2]
+    lock = ledger_store._raw.write_lock
+    with lock:
+        got = []
+        t = threading.Thread(target=lambda: got.append(ledger_store.warm_writer()))
+        t.start()
+        t.join(5)
+        assert got == [False]
+    assert ledger_store.verify().ok
