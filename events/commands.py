@@ -454,7 +454,10 @@ class CommandAhead(Message):
     (``WorkerCore.start_ahead``). Nothing visible happens before the command itself arrives: no
     block is published or freed, no outcome exists, a ``QueryMoves`` answers "unknown". If the
     command does not come (the commit failed, the control died, the move was settled first) or
-    another command comes first, the copies are abandoned and the reservation undone exactly."""
+    another command comes first, the copies are abandoned and the reservation undone exactly.
+
+    ``move_id`` "": an ask for a big copy has just come; its move is not decided yet (the control
+    wakes the lane before resolving the ask, and the hint with the command follows)."""
 
     move_id: str
     within_us: int

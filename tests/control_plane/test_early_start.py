@@ -139,7 +139,7 @@ def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_
         back = proc.submit(AskMove(ask_id="back", kind="restore", worker=0, blocks=blocks[:100])).result(30)
         assert back.error is None and back.events[0].checksums == out.events[0].checksums
         metrics = proc.health().metrics
-        assert metrics["commands_sent_ahead"] == 2 and metrics["commands_ahead"] == 2
+        assert metrics["commands_sent_ahead"] == 2 and metrics["commands_ahead"] == 2 and metrics["lanes_woken"] == 2
         proc.stop("done")
         assert w.wait(15) == 0
         check_ledger(store)

@@ -109,9 +109,10 @@ def _commit_on_lane(proc, lane, n):
 
 def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_follows_the_commit(
         fake_worker, sqlite_url, short_dir):
-    """CommandAhead goes to the lane of a move of at least command_ahead_min_bytes while its
+    """An ask naming at least command_ahead_min_bytes wakes the lane (a CommandAhead without a
+    command) before it is resolved; its move's CommandAhead, carrying the command, goes while the
     MoveRequested is still committing (here: a disk held still); the command itself waits for the
-    commit (write-ahead). Smaller moves get no hint."""
+    commit (write-ahead). Smaller moves get neither."""
     import threading
 
     from control.policy import PolicyConfig
@@ -130,18 +131,21 @@ def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_f
         blocks = _commit_on_lane(proc, lane, 6)
         gate.clear()                                    # the MoveRequested cannot commit yet
         fut = proc.submit(AskMove(ask_id="big", kind="evict", worker=0, blocks=blocks[:3]))
-        hint = lane.expect(CommandAhead)
+        wake = lane.expect(CommandAhead)                # the ask came: the lane is woken first
+        hint = lane.expect(CommandAhead)                # the move decided: its command rides along
+        assert (wake.move_id, wake.command) == ("", None)
         assert lane.quiet(0.3) == [], "the command waits for its commit"
         gate.set()
         cmd = lane.expect(ExecuteMove)
-        assert (hint.move_id, hint.within_us) == (cmd.move_id, 1500)
+        assert (hint.move_id, hint.within_us, hint.command) == (cmd.move_id, 1500, cmd)
         lane.send(lane.ack(cmd))
         assert fut.result(5).error is None
         small = proc.submit(AskMove(ask_id="small", kind="evict", worker=0, blocks=blocks[3:5]))
         cmd = lane.expect(ExecuteMove)                  # no hint first: 2 blocks < 3
         lane.send(lane.ack(cmd))
         assert small.result(5).error is None
-        assert proc.health().metrics["commands_ahead"] == 1
+        m = proc.health().metrics
+        assert m["commands_ahead"] == 1 and m["commands_sent_ahead"] == 1 and m["lanes_woken"] == 1
         proc.stop("done")
         check_ledger(store)
     finally:
