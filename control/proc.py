@@ -109,6 +109,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # ... and first warm the ledger's write path (a transaction opened and rolled back), so the
     # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer)
     warm_writer: bool = True
+    warm_lead_us: int = 300               # ... this long before the worker's estimate of the ack
     # a copy of at least this many bytes: its worker's lane hears CommandAhead before the
     # MoveRequested commits and polls awake for the command (0: never)
     command_ahead_min_bytes: int = 64 << 20
@@ -138,6 +139,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._own_ctx = ctx is None and config.cpu is not None
         self._ctx = ctx or affinity.context_on(config.cpu)
         self._awake: dict[str, int] = {}      # move_id -> poll awake until (monotonic ns): MoveNearlyDone
+        self._warm_at = 0                       # monotonic ns: warm the ledger writer then (0: no)
         self._writer_factory = writer_factory or self._default_writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -360,18 +362,29 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         the caller sleeps in the poll as usual)."""
         self._awake = {m: t for m, t in self._awake.items() if t > now}
         if not self._awake:
+            self._warm_at = 0
             return None
         self.metrics["awake_polls"] += 1
-        return dict(affinity.poll_until(self._poller, min(max(self._awake.values()), now + timeout_ms * MS)))
+        until = min(max(self._awake.values()), now + timeout_ms * MS)
+        if self._warm_at:               # the ledger writer is to be warmed before the ack comes
+            ready = affinity.poll_until(self._poller, min(until, self._warm_at))
+            if ready:
+                return dict(ready)
+            if time.monotonic_ns() >= self._warm_at:
+                self._warm_at = 0
+                if self._recorder.warm():
+                    self.metrics["writer_warm_ups"] += 1
+        return dict(affinity.poll_until(self._poller, until))
 
     def _on_nearly_done(self, link: WorkerLink, msg: MoveNearlyDone) -> None:
         self.traces.mark(msg.move_id, "nearly_done")
         self.metrics["nearly_done_hints"] += 1
         cap = self.cfg.ack_spin_max_us * 1000
         if cap and msg.move_id in self.state.inflight:
-            self._awake[msg.move_id] = time.monotonic_ns() + min(cap, msg.bytes_left // 10)   # 10 GB/s = 10 B/ns
-            if self.cfg.warm_writer and self._recorder.warm():     # its ack's commit comes next
-                self.metrics["writer_warm_ups"] += 1
+            now = time.monotonic_ns()
+            self._awake[msg.move_id] = now + min(cap, msg.bytes_left // 10)   # 10 GB/s = 10 B/ns
+            if self.cfg.warm_writer:    # its ack's commit comes next: warm the writer just before
+                self._warm_at = now + max(1, (msg.eta_us - self.cfg.warm_lead_us) * 1000)
 
     def _drain_inbox(self) -> None:
         while True:

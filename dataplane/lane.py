@@ -42,8 +42,8 @@ class EngineLane:
         lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
         move_ctx = getattr(self.core.engine, "ctx", None)      # the real engine's (not nocopy's)
         if self.nearly_done and move_ctx is not None:
-            move_ctx.on_nearly_done = lambda mid, left: lane.send(
-                MoveNearlyDone(move_id=mid, worker=self.worker, bytes_left=left))
+            move_ctx.on_nearly_done = lambda mid, left, eta_us: lane.send(
+                MoveNearlyDone(move_id=mid, worker=self.worker, bytes_left=left, eta_us=eta_us))
         poller = zmq.Poller()
         poller.register(lane.sock, zmq.POLLIN)
         poller.register(self._engine_wake_r, zmq.POLLIN)

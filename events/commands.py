@@ -435,6 +435,9 @@ class MoveNearlyDone(Message):
     move_id: str
     worker: int
     bytes_left: int
+    # the worker's estimate of how long until its outcome leaves: ``bytes_left`` at the rate the
+    # move has run so far (0: no estimate). The control warms its ledger writer shortly before.
+    eta_us: int = 0
 
 
 AnyReply = Union[AnyReply, MoveNearlyDone]  # type: ignore[misc]

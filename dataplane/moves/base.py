@@ -55,9 +55,9 @@ class MoveContext:
     copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma" | "staged"
     pipeline_blocks: int                   # blocks per pipelined chunk (copy+hash, staging buffer)
     clock: Callable[[], int]
-    # told (move_id, bytes still to cross) when a move of several chunks has all but its last
-    # across (the engine lane sends MoveNearlyDone); None: nobody listens
-    on_nearly_done: Callable[[str, int], None] | None = None
+    # told (move_id, bytes still to cross, their estimated time in us) when a move of several
+    # chunks has all but its last across (the engine lane sends MoveNearlyDone); None: nobody listens
+    on_nearly_done: Callable[[str, int, int], None] | None = None
 
 
 class InFlight:
@@ -89,8 +89,11 @@ class InFlight:
         if hook is None or blocks_left >= len(self.ids):
             return
         self.mark("nearly_done")
+        left = blocks_left * self.ctx.layout.block_bytes
+        done = (len(self.ids) - blocks_left) * self.ctx.layout.block_bytes
+        elapsed_ns = max(0, self.ctx.clock() - self.started_ns)
         try:
-            hook(self.cmd.move_id, blocks_left * self.ctx.layout.block_bytes)
+            hook(self.cmd.move_id, left, left * elapsed_ns // (done * 1000))
         except Exception as e:  # noqa: BLE001
             log.warning("nearly_done_hook_failed", move_id=self.cmd.move_id, error=repr(e))
 

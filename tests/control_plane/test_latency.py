@@ -67,6 +67,23 @@ def test_a_nearly_done_hint_keeps_the_loop_awake_until_that_moves_outcome_and_no
     check_ledger(store)
 
 
+def test_a_hint_with_an_estimate_warms_the_ledger_writer_shortly_before_that_time_not_at_once(
+        make_control, fake_worker, sqlite_url):
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_max_us=2_000_000, warm_lead_us=100_000)
+    blocks = commit_blocks(proc, fw, 2)
+    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
+    cmd = fw.expect(ExecuteMove)
+    t0 = time.monotonic()
+    fw.send(MoveNearlyDone(move_id=cmd.move_id, worker=0, bytes_left=1 << 34, eta_us=600_000))
+    wait_for(lambda: proc.health().metrics.get("writer_warm_ups", 0) == 1, what="the writer warmed")
+    assert time.monotonic() - t0 >= 0.45, "warmed at eta - lead (0.5 s), not at once"
+    fw.send(fw.ack(cmd))
+    assert fut.result(5).error is None
+    assert proc.health().metrics["writer_warm_ups"] == 1
+    proc.stop("done")
+    check_ledger(store)
+
+
 def test_with_no_spin_allowed_a_hint_is_only_counted(make_control, fake_worker, sqlite_url):
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_max_us=0)
     blocks = commit_blocks(proc, fw, 2)

@@ -285,12 +285,15 @@ def test_a_move_of_several_chunks_says_nearly_done_once_before_its_last_chunk_la
     bb = e.ctx.layout.block_bytes
     data = commit(e, "device", list(range(12)))
     told = []
-    e.ctx.on_nearly_done = lambda mid, left: told.append((mid, left, dict(e._inflight[mid].phases)))
+    etas = []
+    e.ctx.on_nearly_done = lambda mid, left, eta: (told.append((mid, left, dict(e._inflight[mid].phases))),
+                                                   etas.append(eta))
     out = e.execute(move("evict", "device", "host", range(10), move_id="spill-10"))
     assert isinstance(out, MoveAcked)
     # chunks of 3, 3, 3, 1 (the first chunk: 3 plain DMAs): the last is one block
     assert [(m, left) for m, left, _ in told] == [("spill-10", bb)]
     assert "landed" not in told[0][2] and "enqueued" in told[0][2]
+    assert etas[0] > 0           # one block at the rate of the nine before it
     told.clear()
     assert isinstance(e.execute(move("restore", "host", "device", [7, 2, 9, 0, 4, 1, 8, 3, 6, 5],
                                      move_id="restore-10")), MoveAcked)
@@ -300,7 +303,7 @@ def test_a_move_of_several_chunks_says_nearly_done_once_before_its_last_chunk_la
     assert isinstance(e.execute(move("evict", "device", "host", [10, 11])), MoveAcked)
     assert told == [], "one chunk: nothing to say before the ack"
 
-    def broken(mid, left):
+    def broken(mid, left, eta):
         raise RuntimeError("listener gone")
     e.ctx.on_nearly_done = broken
     assert isinstance(e.execute(move("evict", "device", "host", range(10))), MoveAcked)
