@@ -73,12 +73,19 @@ BESIDE_EARLY = [
 ]
 
 
+# ... and the part of "commit MoveAcked, answer" that is the commit (an ack committed at once)
+PART_ACK_COMMIT = ("(part) control: commit MoveAcked alone", "recorded", "ack_committed")
+
+
 def breakdown(marks: dict[str, int]) -> dict[str, float] | None:
     """Phase durations in ms (None when a mark is missing); they add up to the whole round trip
-    (an early start's "(beside)" phases overlap the copies and are not part of the sum)."""
+    (an early start's "(beside)" phases overlap the copies and the "(part)" is inside another
+    phase: neither is part of the sum)."""
     phases = PHASES_EARLY + BESIDE_EARLY if "w_ahead" in marks else PHASES
     if any(a not in marks or b not in marks for _, a, b in phases):
         return None
+    if "ack_committed" in marks:
+        phases = [*phases, PART_ACK_COMMIT]
     return {name: (marks[b] - marks[a]) / 1e6 for name, a, b in phases}
 
 

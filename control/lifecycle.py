@@ -173,6 +173,7 @@ class MoveLifecycle:
                     self._answer_after(waiter)
         if short:
             self._recorder.flush()          # durable (inline commit) ...
+            self.traces.mark(mid, "ack_committed")
             self._answer_off_loop(len(mv.blocks))   # ... then the answer to an asker off this thread ...
             self._fold_deferred()           # ... then the bookkeeping (and any loop-thread asker)
             self.traces.mark(mid, "folded")

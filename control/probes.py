@@ -54,6 +54,7 @@ class MoveTraces:
         received   the outcome read off the socket (before decoding)
         decoded    the outcome decoded, handler entered
         recorded   its terminal event folded and buffered
+        ack_committed  (an ack committed at once) its commit returned
         answered   that event committed, the asker answered
     """
 
