@@ -2,20 +2,21 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [ttft] [tests] [trace]   (default: all but trace; JSON under $OUT)
+#   bash bench/gpu_session.sh [moves] [control] [cold] [ttft] [tests] [trace]   (default: all but trace; JSON under $OUT)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
-parts=" ${*:-tests moves control ttft} "
+parts=" ${*:-tests moves control cold ttft} "
 nvidia-smi -L
 if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
-    tests/dataplane/test_engine_streams.py tests/dataplane/test_engine_chunked.py 2>&1 | tail -6
+    tests/dataplane/test_engine_streams.py tests/dataplane/test_engine_chunked.py tests/dataplane/test_engine_ahead.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 3 --latency-iters 100 --out "$OUT/moves.json" 2>&1 | tail -50
-[[ $parts == *" control "* ]] && timeout 280 python3 bench/control.py --device cuda --spill-bytes 2GiB --moves 300 --sustained 3000 \
-  --repeat 1 --engines real --out "$OUT/control.json" 2>&1 | tail -8
+[[ $parts == *" control "* ]] && timeout 280 python3 bench/control.py --device cuda --spill-bytes 2GiB --spill-reps 21 --moves 300 \
+  --sustained 3000 --repeat 1 --engines real --out "$OUT/control.json" 2>&1 | tail -12
+[[ $parts == *" cold "* ]] && timeout 120 python3 bench/control_cold.py --out "$OUT/control-cold.json" 2>&1 | tail -14
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
