@@ -321,6 +321,21 @@ class SlowDisk:
         return getattr(self._store, name)
 
 
+def gated_control(url: str, short_dir: Path, **over):
+    """A control process (no policies) whose ledger appends wait while the returned gate is
+    closed (open to begin with): (proc, store, gate). The caller stops the proc, closes the store."""
+    from control.policy import PolicyConfig
+    from control.proc import ControlConfig, ControlProc
+    from ledger import LedgerStore
+
+    store = LedgerStore.open(url, create=True)
+    gate = threading.Event()
+    gate.set()
+    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", policy=PolicyConfig(pressure=False, park=False),
+                        release_on_stop=False, **over)
+    return ControlProc(SlowDisk(store, gate), cfg).start(), store, gate
+
+
 class FailingDisk(SlowDisk):
     """Appends fail once ``broken`` is set (the database went away)."""
 

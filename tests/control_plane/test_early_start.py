@@ -5,7 +5,6 @@ comes is abandoned with the pools exactly as before, and the command runs as usu
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 from events import catalog as ev
@@ -14,7 +13,7 @@ from events.commands import (
     MovesReport, MoveTimed, Pong, QueryInventory, QueryMoves, Shutdown,
 )
 
-from tests.control_plane.conftest import SlowDisk, check_ledger, joined, spawn, wait_for, worker_argv
+from tests.control_plane.conftest import check_ledger, gated_control, joined, spawn, wait_for, worker_argv
 from tests.control_plane.test_worker import Control as _Control
 
 
@@ -107,17 +106,8 @@ def test_a_worker_begins_a_move_on_its_hint_shows_nothing_before_its_command_and
 
 def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_ack_waits_for_it(
         short_dir, tmp_path, sqlite_url):
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
-    from ledger import LedgerStore
-
-    store = LedgerStore.open(sqlite_url, create=True)
-    gate = threading.Event()
-    gate.set()
-    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", policy=PolicyConfig(pressure=False, park=False),
-                        release_on_stop=False, command_ahead_min_bytes=64 * 16384, trace_moves=8)
-    proc = ControlProc(SlowDisk(store, gate), cfg).start()
-    w = spawn(worker_argv(0, cfg.worker_endpoint, short_dir, device_blocks=256) + ["--report-timings"],
+    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=64 * 16384, trace_moves=8)
+    w = spawn(worker_argv(0, proc.cfg.worker_endpoint, short_dir, device_blocks=256) + ["--report-timings"],
               tmp_path / "worker.log")
     try:
         wait_for(lambda: joined(proc), timeout=60, what="worker joined")

@@ -17,7 +17,8 @@ from events.commands import AskMove, ErrorReply, ExecuteMove, Hello, MoveNearlyD
 from ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
-    SlowDisk as _SlowDisk, check_ledger, commit_blocks, events_of, joined, setup_control as _setup, wait_for,
+    SlowDisk as _SlowDisk, check_ledger, commit_blocks, events_of, gated_control, joined, setup_control as _setup,
+    wait_for,
 )
 
 
@@ -130,19 +131,9 @@ def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_f
     command) before it is resolved; its move's CommandAhead, carrying the command, goes while the
     MoveRequested is still committing (here: a disk held still); the command itself waits for the
     commit (write-ahead). Smaller moves get neither."""
-    import threading
-
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
     from events.commands import CommandAhead
-    from ledger import LedgerStore
 
-    store = LedgerStore.open(sqlite_url, create=True)
-    gate = threading.Event()
-    gate.set()
-    cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", policy=PolicyConfig(pressure=False, park=False),
-                        release_on_stop=False, command_ahead_min_bytes=3 * 4096, command_ahead_us=1500)
-    proc = ControlProc(_SlowDisk(store, gate), cfg).start()
+    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=3 * 4096, command_ahead_us=1500)
     main, lane = _lane_worker(proc, fake_worker, short_dir)
     try:
         blocks = _commit_on_lane(proc, lane, 6)
