@@ -38,7 +38,6 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-import msgspec
 import structlog
 import zmq
 
@@ -47,12 +46,11 @@ from events import catalog as ev
 from events.commands import (
     BlocksReleased, BlocksWritten, CommandFailed, ErrorReply, Hello, MoveNearlyDone, MovesReport, MoveTimed, Pong,
 )
-from control import moves
 from control.asking import Asks
+from control.config import ControlConfig, Health
 from control.errors import ControlError, LedgerDiverged
 from control.lifecycle import MoveLifecycle
 from control.links import WorkerLink, WorkerLinks
-from control.policy import PolicyConfig
 from control.policy.recency import Recency
 from control.probes import ControlFaults, MoveTraces
 from control.recorder import Recorder
@@ -66,68 +64,6 @@ QUIET_NEVER_NS = 3600 * S       # the "quiet" timer when no heavy work waits for
 
 __all__ = ["ControlConfig", "ControlProc", "Health", "ControlError", "LedgerDiverged", "ControlFaults", "MoveTraces",
            "Recorder", "WorkerLink", "SERVER_VERSION"]
-
-
-class ControlConfig(msgspec.Struct, kw_only=True):
-    worker_endpoint: str
-    ask_endpoint: str | None = None
-    expected_workers: list[int] | None = None  # None: any worker that says Hello is taken
-    ping_interval_s: float = 0.25
-    heartbeat_missed_s: float = 1.5
-    worker_lost_s: float = 5.0
-    lane_wait_s: float = 2.0              # a lane named in Hello but silent this long: use the Hello socket
-    adopt_grace_s: float = 3.0            # after a crash: how long workers have to come back
-    requery_interval_s: float = 1.0       # ask workers again about stranded moves (late acks)
-    deadline_grace_s: float = 1.0         # past a move's deadline, wait this long for the worker's own
-                                          # verdict (it refuses to start a move past its deadline)
-    policy_interval_s: float = 0.1
-    checkpoint_every_events: int = 10_000
-    checkpoint_every_s: float = 5.0
-    snapshot_every_events: int = 100_000
-    commit_max_batch: int = 1000
-    commit_max_delay_s: float = 0.0       # 0: commit at once; batches form while a commit runs
-    commit_inline: bool = True            # commit on the loop thread when no commit is in flight
-    max_queue: int = 100_000
-    durability: str = "normal"
-    stall_after_s: float = 1.0            # health: a loop or a commit stuck this long is unhealthy
-    shutdown_grace_s: float = 2.0
-    release_on_stop: bool = True          # a clean stop frees every copy by the book
-    config_digest: str = ""
-    faults: str = ""                      # ControlFaults spec; off unless set (tests only)
-    trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)
-    gc_freeze: bool = True                # after recovery, freeze what exists out of the collector (until stop)
-    # after answering a thread of this process before an ack's fold, the loop steps off the GIL
-    # this long so that thread can take its answer first (0: not at all); see Asks._answer_off_loop
-    answer_yield_us: int = 50
-    answer_yield_min_blocks: int = 32     # ... only before the fold of a move this big
-    # the CPU of the loop thread and of its ZMQ I/O thread (None: the kernel's choice); see
-    # events/affinity.py. Off by default (measured slower for a big spill; README).
-    cpu: int | None = None
-    # on a worker's MoveNearlyDone, poll without sleeping until that move's outcome comes, at most
-    # this long (its bytes_left at 10 GB/s, capped here); 0: sleep in the poll as always
-    ack_spin_max_us: int = 3000
-    # ... and first warm the ledger's write path (a transaction opened and rolled back), so the
-    # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer)
-    warm_writer: bool = True
-    warm_lead_us: int = 300               # ... this long before the worker's estimate of the ack
-    # a copy of at least this many bytes: its worker's lane hears CommandAhead before the
-    # MoveRequested commits and polls awake for the command (0: never)
-    command_ahead_min_bytes: int = 64 << 20
-    command_ahead_us: int = 2000          # ... for at most this long
-    # ... and an ask naming that many bytes of blocks wakes the lane before it is resolved
-    wake_lane_on_ask: bool = True
-    # ... and (device <-> host copies) the hint carries the command, so the worker may begin its
-    # copies while the MoveRequested commits (an early start: nothing is visible on the worker
-    # before the command itself comes; see events.commands.CommandAhead)
-    start_ahead: bool = True
-    moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
-    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
-
-
-class Health(msgspec.Struct, kw_only=True):
-    healthy: bool
-    problems: list[str]
-    metrics: dict[str, float]
 
 
 class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):

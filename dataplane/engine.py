@@ -12,6 +12,8 @@ Every outcome is recorded by move_id; a duplicate command is answered with the r
 and never moves anything again. ``submit``/``wait`` split a move so that a spill and a restore
 (or any moves in opposite directions) run at once; ``submit_many`` starts several so that each
 reaches the link before any does the rest of its bookkeeping; ``execute`` is submit+wait.
+``begin_ahead``/``abandon`` (dataplane/engine_ahead.py) begin a move before its command comes and
+undo it when the command does not come (an early start: nothing recorded or visible meanwhile).
 
 The ZMQ process shell that receives commands and sends these replies is another module; it
 calls this class from one thread.
@@ -52,6 +54,7 @@ from dataplane.pools import (
     KVLayout,
     PinnedBudget,
 )
+from dataplane.engine_ahead import EarlyStart
 from dataplane.pools.budget import page_round
 from events.catalog import MoveAcked, MoveFailed, MoveRejected
 from events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ExecuteMove, MovesReport, ReleaseBlocks
@@ -70,9 +73,6 @@ FIRST_SLICE_BLOCKS = 8
 # does both moves' bookkeeping (a one-chunk first chunk left the restore's link idle ~1.6 ms in a
 # trace on the H200: bench/results/moves-trace-2026-12-04-h200-run2.json, both_many).
 FIRST_CHUNKS_TOGETHER = 2
-# Routes a move may begin before its command comes (``begin_ahead``): their copies only fill slots
-# they reserve; the disk routes write files, so they wait for their command.
-AHEAD_ROUTES = {("device", "host"), ("host", "device")}
 _STARTED = object()
 
 
@@ -81,7 +81,7 @@ class MoveTicket:
     move_id: str
 
 
-class Engine:
+class Engine(EarlyStart):
     def __init__(
         self,
         layout: KVLayout,
@@ -245,46 +245,6 @@ class Engine:
         for _ in range(PRIME_CHUNKS):                # as many chunks queued as submit's begin queues
             self.pump()
         return [MoveTicket(cmd.move_id) for cmd in cmds]
-
-    def begin_ahead(self, cmd: ExecuteMove) -> bool:
-        """Begin a device <-> host move whose command has not come yet (an early start: its
-        CommandAhead came first). Validated as ``submit`` validates, but a refusal, or a failure
-        to begin, is not recorded: it returns False, and the command, when it comes, runs and is
-        answered as any. Until ``wait`` finishes it, the move is only reserved slots and bytes in
-        flight that nothing else can see; ``abandon`` undoes it exactly. True: begun."""
-        if cmd.move_id in self._outcomes or cmd.move_id in self._inflight or (cmd.src, cmd.dst) not in AHEAD_ROUTES:
-            return False
-        tiers = {t: self.pool(t) for t in ("device", "host", "disk")}
-        plan = validate(cmd, tiers, self._busy, self.layout.block_bytes, self.worker, self.clock())
-        if isinstance(plan, MoveRejected):
-            return False
-        mv = EXECUTORS[plan.route](self.ctx, plan, self.clock())
-        mv.phases["submitted"] = time.perf_counter_ns()
-        try:
-            mv.begin()
-        except Exception as e:  # noqa: BLE001 - the command runs as any when it comes
-            self._undo(mv, "begin_ahead_failed", repr(e))
-            return False
-        mv.mark("enqueued")
-        self._busy.update(dict.fromkeys(plan.blocks, cmd.move_id))
-        self._inflight[cmd.move_id] = mv
-        return True
-
-    def abandon(self, move_id: str, why: str) -> None:
-        """Undo an early-started move whose command did not come (``begin_ahead``): wait for what
-        it enqueued, drop its reservations (the pools exactly as before), record nothing."""
-        mv = self._inflight.pop(move_id, None)
-        if mv is None:
-            return
-        deque(map(self._busy.pop, mv.ids, repeat(None, len(mv.ids))), maxlen=0)
-        self._undo(mv, "move_abandoned", why, self.log.warning)
-
-    def _undo(self, mv: InFlight, what: str, why: str, say=None) -> None:
-        try:
-            mv.abort()
-        except Exception as e:  # noqa: BLE001
-            self.log.error("move_abort_failed", move_id=mv.cmd.move_id, error=repr(e))
-        (say or self.log.info)(what, move_id=mv.cmd.move_id, why=why)
 
     def _step_start(self, mv: InFlight, steps) -> bool:
         """One step of a move's start; False when it is done starting, or failed (recorded, and
