@@ -89,7 +89,10 @@ class MoveLifecycle:
         self.traces.mark(req.move_id, "committed")
         if self._send(link, moves.command_for(req)):
             self.traces.mark(req.move_id, "sent")
-            self.book.sent(req.move_id, time.monotonic_ns())
+            now = time.monotonic_ns()
+            self.book.sent(req.move_id, now)
+            if 0 < self.cfg.spin_through_min_bytes <= req.bytes_planned:
+                self._awake[req.move_id] = now + self.cfg.spin_through_max_ms * 1_000_000
             self.faults.hit("crash_after_dispatch", delay_s=0.05)
 
     def _on_outcome(self, link: WorkerLink, msg) -> None:
@@ -160,6 +163,8 @@ class MoveLifecycle:
         mv = self.state.inflight.get(mid) or self.state.stranded.get(mid)
         if mv is None:
             return
+        if self._awake:
+            self._awake.pop(mid, None)
         short = type(event) is ev.MoveAcked and self._recorder.commits_inline and len(self.state.inflight) == 1
         recorded = [(self._record(e, correlation=mv.session, causation=mid, fold_later=short), e)
                     for e in moves.settle_events(mv, event, self.cfg.moves)]

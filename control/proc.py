@@ -318,7 +318,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         cap = self.cfg.ack_spin_max_us * 1000
         if cap and msg.move_id in self.state.inflight:
             now = time.monotonic_ns()
-            self._awake[msg.move_id] = now + min(cap, msg.bytes_left // 10)   # 10 GB/s = 10 B/ns
+            until = now + min(cap, msg.bytes_left // 10)    # 10 GB/s = 10 B/ns
+            self._awake[msg.move_id] = max(until, self._awake.get(msg.move_id, 0))
             if self.cfg.warm_writer:    # its ack's commit comes next: warm the writer just before
                 self._warm_at = now + max(1, (msg.eta_us - self.cfg.warm_lead_us) * 1000)
 

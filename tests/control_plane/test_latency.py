@@ -13,7 +13,7 @@ import pytest
 
 from events import affinity
 from events import catalog as ev
-from events.commands import AskMove, ErrorReply, ExecuteMove, Hello, MoveNearlyDone, Ping
+from events.commands import AskMove, ErrorReply, ExecuteMove, Hello, Ping
 from ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
@@ -46,60 +46,6 @@ def test_the_placement_plan_leaves_small_hosts_alone_and_names_bad_cpus():
     assert affinity.plan(1, set(range(4))) == (None, [None])
     assert affinity.plan(2, set(range(16))) == (15, [14, 13])
     assert affinity.plan(5, set(range(8))) == (None, [None] * 5)       # four CPUs must stay free
-
-
-def test_a_nearly_done_hint_keeps_the_loop_awake_until_that_moves_outcome_and_nothing_else_changes(
-        make_control, fake_worker, sqlite_url):
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_max_us=2_000_000)
-    blocks = commit_blocks(proc, fw, 4)
-    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks[:2]))
-    cmd = fw.expect(ExecuteMove)
-    fw.send(MoveNearlyDone(move_id="m-nobody", worker=0, bytes_left=1 << 30))     # no such move: ignored
-    fw.send(MoveNearlyDone(move_id=cmd.move_id, worker=0, bytes_left=1 << 30))
-    wait_for(lambda: proc.health().metrics.get("awake_polls", 0) > 0, what="the loop polls awake")
-    assert proc.call(lambda p: sorted(p._awake)).result(5) == [cmd.move_id]
-    fw.send(fw.ack(cmd))
-    assert fut.result(5).error is None
-    assert proc.call(lambda p: dict(p._awake)).result(5) == {}, "the outcome ends the wait at once"
-    m = proc.health().metrics
-    assert m["nearly_done_hints"] == 2 and m["outcome_terminal"] == 1
-    assert m["writer_warm_ups"] == 1                  # the known move's hint warmed the ledger's writer
-    proc.stop("done")
-    check_ledger(store)
-
-
-def test_a_hint_with_an_estimate_warms_the_ledger_writer_shortly_before_that_time_not_at_once(
-        make_control, fake_worker, sqlite_url):
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_max_us=2_000_000, warm_lead_us=100_000)
-    blocks = commit_blocks(proc, fw, 2)
-    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
-    cmd = fw.expect(ExecuteMove)
-    t0 = time.monotonic()
-    fw.send(MoveNearlyDone(move_id=cmd.move_id, worker=0, bytes_left=1 << 34, eta_us=600_000))
-    wait_for(lambda: proc.health().metrics.get("writer_warm_ups", 0) == 1, what="the writer warmed")
-    assert time.monotonic() - t0 >= 0.45, "warmed at eta - lead (0.5 s), not at once"
-    fw.send(fw.ack(cmd))
-    assert fut.result(5).error is None
-    assert proc.health().metrics["writer_warm_ups"] == 1
-    proc.stop("done")
-    check_ledger(store)
-
-
-def test_with_no_spin_allowed_a_hint_is_only_counted(make_control, fake_worker, sqlite_url):
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ack_spin_max_us=0)
-    blocks = commit_blocks(proc, fw, 2)
-    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
-    cmd = fw.expect(ExecuteMove)
-    fw.send(MoveNearlyDone(move_id=cmd.move_id, worker=0, bytes_left=1 << 30))
-    wait_for(lambda: proc.health().metrics.get("nearly_done_hints", 0) == 1, what="the hint counted")
-    time.sleep(0.05)
-    assert proc.call(lambda p: dict(p._awake)).result(5) == {}
-    fw.send(fw.ack(cmd))
-    assert fut.result(5).error is None
-    assert proc.health().metrics.get("awake_polls", 0) == 0
-    assert proc.health().metrics.get("writer_warm_ups", 0) == 0
-    proc.stop("done")
-    check_ledger(store)
 
 
 def _lane_worker(proc, fake_worker, short_dir):
