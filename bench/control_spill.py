@@ -181,21 +181,19 @@ def under_dma_load(fn, seconds: float = 120.0):
 #             early start; nothing is visible before the command comes)
 #   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
-#   spin      the control polls awake from a big move's command to its outcome
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
 def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
-            "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts, "spin": "spin" in parts,
+            "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
 VARIANTS = {n: _variant(n) for n in (
     "lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early", "lane+nearly+ahead+early+warm",
-    "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+spin",
-    "lane+nearly+ahead+early+warm+wake+pinned")}
+    "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+pinned")}
 
 
 def default_variant() -> str:
@@ -266,7 +264,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
-                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"], spin=var["spin"], ahead_min_bytes=min(64 << 20, n * bb))
+                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"], ahead_min_bytes=min(64 << 20, n * bb))
     try:
         blocks = c.commit(n)
         runs = []

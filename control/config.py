@@ -46,10 +46,6 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # on a worker's MoveNearlyDone, poll without sleeping until that move's outcome comes, at most
     # this long (its bytes_left at 10 GB/s, capped here); 0: sleep in the poll as always
     ack_spin_max_us: int = 3000
-    # a move of at least this many bytes: poll awake from its command until its outcome (at most
-    # spin_through_max_ms), so the loop is not a long-idle thread when the ack comes (0: never)
-    spin_through_min_bytes: int = 0
-    spin_through_max_ms: int = 200
     # ... and first warm the ledger's write path (a transaction opened and rolled back), so the
     # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer)
     warm_writer: bool = True

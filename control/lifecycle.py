@@ -89,10 +89,7 @@ class MoveLifecycle:
         self.traces.mark(req.move_id, "committed")
         if self._send(link, moves.command_for(req)):
             self.traces.mark(req.move_id, "sent")
-            now = time.monotonic_ns()
-            self.book.sent(req.move_id, now)
-            if 0 < self.cfg.spin_through_min_bytes <= req.bytes_planned:
-                self._awake[req.move_id] = now + self.cfg.spin_through_max_ms * 1_000_000
+            self.book.sent(req.move_id, time.monotonic_ns())
             self.faults.hit("crash_after_dispatch", delay_s=0.05)
 
     def _on_outcome(self, link: WorkerLink, msg) -> None:

@@ -1,6 +1,5 @@
 """The control loop kept awake for an outcome on its way: a worker's MoveNearlyDone (polled for
-until that move's outcome, the ledger writer warmed before its estimate), and a big move polled
-for from its command to its outcome (``spin_through_min_bytes``)."""
+until that move's outcome, the ledger writer warmed before its estimate)."""
 from __future__ import annotations
 
 import time
@@ -43,27 +42,6 @@ def test_a_hint_with_an_estimate_warms_the_ledger_writer_shortly_before_that_tim
     fw.send(fw.ack(cmd))
     assert fut.result(5).error is None
     assert proc.health().metrics["writer_warm_ups"] == 1
-    proc.stop("done")
-    check_ledger(store)
-
-
-def test_a_big_move_keeps_the_loop_awake_from_its_command_to_its_outcome_and_a_small_one_does_not(
-        make_control, fake_worker, sqlite_url):
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, spin_through_min_bytes=2 * 4096,
-                             spin_through_max_ms=5000)
-    blocks = commit_blocks(proc, fw, 3)
-    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks[:2]))
-    cmd = fw.expect(ExecuteMove)
-    wait_for(lambda: proc.health().metrics.get("awake_polls", 0) > 0, what="the loop polls awake")
-    assert proc.call(lambda p: sorted(p._awake)).result(5) == [cmd.move_id]
-    fw.send(fw.ack(cmd))
-    assert fut.result(5).error is None
-    assert proc.call(lambda p: dict(p._awake)).result(5) == {}, "its outcome ends the wait"
-    small = proc.submit(AskMove(ask_id="b", kind="evict", worker=0, blocks=blocks[2:]))
-    cmd = fw.expect(ExecuteMove)
-    assert proc.call(lambda p: dict(p._awake)).result(5) == {}
-    fw.send(fw.ack(cmd))
-    assert small.result(5).error is None
     proc.stop("done")
     check_ledger(store)
 
