@@ -95,9 +95,9 @@ def ack_appends(reps: int) -> dict[str, float]:
                            checksum_ok=True, started_ns=1, finished_ns=2, checksums=sums)
         store.append([(env, ack)], durability="normal")
 
-    def warm_then(lead_s: float):
+    def warm_then(lead_s: float, payload: int = 0):
         def before():
-            store.warm_writer("normal")
+            store.warm_writer("normal", payload)
             end = time.perf_counter() + lead_s
             while time.perf_counter() < end:
                 pass
@@ -112,6 +112,8 @@ def ack_appends(reps: int) -> dict[str, float]:
             "after_idle_warmed_at_once": _median_us(append, reps, IDLE_S, warm_then(0.0)),
             "after_idle_warmed_0.3_ms_before": _median_us(append, reps, IDLE_S, warm_then(0.0003)),
             "after_idle_warmed_1_ms_before": _median_us(append, reps, IDLE_S, warm_then(0.001)),
+            "after_idle_warmed_with_a_rolled_back_row_0.3_ms_before": _median_us(append, reps, IDLE_S,
+                                                                                warm_then(0.0003, len(sums))),
         }
     finally:
         store.close()

@@ -196,6 +196,17 @@ VARIANTS = {n: _variant(n) for n in (
     "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+pinned")}
 
 
+PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "pinned", "pin-control", "pin-worker"}
+
+
+def variant_of(name: str) -> dict:
+    """Any '+'-joined combination of PARTS (the listed VARIANTS are the ones run by default)."""
+    unknown = set(name.split("+")) - PARTS
+    if unknown:
+        raise SystemExit(f"--spill-variants: {sorted(unknown)} not understood (parts: {sorted(PARTS)})")
+    return _variant(name)
+
+
 def default_variant() -> str:
     """What ``residency serve`` runs on a GPU host."""
     return "lane+nearly+ahead+early+warm+wake"
@@ -247,7 +258,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
     out["headline_variant"] = headline
     out["variants"] = {}
     for name in variants:
-        var = VARIANTS[name]
+        var = VARIANTS.get(name) or variant_of(name)
         # a ledger of its own per variant (a second control on one ledger would write the first's worker off)
         vurl = url[:-3] + f"-{name}.db" if url.startswith("sqlite") and url.endswith(".db") else url
         v = through_control(vurl, device, n, host_bytes, reps, out["in_process_s"], var)

@@ -76,6 +76,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._ctx = ctx or affinity.context_on(config.cpu)
         self._awake: dict[str, int] = {}      # move_id -> poll awake until (monotonic ns): MoveNearlyDone
         self._warm_at = 0                       # monotonic ns: warm the ledger writer then (0: no)
+        self._warm_bytes = 0                    # ... for an ack of about this many payload bytes
         self._writer_factory = writer_factory or self._default_writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -308,7 +309,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                 return dict(ready)
             if time.monotonic_ns() >= self._warm_at:
                 self._warm_at = 0
-                if self._recorder.warm():
+                if self._recorder.warm(self._warm_bytes):
                     self.metrics["writer_warm_ups"] += 1
         return dict(affinity.poll_until(self._poller, until))
 
@@ -322,6 +323,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             self._awake[msg.move_id] = max(until, self._awake.get(msg.move_id, 0))
             if self.cfg.warm_writer:    # its ack's commit comes next: warm the writer just before
                 self._warm_at = now + max(1, (msg.eta_us - self.cfg.warm_lead_us) * 1000)
+                self._warm_bytes = 8 * len(self.state.inflight[msg.move_id].blocks)   # its checksums
 
     def _drain_inbox(self) -> None:
         while True:

@@ -85,13 +85,14 @@ class Recorder:
     def unfolded(self) -> bool:
         return bool(self._unfolded)
 
-    def warm(self) -> bool:
-        """Warm the store's write path for an append expected soon (``LedgerStore.warm_writer``),
-        when nothing of ours is committing or waiting to; True if it did."""
+    def warm(self, payload_bytes: int = 0) -> bool:
+        """Warm the store's write path for an append of about ``payload_bytes`` expected soon
+        (``LedgerStore.warm_writer``), when nothing of ours is committing or waiting to; True if
+        it did."""
         warm = getattr(self.store, "warm_writer", None)
         if warm is None or self._pending or self._buffer:
             return False
-        return warm(self.durability)
+        return warm(self.durability, payload_bytes)
 
     @property
     def commits_inline(self) -> bool:

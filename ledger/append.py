@@ -116,7 +116,7 @@ def _conflict(p: Prepared, stored: tuple) -> LedgerConflict:
         f"and the retry carries a different {p[4]} payload")
 
 
-def _chain(prepared: list[Prepared], seq: int, prev: bytes) -> list[tuple]:
+def chain(prepared: list[Prepared], seq: int, prev: bytes) -> list[tuple]:
     """Full rows for ``prepared`` numbered from ``seq + 1`` and chained from ``prev`` (the hot loop)."""
     rows: list[tuple] = []
     append, sha, enc = rows.append, _sha256, _encode
@@ -194,7 +194,7 @@ def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> l
     ranges, increasing = _ranges(prepared)
     if tail is not None and tail.seq is not None and increasing and tail.beyond(ranges):
         last_seq = tail.seq
-        rows = _chain(prepared, last_seq, tail.hash)
+        rows = chain(prepared, last_seq, tail.hash)
         try:
             dialect.insert_events(cur, rows)
         except dialect.integrity_error as e:
@@ -204,7 +204,7 @@ def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> l
     last_seq, prev = read_tail(cur)
     stored = _stored(cur, dialect, ranges) if last_seq else {}
     if increasing and not stored:     # the usual case: all new, no repeats
-        rows = _chain(prepared, last_seq, prev)
+        rows = chain(prepared, last_seq, prev)
         dialect.insert_events(cur, rows)
         if tail is not None:
             tail.staged = (last_seq + len(rows), rows[-1][10], ranges)
@@ -226,7 +226,7 @@ def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> l
         in_batch[key] = (seq, p[4], p[5], p[8])
         seqs.append(seq)
     if new:
-        rows = _chain(new, last_seq, prev)
+        rows = chain(new, last_seq, prev)
         dialect.insert_events(cur, rows)
         last_seq, prev = last_seq + len(rows), rows[-1][10]
     if tail is not None:
