@@ -75,6 +75,9 @@ BESIDE_EARLY = [
 
 # ... and the part of "commit MoveAcked, answer" that is the commit (an ack committed at once)
 PART_ACK_COMMIT = ("(part) control: commit MoveAcked alone", "recorded", "ack_committed")
+# ... and when the ledger writer was warmed for the ack (MoveNearlyDone's estimate less the lead)
+WARM_TIMING = [("(timing) MoveNearlyDone in, to the writer warmed", "nearly_done", "warmed"),
+               ("(timing) the writer warmed, to the ack in", "warmed", "received")]
 
 
 def breakdown(marks: dict[str, int]) -> dict[str, float] | None:
@@ -86,6 +89,8 @@ def breakdown(marks: dict[str, int]) -> dict[str, float] | None:
         return None
     if "ack_committed" in marks:
         phases = [*phases, PART_ACK_COMMIT]
+    if "warmed" in marks and "nearly_done" in marks:
+        phases = [*phases, *WARM_TIMING]
     return {name: (marks[b] - marks[a]) / 1e6 for name, a, b in phases}
 
 

@@ -54,6 +54,7 @@ class MoveTraces:
         received   the outcome read off the socket (before decoding)
         decoded    the outcome decoded, handler entered
         recorded   its terminal event folded and buffered
+        nearly_done    its MoveNearlyDone came;  warmed  the ledger writer warmed for its ack
         ack_committed  (an ack committed at once) its commit returned
         answered   that event committed, the asker answered
     """

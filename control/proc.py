@@ -77,6 +77,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._awake: dict[str, int] = {}      # move_id -> poll awake until (monotonic ns): MoveNearlyDone
         self._warm_at = 0                       # monotonic ns: warm the ledger writer then (0: no)
         self._warm_bytes = 0                    # ... for an ack of about this many payload bytes
+        self._warm_move = ""                    # ... of this move
         self._writer_factory = writer_factory or self._default_writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -311,6 +312,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                 self._warm_at = 0
                 if self._recorder.warm(self._warm_bytes):
                     self.metrics["writer_warm_ups"] += 1
+                    self.traces.mark(self._warm_move, "warmed")
         return dict(affinity.poll_until(self._poller, until))
 
     def _on_nearly_done(self, link: WorkerLink, msg: MoveNearlyDone) -> None:
@@ -324,6 +326,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             if self.cfg.warm_writer:    # its ack's commit comes next: warm the writer just before
                 self._warm_at = now + max(1, (msg.eta_us - self.cfg.warm_lead_us) * 1000)
                 self._warm_bytes = 8 * len(self.state.inflight[msg.move_id].blocks)   # its checksums
+                self._warm_move = msg.move_id
 
     def _drain_inbox(self) -> None:
         while True:
