@@ -114,6 +114,8 @@ def ack_appends(reps: int) -> dict[str, float]:
             "after_idle_warmed_1_ms_before": _median_us(append, reps, IDLE_S, warm_then(0.001)),
             "after_idle_warmed_with_a_rolled_back_row_0.3_ms_before": _median_us(append, reps, IDLE_S,
                                                                                 warm_then(0.0003, len(sums))),
+            "after_idle_warmed_with_a_rolled_back_row_1_ms_before": _median_us(append, reps, IDLE_S,
+                                                                              warm_then(0.001, len(sums))),
         }
     finally:
         store.close()

@@ -49,7 +49,8 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # ... and first warm the ledger's write path (a transaction opened and rolled back), so the
     # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer)
     warm_writer: bool = True
-    warm_lead_us: int = 300               # ... this long before the worker's estimate of the ack
+    warm_lead_us: int = 1000              # ... this long before the worker's estimate of the ack (the warm-up
+                                          # itself takes 0.1-0.3 ms on an idle H200 host)
     # a copy of at least this many bytes: its worker's lane hears CommandAhead before the
     # MoveRequested commits and polls awake for the command (0: never)
     command_ahead_min_bytes: int = 64 << 20

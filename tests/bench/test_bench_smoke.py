@@ -56,7 +56,7 @@ def test_the_cold_path_bench_times_each_request_step_and_the_ack_append(tmp_path
     _run(["bench/control_cold.py", "--reps", "3", "--out", str(out)], timeout=300)
     res = json.loads(out.read_text())
     assert set(res["request_steps_us_p50"]) >= {"resolve", "resolve_after_idle", "fund", "encode_command"}
-    assert all(v > 0 for v in res["ack_append_us_p50"].values()) and len(res["ack_append_us_p50"]) == 6
+    assert all(v > 0 for v in res["ack_append_us_p50"].values()) and len(res["ack_append_us_p50"]) == 7
 
 
 def test_the_model_runner_bench_runs_its_gpu_flow_with_tiny_shapes_on_the_cpu(tmp_path):
