@@ -21,6 +21,7 @@ from events.commands import Shutdown
 from control import moves, recovery
 from control.policy import RefusalMemo, release
 from control.recorder import Recorder
+from control.state import index_copies
 
 log = structlog.get_logger("control.startstop")
 S = 1_000_000_000
@@ -35,6 +36,7 @@ class StartStop:
         rec = recovery.replay(self.store)
         self.recovered = rec
         self.state, self.recency, self.epoch, self.roster = rec.state, rec.recency, rec.epoch, dict(rec.roster)
+        index_copies(self.state)            # the copy index asks are checked against, kept by the fold from now on
         self._writer = self._writer_factory(self.store)
         self._recorder = Recorder(self.store, self._writer, self.state, self.recency, self.epoch, self.faults,
                                   self.cfg.durability, inline_max=1000 if self.cfg.commit_inline else 0)

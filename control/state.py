@@ -136,6 +136,12 @@ class State(msgspec.Struct, kw_only=True):
     num_refusals: int = 0
     num_moves: dict[str, int] = {}                 # outcome -> count
     anomalies: list[tuple[int, str]] = []          # (seq, what was impossible)
+    # derived, neither hashed nor in snapshots: worker -> tier -> ids of its blocks with a copy
+    # there, so that a big move's ask is checked by set algebra instead of a lookup per block
+    # (control/moves.py). None: not kept (a replay has no asks to check; keeping it costs a
+    # replay ~12%); the control process builds it after recovery (``index_copies``) and from
+    # then on the fold keeps it beside ``blocks``.
+    copies: dict[int, dict[str, set[int]]] | None = None
 
     # ------------------------------------------------------------------ queries
     def tier(self, worker: int, tier: str) -> TierAccount:
@@ -166,16 +172,32 @@ _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 def state_hash(state: State) -> str:
     """SHA-256 of the state's content (not of where the fold stands: last_seq, checkpoints)."""
-    content = msgspec.structs.replace(state, last_seq=0, last_ts_ns=0, checkpoints=[])
+    content = msgspec.structs.replace(state, last_seq=0, last_ts_ns=0, checkpoints=[], copies=None)
     return hashlib.sha256(_hash_encoder.encode(content)).hexdigest()
 
 
 def encode_state(state: State) -> bytes:
-    return _snapshot_encoder.encode(state)
+    return _snapshot_encoder.encode(msgspec.structs.replace(state, copies=None))
 
 
 def decode_state(data: bytes) -> State:
     return _snapshot_decoder.decode(data)
+
+
+def index_copies(state: State) -> State:
+    """(Re)build ``state.copies`` from ``state.blocks``: from now on the fold keeps it. Returns
+    the state."""
+    state.copies = {}
+    for w, blocks in state.blocks.items():
+        per: dict[str, set[int]] = {}
+        state.copies[w] = per
+        for bid, b in blocks.items():
+            for t in b.tiers:
+                on = per.get(t)
+                if on is None:
+                    on = per[t] = set()
+                on.add(bid)
+    return state
 
 
 def check_integrity(state: State) -> None:
@@ -202,6 +224,12 @@ def check_integrity(state: State) -> None:
         for owner, b in ws.pinned.items():
             if b < 0:
                 problems.append(f"worker {w}: pinned bytes of {owner} negative ({b})")
+    want = index_copies(msgspec.structs.replace(state)).copies if state.copies is not None else {}
+    for w in set(want) | set(state.copies or {}):
+        for t in set(want.get(w, {})) | set(state.copies.get(w, {})):
+            have, need = state.copies.get(w, {}).get(t, set()), want.get(w, {}).get(t, set())
+            if have != need:
+                problems.append(f"worker {w} {t}: the copy index says {sorted(have ^ need)[:8]} wrongly")
     for mid in state.inflight:
         if mid in state.outcomes:
             problems.append(f"move {mid} in flight but already has outcome {state.outcomes[mid]}")

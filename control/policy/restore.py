@@ -8,13 +8,22 @@ from __future__ import annotations
 from control.policy.asks import RESTORE_SOURCES, Ask
 from control.state import State
 
+_NO_COPIES: dict[str, set[int]] = {}
+_NO_IDS: frozenset[int] = frozenset()
+
 
 def plan_restore(state: State, asker: str, worker: int, blocks, session: str | None,
                  keep_source: bool = False, src: str | None = None) -> list[Ask]:
     wb = state.blocks.get(worker, {})
+    sources = RESTORE_SOURCES if src is None else (src,)
+    # The usual restore: every block off the device with a copy on the first source. The state's
+    # copy index says so by set algebra (control/moves.py's _split does the same).
+    on = (state.copies or _NO_COPIES).get(worker, _NO_COPIES)
+    if on.get("device", _NO_IDS).isdisjoint(blocks) and on.get(sources[0], _NO_IDS).issuperset(blocks) and blocks:
+        return [Ask(asker=asker, kind="restore", worker=worker, src=sources[0], dst="device", blocks=tuple(blocks),
+                    keep_source=keep_source, session=session, reason="demand")]
     # NOTE: one plain loop, no generator or call per block: a 2 GiB restore names 1024 blocks and
     # this runs on the control loop between the ask and the command.
-    sources = RESTORE_SOURCES if src is None else (src,)
     by_src: dict[str, list[int]] = {s: [] for s in sources}
     if len(sources) == 2:
         first, second = sources

@@ -21,7 +21,7 @@ class Book:
     """Events folded into a state (and a recency) at times the test chooses."""
 
     def __init__(self, device=10, host=20, disk=40):
-        self.state, self.recency, self.seq = State(), Recency(), 0
+        self.state, self.recency, self.seq = State(copies={}), Recency(), 0     # with the copy index, as the control
         self.add(ev.WorkerJoined(worker=0, device="cpu", block_bytes=BB,
                                  tiers={"device": device * BB, "host": host * BB, "disk": disk * BB}), 0)
 

@@ -14,6 +14,7 @@ from events.commands import (
     AskMove, AskReleaseBlocks, AskSetBudget, BlocksReleased, ErrorReply, ExecuteMove, MovesReport, Ping, QueryMoves,
     ReleaseBlocks, Shutdown,
 )
+from control.state import check_integrity
 from ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
@@ -326,6 +327,9 @@ def test_after_a_crash_the_same_worker_is_adopted_and_asked_what_it_completed(ma
     wait_for(lambda: len(events_of(store, ev.MoveAcked)) == 2, what="the running one")
     state = check_ledger(store)
     assert state.outcomes == {"m-old-1": "MoveAcked", "m-old-2": "MoveAbandoned", "m-old-3": "MoveAcked"}
+    # the live state keeps the copy index asks are checked against: built at recovery, kept since
+    live = proc.call(lambda p: (p.state.copies, check_integrity(p.state))).result(5)[0]
+    assert live is not None and live[0]["host"] >= {1, 3} and not live[0]["device"] & {1, 3}
 
 
 def test_after_a_crash_a_worker_that_does_not_come_back_is_lost_with_its_moves(make_control, sqlite_url):
