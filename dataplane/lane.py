@@ -8,6 +8,11 @@ heartbeats, ``QueryMoves`` and ``Shutdown``, answered at once even mid-move; the
 ran (``WorkerRecord``) is shared between the two threads under its lock, so a command still
 unread on the lane when a ``QueryMoves`` reports it unknown is refused when it is read.
 
+A ``CommandAhead`` keeps the lane polling awake for the command it announces; when it carries
+that command (a device <-> host copy), the lane begins the move at once (``WorkerCore.start_ahead``)
+and, until the command itself comes, only enqueues its chunks and watches the socket: any other
+command first, the command refused, or ``AHEAD_HOLD_MS`` without it, and the move is abandoned.
+
 The fields it uses are ``WorkerProc``'s (dataplane/proc.py).
 """
 from __future__ import annotations
