@@ -255,16 +255,19 @@ class Engine(EarlyStart):
             self._fail(mv, e)
             return False
 
-    def _admit(self, cmd: ExecuteMove) -> InFlight | None:
-        """The move in flight for ``cmd``, registered; None if it is a duplicate or refused (recorded)."""
+    def _admit(self, cmd: ExecuteMove, record: bool = True) -> InFlight | None:
+        """The move in flight for ``cmd``, registered; None if it is a duplicate or refused (recorded,
+        unless ``record`` is False: an early start's refusal is the command's to answer)."""
         t0 = time.perf_counter_ns()
         if cmd.move_id in self._outcomes or cmd.move_id in self._inflight:
-            self.log.info("move_duplicate", move_id=cmd.move_id)
+            if record:
+                self.log.info("move_duplicate", move_id=cmd.move_id)
             return None
         tiers = {t: self.pool(t) for t in ("device", "host", "disk")}
         plan = validate(cmd, tiers, self._busy, self.layout.block_bytes, self.worker, self.clock())
         if isinstance(plan, MoveRejected):
-            self._record(plan)
+            if record:
+                self._record(plan)
             return None
         mv = EXECUTORS[plan.route](self.ctx, plan, self.clock())
         mv.phases["submitted"] = t0
@@ -317,20 +320,28 @@ class Engine(EarlyStart):
                            unknown=[m for m in ids if m not in self._outcomes and m not in self._inflight])
 
     def _fail(self, mv: InFlight, e: Exception) -> Outcome:
+        self._undo(mv, "move_raised", repr(e), self.log.error)
+        return self._settle(mv, mv.failed(f"{type(e).__name__}: {e}"))
+
+    def _undo(self, mv: InFlight, what: str, why: str, say=None) -> None:
+        """Abort ``mv`` (wait for what it enqueued, drop its reservations) and log ``what``."""
         try:
             mv.abort()
-        except Exception as e2:  # noqa: BLE001
-            self.log.error("move_abort_failed", move_id=mv.cmd.move_id, error=repr(e2))
-        self.log.error("move_raised", move_id=mv.cmd.move_id, error=repr(e))
-        return self._settle(mv, mv.failed(f"{type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001
+            self.log.error("move_abort_failed", move_id=mv.cmd.move_id, error=repr(e))
+        (say or self.log.info)(what, move_id=mv.cmd.move_id, why=why)
 
     def _settle(self, mv: InFlight, outcome: Outcome) -> Outcome:
         mv.mark("settled")
         self.last_phases = dict(mv.phases)
+        self._unregister(mv)
+        return self._record(outcome)
+
+    def _unregister(self, mv: InFlight) -> None:
+        """No longer in flight, its blocks no longer busy."""
         self._inflight.pop(mv.cmd.move_id, None)
         # Validation kept other moves' blocks out of this one, so every listed block is ours.
         deque(map(self._busy.pop, mv.ids, repeat(None, len(mv.ids))), maxlen=0)
-        return self._record(outcome)
 
     def _record(self, outcome: Outcome) -> Outcome:
         self._outcomes[outcome.move_id] = outcome
