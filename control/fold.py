@@ -28,6 +28,7 @@ from control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
 from control.state import (
     MAX_REFUSALS_KEPT,
     BlockState,
+    copy_set,
     MoveState,
     RefusalSummary,
     SessionState,
@@ -90,20 +91,8 @@ def _add_copy(s: State, worker: int, block: int, tier: str, seq: int, session=No
         return
     b.tiers.append(tier)
     if s.copies is not None:
-        _on(s, worker, tier).add(block)
+        copy_set(s, worker, tier).add(block)
     ws.tiers[tier].used_bytes += ws.block_bytes
-
-
-def _on(s: State, worker: int, tier: str) -> set[int]:
-    """``s.copies``' set of the blocks of ``worker`` with a copy on ``tier`` (made if new; the
-    caller checked that the index is kept)."""
-    per = s.copies.get(worker)
-    if per is None:
-        per = s.copies[worker] = {}
-    on = per.get(tier)
-    if on is None:
-        on = per[tier] = set()
-    return on
 
 
 def _terminal(s: State, move_id: str, outcome: str, seq: int) -> MoveState | None:
@@ -165,9 +154,9 @@ def _apply_arrival(s: State, mv: MoveState, bytes_freed_src: int, checksum_ok: b
     num_sole = len(blocks) - num_missing - num_general
     if s.copies is not None:                        # the copy index, in C: what the lists now say
         present = blocks if not num_missing else [bid for bid in blocks if get(bid) is not None]
-        _on(s, mv.worker, dst).update(present)
+        copy_set(s, mv.worker, dst).update(present)
         if drop:
-            _on(s, mv.worker, src).difference_update(present)
+            copy_set(s, mv.worker, src).difference_update(present)
     accounts = ws.tiers
     accounts[dst].used_bytes += (added + num_sole) * ws.block_bytes
     src_account = accounts[src]
@@ -271,7 +260,7 @@ def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
         b.tiers.append(tier)
         added += 1
     if s.copies is not None:                        # the copy index (a block already there: no change)
-        _on(s, worker, tier).update(e.blocks)
+        copy_set(s, worker, tier).update(e.blocks)
     ws.tiers[tier].used_bytes += added * ws.block_bytes
     if session is not None:
         sess = s.sessions.get(session)
@@ -299,7 +288,7 @@ def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
         if not tiers:
             del blocks[bid]
     if s.copies is not None:                        # the copy index (a block not there: no change)
-        _on(s, e.worker, tier).difference_update(e.blocks)
+        copy_set(s, e.worker, tier).difference_update(e.blocks)
     account = ws.tiers[tier]
     account.used_bytes -= dropped * ws.block_bytes
     account.reclaimed_bytes += e.bytes

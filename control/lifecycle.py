@@ -162,6 +162,8 @@ class MoveLifecycle:
             return
         if self._awake:
             self._awake.pop(mid, None)
+        if self._warm_at and self._warm_move == mid:    # its writer warm-up is moot now
+            self._warm_at = 0
         short = type(event) is ev.MoveAcked and self._recorder.commits_inline and len(self.state.inflight) == 1
         recorded = [(self._record(e, correlation=mv.session, causation=mid, fold_later=short), e)
                     for e in moves.settle_events(mv, event, self.cfg.moves)]

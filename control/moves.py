@@ -26,12 +26,10 @@ from events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
 from control.budget import Refusal, can_fund
 from control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
 from control.policy.restore import plan_restore
-from control.state import MoveState, State
+from control.state import MoveState, State, copies_on
 
 S = 1_000_000_000
 _TIERS = operator.attrgetter("tiers")
-_NO_COPIES: dict[str, set[int]] = {}
-_NO_IDS: frozenset[int] = frozenset()
 
 
 class MoveConfig(msgspec.Struct, kw_only=True):
@@ -94,7 +92,8 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
             _raise_unknown(msg.worker, wb, blocks)      # unknown blocks are named first, as for any kind
             raise InvalidAsk(f"{msg.kind} needs two different tiers, got {src} -> {dst}")
         try:
-            asks = _split(msg, asker, wb, (state.copies or _NO_COPIES).get(msg.worker, _NO_COPIES), blocks, src, dst, keep)
+            asks = _split(msg, asker, wb, copies_on(state, msg.worker, src), copies_on(state, msg.worker, dst),
+                          blocks, src, dst, keep)
         except KeyError:
             _raise_unknown(msg.worker, wb, blocks)
             raise           # no named block is unknown: a bug, raised as it is
@@ -111,7 +110,7 @@ def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:
         raise InvalidAsk(f"worker {worker} has no blocks {[b for b in blocks if b not in wb][:16]}") from None
 
 
-def _split(msg: AskMove, asker: str, wb: dict, on: dict[str, set[int]], blocks: list[int], src: str, dst: str,
+def _split(msg: AskMove, asker: str, wb: dict, on_src, on_dst, blocks: list[int], src: str, dst: str,
            keep: bool) -> list[Ask]:
     """``split_for_destination`` of the blocks with a copy on ``src``, in the same single pass
     that finds them: blocks with a copy on ``dst`` already need no copy (only a release of the
@@ -122,7 +121,7 @@ def _split(msg: AskMove, asker: str, wb: dict, on: dict[str, set[int]], blocks: 
     # The usual big move: every block on the source, none on the destination. The state's copy
     # index says so by set algebra (hash probes into two compact tables, not a lookup of each
     # block's record: after an idle wait those records are cache misses, ~0.1 ms per 1024).
-    if on.get(src, _NO_IDS).issuperset(blocks) and on.get(dst, _NO_IDS).isdisjoint(blocks):
+    if on_src.issuperset(blocks) and on_dst.isdisjoint(blocks):
         return [Ask(asker=asker, kind=msg.kind, worker=msg.worker, src=src, dst=dst, blocks=tuple(blocks),
                     keep_source=keep, session=msg.session, reason=asker)]
     # Otherwise every block's copies, looked up in C (a KeyError names an unknown block, as

@@ -189,15 +189,31 @@ def index_copies(state: State) -> State:
     the state."""
     state.copies = {}
     for w, blocks in state.blocks.items():
-        per: dict[str, set[int]] = {}
-        state.copies[w] = per
         for bid, b in blocks.items():
             for t in b.tiers:
-                on = per.get(t)
-                if on is None:
-                    on = per[t] = set()
-                on.add(bid)
+                copy_set(state, w, t).add(bid)
     return state
+
+
+def copy_set(state: State, worker: int, tier: str) -> set[int]:
+    """The copy index's set of ``worker``'s blocks with a copy on ``tier``, made if new (the index
+    must be kept: ``state.copies`` not None)."""
+    per = state.copies.get(worker)
+    if per is None:
+        per = state.copies[worker] = {}
+    on = per.get(tier)
+    if on is None:
+        on = per[tier] = set()
+    return on
+
+
+_NO_IDS: frozenset[int] = frozenset()
+
+
+def copies_on(state: State, worker: int, tier: str) -> set[int] | frozenset[int]:
+    """What the copy index says ``worker`` holds on ``tier``; empty when it is not kept, so a
+    check that needs the blocks to be in it fails and its caller takes the per-block way."""
+    return ((state.copies or {}).get(worker) or {}).get(tier, _NO_IDS)
 
 
 def check_integrity(state: State) -> None:

@@ -6,10 +6,7 @@ tier. Cooldown never holds back a restore someone is waiting for.
 from __future__ import annotations
 
 from control.policy.asks import RESTORE_SOURCES, Ask
-from control.state import State
-
-_NO_COPIES: dict[str, set[int]] = {}
-_NO_IDS: frozenset[int] = frozenset()
+from control.state import State, copies_on
 
 
 def plan_restore(state: State, asker: str, worker: int, blocks, session: str | None,
@@ -18,8 +15,8 @@ def plan_restore(state: State, asker: str, worker: int, blocks, session: str | N
     sources = RESTORE_SOURCES if src is None else (src,)
     # The usual restore: every block off the device with a copy on the first source. The state's
     # copy index says so by set algebra (control/moves.py's _split does the same).
-    on = (state.copies or _NO_COPIES).get(worker, _NO_COPIES)
-    if on.get("device", _NO_IDS).isdisjoint(blocks) and on.get(sources[0], _NO_IDS).issuperset(blocks) and blocks:
+    if (blocks and copies_on(state, worker, sources[0]).issuperset(blocks)
+            and copies_on(state, worker, "device").isdisjoint(blocks)):
         return [Ask(asker=asker, kind="restore", worker=worker, src=sources[0], dst="device", blocks=tuple(blocks),
                     keep_source=keep_source, session=session, reason="demand")]
     # NOTE: one plain loop, no generator or call per block: a 2 GiB restore names 1024 blocks and

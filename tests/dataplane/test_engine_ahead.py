@@ -82,7 +82,6 @@ def test_the_worker_core_finishes_its_early_start_only_for_the_same_command_and_
     core = WorkerCore(engine, 0)
     try:
         commit(engine, "device", [1, 2, 3, 4])
-        empty = snapshot(engine)
         a = move("evict", "device", "host", [1, 2], move_id="m-a")
         assert core.start_ahead(a) and core.ahead == a and core.ahead_ns > 0
         assert not core.start_ahead(move("evict", "device", "host", [3], move_id="m-b"))   # one at a time
@@ -102,7 +101,6 @@ def test_the_worker_core_finishes_its_early_start_only_for_the_same_command_and_
         assert not core.start_ahead(b)                                   # done: a second hint begins nothing
         core.drop_ahead("nothing to drop")
         engine.check_integrity()
-        assert empty["usage"] != engine.usage()
     finally:
         engine.close()
 
