@@ -3,6 +3,7 @@ called in this process, by variant (lane, hints, placement); the same moves thro
 worker (the control plane alone), also under a DMA load; where each move's time goes."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,21 @@ def cpu_spinner() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+IDLE_SPINNER = """
+import os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+while True:
+    pass
+"""
+
+
+def idle_spinners() -> list[subprocess.Popen]:
+    """(part ``awake``) One SCHED_IDLE spinner pinned to each CPU this process may use: no vCPU
+    halts, and any other thread that wakes on that CPU preempts the spinner at once."""
+    return [subprocess.Popen([sys.executable, "-c", IDLE_SPINNER, str(cpu)]) for cpu in sorted(os.sched_getaffinity(0))]
+
+
 def under_dma_load(fn, seconds: float = 120.0):
     """``fn()`` while another process streams 2 GiB copies between the GPU and pinned host memory."""
     hog = subprocess.Popen([sys.executable, str(ROOT / "bench" / "control.py"), "--dma-hog", str(seconds)], cwd=ROOT)
@@ -186,6 +202,8 @@ def under_dma_load(fn, seconds: float = 120.0):
 #             early start; nothing is visible before the command comes)
 #   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
+#   awake     every CPU of the host kept from halting by a SCHED_IDLE spinner of its own (it yields
+#             to any other thread at once): is what is left the cost of waking halted vCPUs?
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
@@ -193,6 +211,7 @@ def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
             "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts,
+            "awake": "awake" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
@@ -201,7 +220,7 @@ VARIANTS = {n: _variant(n) for n in (
     "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+pinned")}
 
 
-PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "pinned", "pin-control", "pin-worker"}
+PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "pinned", "pin-control", "pin-worker"}
 
 
 def variant_of(name: str) -> dict:
@@ -281,6 +300,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
                 nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"], ahead_min_bytes=min(64 << 20, n * bb))
+    spinners = idle_spinners() if var.get("awake") else []
     try:
         blocks = c.commit(n)
         runs = []
@@ -298,9 +318,14 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
                    control_overhead_vs_engine_call_s=best[3].get("control_overhead_vs_engine_call_s"),
                    control_overhead_vs_engine_call_p50_s=vs_engine[len(vs_engine) // 2] if vs_engine else None,
                    control_overhead_vs_engine_call_all_s=vs_engine,
+                   through_control_p50_s=_median([r[1] for r in spills]),
+                   engine_call_p50_s=_median([r[3]["engine_call_s"] for r in spills if "engine_call_s" in r[3]] or [0.0]),
                    breakdown_ms=best[4], breakdown_ms_phase_medians=phase_medians([r[4] for r in spills]),
                    through_control_runs=[r[:3] for r in runs])
     finally:
+        for sp in spinners:
+            sp.kill()
+            sp.wait(10)
         c.close()
         if device.startswith("cuda"):
             import torch  # noqa: PLC0415
