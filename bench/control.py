@@ -249,7 +249,8 @@ def main() -> int:
         for name, v in s["variants"].items():
             vs = v["control_overhead_vs_engine_call_all_s"]
             line = (f"spill through control, {name:12s}: overhead vs the engine call min {min(vs) * 1e3:.3f} ms  "
-                    f"p50 {v['control_overhead_vs_engine_call_p50_s'] * 1e3:.3f}  ({len(vs)} spills)"
+                    f"p50 {v['control_overhead_vs_engine_call_p50_s'] * 1e3:.3f}  ({len(vs)} spills); "
+                    f"p50 through control - p50 in process {v['control_overhead_p50_vs_in_process_p50_s'] * 1e3:.3f} ms"
                     + ("  <- headline" if name == s["headline_variant"] else "")
                     + ("  (this host's default)" if name == default_variant() else ""))
             rows.append(line)

@@ -260,7 +260,9 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
                      disk_bytes=0, fsync=False)
         eng.commit_blocks(CommitBlocks(request_id="c", session=None, tier="device", blocks=list(range(n)), seed=1))
         times = []
-        for rep in range(7):      # evict, restore, ...: the first evict compiles; 3 more evicts are timed
+        # evict, restore, ...: the first evict compiles; then as many evicts as go through the control
+        # (at least 3), so the two distributions stand side by side, not only their best
+        for rep in range(max(7, reps + 2)):
             kind, src, dst = ("evict", "device", "host") if rep % 2 == 0 else ("restore", "host", "device")
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -271,6 +273,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
         eng.close()
         spills = [t for k, t, _ in times[2:] if k == "evict"]
         out["in_process_s"] = min(spills)
+        out["in_process_p50_s"] = _median(spills)
         out["in_process_gb_s"] = n * bb / min(spills) / 1e9
         out["in_process_runs"] = times
     finally:
@@ -286,6 +289,8 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
         # a ledger of its own per variant (a second control on one ledger would write the first's worker off)
         vurl = url[:-3] + f"-{name}.db" if url.startswith("sqlite") and url.endswith(".db") else url
         v = through_control(vurl, device, n, host_bytes, reps, out["in_process_s"], var)
+        # unpaired, side by side: the median spill through the control vs the median in this process
+        v["control_overhead_p50_vs_in_process_p50_s"] = v["through_control_p50_s"] - out["in_process_p50_s"]
         out["variants"][name] = v
         if name == headline:
             out.update(v)
