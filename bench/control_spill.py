@@ -63,7 +63,7 @@ def traced_move(c: Cluster, ask: AskMove) -> tuple[object, dict[str, int], float
 # request's commit and the command's trip run beside the copies; "(beside)" phases are not in the sum
 PHASES_EARLY = [
     ("ask reaches the loop", "submit", "asked"),
-    ("control: the command ahead sent (resolved, or guessed before the resolve)", "asked", "ahead"),
+    ("control: resolve, fund, send CommandAhead", "asked", "ahead"),
     ("CommandAhead to the worker's socket", "ahead", "w_ahead"),
     ("worker: decode, begin the move", "w_ahead", "w_engine_start"),
     *PHASES[6:],
@@ -202,9 +202,6 @@ def under_dma_load(fn, seconds: float = 120.0):
 #             early start; nothing is visible before the command comes)
 #   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
-#   onask     ... or, better, carries the command of the move the ask means in the usual case, sent
-#             before the control resolves it (the copies begin meanwhile; withdrawn if it resolves
-#             otherwise)
 #   awake     every CPU of the host kept from halting by a SCHED_IDLE spinner of its own (it yields
 #             to any other thread at once): is what is left the cost of waking halted vCPUs?
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
@@ -214,18 +211,16 @@ def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
             "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts,
-            "awake": "awake" in parts, "onask": "onask" in parts,
+            "awake": "awake" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
 VARIANTS = {n: _variant(n) for n in (
     "lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early", "lane+nearly+ahead+early+warm",
-    "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+onask",
-    "lane+nearly+ahead+early+warm+wake+onask+pinned")}
+    "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+pinned")}
 
 
-PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "onask", "awake", "pinned", "pin-control",
-         "pin-worker"}
+PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "pinned", "pin-control", "pin-worker"}
 
 
 def variant_of(name: str) -> dict:
@@ -238,7 +233,7 @@ def variant_of(name: str) -> dict:
 
 def default_variant() -> str:
     """What ``residency serve`` runs on a GPU host."""
-    return "lane+nearly+ahead+early+warm+wake+onask"
+    return "lane+nearly+ahead+early+warm+wake"
 
 
 def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
@@ -309,8 +304,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
-                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"],
-                onask=var["onask"], ahead_min_bytes=min(64 << 20, n * bb))
+                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"], ahead_min_bytes=min(64 << 20, n * bb))
     spinners = idle_spinners() if var.get("awake") else []
     try:
         blocks = c.commit(n)

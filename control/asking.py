@@ -103,26 +103,15 @@ class Asks:
             self._answer_after(waiter)
 
     def _ask_move(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
-        early = self._start_on_ask(msg, asker) if self.cfg.start_on_ask and msg.blocks else None
-        if early is None and self.cfg.wake_lane_on_ask and msg.blocks and msg.kind != "release":
+        if self.cfg.wake_lane_on_ask and msg.blocks and msg.kind != "release":
             self._wake_lane(msg.worker, len(msg.blocks))
-        try:
-            asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)
-        except moves.InvalidAsk as e:
-            self._withdraw(early, f"its ask was invalid: {e}")
-            raise
+        asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)
         refusal = moves.fund(self.state, asks, self.reserved_bytes())
-        if early is not None and (refusal is not None or len(asks) != 1 or asks[0] != early[0]):
-            self._withdraw(early, "its ask was refused" if refusal is not None else "its ask was resolved otherwise")
-            early = None
         if refusal is not None:
             e = refusal.event(asker, msg.session)
             log.info("move_refused", asker=asker, worker=refusal.worker, tier=refusal.tier,
                      asked_bytes=refusal.asked_bytes, available_bytes=refusal.available_bytes)
             waiter.events.append((self._record(e, correlation=msg.session, causation=msg.ask_id or None), e))
-            return
-        if early is not None:
-            self._request(asks[0], waiter, early[1])
             return
         for a in asks:
             self._request(a, waiter)

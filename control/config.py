@@ -61,10 +61,6 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # copies while the MoveRequested commits (an early start: nothing is visible on the worker
     # before the command itself comes; see events.commands.CommandAhead)
     start_ahead: bool = True
-    # ... and an ask naming such a copy has its command sent ahead before it is resolved: the one
-    # move it means in the usual case (``moves.guess``), kept if the resolve gives exactly that
-    # move, else withdrawn (the worker undoes the copies; nothing was visible)
-    start_on_ask: bool = True
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 

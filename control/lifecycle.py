@@ -31,17 +31,12 @@ S = 1_000_000_000
 class MoveLifecycle:
     """Moves from request to outcome (a part of ControlProc; loop thread only)."""
 
-    def _request(self, ask, waiter: moves.AskWaiter | None, sent_ahead: ev.MoveRequested | None = None) -> str:
-        """``sent_ahead``: this ask's request, made and its command sent ahead before the ask was
-        resolved (``_start_on_ask``; the resolve gave exactly its ask)."""
+    def _request(self, ask, waiter: moves.AskWaiter | None) -> str:
         self._num_moves += 1
         mid = moves.move_id(self.epoch, self._num_moves)
-        if sent_ahead is not None and sent_ahead.move_id == mid:
-            req = sent_ahead
-        else:
-            req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
-            if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not ask.is_release:
-                self._command_ahead(req)
+        req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
+        if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not ask.is_release:
+            self._command_ahead(req)
         seq = self._record(req, correlation=ask.session, causation=ask.asker)
         self.book.requested(seq, req, waiter)
         self.busy.add(ask.worker, ask.blocks)
@@ -62,43 +57,6 @@ class MoveLifecycle:
             return
         self.metrics["lanes_woken"] += 1
         self._send(link, CommandAhead(move_id="", within_us=self.cfg.command_ahead_us))
-
-    def _start_on_ask(self, msg, asker: str) -> tuple | None:
-        """An ask naming a big device <-> host copy: before resolving it, send the command of the
-        move it means in the usual case (``moves.guess``) ahead, so that the worker's copies begin
-        while the control resolves, funds and commits. Returns (the guessed ask, its request) for
-        ``_ask_move`` to keep if the resolve gives exactly that ask, or to withdraw. The worker
-        checks the command against its own pools before it begins (``Engine.begin_ahead``), and
-        nothing is visible there before the command itself comes, after the commit."""
-        ws = self.state.workers.get(msg.worker)
-        link = self._by_worker.get(msg.worker)
-        if (not self.cfg.start_ahead or ws is None or link is None or link.lane is None or not link.lane_up
-                or not 0 < self.cfg.command_ahead_min_bytes <= len(msg.blocks) * ws.block_bytes):
-            return None
-        ask = moves.guess(msg, asker)
-        if ask is None or {ask.src, ask.dst} != {"device", "host"}:
-            return None
-        req = moves.requested(self.state, ask, moves.move_id(self.epoch, self._num_moves + 1), time.time_ns(),
-                              self.cfg.moves)
-        self.metrics["commands_sent_on_ask"] += 1
-        self._send(link, CommandAhead(move_id=req.move_id, within_us=self.cfg.command_ahead_us,
-                                      command=moves.command_for(req)))
-        if self.traces.keep:
-            self.traces.mark(req.move_id, "ahead")
-        return ask, req
-
-    def _withdraw(self, early: tuple | None, why: str) -> None:
-        """A command sent ahead on an ask (``_start_on_ask``) that will not come: a CommandAhead
-        naming its move without it tells the worker to undo the copies now, not after its hold."""
-        if early is None:
-            return
-        req = early[1]
-        self.metrics["commands_withdrawn"] += 1
-        self.traces.forget(req.move_id)     # its id is the next move's
-        log.info("command_ahead_withdrawn", move_id=req.move_id, worker=req.worker, why=why)
-        link = self._by_worker.get(req.worker)
-        if link is not None:
-            self._send(link, CommandAhead(move_id=req.move_id, within_us=0))
 
     def _command_ahead(self, req: ev.MoveRequested) -> None:
         """Tell the worker's lane that this move's command follows its commit, so its thread is

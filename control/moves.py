@@ -24,7 +24,7 @@ import msgspec
 from events import catalog as ev
 from events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
 from control.budget import Refusal, can_fund
-from control.policy.asks import KIND_DEFAULTS, RESTORE_SOURCES, Ask, busy_blocks, release
+from control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
 from control.policy.restore import plan_restore
 from control.state import MoveState, State, copies_on
 
@@ -106,24 +106,6 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
         # algebra walks the smaller side (a few busy blocks, not the 1024 asked)
         _check_not_busy(a, busy, block_set if len(asks) == 1 and len(a.blocks) == len(block_set) else None)
     return asks
-
-
-def guess(msg: AskMove, asker: str) -> Ask | None:
-    """The one ask ``resolve`` makes of ``msg`` in the usual case (named blocks, each with a copy
-    on the source and none on the destination, none busy), made from the ask alone: no block is
-    looked up. None when the ask names no blocks or an unknown kind. Only a guess: the control
-    sends its command ahead before resolving (an early start, which the worker checks against its
-    own pools) and keeps it only if ``resolve`` then gives exactly this ask."""
-    if not msg.blocks or msg.kind not in KIND_DEFAULTS:
-        return None
-    src0, dst0, keep0 = KIND_DEFAULTS[msg.kind]
-    keep = keep0 if msg.keep_source is None else msg.keep_source
-    if msg.kind == "restore":       # as plan_restore plans it: from the first source, for "demand"
-        src, dst, reason = msg.src or RESTORE_SOURCES[0], "device", "demand"
-    else:
-        src, dst, reason = msg.src or src0, msg.dst or dst0, asker
-    return Ask(asker=asker, kind=msg.kind, worker=msg.worker, src=src, dst=dst, blocks=tuple(msg.blocks),
-               keep_source=keep, session=msg.session, reason=reason)
 
 
 def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:

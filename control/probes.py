@@ -63,10 +63,6 @@ class MoveTraces:
         self.keep = keep
         self.by_move: dict[str, dict[str, int]] = {}
 
-    def forget(self, move_id: str) -> None:
-        """Its marks so far name no move (a command sent ahead and withdrawn: the id goes to the next)."""
-        self.by_move.pop(move_id, None)
-
     def mark(self, move_id: str, phase: str, t_ns: int | None = None) -> None:
         if not self.keep:
             return

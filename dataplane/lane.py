@@ -132,9 +132,6 @@ class EngineLane:
     def _lane_command(self, lane: ControlLink, cmd, recv_ns: int) -> None:
         t = type(cmd)
         if t is CommandAhead:
-            pending = self.core.ahead
-            if pending is not None and cmd.move_id == pending.move_id and cmd.command != pending:
-                self.core.drop_ahead("the control withdrew it")    # its ask was refused or resolved otherwise
             if self.awake_for_commands:
                 self._awake_until = time.monotonic_ns() + min(AWAKE_MAX_US, cmd.within_us) * 1000
             if cmd.command is not None and self.start_ahead and self.core.ahead is None:

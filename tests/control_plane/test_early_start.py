@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
-
 from events import catalog as ev
 from events.commands import (
     AskCommitBlocks, AskMove, BlocksWritten, CommandAhead, CommitBlocks, ExecuteMove, Hello, Inventory, LaneHello,
@@ -106,11 +104,9 @@ def test_a_worker_begins_a_move_on_its_hint_shows_nothing_before_its_command_and
                    "m-c": "ExecuteMove m-d came before its command", "m-e": "its command was tombstoned"}, log
 
 
-@pytest.mark.parametrize("on_ask", [True, False], ids=["sent-on-the-ask", "sent-after-the-resolve"])
 def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_ack_waits_for_it(
-        short_dir, tmp_path, sqlite_url, on_ask):
-    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=64 * 16384, trace_moves=8,
-                                      start_on_ask=on_ask)
+        short_dir, tmp_path, sqlite_url):
+    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=64 * 16384, trace_moves=8)
     w = spawn(worker_argv(0, proc.cfg.worker_endpoint, short_dir, device_blocks=256) + ["--report-timings"],
               tmp_path / "worker.log")
     try:
@@ -133,12 +129,7 @@ def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_
         back = proc.submit(AskMove(ask_id="back", kind="restore", worker=0, blocks=blocks[:100])).result(30)
         assert back.error is None and back.events[0].checksums == out.events[0].checksums
         metrics = proc.health().metrics
-        if on_ask:      # the asks' own commands went before their resolve; nothing else was sent ahead
-            assert metrics["commands_sent_on_ask"] == 2 and "commands_withdrawn" not in metrics, metrics
-            assert "commands_ahead" not in metrics and "lanes_woken" not in metrics, metrics
-        else:
-            assert metrics["commands_sent_ahead"] == 2 and metrics["commands_ahead"] == 2 and metrics["lanes_woken"] == 2
-            assert "commands_sent_on_ask" not in metrics
+        assert metrics["commands_sent_ahead"] == 2 and metrics["commands_ahead"] == 2 and metrics["lanes_woken"] == 2
         proc.stop("done")
         assert w.wait(15) == 0
         check_ledger(store)
@@ -147,57 +138,3 @@ def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_
         proc.stop()
         w.kill()
         store.close()
-
-
-def test_a_command_sent_on_an_ask_that_is_refused_or_resolved_otherwise_is_withdrawn_and_undone(
-        short_dir, tmp_path, sqlite_url):
-    """The control sends a big ask's command before resolving it (``start_on_ask``): when the
-    ask is refused (over budget), invalid, or means other moves than the guessed one, the command
-    is withdrawn, the worker undoes what it began (nothing was visible) and the moves that follow
-    run as usual; the ledger holds no trace of the guess."""
-    from events.commands import AskSetBudget
-    proc, store, _gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=64 * 16384, trace_moves=8)
-    w = spawn(worker_argv(0, proc.cfg.worker_endpoint, short_dir, device_blocks=256), tmp_path / "worker.log")
-    try:
-        wait_for(lambda: joined(proc), timeout=60, what="worker joined")
-        ans = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=120)).result(30)
-        blocks = ans.events[0].blocks
-        # 1. refused: the host's ceiling leaves room for 50 blocks, the ask names 100
-        assert proc.submit(AskSetBudget(ask_id="b", worker=0, tier="host", floor_bytes=0,
-                                        ceiling_bytes=50 * 16384)).result(30).error is None
-        out = proc.submit(AskMove(ask_id="over", kind="evict", worker=0, blocks=blocks[:100])).result(30)
-        assert out.error is None and type(out.events[0]) is ev.MoveRefused, out
-        assert proc.submit(AskSetBudget(ask_id="b2", worker=0, tier="host", floor_bytes=0,
-                                        ceiling_bytes=8 << 20)).result(30).error is None
-        # 2. resolved otherwise: 10 of the blocks already have a copy on the host (a spill kept the
-        # source), so the evict means a copy of 90 and a release of 10, not the one guessed move
-        spill = proc.submit(AskMove(ask_id="s", kind="spill", worker=0, blocks=blocks[:10])).result(30)
-        assert spill.error is None and type(spill.events[0]) is ev.MoveAcked
-        out = proc.submit(AskMove(ask_id="split", kind="evict", worker=0, blocks=blocks[:100])).result(30)
-        assert out.error is None and len(out.move_ids) == 2, out
-        assert [type(e) for e in out.events if type(e).__name__.startswith("Move")] == [ev.MoveAcked] * 2, out
-        # 3. invalid (now on the host only): the worker refused to begin it, the control answers why
-        out = proc.submit(AskMove(ask_id="bad", kind="evict", worker=0, blocks=blocks[:100])).result(30)
-        assert out.error == "invalid_ask" and "no copy on device" in out.detail, out
-        # 4. the guess right: the blocks come back in one move, each checksum as it went
-        back = proc.submit(AskMove(ask_id="back", kind="restore", worker=0, blocks=blocks[10:100])).result(30)
-        assert back.error is None and len(back.move_ids) == 1 and type(back.events[0]) is ev.MoveAcked, back
-        metrics = proc.health().metrics
-        assert metrics["commands_sent_on_ask"] == 4 and metrics["commands_withdrawn"] == 3, metrics
-        proc.stop("done")
-        assert w.wait(15) == 0
-        state = check_ledger(store)
-        wb = state.blocks[0]
-        assert {b: wb[b].tiers for b in blocks} == {b: ["host"] if b in blocks[:10] else ["device"] for b in blocks}
-        types = [type(r.event).__name__ for r in store.read()]
-        assert types.count("MoveRequested") == types.count("MoveAcked") == 4, types   # spill, 2 of the split, restore
-    finally:
-        proc.stop()
-        w.kill()
-        store.close()
-    log = [json.loads(line) for line in (tmp_path / "worker.log").read_text().splitlines() if line.startswith("{")]
-    withdrawn = [e for e in log if e["event"] == "move_abandoned"]
-    # the refused one was begun and undone; the worker never began the split one (10 of its
-    # blocks are on the host already) nor the invalid one: its own checks refused them
-    assert [(e["move_id"], e["why"]) for e in withdrawn] == [(back.move_ids[0].rsplit("-", 1)[0] + "-1",
-                                                             "the control withdrew it")], withdrawn

@@ -132,7 +132,6 @@ def test_resolve_in_one_pass_says_what_the_plain_checks_say():
     import random
     rng = random.Random(7)
     tiers = ["device", "host", "disk"]
-    guessed = 0
     for _ in range(300):
         b = Book(device=64, host=64, disk=64)
         ids = rng.sample(range(100), 12)
@@ -155,25 +154,6 @@ def test_resolve_in_one_pass_says_what_the_plain_checks_say():
         except moves.InvalidAsk as e:
             got = f"InvalidAsk: {e}"
         assert got == want, (kind, names, busy)
-        if isinstance(got, list) and len(got) == 1 and not got[0].is_release and list(got[0].blocks) == names:
-            # the usual case, which the control guesses before resolving (start_on_ask)
-            assert moves.guess(msg, "operator") == got[0], (kind, names)
-            guessed += 1
-    assert guessed >= 10
-
-
-def test_a_restore_is_guessed_as_plan_restore_plans_it_from_the_host():
-    b = Book(device=64, host=64, disk=64)
-    b.commit(range(8), 0)
-    b.move("e", "evict", "device", "host", range(4), 0)
-    b.move("d", "evict", "device", "disk", range(4, 8), 0)
-    for blocks, src in (([0, 2, 1], None), ([5, 4], "disk"), ([0, 1], "host")):
-        msg = AskMove(ask_id="r", kind="restore", worker=0, blocks=blocks, src=src, session="s")
-        assert moves.resolve(b.state, msg, "api") == [moves.guess(msg, "api")], (blocks, src)
-    # from the disk without saying so: the resolve finds the copies there, the guess (host) is wrong
-    msg = AskMove(ask_id="r", kind="restore", worker=0, blocks=[4, 5])
-    assert moves.resolve(b.state, msg, "api") != [moves.guess(msg, "api")]
-    assert moves.guess(AskMove(ask_id="r", kind="restore", worker=0, session="s"), "api") is None
 
 
 def test_a_move_of_blocks_partly_there_copies_the_rest_and_releases_their_source():
