@@ -204,6 +204,7 @@ def under_dma_load(fn, seconds: float = 120.0):
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
 #   awake     every CPU of the host kept from halting by a SCHED_IDLE spinner of its own (it yields
 #             to any other thread at once): is what is left the cost of waking halted vCPUs?
+#   noyield   awake polls (events/affinity.poll_until) do not sched_yield between polls
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
@@ -211,7 +212,7 @@ def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
             "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts,
-            "awake": "awake" in parts,
+            "awake": "awake" in parts, "noyield": "noyield" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
@@ -220,7 +221,8 @@ VARIANTS = {n: _variant(n) for n in (
     "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+pinned")}
 
 
-PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "pinned", "pin-control", "pin-worker"}
+PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "noyield", "pinned", "pin-control",
+         "pin-worker"}
 
 
 def variant_of(name: str) -> dict:
@@ -303,8 +305,11 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     control_cpu, (worker_cpu,) = affinity.plan(1)
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
+    affinity.POLL_YIELD = not var.get("noyield")
+    os.environ["RESIDENCY_POLL_YIELD"] = "0" if var.get("noyield") else "1"     # the worker's, when it starts
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
-                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"], ahead_min_bytes=min(64 << 20, n * bb))
+                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"],
+                ahead_min_bytes=min(64 << 20, n * bb))
     spinners = idle_spinners() if var.get("awake") else []
     try:
         blocks = c.commit(n)

@@ -25,6 +25,8 @@ from pathlib import Path
 import zmq
 
 MIN_CPUS_TO_PIN = 8     # below this, every CPU is needed for everything: nothing is placed
+# poll_until gives the CPU away between polls (sched_yield); RESIDENCY_POLL_YIELD=0: it does not
+POLL_YIELD = os.environ.get("RESIDENCY_POLL_YIELD", "1") != "0"
 
 
 def context_on(cpu: int | None) -> zmq.Context:
@@ -54,7 +56,8 @@ def poll_until(poller: zmq.Poller, until_ns: int) -> list:
         ready = poller.poll(0)
         if ready or time.monotonic_ns() >= until_ns:
             return ready
-        os.sched_yield()
+        if POLL_YIELD:
+            os.sched_yield()
 
 
 def check_cpu(cpu: int) -> None:
