@@ -45,7 +45,7 @@ class Cluster:
                  durability: str = "normal", traced: bool = False, lane: bool = True,
                  cpus: tuple[int | None, int | None] = (None, None), nearly_done: bool = False,
                  ahead: bool = False, early: bool = False, warm: bool = False, wake: bool = False,
-                 ahead_min_bytes: int = 64 << 20):
+                 keep_awake: bool = False, ahead_min_bytes: int = 64 << 20):
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
@@ -53,7 +53,7 @@ class Cluster:
                             moves=MoveConfig(deadline_base_s=60.0), checkpoint_every_events=10_000,
                             trace_moves=64 if traced else 0, cpu=cpus[0],
                             command_ahead_min_bytes=ahead_min_bytes if ahead else 0, start_ahead=early, warm_writer=warm,
-                            wake_lane_on_ask=wake)
+                            wake_lane_on_ask=wake, keep_awake=keep_awake, keep_awake_min_bytes=ahead_min_bytes)
         self.proc = ControlProc(self.store, cfg).start()
         argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,

@@ -202,9 +202,10 @@ def under_dma_load(fn, seconds: float = 120.0):
 #             early start; nothing is visible before the command comes)
 #   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
-#   awake     every CPU of the host kept from halting by a SCHED_IDLE spinner of its own (it yields
-#             to any other thread at once): is what is left the cost of waking halted vCPUs?
-#   noyield   awake polls (events/affinity.poll_until) do not sched_yield between polls
+#   awake     (an experiment) every CPU kept from halting by a SCHED_IDLE spinner of the bench's,
+#             through the whole variant
+#   keepawake the control keeps every CPU from halting while a big move is asked for or in flight
+#             (control/keep_awake.py: SCHED_IDLE spinners, asleep between moves)
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
@@ -212,16 +213,17 @@ def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
             "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts,
-            "awake": "awake" in parts, "noyield": "noyield" in parts,
+            "awake": "awake" in parts, "keepawake": "keepawake" in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
 VARIANTS = {n: _variant(n) for n in (
     "lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early", "lane+nearly+ahead+early+warm",
-    "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+pinned")}
+    "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+keepawake",
+    "lane+nearly+ahead+early+warm+wake+keepawake+pinned")}
 
 
-PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "noyield", "pinned", "pin-control",
+PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "keepawake", "pinned", "pin-control",
          "pin-worker"}
 
 
@@ -235,7 +237,7 @@ def variant_of(name: str) -> dict:
 
 def default_variant() -> str:
     """What ``residency serve`` runs on a GPU host."""
-    return "lane+nearly+ahead+early+warm+wake"
+    return "lane+nearly+ahead+early+warm+wake+keepawake"
 
 
 def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list[str] | None = None) -> dict:
@@ -305,11 +307,9 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     control_cpu, (worker_cpu,) = affinity.plan(1)
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
-    affinity.POLL_YIELD = not var.get("noyield")
-    os.environ["RESIDENCY_POLL_YIELD"] = "0" if var.get("noyield") else "1"     # the worker's, when it starts
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
                 nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"],
-                ahead_min_bytes=min(64 << 20, n * bb))
+                keep_awake=var["keepawake"], ahead_min_bytes=min(64 << 20, n * bb))
     spinners = idle_spinners() if var.get("awake") else []
     try:
         blocks = c.commit(n)

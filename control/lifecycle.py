@@ -37,6 +37,8 @@ class MoveLifecycle:
         req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
         if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not ask.is_release:
             self._command_ahead(req)
+        if not ask.is_release:
+            self._stay_awake(req.bytes_planned, mid)
         seq = self._record(req, correlation=ask.session, causation=ask.asker)
         self.book.requested(seq, req, waiter)
         self.busy.add(ask.worker, ask.blocks)
@@ -44,6 +46,24 @@ class MoveLifecycle:
             self.traces.mark(mid, "asked", self._ask_ns)
             self.traces.mark(mid, "requested")
         return mid
+
+    def _stay_awake(self, nbytes: int, mid: str = "") -> None:
+        """A move of ``nbytes`` is asked for (``mid`` "") or requested: keep the host's CPUs from
+        halting (``cfg.keep_awake``) until it is settled, at most its bytes at 10 GB/s + 50 ms."""
+        ka = self._keep_awake
+        if ka is None or nbytes < self.cfg.keep_awake_min_bytes:
+            return
+        if mid:
+            self._awake_moves.add(mid)
+        ka.until(time.monotonic_ns() + int((nbytes / 10e9 + 0.05) * S))
+
+    def _awake_done(self, mid: str = "") -> None:
+        """``mid`` is settled (or an ask made no big move): the CPUs may halt once none is left."""
+        if self._keep_awake is None:
+            return
+        self._awake_moves.discard(mid)
+        if not self._awake_moves:
+            self._keep_awake.release()
 
     def _wake_lane(self, worker: int, num_blocks: int) -> None:
         """An ask for a big copy has come (at least ``command_ahead_min_bytes``): before resolving
@@ -183,6 +203,8 @@ class MoveLifecycle:
             self.traces.mark(mid, "folded")
         if type(event) is not ev.MoveStranded:
             self.busy.remove(mv.worker, mv.blocks)
+        if self._awake_moves:
+            self._awake_done(mid)
 
     def _watch_deadlines(self) -> None:
         if self._commits_pending:

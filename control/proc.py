@@ -49,6 +49,7 @@ from events.commands import (
 from control.asking import Asks
 from control.config import ControlConfig, Health
 from control.errors import ControlError, LedgerDiverged
+from control.keep_awake import KeepAwake
 from control.lifecycle import MoveLifecycle
 from control.links import WorkerLink, WorkerLinks
 from control.policy.recency import Recency
@@ -78,6 +79,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._warm_at = 0                       # monotonic ns: warm the ledger writer then (0: no)
         self._warm_bytes = 0                    # ... for an ack of about this many payload bytes
         self._warm_move = ""                    # ... of this move
+        self._keep_awake = None                 # control.keep_awake.KeepAwake (cfg.keep_awake), from _run
+        self._awake_moves: set[str] = set()     # big moves in flight that keep the host awake
         self._writer_factory = writer_factory or self._default_writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -205,6 +208,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
     def _run(self) -> None:
         try:
             self._open()
+            if self.cfg.keep_awake:
+                self._keep_awake = KeepAwake()
             self._recover()
             affinity.pin_this_thread(self.cfg.cpu)   # after the ledger writer's thread started: it stays unplaced
             if self.cfg.gc_freeze:
@@ -247,6 +252,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _close(self) -> None:
+        if self._keep_awake is not None:
+            self._keep_awake.stop()
         if self._frozen:
             self._frozen = False
             gc.unfreeze()
@@ -305,7 +312,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self.metrics["awake_polls"] += 1
         until = min(max(self._awake.values()), now + timeout_ms * MS)
         if self._warm_at:               # the ledger writer is to be warmed before the ack comes
-            ready = affinity.poll_until(self._poller, min(until, self._warm_at))
+            ready = affinity.poll_until(self._poller, min(until, self._warm_at), self.cfg.cpu is not None)
             if ready:
                 return dict(ready)
             if time.monotonic_ns() >= self._warm_at:
@@ -313,7 +320,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                 if self._recorder.warm(self._warm_bytes):
                     self.metrics["writer_warm_ups"] += 1
                     self.traces.mark(self._warm_move, "warmed")
-        return dict(affinity.poll_until(self._poller, until))
+        return dict(affinity.poll_until(self._poller, until, self.cfg.cpu is not None))
 
     def _on_nearly_done(self, link: WorkerLink, msg: MoveNearlyDone) -> None:
         self.traces.mark(msg.move_id, "nearly_done")

@@ -109,7 +109,7 @@ class EngineLane:
     def _poll_awake(self, poller: zmq.Poller) -> dict:
         """Poll awake (``affinity.poll_until``) until something comes or the CommandAhead's time
         is up."""
-        ready = affinity.poll_until(poller, self._awake_until)
+        ready = affinity.poll_until(poller, self._awake_until, self.cpu is not None)
         if not ready:
             self._awake_until = 0
         return dict(ready)

@@ -25,8 +25,6 @@ from pathlib import Path
 import zmq
 
 MIN_CPUS_TO_PIN = 8     # below this, every CPU is needed for everything: nothing is placed
-# poll_until gives the CPU away between polls (sched_yield); RESIDENCY_POLL_YIELD=0: it does not
-POLL_YIELD = os.environ.get("RESIDENCY_POLL_YIELD", "1") != "0"
 
 
 def context_on(cpu: int | None) -> zmq.Context:
@@ -47,16 +45,21 @@ def pin_this_thread(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def poll_until(poller: zmq.Poller, until_ns: int) -> list:
-    """Poll without sleeping, yielding the CPU between polls, until something is ready or the
-    monotonic clock reaches ``until_ns`` (then []): for a message known to be on its way
-    (MoveNearlyDone, CommandAhead), read the moment it lands instead of after a long-idle thread
-    wakes (bench/zmq_wake.py)."""
+def poll_until(poller: zmq.Poller, until_ns: int, give_way: bool = False) -> list:
+    """Poll without sleeping until something is ready or the monotonic clock reaches ``until_ns``
+    (then []): for a message known to be on its way (MoveNearlyDone, CommandAhead), read the moment
+    it lands instead of after a long-idle thread wakes (bench/zmq_wake.py).
+
+    ``give_way``: yield the CPU between polls, for a thread pinned beside its ZMQ I/O thread (which
+    must run on that CPU for the message to land). Unpinned, a yield only hands the CPU to whatever
+    else may run there: with control/keep_awake.py's SCHED_IDLE spinners, to a spinner for a whole
+    slice (H200, 2 GiB spill: control overhead p50 3.5 ms with yields and spinners, 0.69 without
+    yields; without spinners the yield changed nothing, 0.89/0.92 vs 0.93/1.49 ms)."""
     while True:
         ready = poller.poll(0)
         if ready or time.monotonic_ns() >= until_ns:
             return ready
-        if POLL_YIELD:
+        if give_way:
             os.sched_yield()
 
 

@@ -56,6 +56,9 @@ def register(sub) -> None:
                    help="fsync disk-tier block files")
     p.add_argument("--durability", choices=("normal", "full"), default="normal",
                    help="ledger commits: normal survives a process crash, full also a power loss (fsync)")
+    p.add_argument("--keep-awake", choices=("auto", "on", "off"), default="auto",
+                   help="keep every CPU from halting while a move of >= 64 MiB is asked for or in flight "
+                        "(SCHED_IDLE spinners; auto: on with GPU workers)")
     p.add_argument("--no-policies", action="store_true", help="no automatic spill or park (moves only on request)")
     p.add_argument("--park-idle-s", type=float, default=None,
                    help="idle seconds before a session is parked (default 30; 2 when serving a model)")
@@ -294,6 +297,7 @@ def build_config(args, run_dir: Path, devices: list[str]):
         expected_workers=list(range(len(devices))), worker_lost_s=args.heartbeat_lost_s,
         heartbeat_missed_s=min(1.5, args.heartbeat_lost_s / 2), adopt_grace_s=args.adopt_grace_s,
         durability=args.durability, config_digest=digest,
+        keep_awake=args.keep_awake == "on" or (args.keep_awake == "auto" and any(d.startswith("cuda") for d in devices)),
         moves=MoveConfig(deadline_base_s=args.move_deadline_s, page_tokens=page_tokens),
         policy=PolicyConfig(pressure=not args.no_policies, park=not args.no_policies,
                             park_idle_s=_park_idle_s(args)),
