@@ -103,16 +103,6 @@ class Asks:
             self._answer_after(waiter)
 
     def _ask_move(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
-        if self._keep_awake is not None and msg.blocks and (ws := self.state.workers.get(msg.worker)):
-            self._stay_awake(len(msg.blocks) * ws.block_bytes)
-            try:
-                self._ask_move_resolved(msg, asker, waiter)
-            finally:
-                self._awake_done()      # refused or invalid: no move keeps the window open
-            return
-        self._ask_move_resolved(msg, asker, waiter)
-
-    def _ask_move_resolved(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
         if self.cfg.wake_lane_on_ask and msg.blocks and msg.kind != "release":
             self._wake_lane(msg.worker, len(msg.blocks))
         asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)

@@ -61,11 +61,12 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # copies while the MoveRequested commits (an early start: nothing is visible on the worker
     # before the command itself comes; see events.commands.CommandAhead)
     start_ahead: bool = True
-    # while a move of at least ``keep_awake_min_bytes`` is asked for or in flight, a SCHED_IDLE
-    # spinner on every CPU keeps the host's vCPUs from halting (control/keep_awake.py); off by
-    # default, on for ``residency serve`` on a GPU host
+    # while a move of at least ``keep_awake_min_bytes`` is in flight, a SCHED_IDLE spinner on
+    # every CPU keeps the host's vCPUs from halting (control/keep_awake.py); off by default, on for
+    # ``residency serve`` on a GPU host
     keep_awake: bool = False
     keep_awake_min_bytes: int = 64 << 20
+    keep_awake_linger_s: float = 1.0      # ... and this long after the last one is settled
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 

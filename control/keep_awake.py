@@ -1,80 +1,93 @@
-"""Keep the host's CPUs from halting while a big move is in flight.
+"""Keep the host's CPUs from halting while big moves come and go.
 
 On the H200 guests a thread woken on a halted vCPU takes 0.05-0.15 ms to run, and a move through
 the control process wakes one at every hop (the ask, the command, the ack, the answer: each a ZMQ
 I/O thread and the thread that reads it). Kept from halting, the same hops cost a third to a half
-(bench/zmq_wake.py; bench/control.py spill, part ``awake``: the 2 GiB spill's control overhead
-p50 0.69 ms vs 0.93-1.49 in the same runs). The guest has no cpuidle driver to tune, so this does
-what a guest's ``idle=poll`` would, but only while it pays:
+(bench/zmq_wake.py; bench/control.py, spill part ``awake``). The guests have no cpuidle driver
+to tune, so this does what a guest's ``idle=poll`` would, but only while it pays:
 
 One spinner process per CPU, pinned to it, at ``SCHED_IDLE`` (any other thread that becomes
-runnable there preempts it at once, so it takes time from nobody; it only keeps the vCPU
-running). Each sleeps in a blocking read of its pipe; ``until(t)`` wakes them to spin until the
-monotonic clock reaches ``t`` (CLOCK_MONOTONIC is one clock for every process of the host),
-``release()`` sends them back to sleep. A spinner whose control process is gone reads end-of-file
-and exits; a window is never longer than the control asked for.
+runnable there preempts it at once: it takes no time from anybody, it only keeps the vCPU
+running). Each sleeps in a blocking read of its pipe. The window's end (CLOCK_MONOTONIC ns, one
+clock for every process of the host) sits in 8 bytes of shared memory that every spinner maps:
+``until(t)`` writes it, and only when the spinners are asleep also a byte down each pipe to wake
+them (a lengthened window costs a store, not 16 system calls); they spin while the clock is short
+of it. ``end_at(t)`` moves the end either way. A spinner whose control process is gone reads end-of-file once
+its window is over and exits; the memory is a file unlinked as soon as the spinners have it.
 
 Threads that poll awake while spinners run must not ``sched_yield``: that hands their CPU to the
 spinner for a whole slice (``events.affinity.poll_until`` yields only on a pinned thread).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 import structlog
 
 log = structlog.get_logger("control.keep_awake")
+_END = struct.Struct("<q")
 
 # The spinner: a separate interpreter (no GIL shared with the control), importing nothing of ours.
 SPINNER = r"""
-import os, select, struct, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
+import mmap, os, struct, sys, time
+cpu, fd = int(sys.argv[1]), int(sys.argv[2])
+os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-until = 0
-while True:
-    if time.monotonic_ns() < until and not select.select([0], [], [], 0)[0]:
-        continue
-    data = os.read(0, 8)
-    if len(data) < 8:
-        sys.exit(0)
-    until = struct.unpack("<q", data)[0]
+end = mmap.mmap(fd, 8, prot=mmap.PROT_READ)
+os.close(fd)
+now, until = time.monotonic_ns, struct.Struct("<q").unpack_from
+while os.read(0, 1):
+    while now() < until(end, 0)[0]:
+        pass
 """
 
 
 class KeepAwake:
-    """Spinners on ``cpus`` (default: every CPU this process may use), asleep until asked."""
+    """Spinners on ``cpus`` (default: every CPU this process may use), asleep until a window opens."""
 
     def __init__(self, cpus: list[int] | None = None):
         self.cpus = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
         self._until = 0
-        self._procs = [subprocess.Popen([sys.executable, "-c", SPINNER, str(cpu)], stdin=subprocess.PIPE,
-                                        bufsize=0, close_fds=True) for cpu in self.cpus]
         self.windows = 0
+        fd, path = tempfile.mkstemp(prefix="residency-awake-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            os.write(fd, bytes(8))
+            self._end = mmap.mmap(fd, 8)
+            self._procs = [subprocess.Popen([sys.executable, "-c", SPINNER, str(cpu), str(fd)], stdin=subprocess.PIPE,
+                                            bufsize=0, pass_fds=(fd,)) for cpu in self.cpus]
+        finally:
+            os.close(fd)
+            os.unlink(path)
 
     @property
     def awake_until(self) -> int:
         return self._until
 
     def until(self, until_ns: int) -> None:
-        """Spin until ``until_ns`` (monotonic ns); a window already open is only ever lengthened."""
+        """Keep awake until ``until_ns`` (monotonic ns) at least: opens a window, or lengthens it."""
         if until_ns <= self._until:
             return
-        if self._until <= time.monotonic_ns():
+        asleep = self._until <= time.monotonic_ns()
+        self._set(until_ns)
+        if asleep:
             self.windows += 1
-        self._until = until_ns
-        self._tell(until_ns)
+            self._wake()
 
-    def release(self) -> None:
-        """Back to sleep now (the window's move is done)."""
-        if self._until > time.monotonic_ns():
-            self._tell(0)
-        self._until = 0
+    def end_at(self, until_ns: int) -> None:
+        """End the window at ``until_ns`` (0: now), sooner or later than it was to end."""
+        if until_ns > self._until and until_ns > time.monotonic_ns():
+            self.until(until_ns)
+        else:
+            self._set(until_ns)
 
     def stop(self) -> None:
+        self._set(0)
         for p in self._procs:
             try:
                 p.stdin.close()                  # end-of-file: the spinner exits
@@ -88,12 +101,15 @@ class KeepAwake:
                 p.wait(2)
         self._procs = []
 
-    def _tell(self, until_ns: int) -> None:
-        data = struct.pack("<q", until_ns)
+    def _set(self, until_ns: int) -> None:
+        self._until = until_ns
+        _END.pack_into(self._end, 0, until_ns)
+
+    def _wake(self) -> None:
         gone = []
         for p in self._procs:
             try:
-                os.write(p.stdin.fileno(), data)
+                os.write(p.stdin.fileno(), b"w")
             except OSError as e:         # a spinner died: the others go on, the host is only less awake
                 log.warning("keep_awake_spinner_gone", pid=p.pid, returncode=p.poll(), error=str(e))
                 gone.append(p)

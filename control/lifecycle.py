@@ -37,8 +37,8 @@ class MoveLifecycle:
         req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
         if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not ask.is_release:
             self._command_ahead(req)
-        if not ask.is_release:
-            self._stay_awake(req.bytes_planned, mid)
+        if self._keep_awake is not None and not ask.is_release:
+            self._stay_awake(req.bytes_planned, mid)     # after the hint: its wake-ups cost ~0.05 ms
         seq = self._record(req, correlation=ask.session, causation=ask.asker)
         self.book.requested(seq, req, waiter)
         self.busy.add(ask.worker, ask.blocks)
@@ -47,23 +47,19 @@ class MoveLifecycle:
             self.traces.mark(mid, "requested")
         return mid
 
-    def _stay_awake(self, nbytes: int, mid: str = "") -> None:
-        """A move of ``nbytes`` is asked for (``mid`` "") or requested: keep the host's CPUs from
-        halting (``cfg.keep_awake``) until it is settled, at most its bytes at 10 GB/s + 50 ms."""
-        ka = self._keep_awake
-        if ka is None or nbytes < self.cfg.keep_awake_min_bytes:
-            return
-        if mid:
+    def _stay_awake(self, nbytes: int, mid: str) -> None:
+        """Move ``mid`` of ``nbytes`` is requested: if big, keep the host's CPUs from halting
+        (``cfg.keep_awake``) until it is settled, at most its bytes at 10 GB/s + 50 ms."""
+        if nbytes >= self.cfg.keep_awake_min_bytes:
             self._awake_moves.add(mid)
-        ka.until(time.monotonic_ns() + int((nbytes / 10e9 + 0.05) * S))
+            self._keep_awake.until(time.monotonic_ns() + int((nbytes / 10e9 + 0.05) * S))
 
-    def _awake_done(self, mid: str = "") -> None:
-        """``mid`` is settled (or an ask made no big move): the CPUs may halt once none is left."""
-        if self._keep_awake is None:
-            return
+    def _awake_done(self, mid: str) -> None:
+        """``mid`` is settled: once no big move is left, the CPUs may halt after the linger (the
+        next big move of a burst then finds them awake, and its ask is not slowed by waking them)."""
         self._awake_moves.discard(mid)
         if not self._awake_moves:
-            self._keep_awake.release()
+            self._keep_awake.end_at(time.monotonic_ns() + int(self.cfg.keep_awake_linger_s * S))
 
     def _wake_lane(self, worker: int, num_blocks: int) -> None:
         """An ask for a big copy has come (at least ``command_ahead_min_bytes``): before resolving

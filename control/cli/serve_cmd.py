@@ -57,7 +57,7 @@ def register(sub) -> None:
     p.add_argument("--durability", choices=("normal", "full"), default="normal",
                    help="ledger commits: normal survives a process crash, full also a power loss (fsync)")
     p.add_argument("--keep-awake", choices=("auto", "on", "off"), default="auto",
-                   help="keep every CPU from halting while a move of >= 64 MiB is asked for or in flight "
+                   help="keep every CPU from halting while a move of >= 64 MiB is in flight and 1 s after "
                         "(SCHED_IDLE spinners; auto: on with GPU workers)")
     p.add_argument("--no-policies", action="store_true", help="no automatic spill or park (moves only on request)")
     p.add_argument("--park-idle-s", type=float, default=None,

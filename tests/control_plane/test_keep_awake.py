@@ -1,18 +1,19 @@
-"""Keeping the host awake through a big move (control/keep_awake.py): SCHED_IDLE spinners, one per
-CPU, that spin only inside the windows the control opens, and a control process that opens one for
-a big ask and closes it when the move is settled (or the ask refused)."""
+"""Keeping the host awake through big moves (control/keep_awake.py): SCHED_IDLE spinners, one per
+CPU, that spin only inside the windows the control opens, and a control process that opens one
+when a big move is requested and lets it end (after a linger) once no big move is in flight."""
 from __future__ import annotations
 
 import os
 import time
 
 from events import catalog as ev
-from events.commands import AskCommitBlocks, AskMove, AskSetBudget
+from events.commands import AskCommitBlocks, AskMove
 
 from control.keep_awake import KeepAwake
 from tests.control_plane.conftest import check_ledger, gated_control, joined, spawn, wait_for, worker_argv
 
 TICK = os.sysconf("SC_CLK_TCK")
+S = 10**9
 
 
 def _cpu_s(pid: int) -> float:
@@ -35,38 +36,46 @@ def test_spinners_sleep_until_a_window_spin_through_it_and_go_back_to_sleep():
         wait_for(lambda: os.sched_getscheduler(p.pid) == os.SCHED_IDLE, timeout=10, what="the spinner set up")
         assert os.sched_getaffinity(p.pid) == {cpu}
         assert _used(ka, 0.3) < 0.05, "asleep before any window"
-        ka.until(time.monotonic_ns() + 10 * 10**9)
+        ka.until(time.monotonic_ns() + 10 * S)
         assert ka.windows == 1 and _used(ka, 0.4) > 0.2, "spinning inside the window"
-        ka.until(time.monotonic_ns() + 5 * 10**9)          # never shortened
-        assert ka.awake_until > time.monotonic_ns() + 9 * 10**9
-        ka.release()
+        ka.until(time.monotonic_ns() + 5 * S)              # until() never shortens ...
+        assert ka.awake_until > time.monotonic_ns() + 9 * S
+        ka.until(time.monotonic_ns() + 20 * S)             # ... it lengthens, without a new window
+        assert ka.windows == 1
+        ka.end_at(0)                                       # end_at() shortens: asleep again
         time.sleep(0.05)
-        assert ka.awake_until == 0 and _used(ka, 0.3) < 0.05, "asleep again once released"
-        ka.until(time.monotonic_ns() + 200 * 10**6)          # a window that ends by itself
-        assert ka.windows == 2
-        time.sleep(0.3)
+        assert ka.awake_until == 0 and _used(ka, 0.3) < 0.05, "asleep again once the window ended"
+        ka.until(time.monotonic_ns() + 10 * S)
+        ka.end_at(time.monotonic_ns() + S // 5)            # a window that ends by itself
+        assert ka.windows == 2 and _used(ka, 0.1) > 0.05
+        time.sleep(0.2)
         assert _used(ka, 0.3) < 0.05, "asleep once its window passed"
+        ka.end_at(time.monotonic_ns() + 10 * S)            # end_at() lengthens too, waking them
+        assert ka.windows == 3 and _used(ka, 0.3) > 0.15
     finally:
         ka.stop()
     assert p.returncode == 0 and ka._procs == []
 
 
-def test_a_spinner_whose_control_is_gone_exits():
+def test_a_spinner_whose_control_is_gone_exits_once_its_window_is_over():
     ka = KeepAwake([sorted(os.sched_getaffinity(0))[0]])
     (p,) = ka._procs
-    ka.until(time.monotonic_ns() + 300 * 10**6)
+    ka.until(time.monotonic_ns() + S // 2)
     p.stdin.close()                      # what the control's death does to the pipe
-    assert p.wait(5) == 0                # after its window at most
+    time.sleep(0.2)
+    assert p.poll() is None, "still inside its window"
+    assert p.wait(5) == 0
     ka._procs = []
 
 
-def test_the_control_keeps_the_host_awake_from_a_big_ask_until_its_move_is_settled(short_dir, tmp_path, sqlite_url):
-    proc, store, gate = gated_control(sqlite_url, short_dir, keep_awake=True, keep_awake_min_bytes=64 * 16384)
+def test_the_control_keeps_the_host_awake_while_a_big_move_is_in_flight(short_dir, tmp_path, sqlite_url):
+    proc, store, gate = gated_control(sqlite_url, short_dir, keep_awake=True, keep_awake_min_bytes=64 * 16384,
+                                      keep_awake_linger_s=0.0)
     w = spawn(worker_argv(0, proc.cfg.worker_endpoint, short_dir, device_blocks=256), tmp_path / "worker.log")
 
-    def window():
-        return proc.call(lambda p: (p._keep_awake.windows, p._keep_awake.awake_until > time.monotonic_ns(),
-                                    set(p._awake_moves))).result(5)
+    def window():       # read from this thread: the loop may be held in the gated commit
+        ka = proc._keep_awake
+        return ka.windows, ka.awake_until > time.monotonic_ns(), set(proc._awake_moves)
     try:
         wait_for(lambda: joined(proc), timeout=60, what="worker joined")
         assert len(proc.call(lambda p: p._keep_awake._procs).result(5)) == len(os.sched_getaffinity(0))
@@ -80,14 +89,14 @@ def test_the_control_keeps_the_host_awake_from_a_big_ask_until_its_move_is_settl
         assert n == 1 and open_ and len(moving) == 1
         gate.set()
         out = fut.result(30)
-        assert out.error is None and type(out.events[0]) is ev.MoveAcked
-        assert window() == (1, False, set()), "released once the move is settled"
-        # refused: the window the ask opened is closed with the refusal
-        assert proc.submit(AskSetBudget(ask_id="b", worker=0, tier="device", floor_bytes=0,
-                                        ceiling_bytes=110 * 16384)).result(30).error is None
-        out = proc.submit(AskMove(ask_id="back", kind="restore", worker=0, blocks=blocks[:100])).result(30)
-        assert type(out.events[0]) is ev.MoveRefused, out
-        assert window() == (2, False, set())
+        assert out.error is None and type(out.events[0]) is ev.MoveAcked and moving == set(out.move_ids)
+        # (the asker hears before the loop is done with the move: wait for it)
+        wait_for(lambda: window() == (1, False, set()), what="the window over once the move is settled (no linger)")
+        proc.call(lambda p: setattr(p.cfg, "keep_awake_linger_s", 30.0)).result(5)
+        back = proc.submit(AskMove(ask_id="back", kind="restore", worker=0, blocks=blocks[:100])).result(30)
+        assert type(back.events[0]) is ev.MoveAcked
+        wait_for(lambda: window() == (2, True, set()) and proc._keep_awake.awake_until > time.monotonic_ns() + 20 * S,
+                 what="the window lingering (30 s) after the last big move")
         spinners = proc.call(lambda p: list(p._keep_awake._procs)).result(5)
         proc.stop("done")
         assert all(sp.returncode is not None for sp in spinners), "the spinners stop with the control"
@@ -98,4 +107,3 @@ def test_the_control_keeps_the_host_awake_from_a_big_ask_until_its_move_is_settl
         proc.stop()
         w.kill()
         store.close()
-    assert not proc.running
