@@ -43,8 +43,10 @@ end = mmap.mmap(fd, 8, prot=mmap.PROT_READ)
 os.close(fd)
 now, until = time.monotonic_ns, struct.Struct("<q").unpack_from
 while os.read(0, 1):
-    while now() < until(end, 0)[0]:
-        pass
+    while True:
+        t = until(end, 0)[0]
+        if now() >= t and until(end, 0)[0] == t:    # read twice: never end on a store half-seen
+            break
 """
 
 
@@ -102,8 +104,10 @@ class KeepAwake:
         self._procs = []
 
     def _set(self, until_ns: int) -> None:
+        # NOTE: one 8-byte copy, not struct.pack_into (which zeroes the field, then writes it a
+        # byte at a time: a spinner reading meanwhile saw a window over and went to sleep)
         self._until = until_ns
-        _END.pack_into(self._end, 0, until_ns)
+        self._end[0:8] = _END.pack(until_ns)
 
     def _wake(self) -> None:
         gone = []
