@@ -41,14 +41,14 @@ def test_the_control_bench_runs_round_trips_and_a_small_spill_through_each_defau
     out = tmp_path / "control.json"
     p = _run(["bench/control.py", "--engines", "nocopy", "--moves", "20", "--sustained", "300", "--repeat", "1",
               "--spill-bytes", "8MiB", "--spill-reps", "3", "--control-only-reps", "4",
-              "--spill-variants", "lane,lane+nearly+ahead+early+warm+wake", "--out", str(out)], timeout=300)
+              "--spill-variants", "lane,lane+nearly+ahead+early+warm+wake+keepawake", "--out", str(out)], timeout=300)
     res = json.loads(out.read_text())["results"] if "results" in json.loads(out.read_text()) else json.loads(out.read_text())
     assert res["round_trip"][0]["p50_ms"] > 0 and res["sustained"][0]["moves_per_s"] > 0
     spill = res["spill"]
-    assert set(spill["variants"]) == {"lane", "lane+nearly+ahead+early+warm+wake"}
-    assert spill["headline_variant"] == "lane+nearly+ahead+early+warm+wake"
+    assert set(spill["variants"]) == {"lane", "lane+nearly+ahead+early+warm+wake+keepawake"}
+    assert spill["headline_variant"] == "lane+nearly+ahead+early+warm+wake+keepawake"
     assert spill["breakdown_ms_phase_medians"] is not None
-    assert "spill through control, lane+nearly+ahead+early+warm+wake" in p.stdout
+    assert "spill through control, lane+nearly+ahead+early+warm+wake+keepawake" in p.stdout
 
 
 def test_the_cold_path_bench_times_each_request_step_and_the_ack_append(tmp_path):
