@@ -119,3 +119,42 @@ def test_the_control_keeps_the_host_awake_while_a_big_move_is_in_flight(short_di
         proc.stop()
         w.kill()
         store.close()
+
+
+def test_serve_keeps_the_host_awake_with_gpu_workers_or_when_asked(tmp_path):
+    from control.cli.main import build_parser
+    from control.cli.serve_cmd import build_config
+    for flag, devices, want in (("auto", ["cuda:0"], True), ("auto", ["cpu"], False), ("on", ["cpu"], True),
+                                ("off", ["cuda:0", "cuda:1"], False)):
+        args = build_parser().parse_args(["serve", "--keep-awake", flag])
+        assert build_config(args, tmp_path, devices).keep_awake is want, (flag, devices)
+
+
+def _spinners_of(pid: int) -> list[int]:
+    """Spinner processes (control/keep_awake.py) among the children of ``pid``."""
+    out = []
+    kids = [c for t in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    for child in kids:            # (each thread's: the control's loop thread starts them)
+        try:
+            if "SCHED_IDLE" in open(f"/proc/{child}/cmdline").read():
+                out.append(int(child))
+        except OSError:
+            pass
+    return out
+
+
+def test_residency_serve_keep_awake_on_starts_a_spinner_per_cpu_and_stops_them_with_it(tmp_path, short_dir):
+    import signal
+
+    from tests.control_plane.test_worker_kill import serve_argv
+    serve = spawn(serve_argv(f"sqlite:///{tmp_path / 'l.db'}", short_dir, engine="nocopy", keep_awake="on"),
+                  tmp_path / "serve.log")
+    try:
+        spinners = wait_for(lambda: len(s := _spinners_of(serve.pid)) == len(os.sched_getaffinity(0)) and s,
+                            timeout=60, what="a spinner per CPU")
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+        assert not [p for p in spinners if os.path.exists(f"/proc/{p}") and
+                    open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"], "spinners left behind"
+    finally:
+        serve.kill()
