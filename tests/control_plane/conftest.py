@@ -12,6 +12,7 @@ a late, a missing ack) happen exactly when the test says.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
@@ -334,6 +335,22 @@ def gated_control(url: str, short_dir: Path, **over):
     cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", policy=PolicyConfig(pressure=False, park=False),
                         release_on_stop=False, **over)
     return ControlProc(SlowDisk(store, gate), cfg).start(), store, gate
+
+
+@contextlib.contextmanager
+def gated_cluster(url: str, short_dir: Path, log_path: Path, worker_args=(), **over):
+    """``gated_control`` and one real worker process (256 device blocks of ``SMALL_LAYOUT``),
+    joined: yields (proc, store, gate, worker); everything is stopped and closed after."""
+    proc, store, gate = gated_control(url, short_dir, **over)
+    w = spawn(worker_argv(0, proc.cfg.worker_endpoint, short_dir, device_blocks=256) + list(worker_args), log_path)
+    try:
+        wait_for(lambda: joined(proc), timeout=60, what="worker joined")
+        yield proc, store, gate, w
+    finally:
+        gate.set()
+        proc.stop()
+        w.kill()
+        store.close()
 
 
 class FailingDisk(SlowDisk):

@@ -13,7 +13,7 @@ from events.commands import (
     MovesReport, MoveTimed, Pong, QueryInventory, QueryMoves, Shutdown,
 )
 
-from tests.control_plane.conftest import check_ledger, gated_control, joined, spawn, wait_for, worker_argv
+from tests.control_plane.conftest import check_ledger, gated_cluster, spawn, wait_for, worker_argv
 from tests.control_plane.test_worker import Control as _Control
 
 
@@ -106,11 +106,8 @@ def test_a_worker_begins_a_move_on_its_hint_shows_nothing_before_its_command_and
 
 def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_ack_waits_for_it(
         short_dir, tmp_path, sqlite_url):
-    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=64 * 16384, trace_moves=8)
-    w = spawn(worker_argv(0, proc.cfg.worker_endpoint, short_dir, device_blocks=256) + ["--report-timings"],
-              tmp_path / "worker.log")
-    try:
-        wait_for(lambda: joined(proc), timeout=60, what="worker joined")
+    with gated_cluster(sqlite_url, short_dir, tmp_path / "worker.log", ["--report-timings"],
+                       command_ahead_min_bytes=64 * 16384, trace_moves=8) as (proc, store, gate, w):
         ans = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=120)).result(30)
         blocks = ans.events[0].blocks
         gate.clear()                                   # the MoveRequested cannot commit yet
@@ -133,8 +130,3 @@ def test_through_the_control_process_the_copies_begin_before_the_commit_and_the_
         proc.stop("done")
         assert w.wait(15) == 0
         check_ledger(store)
-    finally:
-        gate.set()
-        proc.stop()
-        w.kill()
-        store.close()
