@@ -95,9 +95,10 @@ class KeepAwake:
                 p.stdin.close()                  # end-of-file: the spinner exits
             except OSError:
                 pass
+        deadline = time.monotonic() + 2.0       # for all of them: a starved SCHED_IDLE one is killed
         for p in self._procs:
             try:
-                p.wait(2)
+                p.wait(max(0.01, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(2)
