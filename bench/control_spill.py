@@ -166,19 +166,13 @@ def cpu_spinner() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-IDLE_SPINNER = """
-import os, sys
-os.sched_setaffinity(0, {int(sys.argv[1])})
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-while True:
-    pass
-"""
-
-
-def idle_spinners() -> list[subprocess.Popen]:
-    """(part ``awake``) One SCHED_IDLE spinner pinned to each CPU this process may use: no vCPU
-    halts, and any other thread that wakes on that CPU preempts the spinner at once."""
-    return [subprocess.Popen([sys.executable, "-c", IDLE_SPINNER, str(cpu)]) for cpu in sorted(os.sched_getaffinity(0))]
+def idle_spinners():
+    """(part ``awake``) control/keep_awake.py's spinners, one window through the whole variant
+    (not only while big moves are in flight, as the control's ``keep_awake`` does)."""
+    from control.keep_awake import KeepAwake  # noqa: PLC0415
+    ka = KeepAwake()
+    ka.until(time.monotonic_ns() + 3600 * 10**9)
+    return ka
 
 
 def under_dma_load(fn, seconds: float = 120.0):
@@ -202,10 +196,10 @@ def under_dma_load(fn, seconds: float = 120.0):
 #             early start; nothing is visible before the command comes)
 #   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
-#   awake     (an experiment) every CPU kept from halting by a SCHED_IDLE spinner of the bench's,
-#             through the whole variant
-#   keepawake the control keeps every CPU from halting while a big move is asked for or in flight
-#             (control/keep_awake.py: SCHED_IDLE spinners, asleep between moves)
+#   awake     (an experiment) the same spinners kept spinning through the whole variant (runs
+#             35-53 measured it with the bench's own always-spinning ones: 35/36 with yields)
+#   keepawake the control keeps every CPU from halting while a big move is in flight and 1 s after
+#             (control/keep_awake.py: SCHED_IDLE spinners, asleep between bursts)
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
 #             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
@@ -310,7 +304,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
                 nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"],
                 keep_awake=var["keepawake"], ahead_min_bytes=min(64 << 20, n * bb))
-    spinners = idle_spinners() if var.get("awake") else []
+    spinners = idle_spinners() if var.get("awake") else None
     try:
         blocks = c.commit(n)
         runs = []
@@ -333,9 +327,8 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
                    breakdown_ms=best[4], breakdown_ms_phase_medians=phase_medians([r[4] for r in spills]),
                    through_control_runs=[r[:3] for r in runs])
     finally:
-        for sp in spinners:
-            sp.kill()
-            sp.wait(10)
+        if spinners is not None:
+            spinners.stop()
         c.close()
         if device.startswith("cuda"):
             import torch  # noqa: PLC0415

@@ -12,8 +12,9 @@ running). Each sleeps in a blocking read of its pipe. The window's end (CLOCK_MO
 clock for every process of the host) sits in 8 bytes of shared memory that every spinner maps:
 ``until(t)`` writes it, and only when the spinners are asleep also a byte down each pipe to wake
 them (a lengthened window costs a store, not 16 system calls); they spin while the clock is short
-of it. ``end_at(t)`` moves the end either way. A spinner whose control process is gone reads end-of-file once
-its window is over and exits; the memory is a file unlinked as soon as the spinners have it.
+of it. ``end_at(t)`` moves the end either way. A spinner whose control process is gone reads
+end-of-file once its window is over and exits; the memory is a file unlinked as soon as the
+spinners have it.
 
 Threads that poll awake while spinners run must not ``sched_yield``: that hands their CPU to the
 spinner for a whole slice (``events.affinity.poll_until`` yields only on a pinned thread).
