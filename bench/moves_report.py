@@ -76,7 +76,9 @@ def table(r: dict) -> str:
               row("baseline: per-block memcpy d2h (2 MiB each)", "per_block_memcpy_d2h_GBps"),
               row("checksum kernel (HBM read)", "checksum_kernel_GBps", True)]
     if "both_vs_one_direction" in r:
-        lines.append(f"| both / one direction | {r['both_vs_one_direction']:.2f}x | |")
+        hw = r.get("hardware_both_vs_one_direction")
+        lines.append(f"| both / one direction | {r['both_vs_one_direction']:.2f}x | "
+                     + (f"bare copies on this host: {hw:.2f}x |" if hw else "|"))
     if "spill_checksum_cost_fraction" in r:
         lines.append(f"| checksum cost on spill | {100 * r['spill_checksum_cost_fraction']:.1f}% | |")
     if "spill_engine_overhead_fraction" in r:
