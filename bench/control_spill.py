@@ -147,30 +147,6 @@ def spill_control_only(url: str, num_blocks: int, reps: int = 60) -> dict:
     return out
 
 
-def thread_ticks(pid: int) -> dict[int, tuple[int, int]]:
-    """Each thread of ``pid``: (the CPU it last ran on, its user+system clock ticks), from /proc
-    (empty where there is no /proc): which CPUs a variant's busy threads ran on, spill by spill."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = (int(fields[36]), int(fields[11]) + int(fields[12]))   # processor, utime+stime
-    return out
-
-
-def busy_threads(before: dict, after: dict) -> list[list[int]]:
-    """[tid, cpu, ticks] of the threads that used CPU between two ``thread_ticks``, busiest first."""
-    rows = [[tid, cpu, ticks - before.get(tid, (0, 0))[1]] for tid, (cpu, ticks) in after.items()]
-    return sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])[:6]
-
-
 def dma_hog(seconds: float) -> None:
     """(--dma-hog, run as its own process) Copy 2 GiB device -> pinned host and back, over and
     over, for ``seconds``: the host-memory traffic of a spill and a restore, without the control."""
@@ -331,16 +307,11 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     spinners = idle_spinners() if var.get("awake") else None
     try:
         blocks = c.commit(n)
-        runs, threads = [], []
-        pids = {"control": os.getpid(), "worker": c.worker.pid}
-        out["control_loop_tid"] = c.proc.call(lambda p: __import__("threading").get_native_id()).result(10)
+        runs = []
         for rep in range(reps):
             kind = "evict" if rep % 2 == 0 else "restore"
-            ticks = {k: thread_ticks(pid) for k, pid in pids.items()}
             e, marks, wall = traced_move(c, AskMove(ask_id="big", kind=kind, worker=0, blocks=blocks))
-            threads.append({k: busy_threads(ticks[k], thread_ticks(pid)) for k, pid in pids.items()})
             runs.append((kind, wall, (e.finished_ns - e.started_ns) / 1e9, overheads(wall, marks), breakdown(marks)))
-        out["busy_threads_per_move"] = threads      # [tid, last cpu, ticks] per process, move by move
         spills = [r for r in runs if r[0] == "evict"]
         best = min(spills, key=lambda r: r[1])
         vs_engine = sorted(r[3]["control_overhead_vs_engine_call_s"] for r in spills
