@@ -103,7 +103,7 @@ class Asks:
             self._answer_after(waiter)
 
     def _ask_move(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
-        if self.cfg.wake_lane_on_ask and msg.blocks and msg.kind != "release":
+        if self.cfg.wake_lane_on_ask and msg.blocks and msg.kind != "release" and not self._host_kept_awake():
             self._wake_lane(msg.worker, len(msg.blocks))
         asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)
         refusal = moves.fund(self.state, asks, self.reserved_bytes())

@@ -55,7 +55,8 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     # MoveRequested commits and polls awake for the command (0: never)
     command_ahead_min_bytes: int = 64 << 20
     command_ahead_us: int = 2000          # ... for at most this long
-    # ... and an ask naming that many bytes of blocks wakes the lane before it is resolved
+    # ... and an ask naming that many bytes of blocks wakes the lane before it is resolved (not
+    # while keep_awake's spinners spin: then a woken thread runs at once)
     wake_lane_on_ask: bool = True
     # ... and (device <-> host copies) the hint carries the command, so the worker may begin its
     # copies while the MoveRequested commits (an early start: nothing is visible on the worker

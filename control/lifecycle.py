@@ -61,6 +61,14 @@ class MoveLifecycle:
         if not self._awake_moves:
             self._keep_awake.end_at(time.monotonic_ns() + int(self.cfg.keep_awake_linger_s * S))
 
+    def _host_kept_awake(self) -> bool:
+        """The keep-awake spinners are spinning (a window open): a woken thread then runs at once,
+        so an ask needs no lane wake-up ahead of its resolve, which would only be a send more on its
+        path (H200, 2 GiB spill, three runs each way: control overhead p50 0.58-0.79 ms without
+        it, 0.66-0.89 with it; bench/results/control-2026-12-04-h200-run65..67)."""
+        ka = self._keep_awake
+        return ka is not None and ka.awake_until > time.monotonic_ns()
+
     def _wake_lane(self, worker: int, num_blocks: int) -> None:
         """An ask for a big copy has come (at least ``command_ahead_min_bytes``): before resolving
         it, a CommandAhead without a command (move_id "") wakes the worker's lane, so that it

@@ -71,6 +71,48 @@ def _commit_on_lane(proc, lane, n):
     return cmd.blocks
 
 
+def test_while_the_host_is_kept_awake_an_ask_does_not_wake_the_lane_first(fake_worker, sqlite_url, short_dir):
+    """With keep_awake's spinners spinning (a window open, here lingering 30 s after a big move) a
+    woken thread runs at once: a big ask's first CommandAhead is its move's hint, with no wake-up
+    (move_id "") before it. Once the window is over, the wake-up comes first again."""
+    from events.commands import CommandAhead
+
+    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=3 * 4096, keep_awake=True,
+                                      keep_awake_min_bytes=3 * 4096, keep_awake_linger_s=30.0)
+    main, lane = _lane_worker(proc, fake_worker, short_dir)
+    try:
+        blocks = _commit_on_lane(proc, lane, 6)
+
+        def big(ask_id: str, first: list[int]) -> list[str]:
+            fut = proc.submit(AskMove(ask_id=ask_id, kind="evict" if ask_id != "b" else "restore", worker=0,
+                                      blocks=first))
+            seen = []
+            while True:
+                msg = lane.recv(5)
+                assert type(msg) in (CommandAhead, ExecuteMove), msg
+                seen.append(msg.move_id if type(msg) is CommandAhead else "command")
+                if type(msg) is ExecuteMove:
+                    lane.send(lane.ack(msg))
+                    assert fut.result(5).error is None
+                    return seen
+        first = big("a", blocks[:3])
+        assert first[0] == "" and first[1] != "" and first[2] == "command", "asleep host: the lane woken first"
+        assert proc.call(lambda p: p._keep_awake.awake_until > time.monotonic_ns()).result(5)
+        second = big("b", blocks[:3])
+        assert "" not in second and second[-1] == "command", "spinners spinning: no wake-up"
+        proc.call(lambda p: p._keep_awake.end_at(0)).result(5)
+        third = big("c", blocks[:3])
+        assert third[0] == "", "the window over: the lane is woken first again"
+        assert proc.health().metrics["lanes_woken"] == 2
+        proc.stop("done")
+        check_ledger(store)
+    finally:
+        gate.set()
+        proc.stop()
+        lane.close()
+        store.close()
+
+
 def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_follows_the_commit(
         fake_worker, sqlite_url, short_dir):
     """An ask naming at least command_ahead_min_bytes wakes the lane (a CommandAhead without a
