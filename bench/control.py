@@ -121,6 +121,37 @@ def pg_url(base: str):
     return url, drop
 
 
+# The issue's targets: a one-block round trip (control plane alone, SQLite, durability normal), small
+# moves sustained (the same), and the control's overhead on a 2 GiB spill over the engine called in
+# process (GPU), as a fraction of the in-process median: paired (each spill's wall less its own
+# engine call, median) and unpaired (median through the control less median in process).
+TARGETS = {"round_trip_p50_ms_sqlite": 1.0, "sustained_moves_per_s": 5000, "spill_overhead_fraction": 0.02}
+
+
+def judge(results: dict) -> dict:
+    """Each target this run measured: {target, measured, met} (the spill's by its headline variant)."""
+    out = {}
+    rt = [r["p50_ms"] for r in results["round_trip"]
+          if (r["backend"], r["engine"], r["durability"]) == ("sqlite", "nocopy", "normal")]
+    if rt:
+        out["round_trip_p50_ms_sqlite"] = (min(rt), min(rt) <= TARGETS["round_trip_p50_ms_sqlite"])
+    su = [r["moves_per_s"] for r in results["sustained"]
+          if (r["backend"], r["engine"], r["durability"]) == ("sqlite", "nocopy", "normal")]
+    if su:
+        out["sustained_moves_per_s"] = (max(su), max(su) >= TARGETS["sustained_moves_per_s"])
+    s = results.get("spill")
+    if s and s.get("in_process_p50_s") and s.get("control_overhead_vs_engine_call_p50_s") is not None:
+        base = s["in_process_p50_s"]
+        for key, field in (("spill_overhead_fraction_paired", "control_overhead_vs_engine_call_p50_s"),
+                           ("spill_overhead_fraction_unpaired", "control_overhead_p50_vs_in_process_p50_s")):
+            frac = s[field] / base
+            out[key] = (frac, frac <= TARGETS["spill_overhead_fraction"])
+    target_of = {"spill_overhead_fraction_paired": "spill_overhead_fraction",
+                 "spill_overhead_fraction_unpaired": "spill_overhead_fraction"}
+    return {k: {"target": TARGETS[target_of.get(k, k)], "measured": round(m, 4), "met": bool(ok)}
+            for k, (m, ok) in out.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -256,11 +287,16 @@ def main() -> int:
             rows.append(line)
             print(line)
     shutil.rmtree(tmp, ignore_errors=True)
+    verdicts = judge(results)
+    for name, v in verdicts.items():
+        line = f"target {name}: {v['measured']} (target {v['target']}) {'met' if v['met'] else 'MISSED'}"
+        rows.append(line)
+        print(line)
     doc = {
         "bench": "control", "date": dt.date.today().isoformat(), "git_commit": git_commit(),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "device": args.device},
-        "targets": {"round_trip_p50_ms_sqlite": 1.0, "sustained_moves_per_s": 5000},
+        "targets": TARGETS, "verdicts": verdicts,
         "notes": ("round trip = submit() -> MoveRequested committed -> worker -> MoveAcked committed -> answer, "
                   "as the in-process API sees it; nocopy workers move no bytes (control plane alone), real workers "
                   "run the engine (copy + checksum). Best of --repeat runs; all runs kept."),

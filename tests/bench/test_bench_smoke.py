@@ -49,6 +49,14 @@ def test_the_control_bench_runs_round_trips_and_a_small_spill_through_each_defau
     assert spill["headline_variant"] == "lane+nearly+ahead+early+warm+wake+keepawake"
     assert spill["breakdown_ms_phase_medians"] is not None
     assert "spill through control, lane+nearly+ahead+early+warm+wake+keepawake" in p.stdout
+    verdicts = res["verdicts"]       # each target this run measured, judged (never asserted met here)
+    assert set(verdicts) == {"round_trip_p50_ms_sqlite", "sustained_moves_per_s", "spill_overhead_fraction_paired",
+                             "spill_overhead_fraction_unpaired"}
+    paired = spill["control_overhead_vs_engine_call_p50_s"] / spill["in_process_p50_s"]
+    assert verdicts["spill_overhead_fraction_paired"]["measured"] == round(paired, 4)
+    assert verdicts["spill_overhead_fraction_paired"]["met"] == (paired <= 0.02)
+    assert verdicts["round_trip_p50_ms_sqlite"]["measured"] == round(res["round_trip"][0]["p50_ms"], 4)
+    assert "target spill_overhead_fraction_paired:" in p.stdout
 
 
 def test_the_cold_path_bench_times_each_request_step_and_the_ack_append(tmp_path):
