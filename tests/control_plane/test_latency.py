@@ -4,6 +4,7 @@
 may change what is recorded or answered."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -61,6 +62,23 @@ def _lane_worker(proc, fake_worker, short_dir):
     return main, lane
 
 
+@contextlib.contextmanager
+def _lane_control(sqlite_url, short_dir, fake_worker, **over):
+    """A gated control (``gated_control`` with ``over``) and a scripted worker with a lane, joined:
+    yields (proc, store, gate, lane); everything stopped and closed after."""
+    proc, store, gate = gated_control(sqlite_url, short_dir, **over)
+    try:
+        main, lane = _lane_worker(proc, fake_worker, short_dir)
+        try:
+            yield proc, store, gate, lane
+        finally:
+            lane.close()
+    finally:
+        gate.set()
+        proc.stop()
+        store.close()
+
+
 def _commit_on_lane(proc, lane, n):
     from events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=n))
@@ -77,10 +95,8 @@ def test_while_the_host_is_kept_awake_an_ask_does_not_wake_the_lane_first(fake_w
     (move_id "") before it. Once the window is over, the wake-up comes first again."""
     from events.commands import CommandAhead
 
-    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=3 * 4096, keep_awake=True,
-                                      keep_awake_min_bytes=3 * 4096, keep_awake_linger_s=30.0)
-    main, lane = _lane_worker(proc, fake_worker, short_dir)
-    try:
+    with _lane_control(sqlite_url, short_dir, fake_worker, command_ahead_min_bytes=3 * 4096, keep_awake=True,
+                       keep_awake_min_bytes=3 * 4096, keep_awake_linger_s=30.0) as (proc, store, gate, lane):
         blocks = _commit_on_lane(proc, lane, 6)
 
         def big(ask_id: str, first: list[int]) -> list[str]:
@@ -106,11 +122,6 @@ def test_while_the_host_is_kept_awake_an_ask_does_not_wake_the_lane_first(fake_w
         assert proc.health().metrics["lanes_woken"] == 2
         proc.stop("done")
         check_ledger(store)
-    finally:
-        gate.set()
-        proc.stop()
-        lane.close()
-        store.close()
 
 
 def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_follows_the_commit(
@@ -121,9 +132,8 @@ def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_f
     commit (write-ahead). Smaller moves get neither."""
     from events.commands import CommandAhead
 
-    proc, store, gate = gated_control(sqlite_url, short_dir, command_ahead_min_bytes=3 * 4096, command_ahead_us=1500)
-    main, lane = _lane_worker(proc, fake_worker, short_dir)
-    try:
+    with _lane_control(sqlite_url, short_dir, fake_worker, command_ahead_min_bytes=3 * 4096,
+                       command_ahead_us=1500) as (proc, store, gate, lane):
         blocks = _commit_on_lane(proc, lane, 6)
         gate.clear()                                    # the MoveRequested cannot commit yet
         fut = proc.submit(AskMove(ask_id="big", kind="evict", worker=0, blocks=blocks[:3]))
@@ -144,11 +154,6 @@ def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_f
         assert m["commands_ahead"] == 1 and m["commands_sent_ahead"] == 1 and m["lanes_woken"] == 1
         proc.stop("done")
         check_ledger(store)
-    finally:
-        gate.set()
-        proc.stop()
-        lane.close()
-        store.close()
 
 
 # ---------------------------------------------------------------------- where a move's time goes
