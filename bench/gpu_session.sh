@@ -2,7 +2,8 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [cold] [ttft] [tests] [trace]   (default: all but trace; JSON under $OUT)
+#   bash bench/gpu_session.sh [moves] [control] [cold] [ttft] [tests] [trace] [keepawake]   (default: all but trace
+#   and keepawake; JSON under $OUT)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -19,5 +20,6 @@ fi
 [[ $parts == *" cold "* ]] && timeout 120 python3 bench/control_cold.py --out "$OUT/control-cold.json" 2>&1 | tail -14
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8
+[[ $parts == *" keepawake "* ]] && timeout 120 python3 bench/keep_awake_cost.py --out "$OUT/keep-awake-cost.json" 2>&1 | tail -5
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
 ls -la "$OUT"

@@ -23,9 +23,19 @@ def test_the_moves_bench_runs_its_sections_on_the_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert not res["errors"]
     for key in ("spill_fraction_of_ceiling", "restore_fraction_of_ceiling", "both_vs_one_direction",
-                "spill_checksum_cost_fraction", "single_block_spill_us", "modes"):
+                "spill_checksum_cost_fraction", "single_block_spill_us", "modes", "hardware_both_vs_one_direction",
+                "both_vs_one_direction_fraction_of_hardware"):
         assert key in res, key
     assert "target both_vs_one_direction >= 1.7" in p.stdout
+    assert "bare copies on this host" in p.stdout
+
+
+def test_the_keep_awake_cost_bench_times_a_step_with_the_spinners_asleep_and_spinning(tmp_path):
+    out = tmp_path / "ka.json"
+    p = _run(["bench/keep_awake_cost.py", "--rounds", "1", "--reps", "1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["median_ms"]["cpu"]["asleep"] > 0 and res["median_ms"]["cpu"]["spinning"] > 0
+    assert "change_fraction" in res["median_ms"]["cpu"] and "cpu " in p.stdout
 
 
 def test_the_zmq_wake_bench_measures_each_placement(tmp_path):
