@@ -2,6 +2,7 @@
 process, one ledger; the block layouts it uses; the run's commit."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,14 @@ def git_commit() -> str:
         return rev + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+def write_result(out: dict, stem: str, out_arg: str | None) -> Path:
+    """Write a bench's JSON to ``out_arg``, or to bench/results/<stem>-<date>-<machine>.json."""
+    path = Path(out_arg) if out_arg else ROOT / "bench" / "results" / f"{stem}-{out['date']}-{out['machine']}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import random
 import sys
 import tempfile
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from control_cluster import BIG_LAYOUT, Cluster, git_commit, layout_bytes  # noqa: E402
+from control_cluster import BIG_LAYOUT, Cluster, git_commit, layout_bytes, write_result  # noqa: E402
 from events import Envelope  # noqa: E402
 from events import catalog as ev  # noqa: E402
 from events.codec import encode_message  # noqa: E402
@@ -139,9 +138,7 @@ def main() -> int:
     out = {"bench": "control_cold", "date": dt.date.today().isoformat(), "machine": machine,
            "git_commit": git_commit(), "idle_ms": IDLE_S * 1e3, "reps": args.reps,
            "request_steps_us_p50": steps, "ack_append_us_p50": appends}
-    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"control-cold-{out['date']}-{machine}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(out, "control-cold", args.out)
     return 0
 
 

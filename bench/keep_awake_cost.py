@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 from control.keep_awake import KeepAwake  # noqa: E402  (before bench/ joins the path: bench/control.py)
 
 sys.path.insert(0, str(ROOT / "bench"))
-from control_cluster import git_commit  # noqa: E402
+from control_cluster import git_commit, write_result  # noqa: E402
 
 
 def cpu_step() -> None:
@@ -96,9 +95,7 @@ def main() -> int:
     out = {"bench": "keep_awake_cost", "date": dt.date.today().isoformat(), "machine": machine,
            "git_commit": git_commit(), "cpus": len(ka.cpus), "rounds": args.rounds, "reps": args.reps,
            "median_ms": summary, "all_ms": times}
-    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"keep-awake-cost-{out['date']}-{machine}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(out, "keep-awake-cost", args.out)
     return 0
 
 
