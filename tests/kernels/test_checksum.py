@@ -14,11 +14,15 @@ def sums(words, slots, ids):
 
 
 @pytest.mark.parametrize("rows,words", [(3, 1), (4, 7), (5, 333), (2, 4099)])
-def test_reference_equals_the_definition_in_plain_integers(rows, words, gen):
+@pytest.mark.parametrize("batch_rows", [None, 1, 2])       # the reference's batches: as shipped, one row, two
+def test_reference_equals_the_definition_in_plain_integers(rows, words, batch_rows, gen, monkeypatch):
+    if batch_rows is not None:
+        monkeypatch.setattr(ck, "_REF_BATCH_BYTES", 8 * words * batch_rows)
     t = random_table(rows, words, torch.int32, gen, "cpu")
     ids = torch.randint(0, 1 << 62, (rows,), generator=gen)
-    ref = checksums_to_ints(block_checksums_ref(t, torch.arange(rows), ids))
-    assert ref == [block_checksum_py(t[i].tolist(), int(ids[i])) for i in range(rows)]
+    slots = torch.randperm(rows, generator=gen)
+    ref = checksums_to_ints(block_checksums_ref(t, slots, ids))
+    assert ref == [block_checksum_py(t[int(s)].tolist(), int(ids[i])) for i, s in enumerate(slots)]
 
 
 @pytest.mark.parametrize("rows,words,n", [(5, 1, 3), (6, 37, 6), (4, 1000, 2), (3, 16384 * 2 + 5, 2)])
