@@ -11,6 +11,9 @@ blocks (1024 scattered 2 MiB blocks each way), aggregate GB/s, median of --reps,
     host         cProfile of Engine.submit for a 2 GiB spill and restore: where begin's host time goes
     both         the engine's spill+restore wall, and when each move's first chunk was enqueued:
                  two submits, and submit_many with first chunks of 1, 2, 3 pipeline chunks
+    both_dma     the same through submit_many, the engine's DMAs issued through torch vs
+                 cudaMemcpyAsync (dataplane/moves/dma.py)
+    dma_issue    host µs to enqueue 64 scattered block DMAs, torch vs cudaMemcpyAsync
 
     python3 bench/moves_probe.py [--out probe.json]
 """
@@ -44,7 +47,7 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--pipeline-blocks", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
-    p.add_argument("--sections", default="both,dma_issue,copy_paths,host")
+    p.add_argument("--sections", default="both,both_dma,dma_issue,copy_paths,host")
     a = p.parse_args(argv)
     a.layers, a.page_tokens, a.kv_heads, a.head_dim = 32, 16, 8, 128
     a.latency_iters, a.chunk_blocks, a.matmuls, a.seed, a.cpu, a.quick = 1, 128, 1, 1, False, False
@@ -234,43 +237,56 @@ def _both_reps(b: mb.Bench, reps: int, sequential: bool) -> tuple[list[float], l
 
 
 def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
-    """Host µs to enqueue 64 scattered 2 MiB device->host DMAs: torch ``copy_`` on slices against
-    the driver's cuMemcpyAsync through ctypes (UVA pointers); the bytes of both are compared."""
-    import ctypes
+    """Host µs to enqueue 64 scattered 2 MiB device->host DMAs, one run each: through torch
+    (``TorchDma``: copy_ on slices) and through the engine's ``RawDma`` (cudaMemcpyAsync by
+    ctypes); the bytes of both are compared."""
+    from dataplane.moves.dma import RawDma, TorchDma
 
     e = b.e
     dp, s = e.device_pool, e.ctx.streams
-    lib = ctypes.CDLL("libcuda.so.1")
-    memcpy = lib.cuMemcpyAsync
-    memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    memcpy.restype = ctypes.c_int
-    bb = b.layout.block_bytes
-    src_slots = dp.slots_of(b.B[:64])
+    raw = RawDma.load()
+    issuers = {"torch": TorchDma(), "raw": raw}
+    runs = [(sl, k, 1) for k, sl in enumerate(dp.slots_of(b.B[:64]))]
     h = b.h_b.tensor
-    out: dict = {"torch_us": [], "ctypes_us": []}
-    dbase, hbase, stream = dp.words.data_ptr(), h.data_ptr(), s.d2h.cuda_stream
+    out: dict = {"raw_found": raw is not None, "torch_us": [], "raw_us": []}
+    if raw is None:
+        return out
+    ref = None
     for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        with torch.cuda.stream(s.d2h):
-            for k, sl in enumerate(src_slots):
-                h[k:k + 1].copy_(dp.words[sl:sl + 1], non_blocking=True)
-        out["torch_us"].append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-        ref = h[:64].clone()
-        h[:64].zero_()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        for k, sl in enumerate(src_slots):
-            rc = memcpy(hbase + k * bb, dbase + sl * bb, bb, stream)
-            if rc:
-                raise RuntimeError(f"cuMemcpyAsync returned {rc}")
-        out["ctypes_us"].append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-        out["same_bytes"] = bool(torch.equal(ref, h[:64]))
+        for name, issuer in issuers.items():
+            h[:64].zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            with torch.cuda.stream(s.d2h):
+                issuer.copy_runs(s.d2h, h, dp.words, runs)
+            out[f"{name}_us"].append((time.perf_counter_ns() - t0) / 1e3)
+            torch.cuda.synchronize()
+            got = h[:64].clone()
+            ref = got if ref is None else ref
+            out["same_bytes"] = bool(torch.equal(ref, got)) and out.get("same_bytes", True)
     out["torch_us_median"] = statistics.median(out["torch_us"])
-    out["ctypes_us_median"] = statistics.median(out["ctypes_us"])
+    out["raw_us_median"] = statistics.median(out["raw_us"])
     return out
+
+
+def both_dma(b: mb.Bench, reps: int) -> dict:
+    """Spill+restore through submit_many (the engine's default first chunks) with the engine's
+    DMAs issued through torch and through cudaMemcpyAsync, two interleaved rounds each."""
+    from dataplane.moves.dma import RawDma, TorchDma
+
+    raw = RawDma.load()
+    res: dict = {"raw_found": raw is not None}
+    if raw is None:
+        return res
+    for name, issuer in [("torch", TorchDma()), ("raw", raw)] * 2:
+        with swapped(b.e.ctx, dma=issuer):
+            walls, marks = _both_reps(b, reps, False)
+        med = {key: statistics.median(m[key] for m in marks) for key in marks[0]}
+        r = res.setdefault(name, {"GBps": [], "walls_ms": [], "marks_us_median": []})
+        r["GBps"].append(2 * b.bytes / statistics.median(walls) / GB)
+        r["walls_ms"] += [1e3 * w for w in walls]
+        r["marks_us_median"].append(med)
+    return res
 
 
 def main(argv=None) -> int:
@@ -292,6 +308,7 @@ def main(argv=None) -> int:
         gc.collect()
         gc.freeze()                                          # as bench/moves.py does
         sections = {"both": lambda: both(b, args.reps), "dma_issue": lambda: dma_issue_cost(b, args.reps),
+                    "both_dma": lambda: both_dma(b, args.reps),
                     "copy_paths": lambda: copy_paths(b, args.reps), "host": lambda: host_profile(b)}
         for name in args.sections.split(","):
             fn = sections[name]

@@ -55,6 +55,7 @@ from dataplane.pools import (
     PinnedBudget,
 )
 from dataplane.engine_ahead import EarlyStart
+from dataplane.moves.dma import dma_issuer
 from dataplane.pools.budget import page_round
 from events.catalog import MoveAcked, MoveFailed, MoveRejected
 from events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ExecuteMove, MovesReport, ReleaseBlocks
@@ -99,6 +100,7 @@ class Engine(EarlyStart):
         fsync: bool = True,
         verify_disk: bool = True,
         clock: Callable[[], int] = time.time_ns,
+        raw_dma: bool = True,
     ):
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -138,7 +140,7 @@ class Engine(EarlyStart):
             worker=worker, layout=layout, device=self.device_pool, host=self.host_pool, disk=self.disk_tier,
             streams=self.streams, indexes=self.indexes, landing=self.landing, ring=self.ring,
             staging=DeviceStaging(layout, pipeline_blocks, dev), copy_modes=modes,
-            pipeline_blocks=pipeline_blocks, clock=clock,
+            pipeline_blocks=pipeline_blocks, clock=clock, dma=dma_issuer(dev, raw_dma),
         )
         self._outcomes: dict[str, Outcome] = {}
         self._inflight: dict[str, InFlight] = {}

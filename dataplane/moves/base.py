@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
 
+from dataplane.moves.dma import RawDma, TorchDma
 from dataplane.moves.indexes import IndexUploader, Landed, SumsLanding
 from dataplane.moves.plan import MovePlan
 from dataplane.moves.staging import DeviceStaging, StagingRing
@@ -58,6 +59,8 @@ class MoveContext:
     # told (move_id, bytes still to cross, their estimated time in us) when a move of several
     # chunks has all but its last across (the engine lane sends MoveNearlyDone); None: nobody listens
     on_nearly_done: Callable[[str, int, int], None] | None = None
+    # how runs of rows are copied by DMA (moves/dma.py): the CUDA runtime straight, or torch
+    dma: TorchDma | RawDma = field(default_factory=TorchDma)
 
 
 class InFlight:

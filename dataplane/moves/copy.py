@@ -62,14 +62,21 @@ class Copier:
         self.src_words, self.dst_words = src_words, dst_words
         self.src_slots, self.dst_slots = list(src_slots), list(dst_slots)
         self.mode = mode or ctx.copy_modes[direction]
-        self.dev_idx = None
+        self.dev_idx = None          # the kernels' slot indices, uploaded by the first enqueue
+
+    def _upload(self) -> None:
+        # Not in __init__: a move whose blocks all went in its first chunk (plain DMAs) builds the
+        # copier of its remaining chunks and never enqueues one; the upload would be a wasted launch.
+        ctx, direction = self.ctx, self.direction
         if self.mode == "kernel":
             self.dev_idx = ctx.indexes[direction].upload(self.stream, self.src_slots, self.dst_slots)
-        elif self.mode == "staged":
+        else:
             dev_slots = self.src_slots if direction == "d2h" else self.dst_slots
             self.dev_idx = ctx.indexes[direction].upload(self.stage, dev_slots)[0]
 
     def enqueue(self, lo: int, hi: int) -> None:
+        if self.dev_idx is None and self.mode != "dma":
+            self._upload()
         if self.mode == "dma":
             self._dma(self.stream, self.src_words, self.src_slots[lo:hi], self.dst_words, self.dst_slots[lo:hi])
         elif self.mode == "kernel":
@@ -91,8 +98,7 @@ class Copier:
 
     def _dma(self, stream, src_words, src_slots, dst_words, dst_slots) -> None:
         with self.ctx.streams.on(stream):
-            for a, b, n in coalesce(src_slots, dst_slots):
-                dst_words[b : b + n].copy_(src_words[a : a + n], non_blocking=True)
+            self.ctx.dma.copy_runs(stream, dst_words, src_words, coalesce(src_slots, dst_slots))
 
     def _staged(self, a: int, b: int) -> None:
         s, st = self.ctx.streams, self.ctx.staging
