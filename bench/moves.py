@@ -48,7 +48,7 @@ from dataplane.pools import KVLayout  # noqa: E402
 from events.catalog import MoveAcked  # noqa: E402
 from events.commands import CommitBlocks, ExecuteMove  # noqa: E402
 from kernels.checksum import block_checksums  # noqa: E402
-from moves_parts import GB, no_checksums, phases, probe_bidir, sync, timed  # noqa: E402,F401
+from moves_parts import GB, both_over_one, no_checksums, phases, probe_bidir, sync, timed  # noqa: E402,F401
 from moves_report import TARGETS, device_name, git_commit, table, triton_version  # noqa: E402,F401
 
 
@@ -106,11 +106,13 @@ class Bench:
 
     # ------------------------------------------------------------ sections
     def ceiling(self):
+        """Plain contiguous pinned copies of the same bytes: one way each, and both ways at once on
+        two streams, a round of the three per rep (drift of the link hits all three alike)."""
         d, h_a, h_b = self.dev, self.h_a.tensor, self.h_b.tensor
-        d2h = [timed(d, lambda: h_b.copy_(self.d_a, non_blocking=True)) for _ in range(self.args.reps)]
-        h2d = [timed(d, lambda: self.d_b.copy_(h_a, non_blocking=True)) for _ in range(self.args.reps)]
-        both = []
+        d2h, h2d, both = [], [], []
         for _ in range(self.args.reps):
+            d2h.append(timed(d, lambda: h_b.copy_(self.d_a, non_blocking=True)))
+            h2d.append(timed(d, lambda: self.d_b.copy_(h_a, non_blocking=True)))
             if d.type == "cuda":
                 s1, s2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
 
@@ -127,9 +129,12 @@ class Bench:
         r["ceiling_h2d_GBps"] = self.bytes / statistics.median(h2d) / GB
         r["ceiling_bidir_GBps"] = 2 * self.bytes / statistics.median(both) / GB
         # What this host's link allows "both at once" to reach over one direction: the bare
-        # bidirectional copy over the mean bare one-way copy (1.52x to 1.84x over 27 runs on lent hosts).
+        # bidirectional copy over the mean bare one-way copy (1.52x to 1.84x over 27 runs on lent hosts),
+        # from the medians, and per round (``_paired``: the median of the rounds' own ratios).
         r["hardware_both_vs_one_direction"] = round(
             r["ceiling_bidir_GBps"] / ((r["ceiling_d2h_GBps"] + r["ceiling_h2d_GBps"]) / 2), 4)
+        r["hardware_both_vs_one_direction_paired"] = round(statistics.median(
+            both_over_one(b, o, i) for b, o, i in zip(both, d2h, h2d)), 4)
 
     def engine_modes(self):
         """Per copy mode: spill (evict A) and restore (A back), with and without checksums, and the
@@ -205,9 +210,9 @@ class Bench:
         reaches the link before either does its bookkeeping) or, ``together=False``, by two
         submits one after the other; then wait for both."""
         self.e.ctx.copy_modes.update(d2h=d2h, h2d=h2d)
-        walls = []
+        walls, ratios = [], []
         for _ in range(self.args.both_reps or self.args.reps):
-            self.run(self.mv("evict", "device", "host", self.A))
+            spill_wall = self.run(self.mv("evict", "device", "host", self.A))[1]
             out_cmd, in_cmd = self.mv("evict", "device", "host", self.B), self.mv("restore", "host", "device", self.A)
             sync(self.dev)
             t0 = time.perf_counter()
@@ -221,7 +226,12 @@ class Bench:
             self.res.setdefault("both_walls_ms", {}).setdefault(f"{d2h}/{h2d}/{'many' if together else 'two'}", []).append(
                 round(1e3 * walls[-1], 2))
             assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
-            self.run(self.mv("restore", "host", "device", self.B))
+            restore_wall = self.run(self.mv("restore", "host", "device", self.B))[1]
+            # the round's own one-direction moves: the spill that set it up, the restore that undoes it
+            ratios.append(both_over_one(walls[-1], spill_wall, restore_wall))
+        key = f"{d2h}/{h2d}/{'many' if together else 'two'}"
+        self.res.setdefault("both_vs_one_direction_paired_rounds", {})[key] = [round(x, 4) for x in ratios]
+        self.paired_ratio = statistics.median(ratios)
         return 2 * self.bytes / statistics.median(walls) / GB
 
     def bidir_probe(self):
@@ -229,6 +239,7 @@ class Bench:
 
     def both(self, into: dict, d2h: str, h2d: str) -> None:
         into["both_GBps"] = self.both_at_once(d2h, h2d)
+        into["both_vs_one_direction_paired"] = round(self.paired_ratio, 4)
         into["both_sequential_submits_GBps"] = self.both_at_once(d2h, h2d, together=False)
         one = (into["spill_GBps"] + into["restore_GBps"]) / 2
         into["both_vs_one_direction"] = round(into["both_GBps"] / one, 4)

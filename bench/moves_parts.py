@@ -160,3 +160,9 @@ def probe_bidir(b) -> None:
     for k in list(out):
         out[k.replace("_GBps", "_fraction_of_ceiling")] = b.frac(out[k], b.res["ceiling_bidir_GBps"])
     b.res["bidir_probe"] = out
+
+
+def both_over_one(both_wall: float, out_wall: float, in_wall: float) -> float:
+    """Both directions at once (the same bytes each way) over the mean of one way out and one way
+    in, as rates: (2 / both) / ((1 / out + 1 / in) / 2)."""
+    return (2 / both_wall) / ((1 / out_wall + 1 / in_wall) / 2)

@@ -24,10 +24,25 @@ def test_the_moves_bench_runs_its_sections_on_the_cpu(tmp_path):
     assert not res["errors"]
     for key in ("spill_fraction_of_ceiling", "restore_fraction_of_ceiling", "both_vs_one_direction",
                 "spill_checksum_cost_fraction", "single_block_spill_us", "modes", "hardware_both_vs_one_direction",
-                "both_vs_one_direction_fraction_of_hardware"):
+                "both_vs_one_direction_fraction_of_hardware", "both_vs_one_direction_paired",
+                "hardware_both_vs_one_direction_paired", "dma_issuer"):
         assert key in res, key
     assert "target both_vs_one_direction >= 1.7" in p.stdout
+    assert "target both_vs_one_direction_paired >= 1.7" in p.stdout
+    rounds = res["both_vs_one_direction_paired_rounds"]
+    assert len(rounds["staged/staged/many"]) >= 1
+    assert res["modes"]["staged"]["both_vs_one_direction_paired"] > 0
     assert "bare copies on this host" in p.stdout
+
+
+def test_both_over_one_is_the_rate_both_ways_over_the_mean_one_way_rate():
+    sys.path.insert(0, str(REPO / "bench"))
+    from moves_parts import both_over_one
+
+    assert both_over_one(1.0, 1.0, 1.0) == 2.0          # both ways in the time of one: twice the rate
+    assert both_over_one(2.0, 1.0, 1.0) == 1.0          # no faster than one direction after the other
+    # out at 50 GB/s-equivalent (wall 2), in at 25 (wall 4): mean one-way rate 0.375; both 2/2.5 = 0.8
+    assert abs(both_over_one(2.5, 2.0, 4.0) - 0.8 / 0.375) < 1e-12
 
 
 def test_the_keep_awake_cost_bench_times_a_step_with_the_spinners_asleep_and_spinning(tmp_path):
