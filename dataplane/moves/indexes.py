@@ -75,6 +75,10 @@ class IndexUploader:
         self.capacity = capacity
         self.streams = streams
         self.buffer = budget.alloc(owner, (2, capacity), torch.int64)
+        # The halves as numpy arrays over the same pinned bytes: a list of ints is written into
+        # them by numpy's assignment (one C loop), not by a torch tensor built and then copied
+        # through torch's indexing (~15 µs more host time per list on the H200's host).
+        self._rows = self.buffer.tensor.numpy()
         self._events = [Done(), Done()]
         self._turn = 0
 
@@ -86,10 +90,10 @@ class IndexUploader:
         half = self._turn
         self._turn ^= 1
         self._events[half].synchronize()
-        host = self.buffer.tensor[half]
+        host, rows = self.buffer.tensor[half], self._rows[half]
         out, at = [], 0
         for x in lists:
-            host[at : at + len(x)] = torch.as_tensor(x, dtype=torch.int64)
+            rows[at : at + len(x)] = x
             at += len(x)
         if not self.streams.cuda:
             dev = host[:total].clone()
