@@ -10,8 +10,6 @@ blocks (1024 scattered 2 MiB blocks each way), aggregate GB/s, median of --reps,
                  16..128 blocks, staged both ways with chunks interleaved, with default-priority streams
     host         cProfile of Engine.submit for a 2 GiB spill and restore: where begin's host time goes
     one_block    cProfile over 100 one-block spills and restores: where a small move's host time goes
-    switch_ab    one-block moves and 2 GiB spill+restore with the engine's streams switched by
-                 its own _OnStream vs torch.cuda.stream, alternating rounds
     both         the engine's spill+restore wall, and when each move's first chunk was enqueued:
                  two submits, and submit_many with first chunks of 1, 2, 3 pipeline chunks
     both_dma     the same through submit_many, the engine's DMAs issued through torch vs
@@ -221,35 +219,6 @@ def one_block_profile(b: mb.Bench, iters: int = 100) -> dict:
     return {"iters": iters, "move_us_profiled": wall_us, "profile": buf.getvalue()}
 
 
-def switch_ab(b: mb.Bench, rounds: int = 4, iters: int = 60) -> dict:
-    """One-block spills and restores (wall of each, submit + wait), and 2 GiB spill+restore through
-    submit_many, with the engine's streams switched by ``_OnStream`` (fast) and by
-    ``torch.cuda.stream``, in alternating rounds."""
-    s = b.e.ctx.streams
-    one = [b.A[0]]
-    res: dict = {"fast": {"spill_us": [], "restore_us": [], "both_ms": []},
-                 "torch": {"spill_us": [], "restore_us": [], "both_ms": []}}
-    if not s.fast_switch:
-        return {"error": "this torch has no _cuda_setStream / _cuda_getCurrentStream"}
-    try:
-        for _ in range(rounds):
-            for name, fast in (("fast", True), ("torch", False)):
-                s.fast_switch = fast
-                r = res[name]
-                for _ in range(iters):
-                    r["spill_us"].append(1e6 * b.run(b.mv("evict", "device", "host", one))[1])
-                    r["restore_us"].append(1e6 * b.run(b.mv("restore", "host", "device", one))[1])
-                walls, _ = _both_reps(b, 3, False)
-                r["both_ms"] += [1e3 * w for w in walls]
-    finally:
-        s.fast_switch = True
-    for r in res.values():
-        for k in ("spill_us", "restore_us", "both_ms"):
-            r[k.replace("_us", "_p50_us").replace("_ms", "_p50_ms")] = statistics.median(r[k])
-            del r[k]
-    return res
-
-
 def both(b: mb.Bench, reps: int) -> dict:
     """The engine's spill+restore, submitted one after the other and through submit_many with
     first chunks 1, 2 and 3 pipeline chunks long (``submit_many_x<k>``; the engine's default is
@@ -367,7 +336,7 @@ def main(argv=None) -> int:
         sections = {"both": lambda: both(b, args.reps), "dma_issue": lambda: dma_issue_cost(b, args.reps),
                     "both_dma": lambda: both_dma(b, args.reps),
                     "copy_paths": lambda: copy_paths(b, args.reps), "host": lambda: host_profile(b),
-                    "one_block": lambda: one_block_profile(b), "switch_ab": lambda: switch_ab(b)}
+                    "one_block": lambda: one_block_profile(b)}
         for name in args.sections.split(","):
             fn = sections[name]
             try:

@@ -58,7 +58,11 @@ class RawDma:
         path = _mapped_cudart()
         if path is None:
             return None
-        lib = ctypes.CDLL(path)           # already mapped: the same handle, the same runtime instance
+        # Already mapped: the same handle, the same runtime instance. PyDLL, not CDLL: the call
+        # keeps the GIL (it only queues a copy, a few µs). A CDLL call gives the GIL up and takes it
+        # back per DMA, and in a worker, whose other threads (ZMQ lane, heartbeats) wait for it,
+        # the engine thread then queues behind them dozens of times per move.
+        lib = ctypes.PyDLL(path)
         memcpy = lib.cudaMemcpyAsync
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         memcpy.restype = ctypes.c_int

@@ -34,40 +34,10 @@ class Done:
         return True
 
 
-class _OnStream:
-    """``with``: make a stream the current one of its device; on exit, the one before it again.
-
-    What ``torch.cuda.stream(s)`` does for a stream of the thread's current device, through the
-    two calls it ends in: torch's context manager also looks the current device up (twice) and
-    builds a Stream object for the stream it replaces (~10 µs of host time per use on the H200's host;
-    a move switches streams 5-40 times, a one-block move's begin is ~0.3 ms of host time).
-    Used only where the thread's current device is the stream's (``CopyStreams.on`` checks);
-    a new one per use, so nesting is safe."""
-
-    __slots__ = ("_ids", "_prev")
-
-    def __init__(self, ids: tuple[int, int, int]):
-        self._ids = ids
-
-    def __enter__(self) -> None:
-        self._prev = _get_stream(self._ids[1])
-        _set_stream(*self._ids)
-
-    def __exit__(self, *exc) -> None:
-        _set_stream(*self._prev)
-
-
-_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-_set_stream = getattr(torch._C, "_cuda_setStream", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
 class CopyStreams:
-    def __init__(self, device: torch.device, fast_switch: bool = True):
+    def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        # streams switched through _OnStream (False: torch.cuda.stream, for comparison)
-        self.fast_switch = fast_switch and None not in (_get_stream, _set_stream, _get_device)
         if self.cuda:
             # Copy and staging streams get the highest priority: their kernels are short, and
             # the block scheduler then runs them ahead of queued compute or hashing blocks, so
@@ -82,8 +52,6 @@ class CopyStreams:
             # never as DMAs: a DMA would queue on a copy engine behind a move's 64 MiB chunks.
             self.small = torch.cuda.Stream(device, priority=hi)
             self.zero_index = torch.zeros(1, dtype=torch.int64, device=device)
-            self.index = self.d2h.device_index
-            self._ids = {id(st): (st.stream_id, st.device_index, st.device_type) for st in self.all()}
         else:
             self.d2h = self.h2d = self.hash = self.stage_d2h = self.stage_h2d = self.small = None
             self.zero_index = torch.zeros(1, dtype=torch.int64)
@@ -93,22 +61,10 @@ class CopyStreams:
 
     def compute_stream(self):
         """The caller's current stream (the model's compute stream), or None on CPU."""
-        if not self.cuda:
-            return None
-        if self.fast_switch:
-            sid, index, dtype = _get_stream(self.index)
-            return torch.cuda.Stream(stream_id=sid, device_index=index, device_type=dtype)
-        return torch.cuda.current_stream(self.device)
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def on(self, stream):
-        """A context in which ``stream`` (one of these streams, or a stream of this device) is current."""
-        if not self.cuda:
-            return contextlib.nullcontext()
-        if self.fast_switch and _get_device() == self.index:
-            ids = self._ids.get(id(stream)) or (stream.stream_id, stream.device_index, stream.device_type)
-            if ids[1] == self.index:
-                return _OnStream(ids)
-        return torch.cuda.stream(stream)
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
     def wait_stream(self, stream, other) -> None:
         if self.cuda and other is not None:

@@ -79,22 +79,3 @@ def test_a_restore_waits_for_readers_of_the_slots_it_overwrites(tmp_path):
         assert e.device_pool.slot_of(2) == slot             # the restore reused that very slot
         assert torch.equal(seen.cpu(), want)                # and the reader still saw the old bytes
 
-
-@gpu
-def test_the_fast_stream_switch_makes_the_stream_current_and_restores_the_one_before():
-    from dataplane.moves.streams import CopyStreams
-
-    s = CopyStreams(torch.device("cuda"))
-    assert s.fast_switch, "this torch lacks the calls _OnStream is built on"
-    before = torch.cuda.current_stream()
-    with s.on(s.d2h):
-        assert torch.cuda.current_stream() == s.d2h
-        with s.on(s.hash):                                   # nested
-            assert torch.cuda.current_stream() == s.hash
-        assert torch.cuda.current_stream() == s.d2h
-        assert s.compute_stream() == s.d2h                   # the caller's current stream, as torch says
-    assert torch.cuda.current_stream() == before and s.compute_stream() == before
-    side = torch.cuda.Stream()                               # not one of the engine's: still switched
-    with s.on(side):
-        assert torch.cuda.current_stream() == side
-    assert torch.cuda.current_stream() == before
