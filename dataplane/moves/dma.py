@@ -59,9 +59,10 @@ class RawDma:
         if path is None:
             return None
         # Already mapped: the same handle, the same runtime instance. PyDLL, not CDLL: the call
-        # keeps the GIL (it only queues a copy, a few µs). A CDLL call gives the GIL up and takes it
-        # back per DMA, and in a worker, whose other threads (ZMQ lane, heartbeats) wait for it,
-        # the engine thread then queues behind them dozens of times per move.
+        # keeps the GIL, as torch's copy_ does; it only queues a copy (a few µs), so there is
+        # nothing to gain from handing the GIL to the worker's other threads once per DMA. (On one
+        # H200 host, bench/control.py's 2 GiB spill through a worker: control overhead p50
+        # 0.435/0.468 ms with CDLL, 0.421/0.503 with PyDLL, alternating: no difference seen.)
         lib = ctypes.PyDLL(path)
         memcpy = lib.cudaMemcpyAsync
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
