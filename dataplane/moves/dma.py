@@ -90,15 +90,29 @@ class RawDma:
                                    f"({self._error_string(err).decode(errors='replace')})")
 
 
-def _mapped_cudart() -> str | None:
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if "libcudart.so" in line:
-                    return line.split(None, 5)[-1].strip()
-    except OSError:
+def _mapped_cudart(maps: str | None = None, cuda_version: str | None = None) -> str | None:
+    """The path of the CUDA runtime mapped into this process: the one whose major version is
+    torch's (``torch.version.cuda``) when several are (another extension may bring its own), else
+    the first; None when none is (a CPU build, or torch linked it statically)."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return None
+    paths = []
+    for line in maps.splitlines():
+        if "libcudart.so" in line:
+            path = line.split(None, 5)[-1].strip()
+            if path not in paths:
+                paths.append(path)
+    if not paths:
         return None
-    return None
+    major = (cuda_version if cuda_version is not None else (torch.version.cuda or "")).split(".")[0]
+    for path in paths:
+        if major and f"libcudart.so.{major}" in path:
+            return path
+    return paths[0]
 
 
 def dma_issuer(device: torch.device, raw: bool = True) -> TorchDma | RawDma:

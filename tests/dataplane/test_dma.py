@@ -96,3 +96,15 @@ def test_on_a_gpu_the_raw_path_moves_scattered_rows_both_ways():
         dma.copy_runs(s, back, host, coalesce(range(64), order))           # and home again
     s.synchronize()
     assert torch.equal(back, dev)
+
+
+def test_the_runtime_found_is_torchs_own_major_version_when_several_are_mapped():
+    from dataplane.moves.dma import _mapped_cudart
+
+    maps = ("7f00-7f01 r-xp 00000000 08:01 11 /opt/x/lib/libcudart.so.11.0\n"
+            "7f02-7f03 r--p 00000000 08:01 12 /usr/lib/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+            "7f04-7f05 r-xp 00001000 08:01 12 /usr/lib/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+            "7f06-7f07 r-xp 00000000 08:01 13 /lib/libc.so.6\n")
+    assert _mapped_cudart(maps, "12.8") == "/usr/lib/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert _mapped_cudart(maps, "13.0") == "/opt/x/lib/libcudart.so.11.0"        # none matches: the first
+    assert _mapped_cudart(maps.splitlines()[3], "12.8") is None                  # none mapped
