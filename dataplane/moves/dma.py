@@ -13,10 +13,14 @@ mode are runs of whole rows (a run: rows consecutive on both sides) copied by on
               both tensors' bounds before it is issued: a raw pointer has no bounds of its own.
 
 Why it matters: a spill's scattered source is one run per block, and the host time to issue a
-move's first chunk is time the link may sit idle (both directions' first chunks took ~4.7 ms to
-enqueue through torch on the H200 host, longer than those chunks took to cross:
-bench/results/moves-probe-2026-12-04-h200-run3.json). ``bench/moves.py --torch-dma`` measures
-the engine with the torch path for comparison.
+move's first chunk is time the link may sit idle (a spill's and a restore's first chunks took
+4.3-7.0 ms to enqueue through torch on an H200 host and 3.0-4.4 ms this way, while they take ~5.5 ms
+to cross; 64 scattered 2 MiB DMAs 940 vs 526 µs: bench/results/moves-probe-2026-12-04-h200-run4.json).
+``bench/moves.py --torch-dma`` measures the engine with the torch path for comparison.
+
+What torch's copy_ does beyond the copy and this skips: recording an event for memory that came
+from torch's caching host allocator. Every host buffer here is the engine's own registered memory
+(``PinnedBudget``), whose reuse the engine orders by its own events.
 """
 from __future__ import annotations
 
