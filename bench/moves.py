@@ -205,10 +205,11 @@ class Bench:
             copier.done().synchronize()
         return timed(self.dev, go)
 
-    def both_at_once(self, d2h: str, h2d: str, together: bool = True) -> float:
+    def both_at_once(self, d2h: str, h2d: str, together: bool = True) -> tuple[float, float]:
         """Spill B while A is restored, aggregate GB/s: both begun by Engine.submit_many (each
         reaches the link before either does its bookkeeping) or, ``together=False``, by two
-        submits one after the other; then wait for both."""
+        submits one after the other; then wait for both. Also returns the median over the rounds
+        of each round's rate over its own one-way moves (``both_over_one``)."""
         self.e.ctx.copy_modes.update(d2h=d2h, h2d=h2d)
         walls, ratios = [], []
         for _ in range(self.args.both_reps or self.args.reps):
@@ -231,16 +232,15 @@ class Bench:
             ratios.append(both_over_one(walls[-1], spill_wall, restore_wall))
         key = f"{d2h}/{h2d}/{'many' if together else 'two'}"
         self.res.setdefault("both_vs_one_direction_paired_rounds", {})[key] = [round(x, 4) for x in ratios]
-        self.paired_ratio = statistics.median(ratios)
-        return 2 * self.bytes / statistics.median(walls) / GB
+        return 2 * self.bytes / statistics.median(walls) / GB, statistics.median(ratios)
 
     def bidir_probe(self):
         probe_bidir(self)
 
     def both(self, into: dict, d2h: str, h2d: str) -> None:
-        into["both_GBps"] = self.both_at_once(d2h, h2d)
-        into["both_vs_one_direction_paired"] = round(self.paired_ratio, 4)
-        into["both_sequential_submits_GBps"] = self.both_at_once(d2h, h2d, together=False)
+        into["both_GBps"], paired = self.both_at_once(d2h, h2d)
+        into["both_vs_one_direction_paired"] = round(paired, 4)
+        into["both_sequential_submits_GBps"] = self.both_at_once(d2h, h2d, together=False)[0]
         one = (into["spill_GBps"] + into["restore_GBps"]) / 2
         into["both_vs_one_direction"] = round(into["both_GBps"] / one, 4)
         into["both_fraction_of_ceiling"] = self.frac(into["both_GBps"], self.res["ceiling_bidir_GBps"])
