@@ -230,13 +230,18 @@ def both(b: mb.Bench, reps: int) -> dict:
     for how in hows + hows:
         k = engine_mod.FIRST_CHUNKS_TOGETHER if how == "sequential" else int(how[-1])
         with swapped(engine_mod, FIRST_CHUNKS_TOGETHER=k):
-            walls, marks = _both_reps(b, reps, how == "sequential")
-        med = {key: statistics.median(m[key] for m in marks) for key in marks[0]}
-        r = res.setdefault(how, {"GBps": [], "walls_ms": [], "marks_us_median": med})
-        r["GBps"].append(2 * b.bytes / statistics.median(walls) / GB)
-        r["walls_ms"] += [1e3 * w for w in walls]
+            _add_round(res, how, b, *_both_reps(b, reps, how == "sequential"))
     res["engine_default_first_chunks"] = engine_mod.FIRST_CHUNKS_TOGETHER
     return res
+
+
+def _add_round(res: dict, key: str, b: mb.Bench, walls: list[float], marks: list[dict]) -> None:
+    """One round of ``_both_reps`` into ``res[key]``: its aggregate GB/s, its walls, and the median
+    of each phase mark (one dict per round)."""
+    r = res.setdefault(key, {"GBps": [], "walls_ms": [], "marks_us_median": []})
+    r["GBps"].append(2 * b.bytes / statistics.median(walls) / GB)
+    r["walls_ms"] += [1e3 * w for w in walls]
+    r["marks_us_median"].append({k: statistics.median(m[k] for m in marks) for k in marks[0]})
 
 
 def _both_reps(b: mb.Bench, reps: int, sequential: bool) -> tuple[list[float], list[dict]]:
@@ -306,12 +311,7 @@ def both_dma(b: mb.Bench, reps: int) -> dict:
         return res
     for name, issuer in [("torch", TorchDma()), ("raw", raw)] * 2:
         with swapped(b.e.ctx, dma=issuer):
-            walls, marks = _both_reps(b, reps, False)
-        med = {key: statistics.median(m[key] for m in marks) for key in marks[0]}
-        r = res.setdefault(name, {"GBps": [], "walls_ms": [], "marks_us_median": []})
-        r["GBps"].append(2 * b.bytes / statistics.median(walls) / GB)
-        r["walls_ms"] += [1e3 * w for w in walls]
-        r["marks_us_median"].append(med)
+            _add_round(res, name, b, *_both_reps(b, reps, False))
     return res
 
 
