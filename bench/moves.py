@@ -70,7 +70,8 @@ class Bench:
         # The ceiling's two host buffers are pinned through the same budget as everything else.
         self.e = Engine(self.layout, 2 * self.n, host_bytes, self.tmp.name, need + 2 * self.bytes + 8192,
                         device=str(self.dev), fsync=False, pipeline_blocks=args.pipeline_blocks,
-                        raw_dma=not getattr(args, "torch_dma", False))
+                        raw_dma=not getattr(args, "torch_dma", False),
+                        batch_dma=not getattr(args, "no_batch_dma", False))
         words = self.layout.block_words
         self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
         self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)
@@ -342,7 +343,8 @@ class Bench:
         r = self.res
         from dataplane.engine import DEFAULT_COPY_MODES
 
-        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=DEFAULT_COPY_MODES, dma_issuer=self.e.ctx.dma.name, device=device_name(self.dev),
+        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=DEFAULT_COPY_MODES, dma_issuer=self.e.ctx.dma.name,
+                 dma_batch_refused=getattr(self.e.ctx.dma, "batch_refused", None), device=device_name(self.dev),
                  torch=torch.__version__, triton=triton_version(), blocks=self.n, bytes=self.bytes,
                  layout=dict(num_layers=self.layout.num_layers, page_tokens=self.layout.page_tokens,
                              num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
@@ -447,6 +449,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--torch-dma", action="store_true",
                    help="issue the engine's DMAs through torch's copy_ instead of cudaMemcpyAsync (for comparison)")
+    p.add_argument("--no-batch-dma", action="store_true",
+                   help="one cudaMemcpyAsync per run instead of a cudaMemcpyBatchAsync per call (for comparison)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, measures nothing")
     p.add_argument("--out", default=None)

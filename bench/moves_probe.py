@@ -269,18 +269,16 @@ def _both_reps(b: mb.Bench, reps: int, sequential: bool) -> tuple[list[float], l
 
 def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
     """Host µs to enqueue 64 scattered 2 MiB device->host DMAs, one run each: through torch
-    (``TorchDma``: copy_ on slices) and through the engine's ``RawDma`` (cudaMemcpyAsync by
-    ctypes); the bytes of both are compared."""
-    from dataplane.moves.dma import RawDma, TorchDma
-
+    (``TorchDma``: copy_ on slices), through ``RawDma`` one cudaMemcpyAsync per run (``raw``) and
+    in one cudaMemcpyBatchAsync (``batch``, where the runtime has it); the bytes are compared."""
     e = b.e
     dp, s = e.device_pool, e.ctx.streams
-    raw = RawDma.load()
-    issuers = {"torch": TorchDma(), "raw": raw}
+    issuers = _issuers()
     runs = [(sl, k, 1) for k, sl in enumerate(dp.slots_of(b.B[:64]))]
     h = b.h_b.tensor
-    out: dict = {"raw_found": raw is not None, "torch_us": [], "raw_us": []}
-    if raw is None:
+    out: dict = {"raw_found": "raw" in issuers, "batch_found": "batch" in issuers}
+    out.update({f"{name}_us": [] for name in issuers})
+    if "raw" not in issuers:
         return out
     ref = None
     for _ in range(reps):
@@ -295,21 +293,33 @@ def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
             got = h[:64].clone()
             ref = got if ref is None else ref
             out["same_bytes"] = bool(torch.equal(ref, got)) and out.get("same_bytes", True)
-    out["torch_us_median"] = statistics.median(out["torch_us"])
-    out["raw_us_median"] = statistics.median(out["raw_us"])
+    for name in issuers:
+        out[f"{name}_us_median"] = statistics.median(out[f"{name}_us"])
+    return out
+
+
+def _issuers() -> dict:
+    """torch, and where the runtime is found raw (one call per run) and batch (one per call)."""
+    from dataplane.moves.dma import RawDma, TorchDma
+
+    out: dict = {"torch": TorchDma()}
+    found = RawDma.load()
+    if found is not None:
+        out["raw"] = RawDma(found._memcpy, found._error_string)
+        if found._batch is not None:
+            out["batch"] = found
     return out
 
 
 def both_dma(b: mb.Bench, reps: int) -> dict:
     """Spill+restore through submit_many (the engine's default first chunks) with the engine's
-    DMAs issued through torch and through cudaMemcpyAsync, two interleaved rounds each."""
-    from dataplane.moves.dma import RawDma, TorchDma
-
-    raw = RawDma.load()
-    res: dict = {"raw_found": raw is not None}
-    if raw is None:
+    DMAs issued each way of ``_issuers`` (torch, one cudaMemcpyAsync per run, one batch per call),
+    two interleaved rounds each."""
+    issuers = _issuers()
+    res: dict = {"raw_found": "raw" in issuers, "batch_found": "batch" in issuers}
+    if "raw" not in issuers:
         return res
-    for name, issuer in [("torch", TorchDma()), ("raw", raw)] * 2:
+    for name, issuer in list(issuers.items()) * 2:
         with swapped(b.e.ctx, dma=issuer):
             _add_round(res, name, b, *_both_reps(b, reps, False))
     return res

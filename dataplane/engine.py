@@ -101,6 +101,7 @@ class Engine(EarlyStart):
         verify_disk: bool = True,
         clock: Callable[[], int] = time.time_ns,
         raw_dma: bool = True,
+        batch_dma: bool = True,
     ):
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -140,13 +141,16 @@ class Engine(EarlyStart):
             worker=worker, layout=layout, device=self.device_pool, host=self.host_pool, disk=self.disk_tier,
             streams=self.streams, indexes=self.indexes, landing=self.landing, ring=self.ring,
             staging=DeviceStaging(layout, pipeline_blocks, dev), copy_modes=modes,
-            pipeline_blocks=pipeline_blocks, clock=clock, dma=dma_issuer(dev, raw_dma),
+            pipeline_blocks=pipeline_blocks, clock=clock, dma=dma_issuer(dev, raw_dma, batch_dma),
         )
         self._outcomes: dict[str, Outcome] = {}
         self._inflight: dict[str, InFlight] = {}
         self._busy: dict[int, str] = {}
         self.last_phases: dict[str, int] = {}   # host-clock phase marks of the last settled move
         self.log = log.bind(worker=worker)
+        refused = getattr(self.ctx.dma, "batch_refused", None)
+        if refused is not None and batch_dma:
+            self.log.warning("dma_batch_unavailable", why=refused, issuing="one cudaMemcpyAsync per run")
 
     @staticmethod
     def pinned_bytes_needed(layout: KVLayout, device_blocks: int, host_bytes: int, staging_blocks: int = 4) -> int:

@@ -18,6 +18,12 @@ move's first chunk is time the link may sit idle (a spill's and a restore's firs
 to cross; 64 scattered 2 MiB DMAs 940 vs 526 µs: bench/results/moves-probe-2026-12-04-h200-run4.json).
 ``bench/moves.py --torch-dma`` measures the engine with the torch path for comparison.
 
+Where the runtime has ``cudaMemcpyBatchAsync`` (CUDA 12.8 on), RawDma issues all the runs of one
+call in one batch (one call into the runtime instead of one per run; each copy still goes in stream
+order, by the copy engines: ``cudaMemcpyFlagPreferOverlapWithCompute``). Before it is trusted, a
+load checks it on two scattered rows of scratch memory; where that check fails, the runs go one
+``cudaMemcpyAsync`` each and ``batch_refused`` says why.
+
 What torch's copy_ does beyond the copy and this skips: recording an event for memory that came
 from torch's caching host allocator. Every host buffer here is the engine's own registered memory
 (``PinnedBudget``), whose reuse the engine orders by its own events.
@@ -30,6 +36,15 @@ from collections.abc import Sequence
 import torch
 
 _CUDA_MEMCPY_DEFAULT = 4          # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_SRC_ACCESS_ORDER_STREAM = 1      # cudaMemcpySrcAccessOrderStream: sources read in stream order
+_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute: copy engines, not SMs
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """cudaMemcpyAttributes (driver_types.h, CUDA 12.8 on): the access order, two location hints
+    (cudaMemLocation: type, id; type 0 = no hint) and flags."""
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int), ("src_loc_id", ctypes.c_int),
+                ("dst_loc_type", ctypes.c_int), ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
 
 
 def _row_bytes(t: torch.Tensor, what: str) -> int:
@@ -52,9 +67,15 @@ class TorchDma:
 class RawDma:
     name = "cudaMemcpyAsync"
 
-    def __init__(self, memcpy_async, error_string):
+    def __init__(self, memcpy_async, error_string, batch=None):
+        """``batch``: None, or ``batch(dsts, srcs, sizes, count, stream) -> error`` over ctypes
+        arrays of addresses and sizes (``cudaMemcpyBatchAsync`` bound by ``load``)."""
         self._memcpy = memcpy_async
         self._error_string = error_string
+        self._batch = batch
+        self.batch_refused: str | None = None
+        if batch is not None:
+            self.name = "cudaMemcpyBatchAsync"
 
     @classmethod
     def load(cls) -> "RawDma | None":
@@ -74,7 +95,13 @@ class RawDma:
         err_str = lib.cudaGetErrorString
         err_str.argtypes = [ctypes.c_int]
         err_str.restype = ctypes.c_char_p
-        return cls(memcpy, err_str)
+        batch, why = _bind_batch(lib)
+        dma = cls(memcpy, err_str, batch)
+        if batch is not None:
+            why = dma._check_batch()
+        if why is not None:
+            dma._batch, dma.name, dma.batch_refused = None, cls.name, why
+        return dma
 
     def copy_runs(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
         rb = _row_bytes(src, "DMA source")
@@ -86,12 +113,76 @@ class RawDma:
             if n < 1 or a < 0 or b < 0 or a + n > s_rows or b + n > d_rows:
                 raise IndexError(f"DMA run (source row {a}, destination row {b}, {n} rows) is outside "
                                  f"source rows [0, {s_rows}) or destination rows [0, {d_rows})")
-        s0, d0, handle, memcpy = src.data_ptr(), dst.data_ptr(), stream.cuda_stream, self._memcpy
+        s0, d0, handle = src.data_ptr(), dst.data_ptr(), stream.cuda_stream
+        if self._batch is not None and len(runs) > 1:
+            k = len(runs)
+            err = self._batch((ctypes.c_void_p * k)(*[d0 + b * rb for _a, b, _n in runs]),
+                              (ctypes.c_void_p * k)(*[s0 + a * rb for a, _b, _n in runs]),
+                              (ctypes.c_size_t * k)(*[n * rb for _a, _b, n in runs]), k, handle)
+            if err:
+                raise RuntimeError(f"cudaMemcpyBatchAsync of {k} runs failed: cudaError {err} "
+                                   f"({self._error_string(err).decode(errors='replace')})")
+            return
+        memcpy = self._memcpy
         for a, b, n in runs:
             err = memcpy(d0 + b * rb, s0 + a * rb, n * rb, _CUDA_MEMCPY_DEFAULT, handle)
             if err:
                 raise RuntimeError(f"cudaMemcpyAsync of {n * rb} bytes failed: cudaError {err} "
                                    f"({self._error_string(err).decode(errors='replace')})")
+
+    def _check_batch(self) -> str | None:
+        """Scattered rows there and back through the batch, on a side stream; None when they land
+        where they should, else why not."""
+        try:
+            g = torch.Generator().manual_seed(0x5EED)
+            rows = torch.randint(-2**31, 2**31 - 1, (4, 1024), dtype=torch.int32, generator=g)
+            dev = rows.cuda()
+            host = torch.empty_like(rows).pin_memory()
+            back = torch.empty_like(dev)
+            s = torch.cuda.Stream(dev.device)
+            with torch.cuda.stream(s):
+                self.copy_runs(s, host, dev, [(3, 0, 1), (0, 1, 2), (2, 3, 1)])
+                self.copy_runs(s, back, host, [(1, 0, 2), (3, 2, 1), (0, 3, 1)])
+            s.synchronize()
+            if not torch.equal(host, rows[[3, 0, 1, 2]]) or not torch.equal(back.cpu(), rows):
+                return "cudaMemcpyBatchAsync's check: rows landed elsewhere"
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            return f"cudaMemcpyBatchAsync's check failed: {type(e).__name__}: {e}"
+        return None
+
+
+def _bind_batch(lib) -> tuple:
+    """``(batch, None)``: cudaMemcpyBatchAsync of ``lib`` as ``batch(dsts, srcs, sizes, count,
+    stream)``; ``(None, why)`` where the runtime has none (before 12.8)."""
+    version = ctypes.c_int(0)
+    try:
+        get_version = lib.cudaRuntimeGetVersion
+        get_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        get_version.restype = ctypes.c_int
+        if get_version(ctypes.byref(version)):
+            return None, "cudaRuntimeGetVersion failed"
+        fn = lib.cudaMemcpyBatchAsync
+    except AttributeError:
+        return None, f"runtime {version.value} has no cudaMemcpyBatchAsync"
+    if version.value < 12080:
+        return None, f"runtime {version.value} has no cudaMemcpyBatchAsync"
+    attrs = _MemcpyAttributes(src_access_order=_SRC_ACCESS_ORDER_STREAM, flags=_PREFER_OVERLAP_WITH_COMPUTE)
+    attrs_idx = (ctypes.c_size_t * 1)(0)
+    pp, sp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
+    head = [pp, pp, sp, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes), sp, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    if version.value >= 13000:       # CUDA 13 dropped the failIdx out-parameter
+        fn.argtypes = head + [ctypes.c_void_p]
+
+        def batch(dsts, srcs, sizes, count, stream):
+            return fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attrs_idx, 1, stream)
+    else:
+        fn.argtypes = head + [sp, ctypes.c_void_p]
+        fail_idx = ctypes.c_size_t(0)
+
+        def batch(dsts, srcs, sizes, count, stream):
+            return fn(dsts, srcs, sizes, count, ctypes.byref(attrs), attrs_idx, 1, ctypes.byref(fail_idx), stream)
+    return batch, None
 
 
 def _mapped_cudart(maps: str | None = None, cuda_version: str | None = None) -> str | None:
@@ -119,10 +210,13 @@ def _mapped_cudart(maps: str | None = None, cuda_version: str | None = None) -> 
     return paths[0]
 
 
-def dma_issuer(device: torch.device, raw: bool = True) -> TorchDma | RawDma:
-    """RawDma on a GPU when the runtime can be found and ``raw``; TorchDma otherwise."""
+def dma_issuer(device: torch.device, raw: bool = True, batch: bool = True) -> TorchDma | RawDma:
+    """RawDma on a GPU when the runtime can be found and ``raw`` (issuing a call's runs in one
+    batch where the runtime can and ``batch``); TorchDma otherwise."""
     if device.type == "cuda" and raw:
         found = RawDma.load()
         if found is not None:
+            if not batch and found._batch is not None:
+                found._batch, found.name, found.batch_refused = None, RawDma.name, "not asked for (batch=False)"
             return found
     return TorchDma()

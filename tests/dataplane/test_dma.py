@@ -16,13 +16,20 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 NO_STREAM = SimpleNamespace(cuda_stream=0)
 
 
-def _memmove_issuer(calls=None) -> RawDma:
+def _memmove_issuer(calls=None, batched=False) -> RawDma:
     def memcpy(dst, src, n, kind, stream):
         if calls is not None:
             calls.append((dst, src, n, kind, stream))
         ctypes.memmove(dst, src, n)
         return 0
-    return RawDma(memcpy, lambda err: b"test")
+
+    def batch(dsts, srcs, sizes, count, stream):
+        if calls is not None:
+            calls.append(("batch", list(dsts[:count]), list(srcs[:count]), list(sizes[:count]), stream))
+        for i in range(count):
+            ctypes.memmove(dsts[i], srcs[i], sizes[i])
+        return 0
+    return RawDma(memcpy, lambda err: b"test", batch if batched else None)
 
 
 def _rows(n, words, seed):
@@ -30,7 +37,8 @@ def _rows(n, words, seed):
     return torch.randint(-2**31, 2**31 - 1, (n, words), dtype=torch.int32, generator=g)
 
 
-@pytest.mark.parametrize("issuer", [TorchDma(), _memmove_issuer()], ids=["torch", "raw"])
+@pytest.mark.parametrize("issuer", [TorchDma(), _memmove_issuer(), _memmove_issuer(batched=True)],
+                         ids=["torch", "raw", "raw-batch"])
 def test_scattered_runs_land_where_the_slots_say(issuer):
     src, dst = _rows(23, 37, 1), _rows(19, 37, 2)
     expect = dst.clone()
@@ -50,14 +58,30 @@ def test_raw_issues_one_copy_per_run_with_the_rows_addresses():
                      (dst.data_ptr() + 3 * rb, src.data_ptr() + 3 * rb, 2 * rb, 4, 77)]
 
 
-@pytest.mark.parametrize("runs", [[(0, 0, 2), (9, 0, 2)], [(0, 9, 2)], [(0, 0, 0)], [(-1, 0, 1)]],
-                         ids=["source-end", "destination-end", "empty", "negative"])
-def test_raw_refuses_a_run_outside_the_rows_and_issues_nothing(runs):
+def test_a_batch_issues_every_run_of_a_call_in_one_call_and_a_lone_run_alone():
+    calls = []
+    src, dst = _rows(10, 5, 3), _rows(10, 5, 4)
+    issuer = _memmove_issuer(calls, batched=True)
+    issuer.copy_runs(SimpleNamespace(cuda_stream=77), dst, src, [(7, 0, 3), (3, 3, 2), (0, 9, 1)])
+    rb = 5 * 4
+    assert calls == [("batch", [dst.data_ptr(), dst.data_ptr() + 3 * rb, dst.data_ptr() + 9 * rb],
+                      [src.data_ptr() + 7 * rb, src.data_ptr() + 3 * rb, src.data_ptr()], [3 * rb, 2 * rb, rb], 77)]
+    calls.clear()
+    issuer.copy_runs(SimpleNamespace(cuda_stream=77), dst, src, [(1, 2, 4)])
+    assert calls == [(dst.data_ptr() + 2 * rb, src.data_ptr() + rb, 4 * rb, 4, 77)]
+    assert issuer.name == "cudaMemcpyBatchAsync"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batch"])
+@pytest.mark.parametrize("runs", [[(0, 0, 2), (9, 0, 2)], [(0, 9, 2)], [(0, 0, 0)], [(-1, 0, 1)],
+                                  [(0, 0, 1), (2, 2, 1), (3, 9, 2)]],
+                         ids=["source-end", "destination-end", "empty", "negative", "last-of-three"])
+def test_raw_refuses_a_run_outside_the_rows_and_issues_nothing(runs, batched):
     calls = []
     src, dst = _rows(10, 5, 5), _rows(10, 5, 6)
     before = dst.clone()
     with pytest.raises(IndexError, match="outside"):
-        _memmove_issuer(calls).copy_runs(NO_STREAM, dst, src, runs)
+        _memmove_issuer(calls, batched).copy_runs(NO_STREAM, dst, src, runs)
     assert calls == [] and torch.equal(dst, before)
 
 
@@ -75,13 +99,58 @@ def test_a_failed_copy_raises_with_the_runtime_error_named():
         bad.copy_runs(NO_STREAM, _rows(2, 3, 1), _rows(2, 3, 2), [(0, 0, 1)])
 
 
+def test_a_failed_batch_raises_with_the_runtime_error_named():
+    bad = RawDma(lambda *a: 0, lambda err: b"invalid value", lambda *a: 1)
+    with pytest.raises(RuntimeError, match=r"cudaMemcpyBatchAsync of 2 runs failed: cudaError 1 \(invalid value\)"):
+        bad.copy_runs(NO_STREAM, _rows(3, 3, 1), _rows(3, 3, 2), [(0, 0, 1), (2, 2, 1)])
+
+
+class _FakeRuntime:
+    """A runtime with a version and a cudaMemcpyBatchAsync that records its arguments."""
+
+    def __init__(self, version, has_batch=True):
+        self.calls = []
+
+        def get_version(ref):
+            ref._obj.value = version
+            return 0
+        self.cudaRuntimeGetVersion = get_version
+        if has_batch:
+            self.cudaMemcpyBatchAsync = lambda *args: self.calls.append(args) or 0
+
+
+@pytest.mark.parametrize("version,n_args", [(12080, 9), (12090, 9), (13000, 8), (13020, 8)])
+def test_the_batch_is_bound_with_the_signature_of_the_runtime_version(version, n_args):
+    from dataplane.moves.dma import _MemcpyAttributes, _bind_batch
+
+    rt = _FakeRuntime(version)
+    batch, why = _bind_batch(rt)
+    assert why is None
+    assert batch("d", "s", "z", 3, 99) == 0
+    (args,) = rt.calls
+    assert len(args) == n_args and args[:4] == ("d", "s", "z", 3) and args[-1] == 99 and args[6] == 1
+    attrs = ctypes.cast(args[4], ctypes.POINTER(_MemcpyAttributes)).contents
+    assert (attrs.src_access_order, attrs.flags, attrs.src_loc_type, attrs.dst_loc_type) == (1, 1, 0, 0)
+    assert list(args[5]) == [0]
+    assert ctypes.sizeof(_MemcpyAttributes) == 24
+
+
+def test_no_batch_before_12_8_or_without_the_symbol():
+    from dataplane.moves.dma import _bind_batch
+
+    assert _bind_batch(_FakeRuntime(12060))[0] is None
+    batch, why = _bind_batch(_FakeRuntime(12090, has_batch=False))
+    assert batch is None and "no cudaMemcpyBatchAsync" in why
+
+
 def test_cpu_engines_issue_through_torch():
     assert isinstance(dma_issuer(torch.device("cpu")), TorchDma)
 
 
 @gpu
-def test_on_a_gpu_the_raw_path_moves_scattered_rows_both_ways():
-    dma = dma_issuer(torch.device("cuda"))
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "one-by-one"])
+def test_on_a_gpu_the_raw_path_moves_scattered_rows_both_ways(batch):
+    dma = dma_issuer(torch.device("cuda"), batch=batch)
     assert isinstance(dma, RawDma), "the CUDA runtime torch loaded was not found in /proc/self/maps"
     dev = _rows(64, 4096, 11).cuda()
     host = torch.empty((64, 4096), dtype=torch.int32).pin_memory()
@@ -108,3 +177,13 @@ def test_the_runtime_found_is_torchs_own_major_version_when_several_are_mapped()
     assert _mapped_cudart(maps, "12.8") == "/usr/lib/nvidia/cuda_runtime/lib/libcudart.so.12"
     assert _mapped_cudart(maps, "13.0") == "/opt/x/lib/libcudart.so.11.0"        # none matches: the first
     assert _mapped_cudart(maps.splitlines()[3], "12.8") is None                  # none mapped
+
+
+@gpu
+def test_on_a_gpu_the_batch_is_used_where_the_runtime_has_it():
+    dma = dma_issuer(torch.device("cuda"))
+    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
+    if (major, minor) >= (12, 8):
+        assert dma.name == "cudaMemcpyBatchAsync" and dma.batch_refused is None, dma.batch_refused
+    else:
+        assert dma.name == "cudaMemcpyAsync" and "no cudaMemcpyBatchAsync" in dma.batch_refused
