@@ -54,7 +54,7 @@ class Cluster:
                  durability: str = "normal", traced: bool = False, lane: bool = True,
                  cpus: tuple[int | None, int | None] = (None, None), nearly_done: bool = False,
                  ahead: bool = False, early: bool = False, warm: bool = False, wake: bool = False,
-                 keep_awake: bool = False, ahead_min_bytes: int = 64 << 20):
+                 keep_awake: bool = False, ahead_min_bytes: int = 64 << 20, early_ack: bool = True):
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
@@ -71,7 +71,7 @@ class Cluster:
                     [] if lane else ["--no-lane"]) + (["--cpu", str(cpus[1])] if cpus[1] is not None else []) + (
                     ["--nearly-done"] if nearly_done else ["--no-nearly-done"]) + (
                     ["--awake-for-commands"] if ahead else ["--no-awake-for-commands"]) + (
-                    ["--start-ahead"] if early else ["--no-start-ahead"])
+                    ["--start-ahead"] if early else ["--no-start-ahead"]) + ([] if early_ack else ["--no-early-ack"])
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)

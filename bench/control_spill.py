@@ -74,6 +74,11 @@ BESIDE_EARLY = [
 ]
 
 
+# ... of an early ack (the worker sent the outcome before its engine settled the move)
+EARLY_ACK_SENT = ("engine: after its clock stops, to its early ack sent", "w_finished", "w_sent")
+BESIDE_EARLY_ACK = ("(beside) engine: settles the move after its ack left", "w_sent", "w_engine_end")
+
+
 # ... and the part of "commit MoveAcked, answer" that is the commit (an ack committed at once)
 PART_ACK_COMMIT = ("(part) control: commit MoveAcked alone", "recorded", "ack_committed")
 # ... and when the ledger writer was warmed for the ack (MoveNearlyDone's estimate less the lead)
@@ -88,6 +93,11 @@ def breakdown(marks: dict[str, int]) -> dict[str, float] | None:
     phases = PHASES_EARLY + BESIDE_EARLY if "w_ahead" in marks else PHASES
     if any(a not in marks or b not in marks for _, a, b in phases):
         return None
+    if marks["w_sent"] < marks["w_engine_end"]:        # an early ack: it left before the engine settled
+        phases = [p for p in phases if p[0] not in (PHASES[8][0], PHASES[9][0])]
+        at = next(i for i, p in enumerate(phases) if p[0] == PHASES[10][0])
+        phases[at:at] = [EARLY_ACK_SENT]
+        phases.append(BESIDE_EARLY_ACK)
     if "ack_committed" in marks:
         phases = [*phases, PART_ACK_COMMIT]
     if "warmed" in marks and "nearly_done" in marks:
@@ -198,6 +208,8 @@ def under_dma_load(fn, seconds: float = 120.0):
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
 #   awake     (an experiment) the same spinners kept spinning through the whole variant (runs
 #             35-53 measured it with the bench's own always-spinning ones: 35/36 with yields)
+#   late-ack  (an A/B) the worker sends the outcome after its engine settled the move (--no-early-ack),
+#             not as soon as the engine has it (the default)
 #   keepawake the control keeps every CPU from halting while a big move is in flight and 1 s after
 #             (control/keep_awake.py: SCHED_IDLE spinners, asleep between bursts)
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
@@ -207,7 +219,7 @@ def _variant(name: str) -> dict:
     parts = set(name.split("+"))
     return {"lane": "no-lane" not in parts, "nearly": "nearly" in parts, "ahead": "ahead" in parts,
             "early": "early" in parts, "warm": "warm" in parts, "wake": "wake" in parts,
-            "awake": "awake" in parts, "keepawake": "keepawake" in parts,
+            "awake": "awake" in parts, "keepawake": "keepawake" in parts, "early_ack": "late-ack" not in parts,
             "pin_control": bool(parts & {"pinned", "pin-control"}), "pin_worker": bool(parts & {"pinned", "pin-worker"})}
 
 
@@ -218,7 +230,7 @@ VARIANTS = {n: _variant(n) for n in (
 
 
 PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "keepawake", "pinned", "pin-control",
-         "pin-worker"}
+         "pin-worker", "late-ack"}
 
 
 def variant_of(name: str) -> dict:
@@ -303,7 +315,7 @@ def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, i
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
                 nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"],
-                keep_awake=var["keepawake"], ahead_min_bytes=min(64 << 20, n * bb))
+                keep_awake=var["keepawake"], ahead_min_bytes=min(64 << 20, n * bb), early_ack=var["early_ack"])
     spinners = idle_spinners() if var.get("awake") else None
     try:
         blocks = c.commit(n)

@@ -147,6 +147,9 @@ class Engine(EarlyStart):
         self._inflight: dict[str, InFlight] = {}
         self._busy: dict[int, str] = {}
         self.last_phases: dict[str, int] = {}   # host-clock phase marks of the last settled move
+        # called with a move's outcome as soon as ``wait`` has it, before the engine's own
+        # bookkeeping (unregistering the move, recording the outcome); must not raise
+        self.on_outcome: Callable[[Outcome], None] | None = None
         self.log = log.bind(worker=worker)
         refused = getattr(self.ctx.dma, "batch_refused", None)
         if refused is not None and batch_dma:
@@ -298,6 +301,8 @@ class Engine(EarlyStart):
             outcome = mv.finish()
         except Exception as e:  # noqa: BLE001
             return self._fail(mv, e)
+        if self.on_outcome is not None:      # e.g. the lane sends it while the engine settles
+            self.on_outcome(outcome)
         return self._settle(mv, outcome)
 
     def pump(self) -> bool:

@@ -165,20 +165,53 @@ class EngineLane:
             lane.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the engine lane"))
             return
         queued_ns = t0 = time.time_ns()
-        replies = self._run_core(cmd)
-        t1 = time.time_ns()
-        sent_ns = self._lane_deliver(lane, cmd, replies)
+        engine = self.core.engine
+        if t is ExecuteMove and self.early_ack and hasattr(engine, "on_outcome"):
+            early: list = []
+            engine.on_outcome = lambda outcome: self._send_early(lane, cmd, outcome, early)
+            try:
+                replies = self._run_core(cmd)
+            finally:
+                engine.on_outcome = None
+            t1 = time.time_ns()
+            sent_ns = self._lane_deliver(lane, cmd, replies, early)
+        else:
+            replies = self._run_core(cmd)
+            t1 = time.time_ns()
+            sent_ns = self._lane_deliver(lane, cmd, replies)
         if self.report_timings and t in (ExecuteMove, ReleaseBlocks):
             lane.send(MoveTimed(move_id=command_ref(cmd), worker=self.worker, received_ns=recv_ns, queued_ns=queued_ns,
                                 engine_start_ns=ahead_ns or t0, engine_end_ns=t1, sent_ns=sent_ns,
                                 ahead_ns=self._ahead_read_ns if ahead_ns else 0))
 
-    def _lane_deliver(self, lane: ControlLink, cmd, replies: list) -> int:
-        """Record (for QueryMoves and duplicates), then send; returns when the outcome went (ns)."""
+    def _send_early(self, lane: ControlLink, cmd: ExecuteMove, outcome, early: list) -> None:
+        """The engine has the move's outcome and is yet to settle it: record and send it now, so
+        the control's commit overlaps that bookkeeping. ``early`` gets (sent ns, outcome)."""
+        if early or outcome.move_id != cmd.move_id:
+            return
+        try:
+            self.record.note(cmd.move_id, [outcome], time.time_ns())
+            payload = encode_message(outcome)
+            sent_ns = time.time_ns()
+            lane.send_bytes(payload)
+        except Exception as e:  # noqa: BLE001 - then it goes the usual way, after the engine returns
+            self.log.warning("early_ack_failed", move_id=cmd.move_id, error=repr(e))
+            return
+        early.append((sent_ns, outcome))
+
+    def _lane_deliver(self, lane: ControlLink, cmd, replies: list, early: list | None = None) -> int:
+        """Record (for QueryMoves and duplicates), then send; returns when the outcome went (ns).
+        ``early``: the outcome the lane already sent (``_send_early``), not sent again."""
+        sent_ns, skip = 0, None
+        if early:
+            (sent_ns, skip), = early
+            if skip not in replies:          # the engine raised after it: the outcome stands, first
+                replies = [skip] + replies
         if type(cmd) in (ExecuteMove, ReleaseBlocks):
             self.record.note(command_ref(cmd), replies, time.time_ns())
-        sent_ns = 0
         for r in replies:
+            if r is skip:
+                continue
             if isinstance(r, OUTCOMES):
                 payload = encode_message(r)
                 sent_ns = time.time_ns()

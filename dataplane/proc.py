@@ -62,7 +62,7 @@ class WorkerProc(EngineLane):
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
                  report_timings: bool = False, lane: bool = True, ctx: zmq.Context | None = None,
                  cpu: int | None = None, nearly_done: bool = True, awake_for_commands: bool = True,
-                 start_ahead: bool = True):
+                 start_ahead: bool = True, early_ack: bool = True):
         self.worker, self.epoch, self.endpoint = worker, epoch, endpoint
         self.core, self.device, self.block_bytes = core, device, block_bytes
         self.faults = faults
@@ -77,6 +77,10 @@ class WorkerProc(EngineLane):
         self.start_ahead = start_ahead          # a CommandAhead carrying its command starts the copies
         self._ahead_until = 0                   # monotonic ns: an early-started move is abandoned then
         self._ahead_read_ns = 0                 # wall ns: its CommandAhead was read
+        # the lane sends a move's outcome as soon as the engine has it, before the engine's own
+        # bookkeeping after it (lane.py); not with fault hooks, whose kills and delays are placed
+        # between a move and its ack
+        self.early_ack = early_ack and not faults.enabled
         self.record = WorkerRecord(worker)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -429,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="on a CommandAhead that carries its command, begin the copies before the command "
                         "comes; nothing is visible until it does (default on)")
+    p.add_argument("--early-ack", action=argparse.BooleanOptionalAction, default=True,
+                   help="on the lane, send a move's outcome as soon as the engine has it, before the "
+                        "engine's bookkeeping after it (default on; off with --faults)")
     p.add_argument("--report-timings", action="store_true",
                    help="after each move's outcome send MoveTimed (where its time went here); benchmarks")
     add_serving_args(p)
@@ -457,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
                       orphan_exit_s=args.orphan_exit_s, report_timings=args.report_timings,
                       lane=args.lane, cpu=args.cpu, nearly_done=args.nearly_done,
-                      awake_for_commands=args.awake_for_commands, start_ahead=args.start_ahead)
+                      awake_for_commands=args.awake_for_commands, start_ahead=args.start_ahead,
+                      early_ack=args.early_ack)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:

@@ -161,11 +161,14 @@ class InFlight:
                 stream.synchronize()
 
     # ------------------------------------------------------------ outcomes
-    def acked(self, bytes_freed_src: int, checksums: Sequence[int]) -> MoveAcked:
+    def acked(self, bytes_freed_src: int, checksums: Sequence[int] | bytes) -> MoveAcked:
+        """``checksums``: the values, or already packed (``pack_checksums``, done while the last
+        chunk crossed)."""
+        packed = checksums if isinstance(checksums, bytes) else pack_checksums(checksums)
         return MoveAcked(
             move_id=self.cmd.move_id, worker=self.ctx.worker, bytes_moved=int(self.bytes_moved or 0),
             bytes_freed_src=int(bytes_freed_src), checksum_ok=True, started_ns=self.started_ns,
-            finished_ns=self.ctx.clock(), checksums=pack_checksums(checksums),
+            finished_ns=self.ctx.clock(), checksums=packed,
         )
 
     def failed(self, error: str) -> MoveFailed:

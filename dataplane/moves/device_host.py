@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataplane.moves.base import Hasher, InFlight
 from dataplane.moves.copy import Copier
+from events.catalog import pack_checksums
 from dataplane.pools.errors import ChecksumMismatch
 
 
@@ -151,6 +152,7 @@ class SpillToHost(_LinkFirst):
         # Apply the commit while the last chunk crosses. Nothing can look at the tables before
         # this returns (the engine is one thread), and it returns only after the bytes landed;
         # if the wait fails, both tables are put back exactly and abort() cancels the reservation.
+        packed = pack_checksums(sums)            # the ack's, ready before the bytes are
         c.host.table.publish_checked(self.ids)
         freed = 0 if keep else c.device.table.free_all_checked(self.ids)
         try:
@@ -162,7 +164,7 @@ class SpillToHost(_LinkFirst):
             raise
         self.mark("landed")
         self.hslots = None
-        return self.acked(freed, sums)
+        return self.acked(freed, packed)
 
     def rollback(self) -> None:
         if getattr(self, "claimed", None) is not None:
@@ -254,6 +256,7 @@ class RestoreFromHost(_LinkFirst):
             return self._verify_then_commit(head.read() + tail.read())
         # Apply the commit while the last chunk crosses (see SpillToHost.finish); undone exactly
         # if the wait fails or the last chunk's checksums differ.
+        packed = pack_checksums(self.expected)   # the ack's, ready before the bytes are
         c.device.table.publish_checked(ids)
         s.wait_event(self.compute, self.hashed)  # no compute kernel reads a page before it landed
         freed = 0
@@ -270,7 +273,7 @@ class RestoreFromHost(_LinkFirst):
             self._unapply(freed)
             return self._mismatch(head.read() + last)
         self.dslots = None
-        return self.acked(freed, self.expected)
+        return self.acked(freed, packed)
 
     def _unapply(self, freed: int) -> None:
         c = self.ctx

@@ -288,3 +288,49 @@ def test_no_pickle_crosses_any_socket():
                 if pattern.search(line) and not line.lstrip().startswith("#"):
                     offenders.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early-ack", "no-early-ack"])
+def test_a_lane_worker_sends_a_moves_ack_once_before_the_engine_settles_it(short_dir, tmp_path, early):
+    """With --early-ack (the default) the lane sends a real engine's outcome as soon as the engine
+    has it: its MoveTimed says the ack left before the engine call returned. Either way the ack is
+    sent once, a repeated command gets the same ack again, and QueryMoves reports it."""
+    from events.commands import MoveTimed
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint, use_lane=True)
+    argv = worker_argv(0, endpoint, short_dir, device_blocks=256) + ["--report-timings", "--no-nearly-done"] + (
+        [] if early else ["--no-early-ack"])
+    w = spawn(argv, tmp_path / "worker.log")
+    try:
+        ctl.expect(Hello, timeout=60)
+        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=list(range(100)), seed=5))
+        ctl.expect(BlocksWritten)
+        cmd = ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=list(range(100)),
+                          keep_source=False, deadline_ns=0)
+        ctl.send(cmd)
+        ack = ctl.expect(ev.MoveAcked)
+        timed = ctl.expect(MoveTimed)
+        assert ack.move_id == "m-1" and ack.bytes_moved == 100 * 16384 and len(ack.checksums) == 8 * 100
+        assert ack.finished_ns <= timed.sent_ns
+        if early:
+            assert timed.sent_ns < timed.engine_end_ns, "the ack went after the engine call returned"
+        else:
+            assert timed.sent_ns >= timed.engine_end_ns
+        ctl.send(cmd)                                    # the same command again: the same answer
+        assert ctl.expect(ev.MoveAcked) == ack
+        ctl.send(QueryMoves(move_ids=["m-1"]))
+        assert ctl.expect(MovesReport).outcomes == [ack]
+        ctl.send(ExecuteMove(move_id="m-2", kind="restore", src="host", dst="device", blocks=list(range(100)),
+                             keep_source=False, deadline_ns=0))
+        back = ctl.expect(ev.MoveAcked)
+        assert back.move_id == "m-2" and back.checksums == ack.checksums
+        ctl.send(Shutdown(reason="test"))
+        assert w.wait(10) == 0
+        acks = []
+        while ctl.sock.poll(100):
+            m = ctl.recv()
+            acks += [m] if type(m) is ev.MoveAcked else []
+        assert acks == []                                # nothing sent twice
+    finally:
+        w.kill()
+        ctl.sock.close(0)
