@@ -32,7 +32,9 @@ def test_restart_quarantines_bad_files_and_drops_temporaries(tmp_path):
         d = first.disk_tier
         with open(d.path_of(2), "r+b") as f:           # payload bit rot: caught by re-hashing
             f.seek(HEADER_BYTES + 7)
-            f.write(b"\x99")
+            rotted = bytes([f.read(1)[0] ^ 0x10])      # a flipped bit (writing a fixed byte over random
+            f.seek(HEADER_BYTES + 7)                   # data left it unchanged 1 time in 256)
+            f.write(rotted)
         os.truncate(d.path_of(3), HEADER_BYTES + 5)     # torn file
         with open(os.path.join(d.directory, ".block-9.kv.tmp"), "wb") as f:   # never published
             f.write(b"half a block")
