@@ -209,6 +209,22 @@ def _threads_of(pid: int, comm: str) -> dict[int, set[int]]:
     return out
 
 
+def _real_lane_worker(short_dir, tmp_path, extra: list[str], blocks: int):
+    """A worker with a real engine whose lane is up, ``blocks`` blocks committed on its device."""
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint, use_lane=True)
+    w = spawn(worker_argv(0, endpoint, short_dir, device_blocks=256) + extra, tmp_path / "worker.log")
+    try:
+        ctl.expect(Hello, timeout=60)
+        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=list(range(blocks)), seed=3))
+        ctl.expect(BlocksWritten)
+    except BaseException:
+        w.kill()
+        ctl.sock.close(0)
+        raise
+    return ctl, w
+
+
 @pytest.mark.parametrize("nearly", [True, False], ids=["nearly-done", "no-nearly-done"])
 def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_thread_where_told(
         short_dir, tmp_path, nearly):
@@ -216,15 +232,9 @@ def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_
     MoveNearlyDone with its last chunk's bytes (unless --no-nearly-done); a move of one chunk is
     not. With --cpu C the worker's ZMQ I/O thread runs on C alone."""
     cpu = max(os.sched_getaffinity(0))
-    endpoint = f"ipc://{short_dir}/w.sock"
-    ctl = Control(endpoint, use_lane=True)
-    argv = worker_argv(0, endpoint, short_dir, device_blocks=256) + ["--cpu", str(cpu)] + (
-        [] if nearly else ["--no-nearly-done"])
-    w = spawn(argv, tmp_path / "worker.log")
+    ctl, w = _real_lane_worker(short_dir, tmp_path, ["--cpu", str(cpu)] + ([] if nearly else ["--no-nearly-done"]),
+                               blocks=200)
     try:
-        ctl.expect(Hello, timeout=60)
-        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=list(range(200)), seed=3))
-        ctl.expect(BlocksWritten)
         ctl.send(ExecuteMove(move_id="m-big", kind="evict", src="device", dst="host", blocks=list(range(100)),
                              keep_source=False, deadline_ns=0))
         got = []
@@ -296,15 +306,9 @@ def test_a_lane_worker_sends_a_moves_ack_once_before_the_engine_settles_it(short
     has it: its MoveTimed says the ack left before the engine call returned. Either way the ack is
     sent once, a repeated command gets the same ack again, and QueryMoves reports it."""
     from events.commands import MoveTimed
-    endpoint = f"ipc://{short_dir}/w.sock"
-    ctl = Control(endpoint, use_lane=True)
-    argv = worker_argv(0, endpoint, short_dir, device_blocks=256) + ["--report-timings", "--no-nearly-done"] + (
-        [] if early else ["--no-early-ack"])
-    w = spawn(argv, tmp_path / "worker.log")
+    ctl, w = _real_lane_worker(short_dir, tmp_path, ["--report-timings", "--no-nearly-done"] + (
+        [] if early else ["--no-early-ack"]), blocks=100)
     try:
-        ctl.expect(Hello, timeout=60)
-        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=list(range(100)), seed=5))
-        ctl.expect(BlocksWritten)
         cmd = ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=list(range(100)),
                           keep_source=False, deadline_ns=0)
         ctl.send(cmd)
