@@ -14,9 +14,18 @@ if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
     tests/dataplane/test_engine_streams.py tests/dataplane/test_engine_chunked.py tests/dataplane/test_engine_ahead.py tests/dataplane/test_dma.py tests/dataplane/test_engine_moves.py tests/dataplane/test_engine_verify.py 2>&1 | tail -6
 fi
-[[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 3 --latency-iters 100 --out "$OUT/moves.json" 2>&1 | tail -50
-[[ $parts == *" control "* ]] && timeout 280 python3 bench/control.py --device cuda --spill-bytes 2GiB --spill-reps 21 --moves 300 \
-  --sustained 3000 --repeat 1 --engines real --out "$OUT/control.json" 2>&1 | tail -12
+[[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
+  --out "$OUT/moves.json" 2>&1 | tail -50
+# the control's default (K), the same with the ack sent after the engine settles (L) and without
+# keep_awake (N), in both orders on this host (~40 s each)
+K=lane+nearly+ahead+early+warm+wake+keepawake
+if [[ $parts == *" control "* ]]; then
+  for order in "a $K,$K+late-ack,lane+nearly+ahead+early+warm+wake" "b lane+nearly+ahead+early+warm+wake,$K+late-ack,$K"; do
+    set -- $order
+    timeout 150 python3 bench/control.py --device cuda --spill-bytes 2GiB --spill-reps 41 --moves 300 --sustained 3000 \
+      --repeat 1 --engines real --spill-variants "$2" --out "$OUT/control-$1.json" 2>&1 | grep -E "^spill through|^target|round trip"
+  done
+fi
 [[ $parts == *" cold "* ]] && timeout 120 python3 bench/control_cold.py --out "$OUT/control-cold.json" 2>&1 | tail -14
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8
