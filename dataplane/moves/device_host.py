@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataplane.moves.base import Hasher, InFlight
 from dataplane.moves.copy import Copier
-from events.catalog import pack_checksums
 from dataplane.pools.errors import ChecksumMismatch
+from events.catalog import pack_checksums
 
 
 def first_chunk_blocks(ctx, n: int, chunks: int = 1) -> int:

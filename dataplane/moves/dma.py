@@ -19,10 +19,12 @@ to cross; 64 scattered 2 MiB DMAs 940 vs 526 µs: bench/results/moves-probe-2026
 ``bench/moves.py --torch-dma`` measures the engine with the torch path for comparison.
 
 Where the runtime has ``cudaMemcpyBatchAsync`` (CUDA 12.8 on), RawDma issues all the runs of one
-call in one batch (one call into the runtime instead of one per run; each copy still goes in stream
-order, by the copy engines: ``cudaMemcpyFlagPreferOverlapWithCompute``). Before it is trusted, a
-load checks it on two scattered rows of scratch memory; where that check fails, the runs go one
-``cudaMemcpyAsync`` each and ``batch_refused`` says why.
+call in one batch (one call into the runtime instead of one per run; the batch goes in stream
+order, by the copy engines: ``cudaMemcpyFlagPreferOverlapWithCompute``). The copies of one batch
+may run in any order, which is safe because a call's runs never share a destination row (each
+block has its own claimed slot). Before it is trusted, a load checks it on scattered rows of
+device scratch memory; where that check fails, the runs go one ``cudaMemcpyAsync`` each and
+``batch_refused`` says why.
 
 What torch's copy_ does beyond the copy and this skips: recording an event for memory that came
 from torch's caching host allocator. Every host buffer here is the engine's own registered memory
@@ -131,20 +133,21 @@ class RawDma:
                                    f"({self._error_string(err).decode(errors='replace')})")
 
     def _check_batch(self) -> str | None:
-        """Scattered rows there and back through the batch, on a side stream; None when they land
-        where they should, else why not."""
+        """Scattered rows through the batch and back, device to device on a side stream (no host
+        memory: nothing pinned outside the engine's budget); None when they land where they
+        should, else why not."""
         try:
             g = torch.Generator().manual_seed(0x5EED)
             rows = torch.randint(-2**31, 2**31 - 1, (4, 1024), dtype=torch.int32, generator=g)
             dev = rows.cuda()
-            host = torch.empty_like(rows).pin_memory()
-            back = torch.empty_like(dev)
+            there, back = torch.empty_like(dev), torch.empty_like(dev)
             s = torch.cuda.Stream(dev.device)
+            s.wait_stream(torch.cuda.current_stream(dev.device))
             with torch.cuda.stream(s):
-                self.copy_runs(s, host, dev, [(3, 0, 1), (0, 1, 2), (2, 3, 1)])
-                self.copy_runs(s, back, host, [(1, 0, 2), (3, 2, 1), (0, 3, 1)])
+                self.copy_runs(s, there, dev, [(3, 0, 1), (0, 1, 2), (2, 3, 1)])
+                self.copy_runs(s, back, there, [(1, 0, 2), (3, 2, 1), (0, 3, 1)])
             s.synchronize()
-            if not torch.equal(host, rows[[3, 0, 1, 2]]) or not torch.equal(back.cpu(), rows):
+            if not torch.equal(there.cpu(), rows[[3, 0, 1, 2]]) or not torch.equal(back.cpu(), rows):
                 return "cudaMemcpyBatchAsync's check: rows landed elsewhere"
         except Exception as e:  # noqa: BLE001 - any failure means: do not use it
             return f"cudaMemcpyBatchAsync's check failed: {type(e).__name__}: {e}"
