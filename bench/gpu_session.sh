@@ -2,8 +2,8 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [cold] [ttft] [tests] [trace] [keepawake]   (default: all but trace
-#   and keepawake; JSON under $OUT)
+#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake]   (default: all
+#   but probe, trace and keepawake; JSON under $OUT)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -26,6 +26,8 @@ if [[ $parts == *" control "* ]]; then
       --repeat 1 --engines real --spill-variants "$2" --out "$OUT/control-$1.json" 2>&1 | grep -E "^spill through|^target|round trip"
   done
 fi
+[[ $parts == *" probe "* ]] && timeout 200 python3 bench/moves_probe.py --sections both,both_dma --reps 5 \
+  --out "$OUT/moves-probe.json" 2>&1 | tail -5
 [[ $parts == *" cold "* ]] && timeout 120 python3 bench/control_cold.py --out "$OUT/control-cold.json" 2>&1 | tail -14
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8

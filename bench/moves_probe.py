@@ -222,16 +222,19 @@ def one_block_profile(b: mb.Bench, iters: int = 100) -> dict:
 def both(b: mb.Bench, reps: int) -> dict:
     """The engine's spill+restore, submitted one after the other and through submit_many with
     first chunks 1, 2 and 3 pipeline chunks long (``submit_many_x<k>``; the engine's default is
-    ``dataplane.engine.FIRST_CHUNKS_TOGETHER``), two interleaved rounds."""
+    ``dataplane.engine.FIRST_CHUNKS_TOGETHER``), and x2 without the first move's longer first step
+    (``FIRST_LEAD_BLOCKS``; ``_nolead``), two interleaved rounds."""
     import dataplane.engine as engine_mod
 
     res = {}
-    hows = ("sequential", "submit_many_x1", "submit_many_x2", "submit_many_x3")
+    hows = ("sequential", "submit_many_x1", "submit_many_x2", "submit_many_x3", "submit_many_x2_nolead")
     for how in hows + hows:
-        k = engine_mod.FIRST_CHUNKS_TOGETHER if how == "sequential" else int(how[-1])
-        with swapped(engine_mod, FIRST_CHUNKS_TOGETHER=k):
+        k = engine_mod.FIRST_CHUNKS_TOGETHER if how == "sequential" else int(how.split("_x")[1][0])
+        lead = 0 if how.endswith("nolead") else engine_mod.FIRST_LEAD_BLOCKS
+        with swapped(engine_mod, FIRST_CHUNKS_TOGETHER=k, FIRST_LEAD_BLOCKS=lead):
             _add_round(res, how, b, *_both_reps(b, reps, how == "sequential"))
     res["engine_default_first_chunks"] = engine_mod.FIRST_CHUNKS_TOGETHER
+    res["engine_default_first_lead_blocks"] = engine_mod.FIRST_LEAD_BLOCKS
     return res
 
 

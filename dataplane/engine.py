@@ -74,6 +74,12 @@ FIRST_SLICE_BLOCKS = 8
 # does both moves' bookkeeping (a one-chunk first chunk left the restore's link idle ~1.6 ms in a
 # trace on the H200: bench/results/moves-trace-2026-12-04-h200-run2.json, both_many).
 FIRST_CHUNKS_TOGETHER = 2
+# ...and the first move's first step this many blocks long (64 MiB, ~1.3 ms on the link): its link
+# stays busy while the next move is validated and claims its slots (~0.9 ms for a 1024-block
+# restore on an H200 host), which left the spill's link idle ~0.8 ms after an 8-block first slice
+# and made the spill the last to finish (bench/results/moves-trace-2026-12-04-h200-run3.json,
+# both_many: the d2h link's largest gap 783 µs, its last byte 2.8 ms after the h2d link's).
+FIRST_LEAD_BLOCKS = 32
 _STARTED = object()
 
 
@@ -237,7 +243,8 @@ class Engine(EarlyStart):
             mv = self._admit(cmd)
             if mv is None:
                 continue
-            steps = mv.start_in_slices(FIRST_SLICE_BLOCKS, FIRST_CHUNKS_TOGETHER if len(cmds) > 1 else 1)
+            lead = FIRST_LEAD_BLOCKS if len(cmds) > 1 and not started else 0    # ...the first a longer one
+            steps = mv.start_in_slices(FIRST_SLICE_BLOCKS, FIRST_CHUNKS_TOGETHER if len(cmds) > 1 else 1, lead)
             starting.append((mv, steps))
             started.append(mv)
             if not self._step_start(mv, steps):

@@ -111,10 +111,10 @@ class InFlight:
         bookkeeping. By default the whole of begin."""
         self.begin()
 
-    def start_in_slices(self, slice_blocks: int, first_chunks: int = 1):
+    def start_in_slices(self, slice_blocks: int, first_chunks: int = 1, lead_blocks: int = 0):
         """``start`` as a generator, one step per ``slice_blocks`` blocks of a first chunk of
-        ``first_chunks`` pipeline chunks (``Engine.submit_many`` steps the moves in turn). By
-        default all of start in one step."""
+        ``first_chunks`` pipeline chunks, the first step ``lead_blocks`` long when that is more
+        (``Engine.submit_many`` steps the moves in turn). By default all of start in one step."""
         self.start()
         return
         yield

@@ -64,12 +64,14 @@ class _LinkFirst(InFlight):
         for _ in self.start_in_slices(1 << 30):
             pass
 
-    def start_in_slices(self, slice_blocks: int, first_chunks: int = 1):
+    def start_in_slices(self, slice_blocks: int, first_chunks: int = 1, lead_blocks: int = 0):
         first = self.claim(first_chunks)
         n0, step = self.n0, max(1, slice_blocks)
-        for lo in range(0, n0, step):
-            if lo:
-                yield
+        lead = min(n0, max(step, lead_blocks))
+        if lead:
+            first.enqueue(0, lead)
+        for lo in range(lead, n0, step):
+            yield
             first.enqueue(lo, min(n0, lo + step))
         self.first_enqueued(first)
         self.mark("first_chunk")

@@ -65,10 +65,34 @@ def test_moves_submitted_together_reach_the_link_in_turn_then_advance_in_turn(ch
 
     e = chunky
     monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", slice_blocks)
+    monkeypatch.setattr(engine_mod, "FIRST_LEAD_BLOCKS", 0)          # no longer first step (below)
     data, log, cmds = _spill_and_restore(e, monkeypatch)
     t_out, t_in = e.submit_many(cmds)
     assert engine_mod.FIRST_CHUNKS_TOGETHER == 2
     assert log == ["d2h", "h2d"] * pairs, log
+    a, b = e.wait(t_in), e.wait(t_out)
+    assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
+    _landed_intact(e, data)
+
+
+def test_the_first_move_submitted_together_leads_with_a_longer_first_step(chunky, monkeypatch):
+    """The spill's link gets FIRST_LEAD_BLOCKS blocks before the restore is admitted (validated,
+    slots claimed), so it stays busy meanwhile; then slices of each in turn, and both land."""
+    import dataplane.engine as engine_mod
+
+    e = chunky
+    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
+    monkeypatch.setattr(engine_mod, "FIRST_LEAD_BLOCKS", 4)
+    data = commit(e, "device", OUT_IDS + IN_IDS)
+    assert isinstance(e.execute(move("evict", "device", "host", IN_IDS)), MoveAcked)
+    real_enqueue, real_admit, log = copy_mod.Copier.enqueue, e._admit, []
+    monkeypatch.setattr(copy_mod.Copier, "enqueue",
+                        lambda self, lo, hi: (log.append((self.direction, lo, hi)), real_enqueue(self, lo, hi)))
+    monkeypatch.setattr(e, "_admit", lambda cmd, record=True: (log.append(("admit", cmd.kind)), real_admit(cmd, record))[1])
+    t_out, t_in = e.submit_many([move("evict", "device", "host", OUT_IDS[::-1]),
+                                 move("restore", "host", "device", IN_IDS[3:] + IN_IDS[:3])])
+    assert log[:8] == [("admit", "evict"), ("d2h", 0, 4), ("admit", "restore"), ("h2d", 0, 1),
+                       ("d2h", 4, 5), ("h2d", 1, 2), ("d2h", 5, 6), ("h2d", 2, 3)], log
     a, b = e.wait(t_in), e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
     _landed_intact(e, data)
