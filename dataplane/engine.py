@@ -76,9 +76,9 @@ FIRST_SLICE_BLOCKS = 8
 FIRST_CHUNKS_TOGETHER = 2
 # ...and the first move's first step this many blocks long (64 MiB, ~1.3 ms on the link): its link
 # stays busy while the next move is validated and claims its slots (~0.9 ms for a 1024-block
-# restore on an H200 host), which left the spill's link idle ~0.8 ms after an 8-block first slice
-# and made the spill the last to finish (bench/results/moves-trace-2026-12-04-h200-run3.json,
-# both_many: the d2h link's largest gap 783 µs, its last byte 2.8 ms after the h2d link's).
+# restore on an H200 host); after an 8-block first slice the spill's link had its largest gap
+# (783 µs) and the spill finished last (bench/results/moves-trace-2026-12-04-h200-run3.json,
+# both_many: its last byte 2.8 ms after the restore's). Not yet measured on a GPU.
 FIRST_LEAD_BLOCKS = 32
 _STARTED = object()
 
