@@ -74,11 +74,9 @@ FIRST_SLICE_BLOCKS = 8
 # does both moves' bookkeeping (a one-chunk first chunk left the restore's link idle ~1.6 ms in a
 # trace on the H200: bench/results/moves-trace-2026-12-04-h200-run2.json, both_many).
 FIRST_CHUNKS_TOGETHER = 2
-# ...and the first move's first step this many blocks long (64 MiB, ~1.3 ms on the link): its link
-# stays busy while the next move is validated and claims its slots (~0.9 ms for a 1024-block
-# restore on an H200 host); after an 8-block first slice the spill's link had its largest gap
-# (783 µs) and the spill finished last (bench/results/moves-trace-2026-12-04-h200-run3.json,
-# both_many: its last byte 2.8 ms after the restore's). Not yet measured on a GPU.
+# ...and the first move's first step this long (64 MiB): its link stays busy while the next move
+# is admitted (~0.9 ms for a 1024-block restore on an H200; an 8-block step left the spill's link
+# a 783 µs gap and the spill last to finish: moves-trace-2026-12-04-h200-run3.json). Not yet measured.
 FIRST_LEAD_BLOCKS = 32
 _STARTED = object()
 
