@@ -97,8 +97,13 @@ class RawDma:
         err_str = lib.cudaGetErrorString
         err_str.argtypes = [ctypes.c_int]
         err_str.restype = ctypes.c_char_p
-        batch, why = _bind_batch(lib)
-        dma = cls(memcpy, err_str, batch)
+        return cls.checked(memcpy, err_str, *_bind_batch(lib))
+
+    @classmethod
+    def checked(cls, memcpy_async, error_string, batch, why: str | None = None) -> "RawDma":
+        """A RawDma that batches only if ``batch`` passes ``_check_batch``; otherwise one call per
+        run, with ``batch_refused`` saying why (``why``: the binding's own reason for no batch)."""
+        dma = cls(memcpy_async, error_string, batch)
         if batch is not None:
             why = dma._check_batch()
         if why is not None:

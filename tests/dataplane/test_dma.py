@@ -143,6 +143,16 @@ def test_no_batch_before_12_8_or_without_the_symbol():
     assert batch is None and "no cudaMemcpyBatchAsync" in why
 
 
+def test_a_batch_that_fails_its_check_is_not_used_and_the_reason_is_kept():
+    landed_elsewhere = lambda dsts, srcs, sizes, count, stream: 0      # "succeeds", copies nothing
+    for batch in (landed_elsewhere, lambda *a: 1):
+        dma = RawDma.checked(lambda *a: 0, lambda err: b"invalid value", batch)
+        assert dma._batch is None and dma.name == "cudaMemcpyAsync"
+        assert dma.batch_refused and "cudaMemcpyBatchAsync's check" in dma.batch_refused, dma.batch_refused
+    dma = RawDma.checked(lambda *a: 0, lambda err: b"x", None, "runtime 12060 has no cudaMemcpyBatchAsync")
+    assert dma.batch_refused == "runtime 12060 has no cudaMemcpyBatchAsync"
+
+
 def test_cpu_engines_issue_through_torch():
     assert isinstance(dma_issuer(torch.device("cpu")), TorchDma)
 
