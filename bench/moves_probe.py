@@ -306,11 +306,11 @@ def _issuers() -> dict:
     from dataplane.moves.dma import RawDma, TorchDma
 
     out: dict = {"torch": TorchDma()}
-    found = RawDma.load()
-    if found is not None:
-        out["raw"] = RawDma(found._memcpy, found._error_string)
-        if found._batch is not None:
-            out["batch"] = found
+    one_by_one, batched = RawDma.load(batch=False), RawDma.load()
+    if one_by_one is not None:
+        out["raw"] = one_by_one
+    if batched is not None and batched.batch_refused is None:
+        out["batch"] = batched
     return out
 
 

@@ -165,20 +165,17 @@ class EngineLane:
             lane.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the engine lane"))
             return
         queued_ns = t0 = time.time_ns()
-        engine = self.core.engine
-        if t is ExecuteMove and self.early_ack and hasattr(engine, "on_outcome"):
-            early: list = []
+        engine, early = self.core.engine, []
+        hooked = t is ExecuteMove and self.early_ack and hasattr(engine, "on_outcome")
+        if hooked:
             engine.on_outcome = lambda outcome: self._send_early(lane, cmd, outcome, early)
-            try:
-                replies = self._run_core(cmd)
-            finally:
-                engine.on_outcome = None
-            t1 = time.time_ns()
-            sent_ns = self._lane_deliver(lane, cmd, replies, early)
-        else:
+        try:
             replies = self._run_core(cmd)
-            t1 = time.time_ns()
-            sent_ns = self._lane_deliver(lane, cmd, replies)
+        finally:
+            if hooked:
+                engine.on_outcome = None
+        t1 = time.time_ns()
+        sent_ns = self._lane_deliver(lane, cmd, replies, early)
         if self.report_timings and t in (ExecuteMove, ReleaseBlocks):
             lane.send(MoveTimed(move_id=command_ref(cmd), worker=self.worker, received_ns=recv_ns, queued_ns=queued_ns,
                                 engine_start_ns=ahead_ns or t0, engine_end_ns=t1, sent_ns=sent_ns,

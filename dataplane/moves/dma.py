@@ -80,8 +80,9 @@ class RawDma:
             self.name = "cudaMemcpyBatchAsync"
 
     @classmethod
-    def load(cls) -> "RawDma | None":
-        """The runtime torch loaded, or None where there is none to find (CPU builds, static links)."""
+    def load(cls, batch: bool = True) -> "RawDma | None":
+        """The runtime torch loaded, or None where there is none to find (CPU builds, static links);
+        issuing in batches where it can and ``batch``."""
         path = _mapped_cudart()
         if path is None:
             return None
@@ -97,7 +98,7 @@ class RawDma:
         err_str = lib.cudaGetErrorString
         err_str.argtypes = [ctypes.c_int]
         err_str.restype = ctypes.c_char_p
-        return cls.checked(memcpy, err_str, *_bind_batch(lib))
+        return cls.checked(memcpy, err_str, *(_bind_batch(lib) if batch else (None, "not asked for (batch=False)")))
 
     @classmethod
     def checked(cls, memcpy_async, error_string, batch, why: str | None = None) -> "RawDma":
@@ -222,9 +223,7 @@ def dma_issuer(device: torch.device, raw: bool = True, batch: bool = True) -> To
     """RawDma on a GPU when the runtime can be found and ``raw`` (issuing a call's runs in one
     batch where the runtime can and ``batch``); TorchDma otherwise."""
     if device.type == "cuda" and raw:
-        found = RawDma.load()
+        found = RawDma.load(batch)
         if found is not None:
-            if not batch and found._batch is not None:
-                found._batch, found.name, found.batch_refused = None, RawDma.name, "not asked for (batch=False)"
             return found
     return TorchDma()
