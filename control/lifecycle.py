@@ -95,10 +95,11 @@ class MoveLifecycle:
             early = self.cfg.start_ahead and {req.src, req.dst} == {"device", "host"}
             if early:
                 self.metrics["commands_sent_ahead"] += 1
-            self._send(link, CommandAhead(move_id=req.move_id, within_us=self.cfg.command_ahead_us,
-                                          command=moves.command_for(req) if early else None))
-            if self.traces.keep:
+            hint = CommandAhead(move_id=req.move_id, within_us=self.cfg.command_ahead_us,
+                                command=moves.command_for(req) if early else None)
+            if self.traces.keep:   # marked before it leaves: the worker may begin before _send returns
                 self.traces.mark(req.move_id, "ahead")
+            self._send(link, hint)
 
     def _dispatch(self, req: ev.MoveRequested) -> None:
         """The MoveRequested is committed: now (and only now) the command may leave."""
