@@ -14,6 +14,8 @@ and never moves anything again. ``submit``/``wait`` split a move so that a spill
 reaches the link before any does the rest of its bookkeeping; ``execute`` is submit+wait.
 ``begin_ahead``/``abandon`` (dataplane/engine_ahead.py) begin a move before its command comes and
 undo it when the command does not come (an early start: nothing recorded or visible meanwhile).
+``commit_blocks``/``adopt_blocks``/``release`` (dataplane/engine_blocks.py) make and drop blocks
+outside a move.
 
 The ZMQ process shell that receives commands and sends these replies is another module; it
 calls this class from one thread.
@@ -44,8 +46,6 @@ from dataplane.moves import (
     validate,
 )
 from dataplane.pools import (
-    AlreadyResident,
-    BlockBusy,
     DataPlaneError,
     DevicePool,
     DiskTier,
@@ -55,10 +55,11 @@ from dataplane.pools import (
     PinnedBudget,
 )
 from dataplane.engine_ahead import EarlyStart
+from dataplane.engine_blocks import BlockOps, seeded_words
 from dataplane.moves.dma import dma_issuer
 from dataplane.pools.budget import page_round
 from events.catalog import MoveAcked, MoveFailed, MoveRejected
-from events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ExecuteMove, MovesReport, ReleaseBlocks
+from events.commands import CommitBlocks, ExecuteMove, MovesReport
 from kernels.checksum import block_checksums, checksums_to_ints
 
 Outcome = MoveAcked | MoveFailed | MoveRejected
@@ -86,7 +87,7 @@ class MoveTicket:
     move_id: str
 
 
-class Engine(EarlyStart):
+class Engine(EarlyStart, BlockOps):
     def __init__(
         self,
         layout: KVLayout,
@@ -373,73 +374,6 @@ class Engine(EarlyStart):
                           reason=getattr(outcome, "reason", None) or getattr(outcome, "error", None))
         return outcome
 
-    # ------------------------------------------------------------ blocks
-    def commit_blocks(self, cmd: CommitBlocks) -> BlocksWritten:
-        """New blocks on ``cmd.tier`` filled with random words seeded by ``cmd.seed``.
-
-        Raises AlreadyResident / NoRoom / BlockBusy (nothing changed); the process shell answers
-        those with an ErrorReply. Keys are "" (test data has no content key).
-        """
-        ids = list(cmd.blocks)
-        if len(set(ids)) != len(ids):
-            raise AlreadyResident(cmd.tier, [b for b in ids if ids.count(b) > 1])
-        self._check_not_busy(cmd.tier, ids)
-        pool = self.pool(cmd.tier)
-        present = [b for b in ids if pool.holds(b)]
-        if present:
-            raise AlreadyResident(cmd.tier, present)
-        refused = pool.room_for(len(ids))
-        if refused is not None:
-            raise refused
-        gen_dev = self.torch_device if cmd.tier == "device" else torch.device("cpu")
-        data = seeded_words(cmd.seed, len(ids), self.layout.block_words, gen_dev)
-        if cmd.tier == "device":
-            slots = self.device_pool.allocate(ids)
-            self.device_pool.words.index_copy_(0, torch.tensor(slots, device=gen_dev), data)
-        else:
-            sums = checksums_to_ints(block_checksums(data, range(len(ids)), ids))
-            if cmd.tier == "host":
-                slots = self.host_pool.reserve(ids)
-                self.host_pool.words.index_copy_(0, torch.tensor(slots), data)
-                self.host_pool.set_checksums(ids, sums)
-                self.host_pool.publish(ids)
-            else:
-                self.disk_tier.reserve(ids)
-                try:
-                    for i, b in enumerate(ids):
-                        self.disk_tier.write(b, data[i], sums[i])
-                    self.disk_tier.publish(ids)
-                except BaseException:
-                    self.disk_tier.cancel(ids)
-                    raise
-        return BlocksWritten(request_id=cmd.request_id, worker=self.worker, tier=cmd.tier, blocks=ids,
-                             bytes=len(ids) * self.layout.block_bytes, keys=[""] * len(ids))
-
-    def adopt_blocks(self, request_id: str, block_ids: list[int], keys: list[str] | None = None) -> BlocksWritten:
-        """Report device blocks the model runner allocated (``device_pool.allocate``) and wrote."""
-        slots_ok = self.device_pool.slots_of(block_ids)  # raises NotResident / BlockNotReady
-        keys = list(keys) if keys is not None else [""] * len(block_ids)
-        if len(keys) != len(slots_ok):
-            raise DataPlaneError(f"adopt_blocks: {len(block_ids)} blocks but {len(keys)} keys")
-        return BlocksWritten(request_id=request_id, worker=self.worker, tier="device", blocks=list(block_ids),
-                             bytes=len(block_ids) * self.layout.block_bytes, keys=keys)
-
-    def release(self, cmd: ReleaseBlocks) -> BlocksReleased:
-        """Drop the named copies on one tier; ``bytes_freed`` is what the pool actually freed.
-
-        All-or-nothing: raises NotResident or BlockBusy (nothing freed) if any block cannot go.
-        """
-        ids = list(cmd.blocks)
-        self._check_not_busy(cmd.tier, ids)
-        freed = self.pool(cmd.tier).free(ids)
-        return BlocksReleased(release_id=cmd.release_id, worker=self.worker, tier=cmd.tier, blocks=ids,
-                              bytes_freed=freed)
-
-    def _check_not_busy(self, tier: str, ids: list[int]) -> None:
-        busy = [b for b in ids if b in self._busy]
-        if busy:
-            raise BlockBusy(tier, busy)
-
     # ------------------------------------------------------------ disk, invariants, teardown
     def _hash_disk_payload(self, block_id: int, words: torch.Tensor) -> int:
         row = words.view(1, -1)
@@ -487,13 +421,6 @@ class Engine(EarlyStart):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def seeded_words(seed: int, num_blocks: int, block_words: int, device: torch.device) -> torch.Tensor:
-    """Random int32 words over the full range, reproducible from ``seed`` on a given device."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return torch.randint(-(2**31), 2**31, (num_blocks, block_words), dtype=torch.int32, device=device, generator=g)
 
 
 __all__ = ["Engine", "MoveTicket", "DEFAULT_COPY_MODES", "seeded_words"]
