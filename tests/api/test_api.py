@@ -112,6 +112,8 @@ def test_invalid_json_is_400(client, raw):
     ({"model": MODEL}, "messages"),
     (_chat(messages=[]), "messages"),
     (_chat(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (_chat(messages=[{"role": "user"}]), "messages"),
+    (_chat(messages=[{"role": "system", "content": None}, {"role": "user", "content": "x"}]), "messages"),
     (_chat(max_tokens=-1), "max_tokens"),
     (_chat(max_tokens=0), "max_tokens"),
     (_chat(max_tokens=10**40), "max_tokens"),
@@ -126,6 +128,14 @@ def test_invalid_json_is_400(client, raw):
 def test_invalid_fields_are_400_naming_the_param(client, backend, body, param):
     assert_openai_error(client.post("/v1/chat/completions", json=body), 400, param=param)
     assert backend.submitted == []
+
+
+def test_only_an_assistant_message_may_come_without_content(client, backend):
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]
+    assert client.post("/v1/chat/completions", json=_chat(messages=msgs)).status_code == 200
+    r = client.post("/v1/chat/completions", json=_chat(messages=[{"role": "tool"}]))
+    assert_openai_error(r, 400, param="messages")
+    assert "a tool message needs content" in r.json()["error"]["message"]
 
 
 def test_an_unknown_model_is_404(client):
