@@ -182,8 +182,10 @@ class Tail:
         return True
 
 
-def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> list[int]:
+def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None, commit: bool = False) -> list[int]:
     """Number, chain and insert ``prepared`` inside the caller's write transaction; returns seqs.
+    ``commit``: the caller commits right after; the insert may end the transaction with it where
+    the backend does both in one round trip (``Dialect.insert_events``).
 
     ``tail``: the writer's memory (see the module's NOTE). When it knows the tail and every triple
     is new to it, nothing is read: the batch is numbered from the remembered tail and inserted,
@@ -196,7 +198,7 @@ def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> l
         last_seq = tail.seq
         rows = chain(prepared, last_seq, tail.hash)
         try:
-            dialect.insert_events(cur, rows)
+            dialect.insert_events(cur, rows, commit)
         except dialect.integrity_error as e:
             raise StaleTail(str(e)) from e
         tail.staged = (last_seq + len(rows), rows[-1][10], ranges)
@@ -205,7 +207,7 @@ def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> l
     stored = _stored(cur, dialect, ranges) if last_seq else {}
     if increasing and not stored:     # the usual case: all new, no repeats
         rows = chain(prepared, last_seq, prev)
-        dialect.insert_events(cur, rows)
+        dialect.insert_events(cur, rows, commit)
         if tail is not None:
             tail.staged = (last_seq + len(rows), rows[-1][10], ranges)
         return list(range(last_seq + 1, last_seq + 1 + len(prepared)))
@@ -227,7 +229,7 @@ def write(cur, dialect, prepared: list[Prepared], tail: Tail | None = None) -> l
         seqs.append(seq)
     if new:
         rows = chain(new, last_seq, prev)
-        dialect.insert_events(cur, rows)
+        dialect.insert_events(cur, rows, commit)
         last_seq, prev = last_seq + len(rows), rows[-1][10]
     if tail is not None:
         tail.staged = (last_seq, prev, ranges)

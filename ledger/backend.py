@@ -129,13 +129,24 @@ class Dialect:
     def marks(self, n: int) -> str:
         return ", ".join([self.p] * n)
 
-    def insert_events(self, cur, rows: list[tuple]) -> None:
+    def insert_events(self, cur, rows: list[tuple], commit: bool = False) -> None:
         """Insert pre-built events rows (EVENT_COLUMNS order) inside the caller's transaction.
 
         SQLite: executemany. PostgreSQL: COPY, which is ~2.5x executemany (even pipelined) here.
+        ``commit`` (the caller commits next): PostgreSQL sends a few rows and COMMIT in one
+        pipeline, one round trip; a key that says no is raised here, the transaction then
+        failed, not committed (the caller rolls back). Its ``commit()`` after is a no-op.
         """
-        if self.sqlite or len(rows) < 8:        # COPY's extra round trips cost more than they save here
+        if self.sqlite:
             cur.executemany(self._insert_sql, rows)
+            return
+        if len(rows) < 8:                       # COPY's extra round trips cost more than they save here
+            if commit and cur.connection.autocommit:       # the kept connection (``keep``)
+                with cur.connection.pipeline():
+                    cur.executemany(self._insert_sql, rows)
+                    cur.execute("COMMIT")
+            else:
+                cur.executemany(self._insert_sql, rows)
             return
         with cur.copy(self._copy_sql) as copy:
             write_row = copy.write_row
@@ -170,9 +181,21 @@ class Dialect:
         """
         if self.sqlite:
             cur.execute("BEGIN IMMEDIATE")
-        else:
-            cur.execute("SET LOCAL synchronous_commit TO " + ("on" if durability == "full" else "off")
-                        + "; LOCK TABLE events IN EXCLUSIVE MODE")      # one round trip
+        else:   # one round trip: the kept connection is in autocommit mode (``keep``), so BEGIN is ours
+            cur.execute("BEGIN; SET LOCAL synchronous_commit TO " + ("on" if durability == "full" else "off")
+                        + "; LOCK TABLE events IN EXCLUSIVE MODE")
+
+    def keep(self, conn) -> None:
+        """A raw connection becomes the one kept for writing. PostgreSQL: autocommit, so that
+        ``begin_write`` sends BEGIN with the lock in one round trip (psycopg would otherwise send
+        its own BEGIN first, a round trip more on every append); ``commit()``/``rollback()`` still
+        end the transaction BEGIN opened. ``unkeep`` undoes it before the pool has it back."""
+        if not self.sqlite:
+            conn.driver_connection.autocommit = True
+
+    def unkeep(self, conn) -> None:
+        if not self.sqlite:
+            conn.driver_connection.autocommit = False
 
 
 class Raw:
@@ -256,6 +279,7 @@ class Raw:
             d = self.dialect
             if self._kept is None:
                 conn = self.engine.raw_connection()
+                d.keep(conn)
                 self._kept = (conn, conn.cursor())
                 self._kept_durability = None
             conn, cur = self._kept
@@ -281,6 +305,11 @@ class Raw:
         conn, cur = kept
         with contextlib.suppress(Exception):
             cur.close()
+        if not invalidate:
+            try:
+                self.dialect.unkeep(conn)      # as the pool handed it out
+            except Exception:  # noqa: BLE001 - then it does not go back to the pool
+                invalidate = True
         with contextlib.suppress(Exception):
             if invalidate:
                 conn.invalidate()

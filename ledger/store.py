@@ -143,8 +143,8 @@ class LedgerStore:
     def _write(self, prepared: list, durability: str, tail: _append.Tail) -> list[int]:
         """One transaction on the kept writing connection; the caller holds the write lock."""
         with self._raw.writing("appending events", durability) as (conn, cur):
-            seqs = _append.write(cur, self._d, prepared, tail)
-            conn.commit()
+            seqs = _append.write(cur, self._d, prepared, tail, commit=True)
+            conn.commit()          # (a no-op where the insert committed: Dialect.insert_events)
         tail.committed()
         return seqs
 
