@@ -117,3 +117,41 @@ def test_incremental_decoder_never_emits_half_a_character(tmp_path):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert pieces.count("") >= 3                            # the rocket's 4 bytes arrive one by one
+
+
+@pytest.mark.model
+def test_a_text_is_called_over_a_length_only_when_it_is(smollm2):
+    """``surely_over`` decides without encoding; whenever it says over, the encoding is over."""
+    import random
+    tok = smollm2.tokenizer
+    per = tok.max_token_bytes
+    assert isinstance(per, int) and per >= 16
+    longest = max(tok.backend.get_vocab(), key=lambda t: len(t.encode()))
+    piece = tok.decode([tok.token_to_id(longest)])
+    rng = random.Random()
+    pieces = TEXTS + [piece, "a", " ", "🚀", "<|im_start|>", "\n", "ζ"]
+    said_over = 0
+    for _ in range(40):
+        n = rng.randint(1, 12)
+        text = "".join(rng.choice(pieces) * rng.randint(1, 200) for _ in range(rng.randint(1, 30)))
+        if tok.surely_over(text, n):
+            said_over += 1
+            assert len(tok.encode(text)) > n, (n, len(text))
+    assert said_over >= 5
+    assert tok.surely_over(piece * (2 * 10 * per), 10) and len(tok.encode(piece * (2 * 10 * per))) > 10
+    assert not tok.surely_over("word " * 50, 10)          # over, but not sure without encoding: False
+
+
+def test_the_length_bound_reads_the_normalized_text_and_is_off_without_bpe():
+    from tokenizers import Tokenizer as Backend, models, normalizers, pre_tokenizers
+    bpe = Backend(models.BPE(vocab={"a": 0, "b": 1, " ": 2}, merges=[]))
+    tok = Tokenizer(bpe, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[])
+    assert tok.max_token_bytes == 1
+    assert tok.surely_over(" " * 100 + "ab", 10)
+    bpe.normalizer = normalizers.Strip()                  # 100 spaces stripped: 2 bytes are left
+    assert not tok.surely_over(" " * 100 + "ab", 10) and len(tok.encode(" " * 100 + "ab")) <= 10
+    wp = Backend(models.WordPiece(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]", max_input_chars_per_word=10**6))
+    wp.pre_tokenizer = pre_tokenizers.Whitespace()
+    unk = Tokenizer(wp, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[])
+    assert unk.max_token_bytes is None and not unk.surely_over("x" * 10_000, 3)
+    assert len(unk.encode("x" * 10_000)) == 1             # one [UNK] for the whole word: no bound holds

@@ -193,6 +193,8 @@ def test_bad_requests_get_openai_shaped_errors(parking):
     long = [{"role": "user", "content": "word " * 1500}]
     assert err(post(parking, {**ok, "messages": long}), 400, "context_length_exceeded")["param"] == "messages"
     err(post(parking, {"model": MODEL, "prompt": "word " * 1500}, "/v1/completions"), 400, "context_length_exceeded")
+    huge = [{"role": "user", "content": "ab" * (1 << 20)}]   # refused before it is encoded: the worker stays
+    assert "characters" in err(post(parking, {**ok, "messages": huge}), 400, "context_length_exceeded")["message"]
     with pytest.raises(openai.BadRequestError):
         chat(parking, QUESTION, temperature=-1)
     assert chat(parking, QUESTION, max_tokens=4).usage.completion_tokens <= 4, "still serving"
@@ -263,6 +265,6 @@ def test_the_parking_ledger_replays_clean_with_the_disconnect_recorded(parking):
     finished = [e for e in mine if type(e).__name__ == "RequestFinished"]
     assert finished[0].reason == "disconnected" and 3 <= finished[0].completion_tokens < 400
     refused = [e.event for e in events if type(e.event).__name__ == "RequestRefused"]
-    assert sum("context_length_exceeded" in e.reason for e in refused) == 3
+    assert sum("context_length_exceeded" in e.reason for e in refused) == 4
     parks = [e.event for e in events if type(e.event).__name__ == "SessionParked" and e.event.session == "idle"]
     assert parks and parks[0].tier == "host"

@@ -44,9 +44,13 @@ class ByteTokenizer:
     always generates max_tokens."""
 
     eos_token_ids: set[int] = set()
+    max_token_bytes = 1
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         return [b + 1 for b in text.encode()]
+
+    def surely_over(self, text: str, max_tokens: int) -> bool:
+        return len(text.encode()) > max_tokens
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return bytes(i - 1 for i in ids if 0 < i <= 256).decode(errors="replace")

@@ -236,3 +236,30 @@ def test_the_worker_refuses_to_move_or_free_pages_a_running_sequence_uses(model,
     core.run(CancelGenerate(request_id="r", reason="test"))
     assert not core.background[0]() and not loop.holding(bl)
     assert [type(o).__name__ for o in core.hello_extras()] == ["ServingReady"]
+
+
+def test_a_prompt_over_the_context_is_refused_before_its_keys_and_a_huge_one_before_encoding(model, tmp_path):
+    """A worker must not spend seconds on a prompt it will refuse (20 MB took 19 s to encode:
+    its heartbeats stopped and it was declared lost)."""
+    _, loop = make_loop(model, tmp_path, "long")
+    ctx, per = loop.max_positions, model.tokenizer.max_token_bytes
+    keyed, encoded = [], []
+    keys_fn, encode = loop.keys_fn, loop.tokenizer.encode
+    loop.keys_fn = lambda ids, *a: keyed.append(len(ids)) or keys_fn(ids, *a)
+    loop.tokenizer.encode = lambda text, **kw: encoded.append(len(text)) or encode(text, **kw)
+    try:
+        huge = "ab" * (ctx * per + 7)
+        for tk in (loop.tokenize(Tokenize(request_id="h1", messages=[ChatTurn(role="user", content=huge)])),
+                   loop.tokenize(Tokenize(request_id="h2", prompt=huge))):
+            assert tk.error.startswith("context_length_exceeded: ") and " characters, more than " in tk.error, tk.error
+            assert tk.token_ids == [] and tk.keys == []
+        assert encoded == [] and keyed == []
+        words = "word " * (ctx + 10)                   # over the context, under the bound: encoded, not keyed
+        tk = loop.tokenize(Tokenize(request_id="w", prompt=words))
+        assert tk.error.startswith("context_length_exceeded: ") and tk.error.endswith(" tokens") and keyed == []
+        tk = loop.tokenize(Tokenize(request_id="ids", prompt_token_ids=[1] * ctx))
+        assert tk.error.startswith("context_length_exceeded: ") and keyed == []
+        tk = loop.tokenize(Tokenize(request_id="ok", prompt="word " * 20))
+        assert tk.error is None and keyed == [len(tk.token_ids)]
+    finally:
+        loop.tokenizer.encode = encode
