@@ -83,13 +83,14 @@ class Tokenizer:
         """True only when ``text`` is sure to encode to more than ``max_tokens`` tokens, decided in
         linear time without encoding it (encoding 20 MB took 19 s here, long enough for a worker
         to be declared lost). Every byte of the normalized text is covered by some token and no
-        token covers more than ``max_token_bytes``; the factor 2 leaves room for special tokens,
-        which are matched before normalization. False: not sure, encode and count."""
+        token covers more than ``max_token_bytes``. With a normalizer the bound is doubled:
+        special tokens are matched before normalization, and the pieces between them are
+        normalized apart, not as the whole text is here. False: not sure, encode and count."""
         per = self.max_token_bytes
         if per is None:
             return False
-        limit = 2 * max_tokens * per
         norm = self.backend.normalizer
+        limit = (1 if norm is None else 2) * max_tokens * per
         if norm is None:
             if 4 * len(text) <= limit:          # at most 4 UTF-8 bytes a character: cannot be over
                 return False

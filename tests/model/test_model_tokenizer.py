@@ -138,7 +138,7 @@ def test_a_text_is_called_over_a_length_only_when_it_is(smollm2):
             said_over += 1
             assert len(tok.encode(text)) > n, (n, len(text))
     assert said_over >= 5
-    assert tok.surely_over(piece * (2 * 10 * per), 10) and len(tok.encode(piece * (2 * 10 * per))) > 10
+    assert tok.surely_over(piece * (10 * per), 10) and len(tok.encode(piece * (10 * per))) > 10
     assert not tok.surely_over("word " * 50, 10)          # over, but not sure without encoding: False
 
 
@@ -148,6 +148,8 @@ def test_the_length_bound_reads_the_normalized_text_and_is_off_without_bpe():
     tok = Tokenizer(bpe, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[])
     assert tok.max_token_bytes == 1
     assert tok.surely_over(" " * 100 + "ab", 10)
+    assert not tok.surely_over("a" * 10, 10) and len(tok.encode("a" * 10)) == 10     # the edge: exactly fits
+    assert tok.surely_over("a" * 11, 10) and len(tok.encode("a" * 11)) == 11
     bpe.normalizer = normalizers.Strip()                  # 100 spaces stripped: 2 bytes are left
     assert not tok.surely_over(" " * 100 + "ab", 10) and len(tok.encode(" " * 100 + "ab")) <= 10
     wp = Backend(models.WordPiece(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]", max_input_chars_per_word=10**6))
