@@ -154,6 +154,8 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply to parse", code="invalid_json") from None
 
 
 def validate(model: type[BaseModel], obj: Any):

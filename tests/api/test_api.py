@@ -102,7 +102,7 @@ def test_stop_strings_reach_the_backend(client, backend):
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_invalid_json_is_400(client, raw):
     assert_openai_error(client.post("/v1/chat/completions", content=raw,
                                     headers={"content-type": "application/json"}), 400, code="invalid_json")
