@@ -40,10 +40,11 @@ def test_a_stalled_ledger_is_never_behind_a_green_health_check(fake_worker, sqli
         steps = [ev.StepCompleted(worker=0, step=i, batch_digest="", num_seqs=1, num_tokens=1, duration_ns=1)
                  for i in range(6)]
         proc.call(lambda p: [p.record(e) for e in steps])
-        time.sleep(0.8)
-        h = proc.health()                              # asked from another thread, while the loop is stuck
-        assert not h.healthy, h
-        assert any("stalled" in p for p in h.problems) and any("lagging" in p for p in h.problems), h.problems
+        # asked from another thread while the loop is stuck: both problems show once they pass
+        # stall_after_s (waited for, not slept for: a loaded runner may be slow to get stuck)
+        h = wait_for(lambda: (h := proc.health()) and not h.healthy and any("stalled" in p for p in h.problems)
+                     and any("lagging" in p for p in h.problems) and h, timeout=10, what="the stall reported")
+        assert not gate.is_set() and not h.healthy, h
         gate.set()
         wait_for(lambda: proc.health().healthy, timeout=5, what="health back")
         if not inline:   # the writer's queue filled: a metric (and the writer's ledger_backpressure log line)

@@ -157,3 +157,29 @@ def test_the_length_bound_reads_the_normalized_text_and_is_off_without_bpe():
     unk = Tokenizer(wp, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[])
     assert unk.max_token_bytes is None and not unk.surely_over("x" * 10_000, 3)
     assert len(unk.encode("x" * 10_000)) == 1             # one [UNK] for the whole word: no bound holds
+
+
+@pytest.mark.model
+def test_a_long_text_is_encoded_with_the_gil_let_go_and_to_the_same_ids(smollm2, monkeypatch):
+    from dataplane.model import tokenizer as tk
+    tok = smollm2.tokenizer
+    text = "".join(TEXTS) * (tk.LONG_TEXT_CHARS // len("".join(TEXTS)) + 1)
+    expect = tok.backend.encode(text, add_special_tokens=False).ids
+    batched = []
+    monkeypatch.setattr(tok, "backend", _Spy(tok.backend, batched))
+    assert tok.encode(text) == expect and batched == [1]
+    assert tok.encode(TEXTS[0]) == tok.backend.encode(TEXTS[0]).ids and batched == [1]     # short: plain encode
+
+
+class _Spy:
+    """The tokenizers backend, counting encode_batch calls."""
+
+    def __init__(self, backend, calls):
+        self._b, self._calls = backend, calls
+
+    def encode_batch(self, texts, **kw):
+        self._calls.append(len(texts))
+        return self._b.encode_batch(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._b, name)
