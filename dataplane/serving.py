@@ -142,24 +142,17 @@ class ServingLoop:
         too_long = f"context_length_exceeded: this model's context window is {ctx} tokens; the prompt is"
         try:
             if msg.messages is not None:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt=True)
+                text, special = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt=True), False
             else:
-                text = msg.prompt
-            if text is not None and self.tokenizer.surely_over(text, ctx):    # not worth encoding
-                return refuse(f"{too_long} {len(text)} characters, more than {ctx} tokens can hold "
-                              f"(none stands for over {self.tokenizer.max_token_bytes} bytes)")
-            if msg.messages is not None:
-                ids = self.tokenizer.encode(text, add_special=False)
-            elif msg.prompt is not None:
-                ids = self.tokenizer.encode(msg.prompt, add_special=True)
+                text, special = msg.prompt, True
+            if text is not None:
+                if self.tokenizer.surely_over(text, ctx):        # not worth encoding
+                    return refuse(f"{too_long} {len(text)} characters, more than {ctx} tokens can hold "
+                                  f"(none stands for over {self.tokenizer.max_token_bytes} bytes)")
+                ids = self.tokenizer.encode(text, add_special=special)
             elif msg.prompt_token_ids is not None:
                 ids = list(msg.prompt_token_ids)
-                if len(ids) >= ctx:
-                    return refuse(f"{too_long} {len(ids)} tokens")
-                bad = [t for t in ids if not 0 <= t < self.vocab_size]
-                if bad:
-                    return refuse(f"invalid_token_id: {bad[:4]} not in [0, {self.vocab_size})")
             else:
                 return refuse("empty_prompt: no messages, prompt or prompt_token_ids")
         except Exception as e:  # noqa: BLE001 - a template's raise_exception, a missing template
@@ -168,8 +161,12 @@ class ServingLoop:
             return refuse(f"{kind}: {e}")
         if not ids:
             return refuse("empty_prompt: the prompt renders to no tokens")
-        if len(ids) >= ctx:        # refused here: no content keys made, no ids sent back
+        if len(ids) >= ctx:        # refused here: no id checked, no content keys made, no ids sent back
             return refuse(f"{too_long} {len(ids)} tokens")
+        if text is None:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                return refuse(f"invalid_token_id: {bad[:4]} not in [0, {self.vocab_size})")
         return Tokenized(request_id=msg.request_id, worker=self.worker, token_ids=ids,
                          keys=self.keys_fn(ids, self.page, self.model_digest))
 

@@ -259,6 +259,9 @@ def test_a_prompt_over_the_context_is_refused_before_its_keys_and_a_huge_one_bef
         assert tk.error.startswith("context_length_exceeded: ") and tk.error.endswith(" tokens") and keyed == []
         tk = loop.tokenize(Tokenize(request_id="ids", prompt_token_ids=[1] * ctx))
         assert tk.error.startswith("context_length_exceeded: ") and keyed == []
+        tk = loop.tokenize(Tokenize(request_id="bad", prompt_token_ids=[1, 2, loop.vocab_size]))
+        assert tk.error.startswith("invalid_token_id: ") and keyed == []
+        assert loop.tokenize(Tokenize(request_id="none", prompt_token_ids=[])).error.startswith("empty_prompt: ")
         tk = loop.tokenize(Tokenize(request_id="ok", prompt="word " * 20))
         assert tk.error is None and keyed == [len(tk.token_ids)]
     finally:
