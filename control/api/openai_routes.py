@@ -65,6 +65,7 @@ def _sampling(body, max_tokens: int | None) -> SamplingParams:
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
         stop=list(body.stop or []),
+        ignore_eos=body.ignore_eos,
     )
 
 

@@ -3,7 +3,8 @@
 Unknown fields are accepted and ignored (clients send many optional knobs), except the ones whose
 non-default value would silently change the answer (``n`` > 1, ``best_of`` > 1, ``logprobs``):
 those are refused by name. Residency's own field is ``session_id`` (the OpenAI client sends it
-through ``extra_body``); the ``X-Session-Id`` header names a session too.
+through ``extra_body``); the ``X-Session-Id`` header names a session too. ``ignore_eos`` (as in
+vLLM) keeps generating past the model's end-of-turn token, up to ``max_tokens`` (benchmarks).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class _Body(BaseModel):
     stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
     session_id: str | None = None
+    ignore_eos: StrictBool = False       # an extension (as vLLM's): run to max_tokens past end-of-turn
 
     @field_validator("stop")
     @classmethod

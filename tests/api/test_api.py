@@ -101,6 +101,14 @@ def test_stop_strings_reach_the_backend(client, backend):
     assert r.json()["choices"][0]["message"]["content"] == "Hello, world"
 
 
+def test_ignore_eos_reaches_the_backend_and_must_be_a_bool(client, backend):
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
+    assert backend.submitted[-1].sampling.ignore_eos is False
+    assert client.post("/v1/chat/completions", json=_chat(ignore_eos=True)).status_code == 200
+    assert backend.submitted[-1].sampling.ignore_eos is True
+    assert_openai_error(client.post("/v1/chat/completions", json=_chat(ignore_eos="yes")), 400, param="ignore_eos")
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_invalid_json_is_400(client, raw):
