@@ -5,7 +5,8 @@
     silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
     a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
     Hello.lane (the worker's engine lane) ─► the engine's commands wait for the lane's LaneHello,
-                   then go to the lane; Ping, QueryMoves and Shutdown always go to the Hello socket;
+                   then go to the lane; Ping, QueryMoves, Shutdown and Tokenize (the worker tokenizes
+                   on its side threads) always go to the Hello socket;
                    no LaneHello within lane_wait_s ─► the lane is given up: held and later commands
                    go to the Hello socket (the worker's I/O thread hands them to its engine in order)
 
@@ -22,7 +23,7 @@ import structlog
 import zmq
 
 from events import catalog as ev
-from events.commands import ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown
+from events.commands import ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown, Tokenize
 from ledger.errors import LedgerError
 from control import recovery, watchdog
 from control.errors import ControlError, LedgerDiverged
@@ -33,8 +34,9 @@ from control.transport import (
 
 log = structlog.get_logger("control.links")
 S = 1_000_000_000
-# what a worker's I/O thread answers: never sent to its engine lane
-TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply)
+# what a worker's I/O thread answers or hands to its side threads (dataplane/side.py): never sent
+# to its engine lane
+TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply, Tokenize)
 
 
 class WorkerLink:

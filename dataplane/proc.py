@@ -5,6 +5,8 @@ Two threads, two sockets:
     I/O thread (main)   DEALER to the control process. Answers Ping and QueryMoves at once, even
                         while a large move runs; says Hello; watches for a silent control.
     engine thread       the only thread that touches the engine: runs commands in arrival order.
+                        (Side threads run commands that touch no engine state, such as Tokenize,
+                        beside it: dataplane/side.py.)
                         It owns the engine lane, a second DEALER (``--lane``, the default): the
                         engine's commands arrive there and their replies leave from there, so a
                         move's command and its ack each skip a hand-over between the threads
@@ -43,6 +45,7 @@ import zmq
 
 from dataplane.serving_worker import add_serving_args
 from dataplane.lane import EngineLane
+from dataplane.side import SideThreads
 from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError, lane_identity_of
 from dataplane.worker import OUTCOMES, NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord, command_ref
 from events import affinity
@@ -57,7 +60,7 @@ MS = 1_000_000
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-class WorkerProc(EngineLane):
+class WorkerProc(EngineLane, SideThreads):
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
                  report_timings: bool = False, lane: bool = True, ctx: zmq.Context | None = None,
@@ -109,6 +112,7 @@ class WorkerProc(EngineLane):
         engine_thread = threading.Thread(target=self._lane_loop if self.lane_mode else self._engine_loop,
                                          name="engine", daemon=True)
         engine_thread.start()
+        side_threads = self._start_side()
         poller = zmq.Poller()
         poller.register(self.link.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -128,6 +132,7 @@ class WorkerProc(EngineLane):
         finally:
             self._to_engine(None)
             engine_thread.join(timeout=30)
+            self._stop_side(side_threads)
             self._send_results()
             try:
                 self.core.engine.close()
@@ -264,6 +269,8 @@ class WorkerProc(EngineLane):
                 if self.report_timings:
                     self._timings[ref] = [self._recv_ns, time.time_ns()]
                 self._to_engine(cmd)
+        elif t in self.core.side_handlers:
+            self._to_side(cmd)
         elif t in self.core.handlers:
             self._to_engine(cmd)
         else:

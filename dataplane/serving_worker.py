@@ -5,7 +5,8 @@
 the Engine parks and restores are exactly the pages the model writes. The serving loop joins the
 worker's engine thread:
 
-    commands  Tokenize, Generate, CancelGenerate  ─► ServingLoop.handle
+    commands  Generate, CancelGenerate            ─► ServingLoop.handle
+    side      Tokenize (the worker's side threads) ─► ServingLoop.handle, beside the steps
     idle      while a sequence runs               ─► ServingLoop.step (one batched forward)
     guard     ExecuteMove / ReleaseBlocks naming pages a running sequence reads or writes are
               refused (MoveRejected / CommandFailed): a policy must never pull a page from under
@@ -85,7 +86,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
 
 def attach(core: WorkerCore, loop, block_bytes: int) -> None:
     """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras."""
-    for t in (Tokenize, Generate, CancelGenerate):
+    core.register_side(Tokenize, loop.handle)      # pure: rendered and encoded beside the steps
+    for t in (Generate, CancelGenerate):
         core.register(t, loop.handle)
     execute, release = core.handlers[ExecuteMove], core.handlers[ReleaseBlocks]
 

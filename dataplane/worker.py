@@ -116,12 +116,21 @@ class WorkerCore:
         # waits (has_work, step -> replies), and the messages that follow every Hello.
         self.background: tuple[Callable[[], bool], Callable[[], list]] | None = None
         self.hello_extras: Callable[[], list] = lambda: []
+        # commands that read no engine state (Tokenize): a worker process runs them on its side
+        # threads (dataplane/side.py), so a long one never holds up the engine thread's steps
+        self.side_handlers: dict[type, Callable[[Any], list]] = {}
         # an early-started move (``start_ahead``): its command, and when it began (wall ns)
         self.ahead: ExecuteMove | None = None
         self.ahead_ns = 0
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the engine thread; ``handler(cmd)`` returns the replies."""
+        self.handlers[msg_type] = handler
+
+    def register_side(self, msg_type: type, handler: Callable[[Any], list]) -> None:
+        """A command type that touches no engine state, run on the worker's side threads (and on the
+        engine thread should it arrive there)."""
+        self.side_handlers[msg_type] = handler
         self.handlers[msg_type] = handler
 
     def run(self, cmd) -> list:

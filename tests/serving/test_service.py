@@ -61,7 +61,7 @@ class ByteTokenizer:
 
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
-                 policy: PolicyConfig | None = None, host_blocks: int = 256):
+                 policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -79,7 +79,7 @@ class Stack:
         engine = Engine(kv, device_blocks, host, self.dir / "disk", Engine.pinned_bytes_needed(kv, device_blocks, host),
                         "cpu", fsync=False)
         core = WorkerCore(engine, 0, WorkerFaults(), expected_errors=(DataPlaneError,))
-        loop = ServingLoop(worker=0, runner=model.runner, tokenizer=ByteTokenizer(), device_pool=engine.device_pool,
+        loop = ServingLoop(worker=0, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(), device_pool=engine.device_pool,
                            model_id="tiny", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
         attach(core, loop, kv.block_bytes)
         self.worker = WorkerProc(worker=0, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
@@ -174,6 +174,39 @@ def test_a_turn_on_a_busy_session_is_409(stack):
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
     t.join(30)
     assert out["r"].status_code == 200
+
+
+class HeldTokenizer(ByteTokenizer):
+    """Holds the encoding of a text with HOLD in it until ``release`` is set."""
+
+    def __init__(self):
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        if "HOLD" in text:
+            self.holding.set()
+            assert self.release.wait(60), "never released"
+        return super().encode(text, add_special)
+
+
+def test_a_prompt_still_being_tokenized_holds_up_no_other_request(stack):
+    """Tokenizing runs on the worker's side threads: while one prompt's encoding is held (a huge
+    prompt takes ~0.5 s), another request is tokenized, admitted and generated to the end."""
+    tok = HeldTokenizer()
+    s = stack(tokenizer=tok)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("HOLD on", max_tokens=3)))
+    t.start()
+    try:
+        assert tok.holding.wait(20)
+        r = s.chat("meanwhile", max_tokens=12)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 12
+        assert t.is_alive() and "r" not in out, "the held request finished before it was released"
+    finally:
+        tok.release.set()
+        t.join(30)
+    assert out["r"].status_code == 200 and out["r"].json()["usage"]["completion_tokens"] == 3
 
 
 def test_a_request_that_can_never_fit_is_refused_with_the_numbers(stack):
