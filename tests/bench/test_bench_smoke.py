@@ -100,3 +100,11 @@ def test_the_model_runner_bench_runs_its_gpu_flow_with_tiny_shapes_on_the_cpu(tm
     res = json.loads(out.read_text())
     assert res["ttft"]["same_greedy_token"] is True, res["ttft"]
     assert "TTFT" in p.stdout
+
+
+def test_the_serve_stall_bench_streams_beside_a_refused_huge_prompt(tmp_path):
+    out = tmp_path / "stall.json"
+    _run(["bench/serve_stall.py", "--quick", "--out", str(out)], timeout=300)
+    run = json.loads(out.read_text())["run"]
+    assert run["tokens"] == 80 and run["before"]["n"] > 0
+    assert [r["code"] for r in run["refusals"]] == ["context_length_exceeded"]
