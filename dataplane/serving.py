@@ -110,7 +110,7 @@ class ServingLoop:
         return ServingReady(
             worker=self.worker, model=self.model_id, model_digest=self.model_digest,
             max_context=self.max_positions, page_tokens=self.page, block_bytes=block_bytes,
-            device_blocks=self.pool.num_slots, eos_token_ids=sorted(self.eos),
+            device_blocks=self.pool.num_slots, eos_token_ids=sorted(self.eos), max_seqs=self.max_seqs,
         )
 
     def has_work(self) -> bool:

@@ -177,6 +177,7 @@ class ServingReady(Message):
     block_bytes: int
     device_blocks: int                # logical blocks the device pool can hold
     eos_token_ids: list[int]
+    max_seqs: int = 0                 # sequences it batches at once (0: not said; no limit kept)
 
 
 class Generate(Message):

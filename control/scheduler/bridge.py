@@ -30,6 +30,7 @@ class Pending:
         self.cancelled: str | None = None
         self.num_generated = 0
         self.wait_since_ns = 0
+        self.wait_code, self.wait_reason = "insufficient_kv_capacity", ""     # the scheduler's last Wait
         self.parks_asked: set[str] = set()
 
     @property

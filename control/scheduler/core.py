@@ -4,7 +4,8 @@ It reads the folded ``State`` (where every page is, what is in flight, the devic
 its own soft tables (session page order and keys, running requests), and returns values:
 
     plan(state, ask)  ─► Admit   pages for the sequence, what to free first, what to restore
-                      ─► Wait    not enough room now; which idle sessions to park to make it
+                      ─► Wait    not enough room now (which idle sessions to park to make it), or
+                                 the worker already runs as many sequences as it batches
                       ─► Refuse  can never fit, or the session is busy (with the numbers)
     start(admit)      the request runs: its session is busy, its new pages are reserved
     written(...)      pages the worker filled (committed to the ledger by the caller)
@@ -61,6 +62,7 @@ class Admit(msgspec.Struct, frozen=True, kw_only=True):
 class Wait(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     reason: str
+    code: str = "insufficient_kv_capacity"    # the refusal's code should the wait time out
     park: list[str] = []              # idle sessions whose device pages would make room
     asked_blocks: int = 0
     free_blocks: int = 0
@@ -96,6 +98,7 @@ class Scheduler:
         self.sessions: dict[str, SessionEntry] = {}
         self.running: dict[str, Running] = {}
         self._next_block: dict[int, int] = {}
+        self.max_seqs: dict[int, int] = {}      # worker -> sequences it batches at once (ServingReady)
         self.decisions: dict[str, int] = {"restore": 0, "recompute": 0}
 
     # ------------------------------------------------------------------ queries
@@ -139,6 +142,13 @@ class Scheduler:
         if self._next_block.get(worker, 0) <= block_id:
             self._next_block[worker] = block_id + 1
 
+    def set_max_seqs(self, worker: int, n: int) -> None:
+        """The worker runs at most ``n`` sequences at once (0: it did not say): more wait."""
+        if n > 0:
+            self.max_seqs[worker] = n
+        else:
+            self.max_seqs.pop(worker, None)
+
     # ------------------------------------------------------------------ admission
     def plan(self, state: State, ask: GenerateAsk) -> Admit | Wait | Refuse:
         cfg, P, w = self.cfg, self.cfg.page_tokens, ask.worker
@@ -160,6 +170,10 @@ class Scheduler:
             moving = busy_blocks(state).get(entry.worker, set())
             if any(b in moving for b in entry.blocks):
                 return Wait(request_id=ask.request_id, reason=f"a move of session {ask.session!r} is in flight")
+        batch = self.max_seqs.get(w, 0)
+        if batch and sum(1 for r in self.running.values() if r.worker == w) >= batch:
+            return Wait(request_id=ask.request_id, code="server_overloaded",
+                        reason=f"worker {w} is running {batch} sequences, the most it batches")
 
         n = num_matching_pages(held_keys, ask.prompt_keys, ask.prompt_tokens, P)
         reused = held_blocks[:n]

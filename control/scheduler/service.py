@@ -235,6 +235,7 @@ class ServingService(SessionOps):
                 p.phase, p.wait_since_ns = "waiting", now
                 self.waiting.append(p)
                 log.info("request_waiting", request_id=p.request_id, reason=plan.reason, park=plan.park)
+            p.wait_code, p.wait_reason = plan.code, plan.reason
             for s in plan.park:
                 if s not in p.parks_asked and self._park_backoff.get(s, 0) <= now:
                     p.parks_asked.add(s)
@@ -384,8 +385,9 @@ class ServingService(SessionOps):
                       expected=self.sched.cfg.page_tokens)
             return
         self.ready[link.worker] = msg
+        self.sched.set_max_seqs(link.worker, msg.max_seqs)
         log.info("serving_ready", worker=link.worker, model=msg.model, max_context=msg.max_context,
-                 device_blocks=msg.device_blocks)
+                 device_blocks=msg.device_blocks, max_seqs=msg.max_seqs)
 
     def _on_step(self, link, msg: ev.StepCompleted) -> None:
         self._record(msg)
@@ -446,8 +448,7 @@ class ServingService(SessionOps):
             self.sched.prune(self.proc.state, now, 600 * 10**9)
         for p in list(self.waiting):
             if now - p.wait_since_ns > self.wait_timeout_ns:
-                self._refuse(p, 503, "insufficient_kv_capacity",
-                             f"waited {self.wait_timeout_ns // 10**9} s for room on the device")
+                self._refuse(p, 503, p.wait_code, f"waited {self.wait_timeout_ns // 10**9} s: {p.wait_reason}")
         if self.waiting:
             self._retry_waiting()
 

@@ -254,3 +254,22 @@ def test_sessions_that_hold_nothing_are_forgotten_after_a_while():
     led.add(ev.BlocksFreed(worker=0, tier="device", blocks=t1.blocks[:3], bytes=3 * BB, reason="t"))
     led.state.check_integrity()
     assert s.prune(led.state, now_ns=10**12, idle_ns=10) == ["s"] and set(s.sessions) == {"kept"}
+
+
+def test_a_worker_running_as_many_sequences_as_it_batches_makes_the_next_wait():
+    led, s = Ledger(device_pages=40), sched()
+    s.set_max_seqs(0, 2)
+    for rid in ("a", "b"):
+        adm = s.plan(led.state, ask(rid))
+        assert isinstance(adm, Admit)
+        s.start(adm, now_ns=1)
+    w = s.plan(led.state, ask("c"))
+    assert isinstance(w, Wait) and w.code == "server_overloaded" and w.park == []
+    assert w.reason == "worker 0 is running 2 sequences, the most it batches"
+    s.finish("a", "stop", 10, now_ns=2)
+    assert isinstance(s.plan(led.state, ask("c")), Admit)
+    s.set_max_seqs(0, 0)                  # a worker that does not say: no limit kept
+    for rid in ("d", "e", "f"):
+        adm = s.plan(led.state, ask(rid))
+        assert isinstance(adm, Admit)
+        s.start(adm, now_ns=3)

@@ -61,7 +61,8 @@ class ByteTokenizer:
 
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
-                 policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None):
+                 policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
+                 max_seqs: int = 64):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -80,7 +81,8 @@ class Stack:
                         "cpu", fsync=False)
         core = WorkerCore(engine, 0, WorkerFaults(), expected_errors=(DataPlaneError,))
         loop = ServingLoop(worker=0, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(), device_pool=engine.device_pool,
-                           model_id="tiny", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
+                           model_id="tiny", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys,
+                           max_seqs=max_seqs)
         attach(core, loop, kv.block_bytes)
         self.worker = WorkerProc(worker=0, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
                                  block_bytes=kv.block_bytes, faults=WorkerFaults())
@@ -207,6 +209,24 @@ def test_a_prompt_still_being_tokenized_holds_up_no_other_request(stack):
         tok.release.set()
         t.join(30)
     assert out["r"].status_code == 200 and out["r"].json()["usage"]["completion_tokens"] == 3
+
+
+def test_requests_beyond_what_the_worker_batches_wait_for_a_slot_and_all_finish(stack):
+    s = stack(max_seqs=2)
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: out.update({i: s.chat(f"request {i}", max_tokens=10)}))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(out) == list(range(6))
+    for r in out.values():
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 10 and r.json()["choices"][0]["finish_reason"] == "length"
+    s.close()
+    events, _ = s.ledger()
+    assert names(events).count("RequestFinished") == 6 and "RequestRefused" not in names(events)
 
 
 def test_a_request_that_can_never_fit_is_refused_with_the_numbers(stack):
