@@ -71,6 +71,18 @@ class ChatMessageIn(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"content part {i} is of type {kind!r}; this model reads only 'text' parts")
+        elif v is not None and not isinstance(v, str):
+            raise ValueError(f"content must be a string or a list of text parts, not {type(v).__name__}")
+        return v
+
     @model_validator(mode="after")
     def _content_present(self):
         # OpenAI's API: only an assistant's message (one that carried tool calls) may omit it

@@ -146,6 +146,19 @@ def test_only_an_assistant_message_may_come_without_content(client, backend):
     assert "a tool message needs content" in r.json()["error"]["message"]
 
 
+def test_content_parts_other_than_text_are_refused_by_their_type(client, backend):
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    assert client.post("/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": parts}])).status_code == 200
+    assert backend.submitted[-1].messages[-1].content == "Hi there"
+    for content, said in (([parts[0], {"type": "image_url", "image_url": {"url": "http://x"}}],
+                           "content part 1 is of type 'image_url'"),
+                          (["plain"], "content part 0 is of type 'str'"),
+                          (42, "content must be a string or a list of text parts, not int")):
+        r = client.post("/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": content}]))
+        assert_openai_error(r, 400, param="messages")
+        assert said in r.json()["error"]["message"], r.json()
+
+
 def test_an_unknown_model_is_404(client):
     assert_openai_error(client.post("/v1/chat/completions", json=_chat(model="gpt-9")), 404,
                         code="model_not_found", param="model")
