@@ -31,12 +31,12 @@ import structlog
 import torch
 
 from dataplane.model.runner import ModelRunner, SeqInput
-from dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample
+from dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from dataplane.pools import DataPlaneError
 from dataplane.serving_text import TextStream
 from events.catalog import StepCompleted
 from events.commands import (
-    CancelGenerate, Generate, ServingReady, Tokenize, Tokenized, TokensGenerated,
+    MAX_LOGPROBS, CancelGenerate, Generate, ServingReady, TokenChoice, TokenLogprobs, Tokenize, Tokenized, TokensGenerated,
 )
 
 log = structlog.get_logger("dataplane.serving")
@@ -184,6 +184,8 @@ class ServingLoop:
             problem = f"prompt {n} + max_tokens {max_tokens} does not fit the context of {self.max_positions}"
         elif len(cmd.block_ids) < need or len(set(cmd.block_ids)) != len(cmd.block_ids):
             problem = f"{len(cmd.block_ids)} distinct pages given, the sequence may need {need}"
+        elif cmd.sampling.logprobs is not None and not 0 <= cmd.sampling.logprobs <= MAX_LOGPROBS:
+            problem = f"logprobs {cmd.sampling.logprobs} must be in [0, {MAX_LOGPROBS}]"
         elif len(self.seqs) >= self.max_seqs:
             problem = f"{len(self.seqs)} sequences running, the most this worker batches is {self.max_seqs}"
         if problem is None:
@@ -271,9 +273,24 @@ class ServingLoop:
         if ready:
             rows = logits[[i for i, _ in ready]] if len(ready) < len(plan) else logits
             tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
-            for (_, s), t in zip(ready, tokens):
-                out.append(self._advance(s, t))
+            lps = self._logprobs(rows, ready, tokens)
+            for j, ((_, s), t) in enumerate(zip(ready, tokens)):
+                out.append(self._advance(s, t, lps.get(j)))
         return out
+
+    def _logprobs(self, rows, ready: list[tuple[int, _Seq]], tokens: list[int]) -> dict[int, TokenLogprobs]:
+        """The sampled tokens' log-probabilities, for the sequences that asked (row -> them)."""
+        want = [j for j, (_, s) in enumerate(ready) if s.cmd.sampling.logprobs is not None]
+        if not want:
+            return {}
+        found = token_logprobs(rows[want], [tokens[j] for j in want],
+                               [ready[j][1].cmd.sampling.logprobs for j in want])
+        return {j: TokenLogprobs(chosen=self._choice(tokens[j], lp), top=[self._choice(i, x) for i, x in top])
+                for j, (lp, top) in zip(want, found)}
+
+    def _choice(self, token: int, logprob: float) -> TokenChoice:
+        raw = self.tokenizer.token_bytes(token)
+        return TokenChoice(token_id=token, text=raw.decode(errors="replace"), token_bytes=raw, logprob=logprob)
 
     def _full_pages(self, s: _Seq) -> tuple[list[int], list[str]]:
         full = s.num_computed // self.page
@@ -285,23 +302,24 @@ class ServingLoop:
         s.num_reported = full
         return out
 
-    def _advance(self, s: _Seq, token: int) -> TokensGenerated:
+    def _advance(self, s: _Seq, token: int, logprobs: TokenLogprobs | None = None) -> TokensGenerated:
         s.tokens.append(token)
         s.num_generated += 1
         sp = s.cmd.sampling
         if token in self.eos and not sp.ignore_eos:
-            return self._finish(s, "stop", last=[token])
+            return self._finish(s, "stop", last=[token])       # no text, no logprobs: the turn ended
+        lps = [logprobs] if logprobs is not None else []
         delta = s.text.push(token)
         if s.text.stopped is not None:
-            return self._finish(s, "stop", last=[token], text=delta)
+            return self._finish(s, "stop", last=[token], text=delta, logprobs=lps)
         if s.num_generated >= sp.max_tokens or len(s.tokens) >= self.max_positions:
-            return self._finish(s, "length", last=[token], text=delta)
+            return self._finish(s, "length", last=[token], text=delta, logprobs=lps)
         blocks, keys = self._full_pages(s)
         return TokensGenerated(request_id=s.request_id, worker=self.worker, token_ids=[token], text=delta,
-                               blocks_written=blocks, keys_written=keys)
+                               blocks_written=blocks, keys_written=keys, logprobs=lps)
 
     def _finish(self, s: _Seq, reason: str, *, last: list[int] | None = None, text: str = "",
-                error: str | None = None) -> TokensGenerated:
+                error: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> TokensGenerated:
         """The sequence leaves: report its last pages, free what it must, hand back the rest."""
         self.seqs.pop(s.request_id, None)
         if reason in ("stop", "length"):
@@ -323,5 +341,5 @@ class ServingLoop:
             finish_reason=reason, error=error, num_prompt_tokens=s.num_prompt,
             num_computed_tokens=max(0, min(s.num_computed, s.num_prompt) - s.cmd.num_cached_tokens),
             blocks_unused=list(pages[s.num_allocated:]), blocks_written=blocks, keys_written=keys,
-            blocks_freed=freed, bytes_freed=bytes_freed,
+            blocks_freed=freed, bytes_freed=bytes_freed, logprobs=logprobs or [],
         )

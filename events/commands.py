@@ -140,6 +140,9 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=Fa
     content: str
 
 
+MAX_LOGPROBS = 20                     # the most alternatives a token's logprobs may list
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     max_tokens: int
     temperature: float = 1.0          # 0 = greedy
@@ -147,6 +150,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     seed: int | None = None           # None = not seeded (a fresh generator per request)
     stop: list[str] = []              # stop strings; the text returned ends before the match
     ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; k: each token's log-probability and the k likeliest
+
+
+class TokenChoice(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A token at one position with its log-probability under the model (the raw distribution:
+    before temperature and top_p), its text alone and the exact bytes it stands for (a token may
+    hold part of a UTF-8 character; its text then shows U+FFFD)."""
+
+    token_id: int
+    text: str
+    token_bytes: bytes
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The sampled token at one position and the likeliest ``SamplingParams.logprobs`` there."""
+
+    chosen: TokenChoice
+    top: list[TokenChoice] = []
 
 
 class Tokenize(Message):
@@ -226,6 +248,9 @@ class TokensGenerated(Message):
     keys_written: list[str] = []
     blocks_freed: list[int] = []
     bytes_freed: int = 0
+    # with SamplingParams.logprobs: one per token of ``token_ids`` whose text is the answer's (an
+    # end-of-turn token that stopped the sequence has none)
+    logprobs: list[TokenLogprobs] = []
 
 
 # The serving messages join the unions (appended so existing members keep their order).
@@ -237,7 +262,7 @@ AnyMessage = Union[  # type: ignore[misc]
     AnyMessage, Tokenize, Generate, CancelGenerate, Tokenized, ServingReady, TokensGenerated, StepCompleted,
 ]
 __all__ += [
-    "ChatTurn", "SamplingParams", "Tokenize", "Tokenized", "ServingReady", "Generate",
+    "ChatTurn", "MAX_LOGPROBS", "SamplingParams", "TokenChoice", "TokenLogprobs", "Tokenize", "Tokenized", "ServingReady", "Generate",
     "CancelGenerate", "TokensGenerated",
 ]
 

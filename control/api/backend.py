@@ -48,6 +48,7 @@ class Chunk:
     finish_reason: str | None = None      # "stop" | "length" | "cancelled" | "error"
     usage: Usage | None = None
     error: str | None = None              # set with finish_reason "error"
+    logprobs: list = field(default_factory=list)   # events.commands.TokenLogprobs, asked for
 
 
 @runtime_checkable

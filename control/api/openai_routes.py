@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from control.api.backend import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
 from control.api.errors import ApiError
+from control.api.logprobs import CompletionLogprobs, chat_logprobs
 from control.api.schemas import SESSION_ID_RE, ChatCompletionBody, CompletionBody, parse_json, validate
 from control.api.sse import SSE_DONE, SSEResponse, sse_data
 from events.commands import ChatTurn, SamplingParams
@@ -66,6 +67,7 @@ def _sampling(body, max_tokens: int | None) -> SamplingParams:
         seed=body.seed,
         stop=list(body.stop or []),
         ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs_k,
     )
 
 
@@ -82,10 +84,13 @@ async def _watch_disconnect(request: Request, stream: GenerationStream, scope: a
             return
 
 
-async def _collect(request: Request, stream: GenerationStream, endpoint: str, t0: float) -> tuple[str, Chunk]:
-    """Gather a whole generation; a client that leaves meanwhile cancels it."""
+async def _collect(request: Request, stream: GenerationStream, endpoint: str, t0: float
+                   ) -> tuple[str, Chunk, list]:
+    """Gather a whole generation (its text, last chunk and logprobs); a client that leaves
+    meanwhile cancels it."""
     metrics = request.app.state.metrics
     parts: list[str] = []
+    logprobs: list = []
     last: Chunk | None = None
     first_at: float | None = None
     async with anyio.create_task_group() as tg:
@@ -96,13 +101,14 @@ async def _collect(request: Request, stream: GenerationStream, endpoint: str, t0
                     first_at = time.perf_counter()
                     metrics.ttft.labels(endpoint).observe(first_at - t0)
                 parts.append(chunk.text)
+                logprobs += chunk.logprobs
                 last = chunk
         finally:
             stream.cancel("disconnected")      # no-op once finished
             tg.cancel_scope.cancel()
     if last is None:
         raise ApiError(499, "client disconnected", code="client_disconnected")
-    return "".join(parts), last
+    return "".join(parts), last, logprobs
 
 
 def _finish(request: Request, last: Chunk) -> None:
@@ -140,7 +146,7 @@ async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: fl
                                               "param": None, "code": "generation_failed"}})
                     yield SSE_DONE
                     return
-            if chunk.text or chunk.finish_reason is not None:
+            if chunk.text or chunk.finish_reason is not None or chunk.logprobs:
                 yield sse_data(render(chunk))
             if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
                 yield sse_data(render(None, usage=chunk.usage))
@@ -172,6 +178,7 @@ async def chat_completions(request: Request):
     extra = {"session_id": session} if session else {}
     headers = {"X-Request-Id": req.request_id, **({"X-Session-Id": session} if session else {})}
 
+    want_logprobs = body.logprobs_k is not None
     if body.stream:
         def render(chunk: Chunk | None, usage: Usage | None = None) -> dict:
             base = {"id": req.request_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
@@ -179,7 +186,8 @@ async def chat_completions(request: Request):
             if chunk is None:
                 return {**base, "choices": [], "usage": usage_json(usage)}
             delta = {"content": chunk.text} if chunk.text else {}
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            lp = chat_logprobs(chunk.logprobs) if want_logprobs and chunk.logprobs else None
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                          "finish_reason": chunk.finish_reason}]}
 
         head = [sse_data({"id": req.request_id, "object": "chat.completion.chunk", "created": created,
@@ -189,11 +197,12 @@ async def chat_completions(request: Request):
         return SSEResponse(_sse(request, stream, "chat", t0, render, body.include_usage, head),
                            on_disconnect=lambda: stream.cancel("disconnected"), headers=headers)
 
-    text, last = await _collect(request, stream, "chat", t0)
+    text, last, logprobs = await _collect(request, stream, "chat", t0)
     _finish(request, last)
     return JSONResponse({
         "id": req.request_id, "object": "chat.completion", "created": created, "model": body.model, **extra,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": chat_logprobs(logprobs) if want_logprobs else None,
                      "finish_reason": last.finish_reason}],
         "usage": usage_json(last.usage) if last.usage else None,
     }, headers=headers)
@@ -223,22 +232,25 @@ async def completions(request: Request):
     extra = {"session_id": session} if session else {}
     headers = {"X-Request-Id": req.request_id, **({"X-Session-Id": session} if session else {})}
 
+    lp_shape = CompletionLogprobs() if body.logprobs_k is not None else None
     if body.stream:
         def render(chunk: Chunk | None, usage: Usage | None = None) -> dict:
             base = {"id": req.request_id, "object": "text_completion", "created": created, "model": body.model, **extra}
             if chunk is None:
                 return {**base, "choices": [], "usage": usage_json(usage)}
-            return {**base, "choices": [{"index": 0, "text": chunk.text, "logprobs": None,
+            lp = lp_shape.render(chunk.logprobs) if lp_shape is not None else None
+            return {**base, "choices": [{"index": 0, "text": chunk.text, "logprobs": lp,
                                          "finish_reason": chunk.finish_reason}]}
 
         return SSEResponse(_sse(request, stream, "completions", t0, render, body.include_usage, []),
                            on_disconnect=lambda: stream.cancel("disconnected"), headers=headers)
 
-    text, last = await _collect(request, stream, "completions", t0)
+    text, last, logprobs = await _collect(request, stream, "completions", t0)
     _finish(request, last)
     return JSONResponse({
         "id": req.request_id, "object": "text_completion", "created": created, "model": body.model, **extra,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": lp_shape.render(logprobs) if lp_shape is not None else None,
+                     "finish_reason": last.finish_reason}],
         "usage": usage_json(last.usage) if last.usage else None,
     }, headers=headers)
 

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible routes, validated with pydantic.
 
 Unknown fields are accepted and ignored (clients send many optional knobs), except the ones whose
-non-default value would silently change the answer (``n`` > 1, ``best_of`` > 1, ``logprobs``):
-those are refused by name. Residency's own field is ``session_id`` (the OpenAI client sends it
+non-default value would silently change the answer (``n`` > 1, ``best_of`` > 1, ``echo``): those
+are refused by name. ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``; completions: an int) is
+served, up to ``MAX_LOGPROBS`` alternatives. Residency's own field is ``session_id`` (the OpenAI client sends it
 through ``extra_body``); the ``X-Session-Id`` header names a session too. ``ignore_eos`` (as in
 vLLM) keeps generating past the model's end-of-turn token, up to ``max_tokens`` (benchmarks).
 """
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from control.api.errors import ApiError
+from events.commands import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 31            # beyond any context window; the backend checks the real one
@@ -102,24 +104,29 @@ class ChatCompletionBody(_Body):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _top_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
 
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
     echo: StrictBool | None = None
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -144,16 +151,13 @@ class CompletionBody(_Body):
             raise ValueError("echo is not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 class ParkBody(BaseModel):

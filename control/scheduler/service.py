@@ -319,7 +319,7 @@ class ServingService(SessionOps):
         p.num_generated += len(msg.token_ids)
         if msg.finish_reason is None:
             if msg.token_ids or msg.text:
-                p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids)))
+                p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs)))
             return
         reason = msg.finish_reason
         why = (p.cancelled or "cancelled") if reason == "cancelled" else FREE_REASON.get(reason, reason)
@@ -335,7 +335,7 @@ class ServingService(SessionOps):
                       cached_tokens=a.num_cached_tokens, restored_tokens=a.restored_tokens,
                       computed_tokens=msg.num_computed_tokens)
         p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), finish_reason=reason, usage=usage,
-                     error=msg.error))
+                     error=msg.error, logprobs=list(msg.logprobs)))
         self._post_retry()
 
     def _cancel(self, request_id: str, reason: str) -> None:

@@ -65,6 +65,23 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each row of ``logits`` [B, vocab]: the log-probability of ``tokens[i]`` under the model's
+    own distribution (log-softmax of the raw logits: before temperature and top_p) and the
+    ``ks[i]`` likeliest ids with theirs, likeliest first (ties: lowest id first)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(list(tokens), device=logp.device).view(-1, 1)).view(-1).tolist()
+    k = max(ks, default=0)
+    top_lp, top_id = ([], [])
+    if k > 0:
+        # a stable descending sort: equal log-probabilities keep the lower id first
+        lp_sorted, id_sorted = logp.sort(dim=-1, descending=True, stable=True)
+        top_lp, top_id = lp_sorted[:, :k].tolist(), id_sorted[:, :k].tolist()
+    return [(chosen[i], list(zip(top_id[i][:ks[i]], top_lp[i][:ks[i]])) if ks[i] else [])
+            for i in range(len(tokens))]
+
+
 def stop_reason(token: int, num_generated: int, params: SamplingParams, eos_ids: set[int]) -> str | None:
     """"stop" at an eos or stop id, "length" at max_tokens, else None."""
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):

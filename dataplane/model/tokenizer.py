@@ -49,6 +49,21 @@ _PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
 }
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable bytes stand for themselves, the other 68 are
+    shifted to code points from 256 up, in byte order. Character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table.values():
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
+
 # Texts longer than this are encoded with the GIL let go (``Tokenizer.encode``): ~30 ms of encoding here.
 LONG_TEXT_CHARS = 1 << 16
 
@@ -72,6 +87,8 @@ class Tokenizer:
         self.eos_token_ids: set[int] = set(int(i) for i in eos_token_ids)
         self._compiled = None
         self._max_token_bytes: int | None = None
+        self._added: set[int] | None = None       # ids of added tokens (token_bytes)
+        self._byte_level = False
 
     # ------------------------------------------------------------ length bound
     @property
@@ -125,6 +142,31 @@ class Tokenizer:
 
     def id_to_token(self, idx: int) -> str | None:
         return self.backend.id_to_token(idx)
+
+    def token_bytes(self, idx: int) -> bytes:
+        """The bytes of text token ``idx`` stands for on its own (what logprobs report): byte-level
+        BPE's printable alphabet mapped back to bytes; SentencePiece's byte tokens (``<0x0A>``) and
+        word marks (``▁``) undone; an added or special token is its own text. The bytes of a text's
+        tokens, joined, are the text's UTF-8 (tested on the embedded model's vocabulary)."""
+        if self._added is None:
+            self._added = set(self.backend.get_added_tokens_decoder())
+            self._byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
+        tok = self.backend.id_to_token(idx)
+        if tok is None:
+            return b""
+        if idx in self._added:
+            return tok.encode()
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in tok)
+            except KeyError:
+                return tok.encode()
+        if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            try:
+                return bytes([int(tok[3:5], 16)])
+            except ValueError:
+                pass
+        return tok.replace("\u2581", " ").encode()
 
     # ------------------------------------------------------------ chat
     def apply_chat_template(

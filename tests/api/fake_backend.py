@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+from events.commands import TokenChoice, TokenLogprobs
 from control.api.backend import (
     BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, UnknownSession, Usage,
 )
@@ -39,14 +40,25 @@ class FakeStream:
                 yield Chunk(text="", token_ids=[], finish_reason="stop", usage=self._usage(n - 1))
                 return
             last = i == len(self.words) - 1 or n == self.req.sampling.max_tokens
+            lps = self._logprobs(i, w)
             if last:
                 self.finished = True
                 reason = "length" if n == self.req.sampling.max_tokens and i < len(self.words) - 1 else "stop"
-                yield Chunk(text=w, token_ids=[i], finish_reason=reason, usage=self._usage(n))
+                yield Chunk(text=w, token_ids=[i], finish_reason=reason, usage=self._usage(n), logprobs=lps)
                 return
-            yield Chunk(text=w, token_ids=[i])
+            yield Chunk(text=w, token_ids=[i], logprobs=lps)
         self.finished = True
         yield Chunk(text="", finish_reason="cancelled", usage=self._usage(n))
+
+    def _logprobs(self, i: int, w: str) -> list[TokenLogprobs]:
+        """Word i's logprob is -(i + 1) / 4; its alternatives are "alt0".. at -1, -2, ..."""
+        k = self.req.sampling.logprobs
+        if k is None:
+            return []
+        top = [TokenChoice(token_id=100 + j, text=f"alt{j}", token_bytes=f"alt{j}".encode(), logprob=-(j + 1.0))
+               for j in range(k)]
+        return [TokenLogprobs(chosen=TokenChoice(token_id=i, text=w, token_bytes=w.encode(), logprob=-(i + 1) / 4),
+                              top=top)]
 
     def _usage(self, n: int) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=n, cached_tokens=0, restored_tokens=0,

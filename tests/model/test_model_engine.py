@@ -15,6 +15,7 @@ from dataplane.model import (
     sample,
 )
 from dataplane.model.prefix import KeyChain
+from dataplane.model.sampler import token_logprobs
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -166,6 +167,20 @@ def test_temperature_sampling_follows_the_distribution():
     p = SamplingParams(temperature=1.0)
     counts = torch.bincount(torch.tensor([sample(logits, [p], [g])[0] for _ in range(3000)]), minlength=3)
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_each_rows_own_top_k():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 50) * 4
+    logits[2, [7, 9]] = 30.0                                    # a tie at the top: the lower id first
+    got = token_logprobs(logits, [5, 0, 9], [2, 0, 3])
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for i, tok in enumerate([5, 0, 9]):
+        assert got[i][0] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+    assert [len(top) for _, top in got] == [2, 0, 3]
+    assert [i for i, _ in got[0][1]] == ref[0].topk(2).indices.tolist()
+    assert [i for i, _ in got[2][1]][:2] == [7, 9] and got[2][1][0][1] == got[2][1][1][1]
+    assert all(lp == pytest.approx(ref[0, i].item(), abs=1e-5) for i, lp in got[0][1])
 
 
 def test_sampling_params_refuse_nonsense():

@@ -183,3 +183,35 @@ class _Spy:
 
     def __getattr__(self, name):
         return getattr(self._b, name)
+
+
+def _random_texts(seed: int, n: int) -> list[str]:
+    import random
+    rng = random.Random(seed)
+    planes = [(32, 126), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF), (0x10000, 0x1FFFF)]
+    out = []
+    for _ in range(n):
+        out.append("".join(chr(rng.randint(*rng.choice(planes))) for _ in range(rng.randint(1, 40))))
+    return out
+
+
+@pytest.mark.model
+def test_the_bytes_of_a_texts_tokens_spell_its_utf8(smollm2):
+    """What logprobs report per token: joined over the tokens of any text (special tokens, emoji
+    cut mid-character, random code points of every plane), the text's own UTF-8."""
+    tok = smollm2.tokenizer
+    for text in TEXTS + _random_texts(7, 300):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), text
+    assert [tok.token_bytes(i) for i in tok.encode("é🚀")][-1] != "🚀".encode()   # a piece of a character
+    assert tok.token_bytes(tok.token_to_id("<|im_end|>")) == b"<|im_end|>"
+    assert tok.token_bytes(10**9) == b""
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary_undo_byte_tokens_and_word_marks():
+    from tokenizers import Tokenizer as Backend, decoders, models
+    vocab = {"<unk>": 0, "<0x0A>": 1, "<0xE2>": 2, "\u2581hi": 3, "there": 4, "<0xZZ>": 5}
+    bpe = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    bpe.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = Tokenizer(bpe, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[])
+    assert [tok.token_bytes(i) for i in range(6)] == [b"<unk>", b"\n", b"\xe2", b" hi", b"there", b"<0xZZ>"]

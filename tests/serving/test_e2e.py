@@ -94,6 +94,21 @@ def test_completions_stream_and_not_and_models(quiet):
     assert [m.id for m in c.models.list().data] == [MODEL]
 
 
+def test_logprobs_through_the_openai_client_spell_the_answer_and_greedy_picks_the_likeliest(quiet):
+    r = chat(quiet, QUESTION, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens - 1          # the end-of-turn token has none
+    assert bytes(b for t in content for b in t.bytes).decode() == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob == t.top_logprobs[0].logprob <= 0 and t.top_logprobs[1].logprob <= t.logprob
+    c = client(quiet).completions.create(model=MODEL, prompt="The first three planets are", max_tokens=6,
+                                         temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.top_logprobs) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
 def test_seeded_sampling_repeats_itself(quiet):
     kw = dict(temperature=0.9, top_p=0.9, seed=1234, max_tokens=12)
     a = chat(quiet, [{"role": "user", "content": "Tell me a fun fact."}], **kw).choices[0].message.content

@@ -266,3 +266,49 @@ def test_a_prompt_over_the_context_is_refused_before_its_keys_and_a_huge_one_bef
         assert tk.error is None and keyed == [len(tk.token_ids)]
     finally:
         loop.tokenizer.encode = encode
+
+
+def test_logprobs_are_the_models_own_before_temperature_and_the_bytes_spell_the_text(model, tmp_path):
+    """Sampled at temperature 0.8 (so the chosen token is not always the likeliest), each token's
+    logprob and its top 3 are transformers' log-softmax of the raw logits at that position."""
+    from dataplane.model.hf_reference import build_hf_llama
+
+    _, loop = make_loop(model, tmp_path, "lp")
+    tk = loop.tokenize(Tokenize(request_id="t", messages=[ChatTurn(role="user", content="Write about cats.")]))
+    n = len(tk.token_ids)
+    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=11, logprobs=3, ignore_eos=True)
+    out = run(loop, Generate(request_id="r", session=None, token_ids=tk.token_ids, block_ids=pages(-(-(n + 10) // P)),
+                             num_cached_tokens=0, sampling=sp, free_on_finish=True))
+    gen = tokens_of(out)
+    lps = [lp for o in out if isinstance(o, TokensGenerated) for lp in o.logprobs]
+    assert len(gen) == 10 and [lp.chosen.token_id for lp in lps] == gen
+    text = "".join(o.text for o in out if isinstance(o, TokensGenerated))
+    assert b"".join(lp.chosen.token_bytes for lp in lps).decode(errors="replace") == text
+    hf = build_hf_llama(model.config, model.weights)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([tk.token_ids + gen])).logits[0].float(), dim=-1)
+    for i, lp in enumerate(lps):
+        row = ref[n - 1 + i]
+        assert lp.chosen.logprob == pytest.approx(row[gen[i]].item(), abs=2e-3)
+        assert [c.logprob for c in lp.top] == pytest.approx(row.topk(3).values.tolist(), abs=2e-3)
+        assert all(c.token_bytes == model.tokenizer.token_bytes(c.token_id) for c in [lp.chosen, *lp.top])
+    assert any(lp.chosen.token_id != lp.top[0].token_id for lp in lps), "every sample was the likeliest"
+
+
+def test_no_logprobs_unless_asked_none_for_the_end_of_turn_and_too_many_refused(model, tmp_path):
+    _, loop = make_loop(model, tmp_path, "lq")
+    tk = loop.tokenize(Tokenize(request_id="t", messages=[ChatTurn(role="user", content="What is the capital of France?")]))
+    n = len(tk.token_ids)
+    plain = run(loop, Generate(request_id="a", session=None, token_ids=tk.token_ids, block_ids=pages(-(-(n + 40) // P)),
+                               num_cached_tokens=0, sampling=greedy(40), free_on_finish=True))
+    assert all(o.logprobs == [] for o in plain if isinstance(o, TokensGenerated))
+    out = run(loop, Generate(request_id="b", session=None, token_ids=tk.token_ids, block_ids=pages(-(-(n + 40) // P)),
+                             num_cached_tokens=0, sampling=greedy(40, logprobs=0), free_on_finish=True))
+    assert tokens_of(out) == tokens_of(plain)
+    last = final(out, "b")
+    assert last.finish_reason == "stop" and last.token_ids[-1] in model.tokenizer.eos_token_ids
+    lps = [lp for o in out if isinstance(o, TokensGenerated) for lp in o.logprobs]
+    assert len(lps) == len(tokens_of(out)) - 1 and all(lp.top == [] for lp in lps)
+    bad = run(loop, Generate(request_id="c", session=None, token_ids=tk.token_ids, block_ids=pages(-(-(n + 4) // P)),
+                             num_cached_tokens=0, sampling=greedy(4, logprobs=21), free_on_finish=True))
+    assert final(bad, "c").finish_reason == "error" and "logprobs 21 must be in [0, 20]" in final(bad, "c").error
