@@ -32,6 +32,9 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     stall_after_s: float = 1.0            # health: a loop or a commit stuck this long is unhealthy
     shutdown_grace_s: float = 2.0
     release_on_stop: bool = True          # a clean stop frees every copy by the book
+    # ... but for the disk copies: they stay in the ledger and on the worker's disk, and the next
+    # incarnation keeps those it finds and verifies (WorkerLost.kept_on_disk); `residency serve` on
+    keep_disk: bool = False               # with --keep-disk (its default)
     config_digest: str = ""
     faults: str = ""                      # ControlFaults spec; off unless set (tests only)
     trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)

@@ -203,13 +203,28 @@ def _worker_lost(s: State, e: ev.WorkerLost, seq: int) -> None:
         return
     ws.alive, ws.lost_reason = False, e.reason
     ws.bytes_lost += e.bytes_lost
-    # Every copy lived in that worker's memory or disk: gone with it.
+    # Every copy lived in that worker's memory or disk: gone with it, but for the disk copies
+    # its next incarnation found and verified (kept_on_disk).
     for t in ws.tiers.values():
         t.used_bytes = 0
-    s.blocks.pop(e.worker, None)
+    old = s.blocks.pop(e.worker, None) or {}
     if s.copies is not None:
         s.copies.pop(e.worker, None)
     ws.pinned = {}
+    if e.kept_on_disk:
+        kept = {}
+        for bid in e.kept_on_disk:
+            b = old.get(bid)
+            if b is None or "disk" not in b.tiers:
+                _anomaly(s, seq, f"WorkerLost keeps block {bid} of worker {e.worker}, which had no disk copy")
+                continue
+            b.tiers = ["disk"]
+            kept[bid] = b
+        if kept:
+            s.blocks[e.worker] = kept
+            ws.tiers["disk"].used_bytes = len(kept) * ws.block_bytes
+            if s.copies is not None:
+                copy_set(s, e.worker, "disk").update(kept)
 
 
 def _budget_set(s: State, e: ev.BudgetSet, seq: int) -> None:

@@ -17,13 +17,15 @@ sets the loop's fields made by ``StartStop._recover``: ``state``, ``roster``, ``
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import structlog
 import zmq
 
 from events import catalog as ev
-from events.commands import ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown, Tokenize
+from events.commands import (
+    ClaimDisk, DiskClaimed, ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown, Tokenize,
+)
 from ledger.errors import LedgerError
 from control import recovery, watchdog
 from control.errors import ControlError, LedgerDiverged
@@ -171,6 +173,7 @@ class WorkerLinks:
 
     def _on_hello(self, link: WorkerLink, msg: Hello) -> None:
         if msg.epoch == link.epoch:      # the worker thought we restarted; ask again what it knows
+            self._claim_disk(link, msg)
             self._query(link, recovery.asked_of(self.state, link.worker, self.book))
             return
         self._on_hello_new(link.identity, msg)
@@ -187,10 +190,12 @@ class WorkerLinks:
             return
         ws = self.state.workers.get(w)
         old = self._by_worker.get(w)
+        found = msg.disk_blocks if self.cfg.keep_disk else ()
         if old is not None and old.epoch != msg.epoch:
-            self._lose(w, f"replaced by a new incarnation (epoch {msg.epoch})")
+            self._lose(w, f"replaced by a new incarnation (epoch {msg.epoch})", found)
         elif ws is not None and ws.alive and self.roster.get(w) != msg.epoch and self._has_history(w):
-            self._lose(w, f"not back after the control restart; epoch {msg.epoch} replaces {self.roster.get(w)}")
+            why = "stopped with the server" if self._stopped_cleanly else "not back after the control restart"
+            self._lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found)
         ws = self.state.workers.get(w)
         if ws is not None and not ws.alive and self.roster.get(w) == msg.epoch:
             # NOTE: the ledger already wrote this incarnation off (its blocks are counted lost);
@@ -220,9 +225,18 @@ class WorkerLinks:
             self.roster[w] = msg.epoch
             log.info("worker_joined", worker=w, epoch=msg.epoch, device=msg.device, tiers=msg.tiers,
                      block_bytes=msg.block_bytes)
+        self._claim_disk(link, msg)
         self._query(link, recovery.asked_of(self.state, w, self.book))
         for req in self._unsent.pop(w, []):
             self._dispatch(req)
+
+    def _claim_disk(self, link: WorkerLink, msg: Hello) -> None:
+        """Files an incarnation found on its disk at start and still offers: keep those the ledger
+        has there (WorkerLost.kept_on_disk put them back), drop the rest. Once claimed the worker
+        offers none, so a repeated claim (a Hello sent again) deletes nothing."""
+        if msg.disk_blocks:
+            wb = self.state.blocks.get(link.worker, {})
+            self._send(link, ClaimDisk(keep=sorted(b for b in msg.disk_blocks if b in wb and "disk" in wb[b].tiers)))
 
     def _has_history(self, w: int) -> bool:
         return bool(self.state.blocks.get(w)) or any(
@@ -233,6 +247,14 @@ class WorkerLinks:
             link.asked.update(move_ids)
             link.last_query_ns = time.monotonic_ns()
             self._send(link, QueryMoves(move_ids=move_ids))
+
+    def _on_disk_claimed(self, link: WorkerLink, msg: DiskClaimed) -> None:
+        """Files the ledger never had (or no longer has) on that disk, deleted by the worker: not
+        in any account, so no event; counted and logged."""
+        self.metrics["disk_files_dropped"] += len(msg.dropped)
+        self.metrics["disk_bytes_dropped"] += msg.bytes_dropped
+        log.info("disk_claimed", worker=link.worker, kept=len(msg.kept), dropped=len(msg.dropped),
+                 bytes_dropped=msg.bytes_dropped)
 
     def _on_pong(self, link: WorkerLink, msg: Pong) -> None:
         self.metrics["pongs"] += 1
@@ -266,18 +288,18 @@ class WorkerLinks:
         for w, silent_ms in lost:
             self._lose(w, f"heartbeat silent {silent_ms} ms")
 
-    def _lose(self, worker: int, reason: str) -> None:
+    def _lose(self, worker: int, reason: str, found_on_disk: Collection[int] = ()) -> None:
         link = self._by_worker.pop(worker, None)
         if link is not None:
             self._links.pop(link.identity, None)
             if link.lane is not None and self._lanes.get(link.lane) is link:
                 del self._lanes[link.lane]
         self._adopting.pop(worker, None)
-        for e in watchdog.loss(self.state, worker, reason, self.book.undispatched):
+        for e in watchdog.loss(self.state, worker, reason, self.book.undispatched, found_on_disk):
             if type(e) is ev.WorkerLost:
                 self.busy.drop_worker(worker)
                 log.warning("worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
-                            bytes_lost=e.bytes_lost)
+                            bytes_lost=e.bytes_lost, kept_on_disk=len(e.kept_on_disk), bytes_kept=e.bytes_kept)
                 self._record(e)
             else:
                 self._settle(e.move_id, e)

@@ -44,7 +44,8 @@ import zmq
 from events import affinity
 from events import catalog as ev
 from events.commands import (
-    BlocksReleased, BlocksWritten, CommandFailed, ErrorReply, Hello, MoveNearlyDone, MovesReport, MoveTimed, Pong,
+    BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
+    MoveTimed, Pong,
 )
 from control.asking import Asks
 from control.config import ControlConfig, Health
@@ -98,6 +99,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             ev.MoveFailed: self._on_outcome, ev.MoveRejected: self._on_outcome, BlocksReleased: self._on_released,
             BlocksWritten: self._on_written, MovesReport: self._on_report, CommandFailed: self._on_command_failed,
             ErrorReply: self._on_worker_error, MoveTimed: self._on_timed, MoveNearlyDone: self._on_nearly_done,
+            DiskClaimed: self._on_disk_claimed,
         }
         self._unhandled_logged: set[type] = set()
         self._listeners: list[Callable[[int, ev.Event], None]] = []
@@ -106,6 +108,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self.metrics: collections.Counter = collections.Counter()
         self.traces = MoveTraces(config.trace_moves)
         # set by _recover()
+        self._stopped_cleanly = False
         self.state = State()
         self.recency = Recency()
         self.epoch = 0

@@ -67,6 +67,7 @@ class StartStop:
         # Workers the ledger says are serving: after a crash they get a grace to come back.
         alive = [w for w, ws in self.state.workers.items() if ws.alive]
         self._adopting: dict[int, int] = {w: now + int(self.cfg.adopt_grace_s * S) for w in alive} if rec.crashed else {}
+        self._stopped_cleanly = not rec.crashed     # the last incarnation recorded ServerStopped
         self._record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
         self._recorder.flush()
         log.info("control_recovered", last_seq=rec.last_seq, replayed=rec.num_replayed, snapshot=rec.from_snapshot,
@@ -75,7 +76,8 @@ class StartStop:
                  seconds=round(time.monotonic() - t0, 3))
 
     def _shutdown(self, reason: str) -> None:
-        """Settle what is in flight, free every copy by the book, record ServerStopped, stop workers."""
+        """Settle what is in flight, free every copy by the book (but the disk copies, with
+        ``keep_disk``), record ServerStopped, stop workers."""
         log.info("control_stopping", reason=reason, in_flight=len(self.state.inflight))
         self._serve_until(lambda: not self.state.inflight, self.cfg.shutdown_grace_s)
         for mid, mv in list(self.state.inflight.items()):
@@ -85,7 +87,8 @@ class StartStop:
                 by_tier: dict[str, list[int]] = {}
                 for b, st in self.state.blocks.get(w, {}).items():
                     for t in st.tiers:
-                        by_tier.setdefault(t, []).append(b)
+                        if t != "disk" or not self.cfg.keep_disk:
+                            by_tier.setdefault(t, []).append(b)
                 for tier, blocks in by_tier.items():
                     req = self._request(release("control:stop", w, tier, blocks, "server stopping"), None)
                     log.debug("release_on_stop", worker=w, tier=tier, blocks=len(blocks), move_id=req)

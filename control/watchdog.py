@@ -62,14 +62,21 @@ def silence(last_heard_ns: dict[int, int], now_ns: int, missed_after_ns: int, lo
     return missed, lost
 
 
-def loss(state: State, worker: int, reason: str, undispatched: Collection[str] = ()) -> list[ev.Event]:
-    """WorkerLost with its consequences named per block and per move, in the order to record them."""
+def loss(state: State, worker: int, reason: str, undispatched: Collection[str] = (),
+         kept_on_disk: Collection[int] = ()) -> list[ev.Event]:
+    """WorkerLost with its consequences named per block and per move, in the order to record them.
+    ``kept_on_disk``: disk copies the next incarnation found and verified (only those the ledger
+    has on that disk are kept)."""
     ws = state.workers.get(worker)
     if ws is None or not ws.alive:
         return []
-    blocks = sorted(state.blocks.get(worker, {}))
+    wb = state.blocks.get(worker, {})
+    kept = sorted(b for b in set(kept_on_disk) if b in wb and "disk" in wb[b].tiers)
+    kept_set = set(kept)
+    blocks = sorted(b for b in wb if b not in kept_set)
     out: list[ev.Event] = [ev.WorkerLost(worker=worker, reason=reason, blocks_lost=blocks,
-                                         bytes_lost=len(blocks) * ws.block_bytes)]
+                                         bytes_lost=len(blocks) * ws.block_bytes, kept_on_disk=kept,
+                                         bytes_kept=len(kept) * ws.block_bytes)]
     for mv in state.inflight.values():
         if mv.worker != worker:
             continue

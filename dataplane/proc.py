@@ -32,7 +32,6 @@ import gc
 import heapq
 import os
 import queue
-import shutil
 import signal
 import sys
 import threading
@@ -154,7 +153,8 @@ class WorkerProc(EngineLane, SideThreads):
         self._last_hello_ns = time.monotonic_ns()
         lane = lane_identity_of(self.worker).decode() if self.lane_mode else None
         self.link.send(Hello(worker=self.worker, epoch=self.epoch, device=self.device,
-                             tiers=dict(self.core.engine.capacities()), block_bytes=self.block_bytes, lane=lane))
+                             tiers=dict(self.core.engine.capacities()), block_bytes=self.block_bytes, lane=lane,
+                             disk_blocks=list(self.core.unclaimed_disk)))
         for msg in self.core.hello_extras():     # e.g. ServingReady: the control learns the model again
             self.link.send(msg)
         if self.lane_mode:       # after each Hello the lane says it is up (a restarted control learns it)
@@ -388,9 +388,6 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         return build_serving_core(args, faults)
     layout = parse_layout(args.kv_layout)
     block_bytes = layout_block_bytes(layout)
-    disk_dir = Path(args.run_dir) / f"disk-{args.worker}"
-    shutil.rmtree(disk_dir, ignore_errors=True)     # a new incarnation starts with nothing
-    disk_dir.mkdir(parents=True, exist_ok=True)
     if args.engine == "nocopy":
         caps = {"device": args.device_blocks * block_bytes, "host": args.host_bytes, "disk": args.disk_bytes}
         return WorkerCore(NoCopyEngine(block_bytes, caps, args.worker, args.device), args.worker, faults), block_bytes
@@ -398,9 +395,11 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
 
     from dataplane.engine import Engine  # noqa: PLC0415
     from dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+    from dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     kv = KVLayout(*layout[:4], dtype=layout[4])
     pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
     engine = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
@@ -422,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-bytes", type=int, default=1 << 30)
     p.add_argument("--disk-bytes", type=int, default=4 << 30)
     p.add_argument("--disk-fsync", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--keep-disk", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep the disk tier's files of an earlier incarnation: rebuilt, verified, offered in Hello")
     p.add_argument("--torch-threads", type=int, default=0)
     p.add_argument("--faults", default=os.environ.get("RESIDENCY_WORKER_FAULTS", ""),
                    help="fault hooks for tests (see dataplane.worker.WorkerFaults); off by default")

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-from pathlib import Path
 
 import structlog
 
@@ -67,9 +65,9 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
     c = model.config
     kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
-    disk_dir = Path(args.run_dir) / f"disk-{args.worker}"
-    shutil.rmtree(disk_dir, ignore_errors=True)     # a new incarnation starts with nothing
-    disk_dir.mkdir(parents=True, exist_ok=True)
+    from dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
+
+    disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
     engine = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
                     disk_bytes=args.disk_bytes, fsync=args.disk_fsync)

@@ -22,8 +22,8 @@ import structlog
 
 from events import catalog as ev
 from events.commands import (
-    BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ExecuteMove, Inventory, MovesReport, QueryInventory,
-    ReleaseBlocks,
+    BlocksReleased, BlocksWritten, ClaimDisk, CommandFailed, CommitBlocks, DiskClaimed, ExecuteMove, Inventory,
+    MovesReport, QueryInventory, ReleaseBlocks,
 )
 
 log = structlog.get_logger("dataplane.worker")
@@ -110,8 +110,15 @@ class WorkerCore:
         self.num_moves = 0
         self.handlers: dict[type, Callable[[Any], list]] = {
             ExecuteMove: self.execute, CommitBlocks: self.commit, ReleaseBlocks: self.release,
-            QueryInventory: self.inventory,
+            QueryInventory: self.inventory, ClaimDisk: self.claim_disk,
         }
+        # files of an earlier incarnation the engine found on its disk and verified (--keep-disk),
+        # offered in Hello until the control's ClaimDisk says which to keep
+        report = getattr(engine, "disk_report", None)
+        self.unclaimed_disk: list[int] = sorted(report.indexed) if report is not None else []
+        if report is not None and (report.indexed or report.quarantined):
+            log.info("disk_rebuilt", worker=worker, found=len(report.indexed), quarantined=report.quarantined,
+                     removed_temporaries=len(report.removed_temporaries))
         # Set by dataplane.serving_worker.attach: the work the engine thread does while no command
         # waits (has_work, step -> replies), and the messages that follow every Hello.
         self.background: tuple[Callable[[], bool], Callable[[], list]] | None = None
@@ -195,6 +202,18 @@ class WorkerCore:
         else:
             blocks = {t: sorted(self.engine.where[t]) for t in tiers}
         return [Inventory(worker=self.worker, nonce=cmd.nonce, blocks=blocks, used_bytes=dict(self.engine.usage()))]
+
+    def claim_disk(self, cmd: ClaimDisk) -> list:
+        """Keep the offered files the ledger still has; delete the others (never any file made
+        by this incarnation: only those offered)."""
+        keep = set(cmd.keep)
+        found = set(self.unclaimed_disk)
+        drop = sorted(found - keep)
+        freed = self.engine.disk_tier.free(drop) if drop else 0
+        self.unclaimed_disk = []
+        if drop:
+            log.info("disk_files_dropped", worker=self.worker, blocks=len(drop), bytes=freed)
+        return [DiskClaimed(worker=self.worker, kept=sorted(found & keep), dropped=drop, bytes_dropped=freed)]
 
     def release(self, cmd: ReleaseBlocks) -> list:
         try:

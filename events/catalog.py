@@ -50,12 +50,18 @@ class WorkerHeartbeatMissed(Event):
 class WorkerLost(Event):
     """A worker is gone. The control process names the consequences from its fold: the blocks
     whose only copy was on it (``blocks_lost``/``bytes_lost``); its in-flight moves follow as
-    ``MoveStranded(why="worker_lost")`` or ``MoveAbandoned`` events."""
+    ``MoveStranded(why="worker_lost")`` or ``MoveAbandoned`` events.
+
+    ``kept_on_disk``: blocks the ledger had on this worker's disk whose files the incarnation that
+    replaces it found and verified at its start (recorded when that one says Hello): their disk
+    copy survives, every other copy of them is gone; they are not in ``blocks_lost``."""
 
     worker: int
     reason: str
     blocks_lost: list[int] = []
     bytes_lost: int = 0
+    kept_on_disk: list[int] = []
+    bytes_kept: int = 0
 
 
 # ---------------------------------------------------------------- budgets

@@ -71,6 +71,9 @@ class Hello(Message):
     # None. With a lane, the engine's commands go to the lane once a LaneHello came from it, and
     # their replies come back on it; Ping, QueryMoves and Shutdown stay on this socket.
     lane: str | None = None
+    # Blocks whose files this incarnation found on its disk at start, each verified (a worker run
+    # with --keep-disk), until the control's ClaimDisk says which of them the ledger still has.
+    disk_blocks: list[int] = []
 
 
 class Pong(Message):
@@ -403,10 +406,24 @@ class Inventory(Message):
     used_bytes: dict[str, int]        # tier -> bytes taken, including slots reserved by moves in flight
 
 
-AnyCommand = Union[AnyCommand, QueryInventory]  # type: ignore[misc]
-AnyReply = Union[AnyReply, Inventory]  # type: ignore[misc]
-AnyMessage = Union[AnyMessage, QueryInventory, Inventory]  # type: ignore[misc]
-__all__ += ["QueryInventory", "Inventory"]
+class ClaimDisk(Message):
+    """To a new incarnation that found block files on its disk (``Hello.disk_blocks``): keep these
+    (the ledger has them there: ``WorkerLost.kept_on_disk``), delete every other one."""
+
+    keep: list[int]
+
+
+class DiskClaimed(Message):
+    worker: int
+    kept: list[int]
+    dropped: list[int]                # files deleted: blocks the ledger does not have on this disk
+    bytes_dropped: int
+
+
+AnyCommand = Union[AnyCommand, QueryInventory, ClaimDisk]  # type: ignore[misc]
+AnyReply = Union[AnyReply, Inventory, DiskClaimed]  # type: ignore[misc]
+AnyMessage = Union[AnyMessage, QueryInventory, Inventory, ClaimDisk, DiskClaimed]  # type: ignore[misc]
+__all__ += ["QueryInventory", "Inventory", "ClaimDisk", "DiskClaimed"]
 
 
 class MoveTimed(Message):

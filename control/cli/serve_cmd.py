@@ -54,6 +54,9 @@ def register(sub) -> None:
     p.add_argument("--disk-bytes", type=parse_size, default=parse_size("4GiB"))
     p.add_argument("--disk-fsync", action=argparse.BooleanOptionalAction, default=True,
                    help="fsync disk-tier block files")
+    p.add_argument("--keep-disk", action=argparse.BooleanOptionalAction, default=True,
+                   help="a clean stop keeps the disk tier's blocks (sessions parked to disk), and a restarted "
+                        "worker keeps the files it finds and verifies that the ledger still has (default on)")
     p.add_argument("--durability", choices=("normal", "full"), default="normal",
                    help="ledger commits: normal survives a process crash, full also a power loss (fsync)")
     p.add_argument("--keep-awake", choices=("auto", "on", "off"), default="auto",
@@ -296,7 +299,7 @@ def build_config(args, run_dir: Path, devices: list[str]):
         worker_endpoint=args.worker_endpoint or worker_endpoint(run_dir), ask_endpoint=ask_endpoint(run_dir),
         expected_workers=list(range(len(devices))), worker_lost_s=args.heartbeat_lost_s,
         heartbeat_missed_s=min(1.5, args.heartbeat_lost_s / 2), adopt_grace_s=args.adopt_grace_s,
-        durability=args.durability, config_digest=digest,
+        durability=args.durability, config_digest=digest, keep_disk=args.keep_disk,
         keep_awake=args.keep_awake == "on" or (args.keep_awake == "auto" and any(d.startswith("cuda") for d in devices)),
         moves=MoveConfig(deadline_base_s=args.move_deadline_s, page_tokens=page_tokens),
         policy=PolicyConfig(pressure=not args.no_policies, park=not args.no_policies,
@@ -331,7 +334,7 @@ def run(args) -> int:
                 "--engine", args.engine, "--kv-layout", args.kv_layout, "--device-blocks", str(args.device_blocks),
                 "--host-bytes", str(args.host_bytes), "--disk-bytes", str(args.disk_bytes),
                 "--disk-fsync" if args.disk_fsync else "--no-disk-fsync", "--orphan-exit-s", str(args.orphan_exit_s),
-                *_worker_serving_argv(args)]
+                "--keep-disk" if args.keep_disk else "--no-keep-disk", *_worker_serving_argv(args)]
 
     stop = threading.Event()
     reason: list[str] = []

@@ -108,11 +108,17 @@ class Accounting:
         for (worker, _), s in self.copies.items():
             if worker == w:
                 blocks |= s
-        self.resident_at_loss[w] = len(blocks) * self.block_bytes.get(w, 0)
+        kept = set(rec.event.kept_on_disk)           # disk copies the next incarnation found
+        self.resident_at_loss[w] = len(blocks - kept) * self.block_bytes.get(w, 0)
         for (worker, tier), s in self.copies.items():
             if worker == w and s:
-                s.clear()
-                self._changed(rec, w, tier)
+                before = len(s)
+                if tier == "disk" and kept:
+                    s.intersection_update(kept)
+                else:
+                    s.clear()
+                if len(s) != before:
+                    self._changed(rec, w, tier)
 
     def _committed(self, rec: Recorded) -> None:
         ev: BlocksCommitted = rec.event

@@ -146,22 +146,28 @@ class WorkerSilence:
             parts.append(f"{len(loss['abandoned'])} abandoned ({fmt_bytes(abandoned)} planned)")
         if orphans:
             parts.append(f"{len(orphans)} move(s) with no outcome recorded")
+        if ev.bytes_kept:
+            parts.append(f"{fmt_bytes(ev.bytes_kept)} on its disk kept by the next incarnation")
         if loss["resident"] != ev.bytes_lost:
             parts.append(f"but the ledger had {fmt_bytes(loss['resident'])} of blocks there")
         tail = f", rejoined after {fmt_duration(at_ns - loss['onset_ns'])}" if rejoined else ""
         return Finding(
             detector=self.name,
-            severity="critical" if (total or orphans) and not rejoined else "warning",
+            severity="critical" if (total or orphans) and not rejoined else
+                     "warning" if total or orphans or not ev.bytes_kept else "info",
             title=f"worker {worker} lost ({ev.reason}): {fmt_bytes(total)} stranded: {'; '.join(parts)}{tail}",
             seqs=proof(loss["seqs"] + [r.envelope.seq for r in orphans],
                        key=[loss["seqs"][0]] + ([rejoined.envelope.seq] if rejoined else [])),
             subject=f"worker {worker}",
             onset_ns=loss["onset_ns"],
             until_ns=at_ns if rejoined else None,
-            suggestion=("sessions whose blocks were there must recompute; "
+            suggestion=("nothing was lost: its disk copies were kept"
+                        if rejoined and ev.bytes_kept and not (total or orphans) else
+                        "sessions whose blocks were there must recompute; "
                         + ("strand or abandon the moves with no outcome so their bytes are named"
                            if orphans else "replace the worker or shrink the group")),
-            detail={"worker": worker, "bytes_lost": ev.bytes_lost, "bytes_stranded": stranded,
+            detail={"worker": worker, "bytes_lost": ev.bytes_lost, "bytes_kept_on_disk": ev.bytes_kept,
+                    "bytes_stranded": stranded,
                     "bytes_abandoned": abandoned, "bytes_resident_at_loss": loss["resident"],
                     "moves_without_outcome": [r.event.move_id for r in orphans][:32]},
         )

@@ -411,9 +411,9 @@ class ServingService(SessionOps):
         elif t is ev.BlocksFreed:
             self._post_retry()
         elif t is ev.WorkerLost:
-            self._worker_lost(event.worker)
+            self._worker_lost(event.worker, set(event.kept_on_disk))
 
-    def _worker_lost(self, worker: int) -> None:
+    def _worker_lost(self, worker: int, kept: set[int] = frozenset()) -> None:
         self.ready.pop(worker, None)
         for p in [p for p in self.pending.values() if p.worker == worker]:
             if p.phase == "running":
@@ -426,8 +426,8 @@ class ServingService(SessionOps):
             elif p.phase in ("tokenizing", "waiting"):
                 self._forget(p)
                 p.reject(BackendError(503, f"worker {worker} was lost", type="server_error", code="worker_lost"))
-        if self.sched is not None:
-            lost = {b for e in self.sched.sessions.values() if e.worker == worker for b in e.blocks}
+        if self.sched is not None:      # a session keeps the pages whose disk copy survived
+            lost = {b for e in self.sched.sessions.values() if e.worker == worker for b in e.blocks} - kept
             self.sched.forget_blocks(worker, lost)
 
     def _post_retry(self) -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import struct
 import zlib
+from pathlib import Path
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -328,3 +329,14 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def worker_disk_dir(run_dir: str | os.PathLike, worker: int, keep: bool) -> Path:
+    """A worker process's disk tier directory: emptied for a new incarnation unless ``keep`` (the
+    worker's ``--keep-disk``: the engine then rebuilds its index from the files, verifying each,
+    and the worker's Hello offers them to the control, whose ClaimDisk says which to keep)."""
+    path = Path(run_dir) / f"disk-{worker}"
+    if not keep:
+        shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -138,6 +138,28 @@ def test_a_lost_worker_takes_its_copies_and_names_the_bytes():
     check_integrity(s)
 
 
+def test_a_worker_lost_keeps_the_disk_copies_its_next_incarnation_found_and_nothing_else():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session="s", tier="device", blocks=[1, 2, 3], keys=["k1", "k2", ""],
+                              bytes=3 * MiB))
+    _spill(lg, "m1", [1, 2], keep=True, dst="disk")              # 1 and 2: on device and disk; 3 on device
+    lg.add(ev.WorkerLost(worker=0, reason="stopped with the server", blocks_lost=[2, 3], bytes_lost=2 * MiB,
+                         kept_on_disk=[1], bytes_kept=MiB))
+    s = lg.state()
+    assert {b: st.tiers for b, st in s.blocks[0].items()} == {1: ["disk"]} and s.blocks[0][1].session == "s"
+    assert [s.tier(0, t).used_bytes for t in ("device", "host", "disk")] == [0, 0, MiB]
+    assert s.stranded_bytes_total() == 2 * MiB and not s.anomalies
+    check_integrity(s)
+    live = index_copies(lg.state())           # the copy index the live control keeps agrees
+    assert live.copies[0]["disk"] == {1}
+    lg.add(ev.WorkerJoined(worker=0, device="cpu", tiers={"device": 8 * MiB, "host": 16 * MiB, "disk": 64 * MiB},
+                           block_bytes=MiB))
+    lg.add(ev.WorkerLost(worker=0, reason="again", kept_on_disk=[1, 3]))     # 3 never had a disk copy
+    s = lg.state()
+    assert list(s.blocks[0]) == [1] and any("keeps block 3" in what for _, what in s.anomalies)
+
+
 def test_a_rebind_committed_with_a_reader_behind_is_an_anomaly():
     lg = Ledger()
     _joined(lg)

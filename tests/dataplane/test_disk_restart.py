@@ -56,3 +56,21 @@ def test_files_of_another_layout_are_not_loaded(tmp_path):
     with make_engine(tmp_path, layout=other) as second:
         assert second.disk_report.indexed == []
         assert "another layout" in dict(second.disk_report.quarantined)["block-5.kv"]
+
+
+def test_a_worker_offers_the_files_it_found_and_deletes_those_the_control_does_not_claim(tmp_path):
+    from dataplane.worker import WorkerCore
+    from events.commands import ClaimDisk, DiskClaimed
+    with make_engine(tmp_path) as first:
+        data = commit(first, "device", [3, 4, 5])
+        first.execute(move("evict", "device", "disk", [3, 4, 5]))
+    with make_engine(tmp_path) as second:
+        core = WorkerCore(second, 0)
+        assert core.unclaimed_disk == [3, 4, 5]
+        out = core.run(ClaimDisk(keep=[4, 99]))        # 99: the ledger's, but no file: not kept
+        assert out == [DiskClaimed(worker=0, kept=[4], dropped=[3, 5], bytes_dropped=2 * LAYOUT.block_bytes)]
+        assert second.disk_tier.blocks() == [4] and core.unclaimed_disk == []
+        assert sorted(os.listdir(second.disk_tier.directory)) == ["block-4.kv"]
+        assert isinstance(second.execute(move("restore", "disk", "device", [4])), MoveAcked)
+        assert torch.equal(words_of(second, "device", 4), data[4])
+        assert core.run(ClaimDisk(keep=[])) == [DiskClaimed(worker=0, kept=[], dropped=[], bytes_dropped=0)]

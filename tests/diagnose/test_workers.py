@@ -45,6 +45,21 @@ def test_a_lost_worker_is_named_with_the_bytes_stranded_on_it(L):
     assert {lost.seq, s1.seq} <= set(f.seqs)
 
 
+def test_a_worker_stopped_with_the_server_whose_disk_copies_were_kept_is_only_an_info(L):
+    L.worker(0)
+    bb = L.block_bytes[0]
+    blocks = L.commit(0, 4)
+    L.move(0, "demote", "device", "disk", blocks)
+    L.add(ev.ServerStopped(reason="signal SIGTERM"))
+    L.add(ev.WorkerLost(worker=0, reason="stopped with the server; epoch 2 replaces 1", kept_on_disk=blocks,
+                        bytes_kept=4 * bb))
+    L.worker(0)
+    [f] = detect_worker_silence(L.events, at_ns=L.now)
+    assert f.severity == "info" and "kept by the next incarnation" in f.title
+    assert f.detail["bytes_kept_on_disk"] == 4 * bb and f.detail["bytes_lost"] == 0
+    assert f.suggestion.startswith("nothing was lost")
+
+
 def test_a_healthy_worker_is_not_a_finding(L):
     L.worker(0)
     for i in range(20):
