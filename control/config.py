@@ -17,6 +17,9 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     worker_lost_s: float = 5.0
     lane_wait_s: float = 2.0              # a lane named in Hello but silent this long: use the Hello socket
     adopt_grace_s: float = 3.0            # after a crash: how long workers have to come back
+    # ... and then, with keep_disk, how long one that held disk copies waits for its next
+    # incarnation to say which it found, before they are counted lost with the rest
+    replace_wait_s: float = 120.0
     requery_interval_s: float = 1.0       # ask workers again about stranded moves (late acks)
     deadline_grace_s: float = 1.0         # past a move's deadline, wait this long for the worker's own
                                           # verdict (it refuses to start a move past its deadline)

@@ -272,12 +272,21 @@ class WorkerLinks:
         for w, until in list(self._adopting.items()):
             if now > until:
                 del self._adopting[w]
-                self._lose(w, f"did not come back within {self.cfg.adopt_grace_s} s of the control restart")
+                why = f"did not come back within {self.cfg.adopt_grace_s} s of the control restart"
+                if self.cfg.keep_disk and any("disk" in st.tiers for st in self.state.blocks.get(w, {}).values()):
+                    # its disk files may have outlived it: the next incarnation says which (Hello)
+                    self._replacing[w] = now + int(self.cfg.replace_wait_s * S)
+                    log.warning("worker_awaiting_replacement", worker=w, why=why, wait_s=self.cfg.replace_wait_s)
+                else:
+                    self._lose(w, why)
             else:   # a surviving worker answers a ping; we answer unknown_worker; it says Hello again
                 try:
                     self._router.send(worker_identity(w), ping)
                 except WorkerUnreachable:
                     pass
+        for w, until in list(self._replacing.items()):
+            if now > until:
+                self._lose(w, f"no new incarnation within {self.cfg.replace_wait_s} s of the control restart")
         heard = {link.worker: link.last_heard_ns for link in self._links.values()}
         missed, lost = watchdog.silence(heard, now, int(self.cfg.heartbeat_missed_s * S), int(self.cfg.worker_lost_s * S),
                                         {lk.worker for lk in self._links.values() if lk.missed})
@@ -295,6 +304,7 @@ class WorkerLinks:
             if link.lane is not None and self._lanes.get(link.lane) is link:
                 del self._lanes[link.lane]
         self._adopting.pop(worker, None)
+        self._replacing.pop(worker, None)
         for e in watchdog.loss(self.state, worker, reason, self.book.undispatched, found_on_disk):
             if type(e) is ev.WorkerLost:
                 self.busy.drop_worker(worker)

@@ -109,6 +109,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self.traces = MoveTraces(config.trace_moves)
         # set by _recover()
         self._stopped_cleanly = False
+        self._replacing: dict[int, int] = {}
         self.state = State()
         self.recency = Recency()
         self.epoch = 0

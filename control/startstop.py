@@ -68,6 +68,7 @@ class StartStop:
         alive = [w for w, ws in self.state.workers.items() if ws.alive]
         self._adopting: dict[int, int] = {w: now + int(self.cfg.adopt_grace_s * S) for w in alive} if rec.crashed else {}
         self._stopped_cleanly = not rec.crashed     # the last incarnation recorded ServerStopped
+        self._replacing: dict[int, int] = {}         # worker -> until when its disk copies wait (links.py)
         self._record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
         self._recorder.flush()
         log.info("control_recovered", last_seq=rec.last_seq, replayed=rec.num_replayed, snapshot=rec.from_snapshot,

@@ -184,9 +184,9 @@ class FakeWorker:
         self.sock.connect(endpoint)
         self.answer_pings = True
 
-    def hello(self, epoch: int | None = None) -> None:
+    def hello(self, epoch: int | None = None, disk_blocks: list[int] | None = None) -> None:
         self.send(Hello(worker=self.worker, epoch=self.epoch if epoch is None else epoch, device="cpu",
-                        tiers=self.tiers, block_bytes=self.block_bytes))
+                        tiers=self.tiers, block_bytes=self.block_bytes, disk_blocks=disk_blocks or []))
 
     def send(self, msg) -> None:
         self.sock.send(encode_message(msg))

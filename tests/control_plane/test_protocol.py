@@ -11,8 +11,8 @@ import pytest
 from events import catalog as ev
 from events.codec import encode_message
 from events.commands import (
-    AskMove, AskReleaseBlocks, AskSetBudget, BlocksReleased, ErrorReply, ExecuteMove, MovesReport, Ping, QueryMoves,
-    ReleaseBlocks, Shutdown,
+    AskMove, AskReleaseBlocks, AskSetBudget, BlocksReleased, ClaimDisk, ErrorReply, ExecuteMove, MovesReport, Ping,
+    QueryMoves, ReleaseBlocks, Shutdown,
 )
 from control.state import check_integrity
 from ledger import LedgerStore
@@ -330,6 +330,46 @@ def test_after_a_crash_the_same_worker_is_adopted_and_asked_what_it_completed(ma
     # the live state keeps the copy index asks are checked against: built at recovery, kept since
     live = proc.call(lambda p: (p.state.copies, check_integrity(p.state))).result(5)[0]
     assert live is not None and live[0]["host"] >= {1, 3} and not live[0]["device"] & {1, 3}
+
+
+def _crashed_ledger_with_disk(url):
+    """A crashed control's ledger whose worker holds blocks 7 and 8 on disk (and 9 on device)."""
+    from events.envelope import Envelope
+    store = LedgerStore.open(url, create=True)
+    bb = 4096
+    evs = [ev.ServerStarted(version="0", config_digest="x"),
+           ev.WorkerJoined(worker=0, device="cpu", tiers={"device": 64 * bb, "host": 128 * bb, "disk": 256 * bb},
+                           block_bytes=bb),
+           ev.BlocksCommitted(worker=0, session="s", tier="disk", blocks=[7, 8], keys=["a", "b"], bytes=2 * bb),
+           ev.BlocksCommitted(worker=0, session="s", tier="device", blocks=[9], keys=[""], bytes=bb)]
+    store.append([(Envelope(producer="control", epoch=7, producer_seq=i, ts_ns=time.time_ns(),
+                            causation="hello:w0@1" if type(e) is ev.WorkerJoined else None), e)
+                  for i, e in enumerate(evs, 1)])
+    store.close()
+
+
+def test_after_a_crash_disk_copies_wait_for_the_next_incarnation_which_keeps_what_it_found(
+        make_control, fake_worker, sqlite_url):
+    _crashed_ledger_with_disk(sqlite_url)
+    proc, store = make_control(sqlite_url, adopt_grace_s=0.2, keep_disk=True, expected_workers=[0])
+    wait_for(lambda: proc.call(lambda p: p.missing_workers()).result(5) == [0], what="the grace to pass")
+    assert not events_of(store, ev.WorkerLost)           # not yet: the next incarnation says what it found
+    fw = fake_worker(epoch=2)
+    fw.hello(disk_blocks=[8, 40])                        # 7's file is gone; 40 is not the ledger's
+    assert fw.expect(ClaimDisk).keep == [8]
+    wait_for(lambda: events_of(store, ev.WorkerLost), what="the loss, committed")
+    [lost] = [r.event for r in events_of(store, ev.WorkerLost)]
+    assert (lost.blocks_lost, lost.kept_on_disk, lost.bytes_kept) == ([7, 9], [8], 4096)
+    state = check_ledger(store)
+    assert {b: st.tiers for b, st in state.blocks[0].items()} == {8: ["disk"]}
+
+
+def test_after_a_crash_disk_copies_are_counted_lost_when_no_new_incarnation_comes(make_control, sqlite_url):
+    _crashed_ledger_with_disk(sqlite_url)
+    proc, store = make_control(sqlite_url, adopt_grace_s=0.2, keep_disk=True, replace_wait_s=0.3)
+    wait_for(lambda: events_of(store, ev.WorkerLost), what="the loss after the wait")
+    [lost] = [r.event for r in events_of(store, ev.WorkerLost)]
+    assert lost.blocks_lost == [7, 8, 9] and lost.kept_on_disk == [] and "no new incarnation" in lost.reason
 
 
 def test_after_a_crash_a_worker_that_does_not_come_back_is_lost_with_its_moves(make_control, sqlite_url):

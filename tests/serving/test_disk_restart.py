@@ -83,3 +83,30 @@ def test_without_keep_disk_a_clean_stop_frees_the_disk_copies_and_the_next_turn_
     finally:
         assert s2.stop() == 0
     assert again["usage"]["restored_tokens"] == 0 and not list((s.dir / "run" / "disk-0").glob("block-*.kv"))
+
+
+def test_after_a_crash_of_every_process_the_disk_copies_wait_for_the_new_worker_and_are_kept(tmp_path):
+    """kill -9 of the control and its worker: the restarted control gives the worker its adopt
+    grace, then (it held disk copies) waits for the next incarnation's Hello instead of counting
+    them lost, and keeps what that one found."""
+    import os
+    import signal
+    s = Server(tmp_path, "--park-after-s", "600").wait_ready()
+    first = chat(s, TURN1, "dora")
+    assert s.admin("POST", "/admin/sessions/dora/park", json={"tier": "disk"}).status_code == 200
+    worker_pid = int((s.dir / "run" / "worker-0.pid").read_text().split()[0])
+    os.killpg(s.proc.pid, signal.SIGKILL)
+    os.kill(worker_pid, signal.SIGKILL)
+    s.proc.wait(10)
+    s.log.close()
+    s2 = Server(tmp_path, "--park-after-s", "600").wait_ready()
+    try:
+        again = chat(s2, turn2(first), "dora")
+    finally:
+        assert s2.stop() == 0
+    assert again["usage"]["restored_tokens"] == 32
+    events, state = read_ledger(s2.ledger)
+    state.check_integrity()
+    [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
+    assert lost.reason.startswith("not back after the control restart") and lost.blocks_lost == []
+    assert len(lost.kept_on_disk) == 3 and "worker_awaiting_replacement" in s2.log_path.read_text()
