@@ -113,6 +113,52 @@ def _sqlite_engine(u: URL) -> Engine:
     return engine
 
 
+class LazyBegin:
+    """The kept PostgreSQL cursor in a writing transaction whose BEGIN (with ``SET LOCAL`` and the
+    table lock) is not sent yet. Any statement sends it first, in one round trip, except a short
+    insert that commits (``Dialect.insert_events``), which sends it in its own pipeline: BEGIN,
+    lock, rows and COMMIT in one round trip. Nothing sent, nothing to commit or roll back."""
+
+    __slots__ = ("cur", "pending")
+
+    def __init__(self, cur, statements: list[str]):
+        self.cur, self.pending = cur, statements
+
+    def take_begin(self) -> list[str] | None:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def begin_now(self) -> None:
+        if self.pending is not None:
+            self.cur.execute("; ".join(self.take_begin()))
+
+    @property
+    def connection(self):
+        return self.cur.connection
+
+    def execute(self, *args, **kw):
+        self.begin_now()
+        return self.cur.execute(*args, **kw)
+
+    def executemany(self, *args, **kw):
+        self.begin_now()
+        return self.cur.executemany(*args, **kw)
+
+    def copy(self, *args, **kw):
+        self.begin_now()
+        return self.cur.copy(*args, **kw)
+
+    def fetchone(self):
+        return self.cur.fetchone()
+
+    def fetchall(self):
+        return self.cur.fetchall()
+
+    def __getattr__(self, name):          # anything else: the transaction must be open first
+        self.begin_now()
+        return getattr(self.cur, name)
+
+
 class Dialect:
     """SQL text for the hot paths, per backend."""
 
@@ -142,9 +188,13 @@ class Dialect:
             return
         if len(rows) < 8:                       # COPY's extra round trips cost more than they save here
             if commit and cur.connection.autocommit:       # the kept connection (``keep``)
-                with cur.connection.pipeline():
-                    cur.executemany(self._insert_sql, rows)
-                    cur.execute("COMMIT")
+                begin = cur.take_begin() if isinstance(cur, LazyBegin) else None
+                raw = cur.cur if isinstance(cur, LazyBegin) else cur
+                with raw.connection.pipeline():     # BEGIN and the lock too, when not sent yet
+                    for statement in begin or ():
+                        raw.execute(statement)
+                    raw.executemany(self._insert_sql, rows)
+                    raw.execute("COMMIT")
             else:
                 cur.executemany(self._insert_sql, rows)
             return
@@ -168,6 +218,20 @@ class Dialect:
         if self.sqlite:
             cur.execute("PRAGMA synchronous = " + ("FULL" if durability == "full" else "NORMAL"))
 
+    def write_cursor(self, cur, durability: str):
+        """``cur`` inside a new writing transaction (``begin_write``). PostgreSQL on the kept
+        connection: a ``LazyBegin`` that sends BEGIN with the first statement, or, when that is
+        a short insert that commits, in the insert's pipeline: one round trip for an append whose
+        tail the writer remembers (``ledger.append.write``)."""
+        if self.sqlite or not cur.connection.autocommit:
+            self.begin_write(cur, durability)
+            return cur
+        return LazyBegin(cur, self._begin_statements(durability))
+
+    def _begin_statements(self, durability: str) -> list[str]:
+        return ["BEGIN", "SET LOCAL synchronous_commit TO " + ("on" if durability == "full" else "off"),
+                "LOCK TABLE events IN EXCLUSIVE MODE"]
+
     def begin_write(self, cur, durability: str) -> None:
         """Start the writing transaction and take the ledger's write lock.
 
@@ -182,8 +246,7 @@ class Dialect:
         if self.sqlite:
             cur.execute("BEGIN IMMEDIATE")
         else:   # one round trip: the kept connection is in autocommit mode (``keep``), so BEGIN is ours
-            cur.execute("BEGIN; SET LOCAL synchronous_commit TO " + ("on" if durability == "full" else "off")
-                        + "; LOCK TABLE events IN EXCLUSIVE MODE")
+            cur.execute("; ".join(self._begin_statements(durability)))
 
     def keep(self, conn) -> None:
         """A raw connection becomes the one kept for writing. PostgreSQL: autocommit, so that
@@ -287,8 +350,7 @@ class Raw:
                 if self._kept_durability != durability:
                     d.set_durability(cur, durability)
                     self._kept_durability = durability
-                d.begin_write(cur, durability)
-                yield conn, cur
+                yield conn, d.write_cursor(cur, durability)
             except BaseException as e:
                 self.tail.forget()
                 with contextlib.suppress(Exception):
