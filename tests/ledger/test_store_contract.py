@@ -360,3 +360,25 @@ def test_a_lost_writing_connection_costs_one_append_not_the_store(pg_schema_url,
         assert store.append(items[3:]) == [4, 5, 6, 7, 8, 9]
         report = store.verify()
         assert report.ok and report.num_events == 9
+
+
+def test_a_postgresql_append_whose_tail_is_known_is_one_round_trip(pg_schema_url, rng, tmp_path):
+    """BEGIN, SET LOCAL and the lock ride in the insert's pipeline with the rows and COMMIT:
+    libpq's trace of the second append shows one Sync and no simple Query (each is a round trip)."""
+    from psycopg import pq
+
+    with LedgerStore.open(pg_schema_url, create=True) as store:
+        items = random_items(rng, 3)
+        assert store.append(items[:1]) == [1]            # now the writer knows the tail
+        pg = store._raw._kept[0].driver_connection.pgconn
+        trace = tmp_path / "libpq.trace"
+        with open(trace, "w") as f:
+            pg.trace(f.fileno())
+            pg.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+            assert store.append(items[1:]) == [2, 3]
+            pg.untrace()
+        sent = [line.split("\t") for line in trace.read_text().splitlines() if line.startswith("F")]
+        kinds = [parts[2].split()[0] for parts in sent]
+        assert kinds.count("Sync") + kinds.count("Query") == 1, kinds
+        assert any('"BEGIN"' in "\t".join(p) for p in sent) and any('"COMMIT"' in "\t".join(p) for p in sent)
+        assert store.verify().ok
