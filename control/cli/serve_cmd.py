@@ -54,6 +54,9 @@ def register(sub) -> None:
     p.add_argument("--disk-bytes", type=parse_size, default=parse_size("4GiB"))
     p.add_argument("--disk-fsync", action=argparse.BooleanOptionalAction, default=True,
                    help="fsync disk-tier block files")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="on Ctrl-C or SIGTERM, how long accepted requests may take to finish while new ones get "
+                        "503 (a second signal stops at once; 0: no wait)")
     p.add_argument("--keep-disk", action=argparse.BooleanOptionalAction, default=True,
                    help="a clean stop keeps the disk tier's blocks (sessions parked to disk), and a restarted "
                         "worker keeps the files it finds and verifies that the ledger still has (default on)")
@@ -261,6 +264,21 @@ def _start_api(app, host: str, port: int):
     return server, thread
 
 
+def _drain(service, drain_s: float, hurry: threading.Event, supervisor, proc) -> None:
+    """A stop asked by a signal: new requests get 503 ``server_shutting_down`` and /health 503,
+    those accepted finish (at most ``drain_s``; a second signal ends the wait)."""
+    service.drain()
+    busy = service.num_pending()
+    log.info("serve_draining", requests=busy, drain_s=drain_s)
+    deadline = time.monotonic() + drain_s
+    while busy and time.monotonic() < deadline and not hurry.is_set() and proc.running:
+        supervisor.tick()
+        hurry.wait(0.05)
+        busy = service.num_pending()
+    if busy:
+        log.warning("serve_drain_cut", requests=busy, waited_s=drain_s if not hurry.is_set() else None)
+
+
 # ---------------------------------------------------------------------- run
 def _lock(run_dir: Path):
     fd = os.open(run_dir / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -337,11 +355,14 @@ def run(args) -> int:
                 "--keep-disk" if args.keep_disk else "--no-keep-disk", *_worker_serving_argv(args)]
 
     stop = threading.Event()
+    hurry = threading.Event()
     reason: list[str] = []
 
     def on_signal(signum, _frame):
         if not reason:
             reason.append(f"signal {signal.Signals(signum).name}")
+        elif stop.is_set():
+            hurry.set()          # a second Ctrl-C: stop now, without waiting for requests to finish
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -360,6 +381,8 @@ def run(args) -> int:
             if not proc.running:
                 break
             supervisor.tick()
+        if app is not None and reason and proc.running:
+            _drain(app.state.backend, args.drain_s, hurry, supervisor, proc)
     finally:
         if api is not None:
             api[0].should_exit = True

@@ -61,6 +61,7 @@ class ServingService(SessionOps):
         self.ready: dict[int, ServingReady] = {}
         self.sched: Scheduler | None = None
         self.pending: dict[str, Pending] = {}
+        self.draining = False             # set by drain(): new requests are refused
         self.waiting: list[Pending] = []
         self.moves: collections.Counter = collections.Counter()     # (kind, outcome)
         self._kind_of: dict[str, str] = {}
@@ -90,7 +91,18 @@ class ServingService(SessionOps):
             seen.setdefault(r.model, ModelCard(id=r.model, max_context=r.max_context, created=0))
         return list(seen.values())
 
+    def drain(self) -> None:
+        """The server is stopping: refuse new requests (503), let those accepted finish."""
+        self.draining = True
+
+    def num_pending(self) -> int:
+        """Requests accepted and not finished (tokenizing, waiting, restoring or running)."""
+        return len(self.pending)
+
     async def submit(self, req: GenerateRequest) -> Stream:
+        if self.draining:
+            raise BackendError(503, "the server is shutting down; send the request to another instance",
+                               type="server_error", code="server_shutting_down")
         p = Pending(req, asyncio.get_running_loop())
         self.proc.call(lambda _proc: self._begin(p))
         try:
@@ -125,7 +137,9 @@ class ServingService(SessionOps):
         detail: dict[str, object] = {"models": [m.id for m in self.models()], "problems": list(h.problems)}
         if not self.ready:
             detail["problems"].append("no worker serves a model yet")
-        return Health(ok=h.healthy and bool(self.ready), detail=detail)
+        if self.draining:
+            detail["problems"].append(f"shutting down: {len(self.pending)} accepted requests finishing")
+        return Health(ok=h.healthy and bool(self.ready) and not self.draining, detail=detail)
 
     def _post_cancel(self, request_id: str, reason: str) -> None:
         self.proc.call(lambda _proc: self._cancel(request_id, reason))
