@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from control.api.backend import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
+from control.api.choices import Choices, choice_requests, total_usage
 from control.api.errors import ApiError
 from control.api.logprobs import CompletionLogprobs, chat_logprobs
 from control.api.schemas import SESSION_ID_RE, ChatCompletionBody, CompletionBody, parse_json, validate
@@ -71,63 +72,90 @@ def _sampling(body, max_tokens: int | None) -> SamplingParams:
     )
 
 
-async def _start(request: Request, req: GenerateRequest) -> GenerationStream:
-    return await request.app.state.backend.submit(req)
+async def _start(request: Request, reqs: list[GenerateRequest]) -> Choices:
+    """Admit every choice; if one is refused, the ones admitted are cancelled and the refusal raised."""
+    streams: list[GenerationStream] = []
+    try:
+        for req in reqs:
+            streams.append(await request.app.state.backend.submit(req))
+    except BaseException:
+        for st in streams:
+            st.cancel("a sibling choice was refused")
+        raise
+    return Choices(streams)
 
 
-async def _watch_disconnect(request: Request, stream: GenerationStream, scope: anyio.CancelScope) -> None:
+async def _watch_disconnect(request: Request, choices: Choices, scope: anyio.CancelScope) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            stream.cancel("disconnected")
+            choices.cancel("disconnected")
             scope.cancel()
             return
 
 
-async def _collect(request: Request, stream: GenerationStream, endpoint: str, t0: float
-                   ) -> tuple[str, Chunk, list]:
-    """Gather a whole generation (its text, last chunk and logprobs); a client that leaves
-    meanwhile cancels it."""
+class Collected:
+    """One choice, gathered: its text, last chunk and logprobs."""
+
+    __slots__ = ("parts", "last", "logprobs")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.last: Chunk | None = None
+        self.logprobs: list = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def _collect(request: Request, choices: Choices, endpoint: str, t0: float) -> list[Collected]:
+    """Gather every choice to its end; a client that leaves meanwhile cancels them."""
     metrics = request.app.state.metrics
-    parts: list[str] = []
-    logprobs: list = []
-    last: Chunk | None = None
+    out = [Collected() for _ in choices.streams]
     first_at: float | None = None
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, request, stream, tg.cancel_scope)
+        tg.start_soon(_watch_disconnect, request, choices, tg.cancel_scope)
         try:
-            async for chunk in stream:
+            async for i, chunk in choices.merged():
                 if chunk.token_ids and first_at is None:
                     first_at = time.perf_counter()
                     metrics.ttft.labels(endpoint).observe(first_at - t0)
-                parts.append(chunk.text)
-                logprobs += chunk.logprobs
-                last = chunk
+                c = out[i]
+                c.parts.append(chunk.text)
+                c.logprobs += chunk.logprobs
+                c.last = chunk
         finally:
-            stream.cancel("disconnected")      # no-op once finished
+            choices.cancel("disconnected")      # no-op once finished
             tg.cancel_scope.cancel()
-    if last is None:
+    if any(c.last is None for c in out):
         raise ApiError(499, "client disconnected", code="client_disconnected")
-    return "".join(parts), last, logprobs
+    return out
 
 
-def _finish(request: Request, last: Chunk) -> None:
+def _finish(request: Request, collected: list[Collected]) -> Usage | None:
+    """Count the choices' ends; a failed one fails the request. Returns the request's usage."""
     metrics = request.app.state.metrics
-    metrics.finished.labels(last.finish_reason or "unknown").inc()
-    metrics.observe_usage(last.usage)
-    if last.finish_reason == "error":
-        raise BackendError(500, f"generation failed: {last.error}", type="server_error", code="generation_failed")
+    for c in collected:
+        metrics.finished.labels(c.last.finish_reason or "unknown").inc()
+    usage = total_usage([c.last.usage for c in collected])
+    metrics.observe_usage(usage)
+    failed = next((c.last for c in collected if c.last.finish_reason == "error"), None)
+    if failed is not None:
+        raise BackendError(500, f"generation failed: {failed.error}", type="server_error", code="generation_failed")
+    return usage
 
 
-async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: float, render, include_usage: bool,
+async def _sse(request: Request, choices: Choices, endpoint: str, t0: float, render, include_usage: bool,
                head: list[bytes]) -> AsyncIterator[bytes]:
     metrics = request.app.state.metrics
     prev: float | None = None
-    finished = False
+    usages: list[Usage | None] = [None] * len(choices.streams)
+    left = len(usages)
     try:
         for h in head:
             yield h
-        async for chunk in stream:
+        async for i, chunk in choices.merged():
             now = time.perf_counter()
             n = len(chunk.token_ids)
             if n:
@@ -138,23 +166,33 @@ async def _sse(request: Request, stream: GenerationStream, endpoint: str, t0: fl
                         metrics.itl.labels(endpoint).observe((now - prev) / n)
                 prev = now
             if chunk.finish_reason is not None:
-                finished = True
+                left -= 1
+                usages[i] = chunk.usage
                 metrics.finished.labels(chunk.finish_reason).inc()
-                metrics.observe_usage(chunk.usage)
                 if chunk.finish_reason == "error":
                     yield sse_data({"error": {"message": f"generation failed: {chunk.error}", "type": "server_error",
                                               "param": None, "code": "generation_failed"}})
                     yield SSE_DONE
                     return
             if chunk.text or chunk.finish_reason is not None or chunk.logprobs:
-                yield sse_data(render(chunk))
-            if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
-                yield sse_data(render(None, usage=chunk.usage))
+                yield sse_data(render(chunk, i))
+        usage = total_usage(usages)
+        metrics.observe_usage(usage)
+        if include_usage and usage is not None:
+            yield sse_data(render(None, 0, usage=usage))
         yield SSE_DONE
     finally:
-        if not finished:
+        for _ in range(left):
             metrics.finished.labels("disconnected").inc()
-        stream.cancel("disconnected")          # no-op when the generation finished
+        choices.cancel("disconnected")          # no-op for the choices that finished
+
+
+def _check_n(body, session: str | None) -> int:
+    n = body.n or 1
+    if n > 1 and session is not None:
+        raise ApiError(400, "n > 1 cannot continue a session: each choice would be a different next turn",
+                       param="n", code="invalid_value")
+    return n
 
 
 @router.post("/v1/chat/completions")
@@ -162,6 +200,7 @@ async def chat_completions(request: Request):
     t0 = time.perf_counter()
     body: ChatCompletionBody = validate(ChatCompletionBody, parse_json(await request.body()))
     session = _session_of(request, body)
+    n = _check_n(body, session)
     _check_model(request, body.model)
     max_tokens = body.effective_max_tokens
     req = GenerateRequest(
@@ -173,38 +212,38 @@ async def chat_completions(request: Request):
         session=session,
         max_tokens_given=max_tokens is not None,
     )
-    stream = await _start(request, req)
+    choices = await _start(request, choice_requests(req, n))
     created = int(time.time())
     extra = {"session_id": session} if session else {}
     headers = {"X-Request-Id": req.request_id, **({"X-Session-Id": session} if session else {})}
 
     want_logprobs = body.logprobs_k is not None
     if body.stream:
-        def render(chunk: Chunk | None, usage: Usage | None = None) -> dict:
+        def render(chunk: Chunk | None, index: int, usage: Usage | None = None) -> dict:
             base = {"id": req.request_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
                     **extra}
             if chunk is None:
                 return {**base, "choices": [], "usage": usage_json(usage)}
             delta = {"content": chunk.text} if chunk.text else {}
             lp = chat_logprobs(chunk.logprobs) if want_logprobs and chunk.logprobs else None
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+            return {**base, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                          "finish_reason": chunk.finish_reason}]}
 
         head = [sse_data({"id": req.request_id, "object": "chat.completion.chunk", "created": created,
                           "model": body.model, **extra,
-                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]})]
-        return SSEResponse(_sse(request, stream, "chat", t0, render, body.include_usage, head),
-                           on_disconnect=lambda: stream.cancel("disconnected"), headers=headers)
+                          "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]}) for i in range(n)]
+        return SSEResponse(_sse(request, choices, "chat", t0, render, body.include_usage, head),
+                           on_disconnect=lambda: choices.cancel("disconnected"), headers=headers)
 
-    text, last, logprobs = await _collect(request, stream, "chat", t0)
-    _finish(request, last)
+    collected = await _collect(request, choices, "chat", t0)
+    usage = _finish(request, collected)
     return JSONResponse({
         "id": req.request_id, "object": "chat.completion", "created": created, "model": body.model, **extra,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": chat_logprobs(logprobs) if want_logprobs else None,
-                     "finish_reason": last.finish_reason}],
-        "usage": usage_json(last.usage) if last.usage else None,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+                     "finish_reason": c.last.finish_reason} for i, c in enumerate(collected)],
+        "usage": usage_json(usage) if usage else None,
     }, headers=headers)
 
 
@@ -213,6 +252,7 @@ async def completions(request: Request):
     t0 = time.perf_counter()
     body: CompletionBody = validate(CompletionBody, parse_json(await request.body()))
     session = _session_of(request, body)
+    n = _check_n(body, session)
     _check_model(request, body.model)
     max_tokens = body.effective_max_tokens
     if max_tokens is None:
@@ -227,31 +267,32 @@ async def completions(request: Request):
         session=session,
         max_tokens_given=True,
     )
-    stream = await _start(request, req)
+    choices = await _start(request, choice_requests(req, n))
     created = int(time.time())
     extra = {"session_id": session} if session else {}
     headers = {"X-Request-Id": req.request_id, **({"X-Session-Id": session} if session else {})}
 
-    lp_shape = CompletionLogprobs() if body.logprobs_k is not None else None
+    lp_shapes = [CompletionLogprobs() for _ in range(n)] if body.logprobs_k is not None else None
     if body.stream:
-        def render(chunk: Chunk | None, usage: Usage | None = None) -> dict:
+        def render(chunk: Chunk | None, index: int, usage: Usage | None = None) -> dict:
             base = {"id": req.request_id, "object": "text_completion", "created": created, "model": body.model, **extra}
             if chunk is None:
                 return {**base, "choices": [], "usage": usage_json(usage)}
-            lp = lp_shape.render(chunk.logprobs) if lp_shape is not None else None
-            return {**base, "choices": [{"index": 0, "text": chunk.text, "logprobs": lp,
+            lp = lp_shapes[index].render(chunk.logprobs) if lp_shapes is not None else None
+            return {**base, "choices": [{"index": index, "text": chunk.text, "logprobs": lp,
                                          "finish_reason": chunk.finish_reason}]}
 
-        return SSEResponse(_sse(request, stream, "completions", t0, render, body.include_usage, []),
-                           on_disconnect=lambda: stream.cancel("disconnected"), headers=headers)
+        return SSEResponse(_sse(request, choices, "completions", t0, render, body.include_usage, []),
+                           on_disconnect=lambda: choices.cancel("disconnected"), headers=headers)
 
-    text, last, logprobs = await _collect(request, stream, "completions", t0)
-    _finish(request, last)
+    collected = await _collect(request, choices, "completions", t0)
+    usage = _finish(request, collected)
     return JSONResponse({
         "id": req.request_id, "object": "text_completion", "created": created, "model": body.model, **extra,
-        "choices": [{"index": 0, "text": text, "logprobs": lp_shape.render(logprobs) if lp_shape is not None else None,
-                     "finish_reason": last.finish_reason}],
-        "usage": usage_json(last.usage) if last.usage else None,
+        "choices": [{"index": i, "text": c.text,
+                     "logprobs": lp_shapes[i].render(c.logprobs) if lp_shapes is not None else None,
+                     "finish_reason": c.last.finish_reason} for i, c in enumerate(collected)],
+        "usage": usage_json(usage) if usage else None,
     }, headers=headers)
 
 

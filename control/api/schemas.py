@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible routes, validated with pydantic.
 
 Unknown fields are accepted and ignored (clients send many optional knobs), except the ones whose
-non-default value would silently change the answer (``n`` > 1, ``best_of`` > 1, ``echo``): those
-are refused by name. ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``; completions: an int) is
-served, up to ``MAX_LOGPROBS`` alternatives. Residency's own field is ``session_id`` (the OpenAI client sends it
-through ``extra_body``); the ``X-Session-Id`` header names a session too. ``ignore_eos`` (as in
+non-default value would silently change the answer (``best_of`` > 1, ``echo``): those are
+refused by name. ``n`` is served up to ``MAX_CHOICES`` (control/api/choices.py), ``logprobs``
+(chat: ``logprobs`` + ``top_logprobs``; completions: an int) up to ``MAX_LOGPROBS`` alternatives.
+Residency's own field is ``session_id`` (the OpenAI client sends it through ``extra_body``); the
+``X-Session-Id`` header names a session too. ``ignore_eos`` (as in
 vLLM) keeps generating past the model's end-of-turn token, up to ``max_tokens`` (benchmarks).
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from control.api.errors import ApiError
 from events.commands import MAX_LOGPROBS
+
+MAX_CHOICES = 8                        # choices (``n``) one request may ask for
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 31            # beyond any context window; the backend checks the real one
@@ -32,7 +35,7 @@ class _Body(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
     session_id: str | None = None

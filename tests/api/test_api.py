@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from control.api import ApiConfig, create_app
+from control.api.backend import BackendError
 from tests.api.fake_backend import MODEL, FakeBackend
 
 ADMIN_KEY = "s3cret"
@@ -128,7 +129,7 @@ def test_invalid_json_is_400(client, raw):
     (_chat(max_tokens="many"), "max_tokens"),
     (_chat(temperature=-0.1), "temperature"),
     (_chat(top_p=0), "top_p"),
-    (_chat(n=2), "n"),
+    (_chat(n=9), "n"),
     (_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (_chat(session_id="bad id with spaces"), "session_id"),
     ({"messages": [{"role": "user", "content": "x"}]}, "model"),
@@ -295,3 +296,46 @@ def test_a_logprob_that_is_not_finite_is_reported_as_minus_9999_so_the_json_stay
     c = chat_logprobs([t])["content"][0]
     assert (c["logprob"], c["top_logprobs"][0]["logprob"]) == (-9999.0, -9999.0)
     assert CompletionLogprobs().render([t])["top_logprobs"] == [{"b": -9999.0}]
+
+
+# ------------------------------------------------------------------ n choices
+def test_n_choices_are_separate_generations_with_seeds_apart_and_usage_summed(client, backend):
+    r = client.post("/v1/chat/completions", json=_chat(n=3, seed=41, max_tokens=10))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Hello, world!" for c in body["choices"])
+    subs = backend.submitted[-3:]
+    assert [s.request_id for s in subs] == [body["id"], f"{body['id']}-1", f"{body['id']}-2"]
+    assert [s.sampling.seed for s in subs] == [41, 42, 43]
+    u = body["usage"]
+    assert u["completion_tokens"] == 12 and u["total_tokens"] == u["prompt_tokens"] + 12
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2, "logprobs": 0})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert all(c["logprobs"]["text_offset"] == [0, 5, 6, 12] for c in r.json()["choices"])
+
+
+def test_streamed_choices_interleave_by_index_and_end_with_one_usage(oai):
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                              stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == {0: "Hello, world!", 1: "Hello, world!"}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 2
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [8]
+
+
+def test_n_over_one_cannot_continue_a_session_and_a_refused_choice_cancels_the_rest(client, backend, monkeypatch):
+    assert_openai_error(client.post("/v1/chat/completions", json=_chat(n=2, session_id="s")), 400, param="n")
+    submit = backend.submit
+
+    async def refuse_the_second(req):
+        if req.request_id.endswith("-1"):
+            raise BackendError(503, "no room for this one", type="server_error", code="insufficient_kv_capacity")
+        return await submit(req)
+
+    monkeypatch.setattr(backend, "submit", refuse_the_second)
+    assert_openai_error(client.post("/v1/chat/completions", json=_chat(n=2)), 503, code="insufficient_kv_capacity")
+    assert backend.streams[-1].cancelled == "a sibling choice was refused"
