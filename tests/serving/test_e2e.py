@@ -116,6 +116,17 @@ def test_seeded_sampling_repeats_itself(quiet):
     assert a == b
 
 
+def test_n_choices_sampled_with_a_seed_differ_and_repeat(quiet):
+    kw = dict(temperature=1.0, seed=7, max_tokens=12, n=3)
+    a = chat(quiet, [{"role": "user", "content": "Name an animal."}], **kw)
+    b = chat(quiet, [{"role": "user", "content": "Name an animal."}], **kw)
+    texts = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.message.content for c in b.choices]
+    assert len(set(texts)) > 1, texts
+    greedy = chat(quiet, QUESTION, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
 # ------------------------------------------------------------------ sessions: moved vs never moved
 TURNS = ["Hi! What is the capital of France?", "And what is the capital of Italy?", "Which of the two is bigger?"]
 
@@ -284,13 +295,3 @@ def test_the_parking_ledger_replays_clean_with_the_disconnect_recorded(parking):
     parks = [e.event for e in events if type(e.event).__name__ == "SessionParked" and e.event.session == "idle"]
     assert parks and parks[0].tier == "host"
 
-
-def test_n_choices_sampled_with_a_seed_differ_and_repeat_and_each_is_recorded(quiet):
-    kw = dict(temperature=1.0, seed=7, max_tokens=12, n=3)
-    a = chat(quiet, [{"role": "user", "content": "Name an animal."}], **kw)
-    b = chat(quiet, [{"role": "user", "content": "Name an animal."}], **kw)
-    texts = [c.message.content for c in a.choices]
-    assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.message.content for c in b.choices]
-    assert len(set(texts)) > 1, texts
-    greedy = chat(quiet, QUESTION, n=2)
-    assert greedy.choices[0].message.content == greedy.choices[1].message.content
