@@ -1,0 +1,133 @@
+"""The serving messages between the control process and a data-plane worker that serves a model
+(never stored as events; re-exported by ``events.commands``, whose unions hold them).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from events.message import Message
+
+
+# A request's life on the wire:
+#   control: Tokenize ─► worker: Tokenized (ids + content keys of its full pages)
+#   control: [ExecuteMove restore … MoveAcked]  Generate ─► worker: TokensGenerated … BlocksWritten …
+#            TokensGenerated(finish_reason)      (CancelGenerate ends it early: finish "cancelled")
+#   worker:  StepCompleted after every batched forward step (the ledger's compact step record)
+class ChatTurn(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """One message of a conversation, as the client sent it (rendered by the model's own template)."""
+
+    role: str
+    content: str
+
+
+MAX_LOGPROBS = 20                     # the most alternatives a token's logprobs may list
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    max_tokens: int
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None           # None = not seeded (a fresh generator per request)
+    stop: list[str] = []              # stop strings; the text returned ends before the match
+    ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; k: each token's log-probability and the k likeliest
+
+
+class TokenChoice(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A token at one position with its log-probability under the model (the raw distribution:
+    before temperature and top_p), its text alone and the exact bytes it stands for (a token may
+    hold part of a UTF-8 character; its text then shows U+FFFD)."""
+
+    token_id: int
+    text: str
+    token_bytes: bytes
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The sampled token at one position and the likeliest ``SamplingParams.logprobs`` there."""
+
+    chosen: TokenChoice
+    top: list[TokenChoice] = []
+
+
+class Tokenize(Message):
+    """Render (chat) and tokenize a prompt the model's way. Exactly one of the three is set."""
+
+    request_id: str
+    messages: list[ChatTurn] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Tokenized(Message):
+    request_id: str
+    worker: int
+    token_ids: list[int]
+    keys: list[str]                   # content keys of token_ids' full pages, in order
+    error: str | None = None          # e.g. "chat_template_missing: ..."; token_ids is then []
+
+
+class ServingReady(Message):
+    """The worker loaded a model and can serve it (sent once, after Hello)."""
+
+    worker: int
+    model: str                        # the id clients name in requests
+    model_digest: str
+    max_context: int                  # positions the model supports (prompt + completion)
+    page_tokens: int
+    block_bytes: int
+    device_blocks: int                # logical blocks the device pool can hold
+    eos_token_ids: list[int]
+    max_seqs: int = 0                 # sequences it batches at once (0: not said; no limit kept)
+
+
+class Generate(Message):
+    """Run one sequence. ``block_ids`` are its pages in order, enough for prompt + max_tokens;
+    the first ``num_cached_tokens // page_tokens`` already hold this prompt's KV (resident, verified).
+
+    When it ends, the worker frees the pages it wrote if ``free_on_finish`` (a request outside a
+    session) or if it did not finish normally (cancelled, failed); a session's turn keeps them.
+    The reused pages are never freed by the worker: they belong to earlier turns."""
+
+    request_id: str
+    session: str | None
+    token_ids: list[int]
+    block_ids: list[int]
+    num_cached_tokens: int
+    sampling: SamplingParams
+    free_on_finish: bool = False
+
+
+class CancelGenerate(Message):
+    request_id: str
+    reason: str                       # "disconnected", "shutdown", ...
+
+
+class TokensGenerated(Message):
+    """Progress of one sequence, once per step it took part in; the last one has ``finish_reason``.
+
+    It carries the pages the step filled (``blocks_written``: full pages with their content key;
+    at the end, the partial tail with key ""), so the control process commits them to the ledger,
+    owned by the request's session, in the order they were written. The last report also names
+    the pages the worker freed (``blocks_freed``/``bytes_freed``, measured by the pool: see
+    ``Generate.free_on_finish``) and the reserved pages it never reached (``blocks_unused``: never
+    given a slot, never in the ledger).
+    """
+
+    request_id: str
+    worker: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0      # prompt positions actually prefilled (the rest were cached)
+    blocks_unused: list[int] = []
+    blocks_written: list[int] = []
+    keys_written: list[str] = []
+    blocks_freed: list[int] = []
+    bytes_freed: int = 0
+    # with SamplingParams.logprobs: one per token of ``token_ids`` whose text is the answer's (an
+    # end-of-turn token that stopped the sequence has none)
+    logprobs: list[TokenLogprobs] = []
