@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Union
 
-
 from events.catalog import MoveAcked, MoveFailed, MoveKind, MoveRejected, Tier
 from events.message import Message
 
