@@ -15,6 +15,8 @@ from control.api.backend import SessionInfo
 from control.api.errors import ApiError
 from control.api.schemas import SESSION_ID_RE, ParkBody, parse_json, validate
 
+MAX_LISTED = 1000           # sessions one GET /admin/sessions may list
+
 router = APIRouter()
 
 
@@ -54,6 +56,17 @@ def metrics(request: Request):
     # loop (Backend.stats) never holds up the event loop that streams tokens
     data, content_type = request.app.state.metrics.render()
     return Response(data, media_type=content_type)
+
+
+@router.get("/admin/sessions")
+async def list_sessions(request: Request):
+    _authorize(request)
+    raw = request.query_params.get("limit", "100")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LISTED:
+        raise ApiError(400, f"limit must be an integer in [1, {MAX_LISTED}], not {raw!r}", param="limit",
+                       code="invalid_value")
+    infos, total = await request.app.state.backend.sessions(int(raw))
+    return {"object": "list", "data": [session_json(i) for i in infos], "total": total}
 
 
 @router.get("/admin/sessions/{session}")

@@ -139,6 +139,9 @@ class Backend(Protocol):
     async def restore(self, session: str) -> SessionInfo:
         """Bring a parked session's blocks back to the device (checksum-verified)."""
 
+    async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
+        """The sessions known (most recently used first, at most ``limit``) and how many in all."""
+
     async def session(self, session: str) -> SessionInfo:
         """Where a session's blocks are. Raises UnknownSession."""
 

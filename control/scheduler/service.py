@@ -125,6 +125,9 @@ class ServingService(SessionOps):
     async def session(self, session: str) -> SessionInfo:
         return await self._on_loop(lambda done: done(self._info_or_404(session)))
 
+    async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
+        return await self._on_loop(lambda done: done(self._list_sessions(limit)))
+
     def stats(self) -> BackendStats:
         try:
             self._stats = self.proc.call(lambda _proc: self._collect_stats()).result(timeout=2.0)

@@ -31,6 +31,26 @@ class SessionOps:
         entry = self.sched.sessions.get(session) if self.sched else None
         if entry is None and not pages:
             raise UnknownSession(session)
+        return self._info(session, w, pages, move_id)
+
+    def _list_sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
+        """Every session the ledger or the scheduler knows (the most recently used first, up to
+        ``limit``) and how many there are: one pass over the blocks."""
+        found: dict[str, tuple[int, list[int]]] = {}
+        for w, wb in self.proc.state.blocks.items():
+            for b, st in wb.items():
+                if st.session is not None:
+                    found.setdefault(st.session, (w, []))[1].append(b)
+        known = self.sched.sessions if self.sched else {}
+        infos = []
+        for name in set(found) | set(known):
+            w, pages = found.get(name) or (known[name].worker, [])
+            infos.append(self._info(name, w, sorted(pages)))
+        infos.sort(key=lambda i: (-i.last_used_ns, i.session))
+        return infos[:limit], len(infos)
+
+    def _info(self, session: str, w: int | None, pages: list[int], move_id: str | None = None) -> SessionInfo:
+        entry = self.sched.sessions.get(session) if self.sched else None
         ws = self.proc.state.workers.get(w) if w is not None else None
         return SessionInfo(
             session=session, tier=tier_of(self.proc.state, w, pages) if pages else None, num_blocks=len(pages),

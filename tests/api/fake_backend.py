@@ -71,7 +71,7 @@ class FakeBackend:
         self.delay_s = delay_s
         self.submitted: list[GenerateRequest] = []
         self.streams: list[FakeStream] = []
-        self.sessions: dict[str, str] = {"known": "device"}
+        self.tiers: dict[str, str] = {"known": "device"}      # session -> its tier
 
     def models(self):
         return [ModelCard(id=MODEL, max_context=MAX_CONTEXT, created=0)]
@@ -88,29 +88,33 @@ class FakeBackend:
         if prompt_tokens + req.sampling.max_tokens > MAX_CONTEXT:
             raise BackendError(400, "max_tokens is too large", param="max_tokens", code="context_length_exceeded")
         if req.session:
-            self.sessions[req.session] = "device"
+            self.tiers[req.session] = "device"
         s = FakeStream(req, self.words, prompt_tokens, self.delay_s)
         self.streams.append(s)
         return s
 
     def _info(self, session: str, move_id=None) -> SessionInfo:
-        if session not in self.sessions:
+        if session not in self.tiers:
             raise UnknownSession(session)
-        return SessionInfo(session=session, tier=self.sessions[session], num_blocks=2, num_tokens=20, bytes=2048,
+        return SessionInfo(session=session, tier=self.tiers[session], num_blocks=2, num_tokens=20, bytes=2048,
                            busy=False, last_used_ns=0, move_id=move_id)
 
     async def park(self, session: str, tier: str = "host"):
         self._info(session)
-        self.sessions[session] = tier
+        self.tiers[session] = tier
         return self._info(session, move_id="m-1")
 
     async def restore(self, session: str):
         self._info(session)
-        self.sessions[session] = "device"
+        self.tiers[session] = "device"
         return self._info(session, move_id="m-2")
 
     async def session(self, session: str):
         return self._info(session)
+
+    async def sessions(self, limit: int):
+        names = sorted(self.tiers)
+        return [self._info(s) for s in names[:limit]], len(names)
 
     def stats(self):
         return BackendStats(tier_used_bytes={("0", "device"): 4096}, tier_capacity_bytes={("0", "device"): 1 << 20},

@@ -190,7 +190,7 @@ def test_admin_routes_need_the_key(client, backend):
     assert_openai_error(client.post("/admin/sessions/known/park"), 401, code="missing_admin_key")
     assert_openai_error(client.post("/admin/sessions/known/park", headers={"Authorization": "Bearer nope"}), 401,
                         code="invalid_admin_key")
-    assert backend.sessions["known"] == "device"
+    assert backend.tiers["known"] == "device"
     r = client.post("/admin/sessions/known/park", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                     json={"tier": "disk"})
     assert r.status_code == 200 and r.json()["tier"] == "disk" and r.json()["move_id"] == "m-1"
@@ -339,3 +339,16 @@ def test_n_over_one_cannot_continue_a_session_and_a_refused_choice_cancels_the_r
     monkeypatch.setattr(backend, "submit", refuse_the_second)
     assert_openai_error(client.post("/v1/chat/completions", json=_chat(n=2)), 503, code="insufficient_kv_capacity")
     assert backend.streams[-1].cancelled == "a sibling choice was refused"
+
+
+def test_the_admin_list_of_sessions_needs_the_key_and_a_sane_limit(client, backend):
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert_openai_error(client.get("/admin/sessions"), 401, code="missing_admin_key")
+    backend.tiers.update({"b": "host", "a": "disk"})
+    r = client.get("/admin/sessions", headers=auth)
+    assert r.status_code == 200 and r.json()["total"] == 3
+    assert [s["session_id"] for s in r.json()["data"]] == ["a", "b", "known"]
+    r = client.get("/admin/sessions?limit=2", headers=auth)
+    assert [s["session_id"] for s in r.json()["data"]] == ["a", "b"] and r.json()["total"] == 3
+    for bad in ("0", "1001", "x", "-1"):
+        assert_openai_error(client.get(f"/admin/sessions?limit={bad}", headers=auth), 400, param="limit")

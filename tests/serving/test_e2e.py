@@ -164,6 +164,10 @@ def test_admin_routes_check_the_key_and_the_session(quiet):
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     r = quiet.admin("GET", "/admin/sessions/still")
     assert r.status_code == 200 and r.json()["tier"] == "device" and r.json()["num_blocks"] > 0
+    listed = quiet.admin("GET", "/admin/sessions").json()
+    by_name = {x["session_id"]: x for x in listed["data"]}
+    assert {"still", "moved"} <= set(by_name) and listed["total"] == len(listed["data"])
+    assert by_name["still"] == r.json()
 
 
 def test_the_quiet_ledger_replays_clean_and_the_reference_never_moved(quiet):

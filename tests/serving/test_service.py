@@ -229,6 +229,18 @@ def test_requests_beyond_what_the_worker_batches_wait_for_a_slot_and_all_finish(
     assert names(events).count("RequestFinished") == 6 and "RequestRefused" not in names(events)
 
 
+def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stack):
+    s = stack()
+    for name in ("older", "newer"):
+        assert s.chat(f"hello from {name}", session=name, max_tokens=3).status_code == 200
+    assert s.client.post("/admin/sessions/older/park", json={"tier": "disk"}).status_code == 200
+    listed = s.client.get("/admin/sessions").json()
+    assert listed["total"] == 2 and [x["session_id"] for x in listed["data"]] == ["newer", "older"]
+    assert [x["tier"] for x in listed["data"]] == ["device", "disk"]
+    assert listed["data"][1] == s.session("older")
+    assert [x["session_id"] for x in s.client.get("/admin/sessions?limit=1").json()["data"]] == ["newer"]
+
+
 def test_a_request_that_can_never_fit_is_refused_with_the_numbers(stack):
     s = stack(device_blocks=8)
     r = s.chat("x" * 20, max_tokens=40)
