@@ -76,6 +76,14 @@ async def get_session(request: Request, session: str):
     return session_json(await request.app.state.backend.session(session))
 
 
+@router.delete("/admin/sessions/{session}")
+async def delete_session(request: Request, session: str):
+    _authorize(request)
+    _check_session_id(session)
+    info, freed = await request.app.state.backend.delete(session)
+    return {**session_json(info), "deleted": True, "bytes_freed": freed}
+
+
 @router.post("/admin/sessions/{session}/park")
 async def park_session(request: Request, session: str):
     _authorize(request)

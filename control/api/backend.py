@@ -142,6 +142,10 @@ class Backend(Protocol):
     async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
         """The sessions known (most recently used first, at most ``limit``) and how many in all."""
 
+    async def delete(self, session: str) -> tuple[SessionInfo, int]:
+        """Free every copy of an idle session's pages (recorded) and forget it: (what it held,
+        bytes freed). Raises UnknownSession; BackendError(409) when the session is busy."""
+
     async def session(self, session: str) -> SessionInfo:
         """Where a session's blocks are. Raises UnknownSession."""
 

@@ -125,6 +125,9 @@ class ServingService(SessionOps):
     async def session(self, session: str) -> SessionInfo:
         return await self._on_loop(lambda done: done(self._info_or_404(session)))
 
+    async def delete(self, session: str) -> tuple[SessionInfo, int]:
+        return await self._on_loop(lambda done: self._delete(session, done))
+
     async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
         return await self._on_loop(lambda done: done(self._list_sessions(limit)))
 

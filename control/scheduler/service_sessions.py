@@ -91,6 +91,39 @@ class SessionOps:
                 done(self._info_or_404(session, moved[-1] if moved else None))
         step(None)
 
+    def _delete(self, session: str, done) -> None:
+        """Free every copy of a session's pages, tier by tier, by the book (each a release the
+        ledger records), then forget the session. Its next turn starts from nothing."""
+        info = self._info_or_404(session)
+        entry = self.sched.sessions.get(session) if self.sched else None
+        if entry is not None and entry.busy:
+            raise BackendError(409, f"session {session!r} is generating; delete it when it is idle",
+                               code="session_busy", param="session_id")
+        w, pages = self._session_pages(session)
+        wb = self.proc.state.blocks.get(w, {})
+        by_tier: dict[str, list[int]] = {}
+        for b in pages:
+            for t in wb[b].tiers:
+                by_tier.setdefault(t, []).append(b)
+        left = sorted(by_tier)
+        freed = [0]
+
+        def step(ans: AskAnswered | None) -> None:
+            if ans is not None:
+                if ans.error is not None:
+                    done(_ask_error(ans))
+                    return
+                freed[0] += sum(e.bytes for e in ans.events if type(e) is ev.BlocksFreed)
+            if left:
+                t = left.pop()
+                self._ask(AskReleaseBlocks(ask_id=self._ask_id("delete"), worker=w, tier=t, blocks=by_tier[t],
+                                           reason=f"session {session} deleted"), "operator", step)
+                return
+            if self.sched is not None:
+                self.sched.sessions.pop(session, None)
+            done((info, freed[0]))
+        step(None)
+
     def _restore(self, session: str, done) -> None:
         self._info_or_404(session)
         w, pages = self._session_pages(session)

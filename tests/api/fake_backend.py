@@ -112,6 +112,11 @@ class FakeBackend:
     async def session(self, session: str):
         return self._info(session)
 
+    async def delete(self, session: str):
+        info = self._info(session)
+        del self.tiers[session]
+        return info, info.bytes
+
     async def sessions(self, limit: int):
         names = sorted(self.tiers)
         return [self._info(s) for s in names[:limit]], len(names)

@@ -352,3 +352,12 @@ def test_the_admin_list_of_sessions_needs_the_key_and_a_sane_limit(client, backe
     assert [s["session_id"] for s in r.json()["data"]] == ["a", "b"] and r.json()["total"] == 3
     for bad in ("0", "1001", "x", "-1"):
         assert_openai_error(client.get(f"/admin/sessions?limit={bad}", headers=auth), 400, param="limit")
+
+
+def test_deleting_a_session_needs_the_key_and_names_what_it_freed(client, backend):
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert_openai_error(client.delete("/admin/sessions/known"), 401, code="missing_admin_key")
+    r = client.delete("/admin/sessions/known", headers=auth)
+    assert r.status_code == 200 and r.json()["deleted"] is True and r.json()["bytes_freed"] == 2048
+    assert "known" not in backend.tiers
+    assert_openai_error(client.delete("/admin/sessions/known", headers=auth), 404, code="session_not_found")

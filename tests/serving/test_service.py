@@ -241,6 +241,40 @@ def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stac
     assert [x["session_id"] for x in s.client.get("/admin/sessions?limit=1").json()["data"]] == ["newer"]
 
 
+def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
+    s = stack()
+    assert s.chat("a first turn " * 3, session="gone", max_tokens=6).status_code == 200
+    assert s.client.post("/admin/sessions/gone/park", json={"tier": "disk"}).status_code == 200
+    assert s.chat("another", session="busy", max_tokens=3).status_code == 200
+    held = s.session("gone")
+    r = s.client.delete("/admin/sessions/gone")
+    assert r.status_code == 200 and r.json()["bytes_freed"] == held["bytes"] > 0 and r.json()["tier"] == "disk"
+    assert s.client.get("/admin/sessions/gone").status_code == 404
+    again = s.chat("a first turn " * 3, session="gone", max_tokens=6).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and again["usage"]["restored_tokens"] == 0
+    s.close()
+    events, state = s.ledger()
+    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.reason == "release" and e.tier == "disk"]
+    assert sum(e.bytes for e in freed) == held["bytes"]
+    asked = [e for e in events if type(e).__name__ == "MoveRequested" and "session gone deleted" in e.reason]
+    assert asked and all(e.src == e.dst for e in asked)
+
+
+def test_a_session_generating_cannot_be_deleted(stack):
+    s = stack()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session="live", max_tokens=60)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not s.session("live").get("busy"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = s.client.delete("/admin/sessions/live")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+    t.join(30)
+    assert out["r"].status_code == 200 and s.client.delete("/admin/sessions/live").status_code == 200
+
+
 def test_a_request_that_can_never_fit_is_refused_with_the_numbers(stack):
     s = stack(device_blocks=8)
     r = s.chat("x" * 20, max_tokens=40)
