@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 import zlib
 from pathlib import Path
 from collections.abc import Callable, Iterable
@@ -44,6 +45,7 @@ MAGIC = b"RSDKVBL1"
 VERSION = 1
 _HEADER = struct.Struct("<8sHHIQQQ16sI4x")
 HEADER_BYTES = _HEADER.size
+QUARANTINE_KEEP = 64          # quarantined files kept for inspection (the newest)
 assert HEADER_BYTES == 64
 
 
@@ -265,12 +267,24 @@ class DiskTier:
                 report.quarantined.append((name, str(e)))
                 qdir = os.path.join(self.directory, "quarantine")
                 os.makedirs(qdir, exist_ok=True)
-                os.replace(path, os.path.join(qdir, name))
+                os.replace(path, os.path.join(qdir, f"{time.time_ns()}-{name}"))
                 continue
             self._index[bid] = checksum
             report.indexed.append(bid)
+        self._trim_quarantine()
         self.report = report
         return report
+
+    def _trim_quarantine(self) -> None:
+        """Keep the newest ``QUARANTINE_KEEP`` quarantined files (named by when they were moved
+        there) for inspection; older ones are deleted, so restarts that keep failing the same way
+        (another model's files) do not fill the disk."""
+        qdir = os.path.join(self.directory, "quarantine")
+        if not os.path.isdir(qdir):
+            return
+        names = sorted(os.listdir(qdir), key=lambda n: (len(n.split("-", 1)[0]), n))
+        for name in names[:-QUARANTINE_KEEP] if len(names) > QUARANTINE_KEEP else []:
+            _unlink_quiet(os.path.join(qdir, name))
 
     def check_integrity(self) -> None:
         """Bookkeeping invariants. Damage to the files themselves is external: moves and

@@ -45,8 +45,22 @@ def test_restart_quarantines_bad_files_and_drops_temporaries(tmp_path):
         assert "fails its checksum" in reasons["block-2.kv"]
         assert "truncated" in reasons["block-3.kv"]
         assert rep.removed_temporaries == [".block-9.kv.tmp"]
-        assert sorted(os.listdir(os.path.join(second.disk_tier.directory, "quarantine"))) == ["block-2.kv", "block-3.kv"]
+        kept = sorted(n.split("-", 1)[1] for n in os.listdir(os.path.join(second.disk_tier.directory, "quarantine")))
+        assert kept == ["block-2.kv", "block-3.kv"]
         second.check_integrity()
+
+
+def test_the_quarantine_keeps_only_its_newest_files(tmp_path, monkeypatch):
+    from dataplane.pools import disk
+    monkeypatch.setattr(disk, "QUARANTINE_KEEP", 3)
+    other = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.float16)
+    for round_ in range(3):           # each restart under another layout quarantines two files
+        with make_engine(tmp_path, layout=other if round_ % 2 == 0 else LAYOUT) as e:
+            commit(e, "disk", [10 * round_ + 1, 10 * round_ + 2])
+    with make_engine(tmp_path, layout=other) as last:
+        names = os.listdir(os.path.join(last.disk_tier.directory, "quarantine"))
+    # rounds 1 and 2 quarantined 1, 2 then 11, 12; the oldest (1) went
+    assert sorted(n.split("-", 1)[1] for n in names) == ["block-11.kv", "block-12.kv", "block-2.kv"]
 
 
 def test_files_of_another_layout_are_not_loaded(tmp_path):
