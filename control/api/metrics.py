@@ -53,6 +53,13 @@ class _BackendCollector:
         for d, v in sorted(s.restore_decisions.items()):
             dec.add_metric([d], v)
         yield dec
+        yield GaugeMetricFamily("residency_draining", "1 while the server stops: new requests get 503",
+                                value=1 if s.draining else 0)
+        yield CounterMetricFamily("residency_disk_kept_bytes", "Disk copies kept across worker incarnations",
+                                  value=s.disk_bytes_kept)
+        yield CounterMetricFamily("residency_disk_dropped_bytes",
+                                  "Disk files a new worker incarnation deleted as not the ledger's",
+                                  value=s.disk_bytes_dropped)
 
 
 class ApiMetrics:

@@ -62,6 +62,7 @@ class ServingService(SessionOps):
         self.sched: Scheduler | None = None
         self.pending: dict[str, Pending] = {}
         self.draining = False             # set by drain(): new requests are refused
+        self.disk_bytes_kept = 0          # WorkerLost.bytes_kept recorded by this process (/metrics)
         self.waiting: list[Pending] = []
         self.moves: collections.Counter = collections.Counter()     # (kind, outcome)
         self._kind_of: dict[str, str] = {}
@@ -431,6 +432,7 @@ class ServingService(SessionOps):
         elif t is ev.BlocksFreed:
             self._post_retry()
         elif t is ev.WorkerLost:
+            self.disk_bytes_kept += event.bytes_kept
             self._worker_lost(event.worker, set(event.kept_on_disk))
 
     def _worker_lost(self, worker: int, kept: set[int] = frozenset()) -> None:

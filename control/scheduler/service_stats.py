@@ -28,4 +28,6 @@ def collect_stats(svc) -> BackendStats:
         running_requests=sum(1 for p in svc.pending.values() if p.phase == "running"),
         waiting_requests=len(svc.waiting), sessions_by_tier=dict(by_tier),
         restore_decisions=dict(svc.sched.decisions) if svc.sched else {},
+        draining=svc.draining, disk_bytes_kept=svc.disk_bytes_kept,
+        disk_bytes_dropped=svc.proc.metrics.get("disk_bytes_dropped", 0),
     )

@@ -55,6 +55,7 @@ def test_sessions_parked_to_disk_survive_a_clean_restart_and_a_bad_file_is_named
     try:
         a2, b2 = chat(s2, turn2(first["alice"]), "alice"), chat(s2, turn2(first["bob"]), "bob")
         ref = chat(s2, turn2(first["alice"]), "never-moved")
+        scraped = httpx.get(f"{s2.url}/metrics", timeout=30).text
     finally:
         assert s2.stop() == 0
     assert a2["usage"]["restored_tokens"] == 32 and a2["choices"][0]["message"] == ref["choices"][0]["message"]
@@ -65,6 +66,8 @@ def test_sessions_parked_to_disk_survive_a_clean_restart_and_a_bad_file_is_named
     assert len(lost) == 1 and lost[0].reason.startswith("stopped with the server")
     assert lost[0].blocks_lost == [bob[1]] and lost[0].kept_on_disk == [b for b in on_disk if b != bob[1]]
     assert lost[0].bytes_kept == len(lost[0].kept_on_disk) * state.workers[0].block_bytes
+    kept = next(line for line in scraped.splitlines() if line.startswith("residency_disk_kept_bytes_total "))
+    assert float(kept.split()[1]) == lost[0].bytes_kept
     assert f"block-{bob[1]}.kv" in s2.log_path.read_text()         # the quarantined file, named in the log
 
 

@@ -48,6 +48,7 @@ def test_a_signal_lets_accepted_requests_finish_and_refuses_new_ones(tmp_path):
     while httpx.get(f"{s.url}/health", timeout=5).status_code == 200:
         assert time.monotonic() < deadline, "never started draining"
         time.sleep(0.05)
+    assert "\nresidency_draining 1.0\n" in httpx.get(f"{s.url}/metrics", timeout=10).text
     r = httpx.post(f"{s.url}/v1/chat/completions", timeout=10,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
