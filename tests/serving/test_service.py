@@ -163,15 +163,21 @@ def test_the_next_turn_reuses_the_sessions_pages(stack):
     assert s.session("s1")["tier"] == "device"
 
 
-def test_a_turn_on_a_busy_session_is_409(stack):
-    s = stack()
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session="busy", max_tokens=60)))
+def generating(s: Stack, session: str) -> tuple[threading.Thread, dict]:
+    """A long turn of ``session`` running in a thread, once the session says it is busy."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session=session, max_tokens=60)))
     t.start()
     deadline = time.monotonic() + 10
-    while not s.session("busy").get("busy"):
+    while not s.session(session).get("busy"):
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return t, out
+
+
+def test_a_turn_on_a_busy_session_is_409(stack):
+    s = stack()
+    t, out = generating(s, "busy")
     r = s.chat("again", session="busy")
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
     t.join(30)
@@ -262,13 +268,7 @@ def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
 
 def test_a_session_generating_cannot_be_deleted(stack):
     s = stack()
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session="live", max_tokens=60)))
-    t.start()
-    deadline = time.monotonic() + 10
-    while not s.session("live").get("busy"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    t, out = generating(s, "live")
     r = s.client.delete("/admin/sessions/live")
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
     t.join(30)
