@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--huge", type=int, default=4)
-    p.add_argument("--huge-chars", type=int, default=1_300_000)
+    p.add_argument("--huge-chars", type=int, default=650_000)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()

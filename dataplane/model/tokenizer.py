@@ -93,12 +93,22 @@ class Tokenizer:
     # ------------------------------------------------------------ length bound
     @property
     def max_token_bytes(self) -> int | None:
-        """The most bytes of text one token can stand for (a BPE vocabulary's longest entry, in
-        UTF-8: at least the bytes it covers); None where no such bound holds (WordPiece's [UNK]
-        can stand for a whole word of any length)."""
+        """The most bytes of text one token can stand for; None where no such bound holds
+        (WordPiece's [UNK] can stand for a whole word of any length). Byte-level BPE: the longest
+        token's own bytes (``token_bytes``: each input byte is one character of its alphabet, so a
+        token covers exactly its bytes; 81 for SmolLM2). Other BPE: the longest entry in UTF-8,
+        at least the bytes it covers (``▁`` is 3 bytes for one space, ``<0x0A>`` 6 for one byte)."""
         if self._max_token_bytes is None and type(self.backend.model).__name__ == "BPE":
-            self._max_token_bytes = max(len(t.encode()) for t in self.backend.get_vocab(with_added_tokens=True))
+            if self._is_byte_level():
+                self._max_token_bytes = max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+            else:
+                self._max_token_bytes = max(len(t.encode()) for t in self.backend.get_vocab(with_added_tokens=True))
         return self._max_token_bytes
+
+    def _is_byte_level(self) -> bool:
+        """Both the pre-tokenizer and the decoder are byte-level (GPT-2's byte alphabet)."""
+        pre = json.loads(self.backend.to_str()).get("pre_tokenizer") or {}
+        return isinstance(self.backend.decoder, decoders.ByteLevel) and '"ByteLevel"' in json.dumps(pre)
 
     def surely_over(self, text: str, max_tokens: int) -> bool:
         """True only when ``text`` is sure to encode to more than ``max_tokens`` tokens, decided in

@@ -142,6 +142,19 @@ def test_a_text_is_called_over_a_length_only_when_it_is(smollm2):
     assert not tok.surely_over("word " * 50, 10)          # over, but not sure without encoding: False
 
 
+
+@pytest.mark.model
+def test_the_byte_level_bound_is_the_longest_tokens_own_bytes_and_exact(smollm2):
+    """SmolLM2's longest token covers 81 bytes (its vocabulary string is 162 in UTF-8: the byte
+    alphabet doubles what it spells): 7 of them fit in 7 tokens, one byte more is over."""
+    tok = smollm2.tokenizer
+    longest = max(range(tok.vocab_size), key=lambda i: len(tok.token_bytes(i)))
+    piece = tok.token_bytes(longest).decode()
+    assert tok.max_token_bytes == len(piece.encode()) == 81
+    assert len(tok.encode(piece * 7)) == 7 and not tok.surely_over(piece * 7, 7)
+    assert tok.surely_over(piece * 7 + "x", 7) and len(tok.encode(piece * 7 + "x")) > 7
+
+
 def test_the_length_bound_reads_the_normalized_text_and_is_off_without_bpe():
     from tokenizers import Tokenizer as Backend, models, normalizers, pre_tokenizers
     bpe = Backend(models.BPE(vocab={"a": 0, "b": 1, " ": 2}, merges=[]))
