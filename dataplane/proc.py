@@ -190,9 +190,10 @@ class WorkerProc(EngineLane, SideThreads):
                 return
             self._run_handed(cmd)
 
-    def _run_core(self, cmd) -> list:
+    def _run_core(self, cmd, run=None) -> list:
+        """``run(cmd)`` (default ``core.run``); a handler that raises is answered by name."""
         try:
-            return self.core.run(cmd)
+            return (run or self.core.run)(cmd)
         except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the worker
             self.log.error("command_raised", type=type(cmd).__name__, ref=command_ref(cmd), error=repr(e), exc_info=True)
             return [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {command_ref(cmd)}: {e!r}")]
@@ -201,11 +202,15 @@ class WorkerProc(EngineLane, SideThreads):
         """A command the I/O thread handed over: run it; the I/O thread sends its replies."""
         t0 = time.time_ns()
         replies = self._run_core(cmd)
-        self._results.put((cmd, replies, (t0, time.time_ns())))
+        self._hand_back(cmd, replies, (t0, time.time_ns()))
+
+    def _hand_back(self, cmd, replies: list, engine_ns: tuple[int, int] | None) -> None:
+        """Replies made off the I/O thread (engine or side thread): the I/O thread sends them."""
+        self._results.put((cmd, replies, engine_ns))
         try:
             os.write(self._wake_w, b"x")
         except OSError:
-            pass
+            pass      # the pipe is full: the I/O thread wakes anyway
 
     def _run_step(self, step) -> list:
         """One step of background work (serving); its replies, or the error it raised, named."""
@@ -218,11 +223,7 @@ class WorkerProc(EngineLane, SideThreads):
     def _background_step(self, step) -> None:
         replies = self._run_step(step)
         if replies:
-            self._results.put((None, replies, None))
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass
+            self._hand_back(None, replies, None)
 
     # ------------------------------------------------------------------ I/O thread
     def _drain_wake(self) -> None:

@@ -13,22 +13,19 @@ GIL while it encodes a long text (``Tokenizer.encode``).
                   replies go to the I/O thread, which sends them (a long one holds up one thread:
                   the next prompt is tokenized by another meanwhile)
 
-A handler that raises is answered with an ``ErrorReply`` naming the command; the thread goes on.
+A handler that raises is answered with an ``ErrorReply`` naming the command (``_run_core``); the
+thread goes on.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
-
-from dataplane.worker import command_ref
-from events.commands import ErrorReply
 
 SIDE_THREADS = 2
 
 
 class SideThreads:
-    """The side threads of a WorkerProc (its ``_results``, ``_wake_w``, ``core`` and ``log``)."""
+    """The side threads of a WorkerProc (its ``core``, ``_run_core`` and ``_hand_back``)."""
 
     def _start_side(self) -> list[threading.Thread]:
         self._side_jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -53,14 +50,4 @@ class SideThreads:
             cmd = self._side_jobs.get()
             if cmd is None:
                 return
-            try:
-                replies = self.core.side_handlers[type(cmd)](cmd)
-            except Exception as e:  # noqa: BLE001 - a bug in a handler must not kill the worker
-                self.log.error("side_command_raised", type=type(cmd).__name__, ref=command_ref(cmd), error=repr(e),
-                               exc_info=True)
-                replies = [ErrorReply(error="command_raised", detail=f"{type(cmd).__name__} {command_ref(cmd)}: {e!r}")]
-            self._results.put((cmd, replies, None))
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass      # full: the I/O thread wakes anyway
+            self._hand_back(cmd, self._run_core(cmd, self.core.side_handlers[type(cmd)]), None)
