@@ -52,6 +52,7 @@ class _Seq:
     num_computed: int                 # positions whose K/V is in the pool
     num_allocated: int                # pages of block_ids given a slot (the reused ones included)
     num_reported: int                 # pages reported written to the control process (the reused ones included)
+    first_new: int                    # its first page it wrote itself (copies of another session's included)
     text: TextStream
     sampling: ModelSampling
     generator: torch.Generator | None
@@ -121,6 +122,7 @@ class ServingLoop:
         held = set()
         for s in self.seqs.values():
             held.update(s.cmd.block_ids[:s.num_allocated])
+            held.update(s.cmd.copy_from)
         return [b for b in blocks if b in held]
 
     # ------------------------------------------------------------------ commands
@@ -175,6 +177,8 @@ class ServingLoop:
         n = len(cmd.token_ids)
         max_tokens = cmd.sampling.max_tokens
         need = -(-(n + max(0, max_tokens - 1)) // P)
+        cached_pages = cmd.num_cached_tokens // P
+        first_new = 0 if cmd.copy_from else cached_pages
         problem = None
         if cmd.request_id in self.seqs:
             problem = f"request {cmd.request_id} is already running"
@@ -188,36 +192,55 @@ class ServingLoop:
             problem = f"logprobs {cmd.sampling.logprobs} must be in [0, {MAX_LOGPROBS}]"
         elif len(self.seqs) >= self.max_seqs:
             problem = f"{len(self.seqs)} sequences running, the most this worker batches is {self.max_seqs}"
+        elif cmd.copy_from and (len(cmd.copy_from) != cached_pages or set(cmd.copy_from) & set(cmd.block_ids)):
+            problem = (f"copy_from names {len(cmd.copy_from)} pages; it must name the {cached_pages} cached pages "
+                       "and none of block_ids")
         if problem is None:
-            reused = cmd.block_ids[:cmd.num_cached_tokens // P]
+            reused = list(cmd.copy_from) or cmd.block_ids[:cached_pages]
             try:
                 self.pool.slots_of(reused)     # resident and verified, or this raises
             except DataPlaneError as e:
-                problem = f"reused pages not usable: {e}"
-            new_present = [b for b in cmd.block_ids[len(reused):] if self.pool.has(b)]
+                problem = f"{'pages to copy' if cmd.copy_from else 'reused pages'} not usable: {e}"
+            new_present = [b for b in cmd.block_ids[first_new:] if self.pool.has(b)]
             if problem is None and new_present:
                 problem = f"pages {new_present[:8]} are already in the pool"
+        if problem is None and cmd.copy_from:
+            problem = self._copy_pages(cmd.copy_from, cmd.block_ids[:cached_pages])
         if problem is not None:
             self.log.warning("generate_refused", request_id=cmd.request_id, problem=problem)
             return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
                                     finish_reason="error", error=problem, num_prompt_tokens=n,
-                                    blocks_unused=list(cmd.block_ids[cmd.num_cached_tokens // P:]))]
-        cached_pages = cmd.num_cached_tokens // P
+                                    blocks_unused=list(cmd.block_ids[first_new:]))]
         sp = cmd.sampling
         try:
             sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, max_tokens=max_tokens,
                                      ignore_eos=sp.ignore_eos)
             generator = make_generator(sampling, "cpu")
         except (ValueError, RuntimeError, OverflowError) as e:
+            copied = list(cmd.block_ids[:cached_pages]) if cmd.copy_from else []
             return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
                                     finish_reason="error", error=f"sampling: {e}", num_prompt_tokens=n,
+                                    blocks_freed=copied, bytes_freed=self.pool.free(copied) if copied else 0,
                                     blocks_unused=list(cmd.block_ids[cached_pages:]))]
         self.seqs[cmd.request_id] = _Seq(
             cmd=cmd, tokens=list(cmd.token_ids), num_prompt=n, num_computed=cmd.num_cached_tokens,
-            num_allocated=cached_pages, num_reported=cached_pages,
+            num_allocated=cached_pages, num_reported=first_new, first_new=first_new,
             text=TextStream(self.tokenizer, cmd.sampling.stop), sampling=sampling, generator=generator,
         )
         return []
+
+    def _copy_pages(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> str | None:
+        """Copy another session's resident pages into fresh pages of this pool, on the stream the
+        model runs on (so the prefill that reads them is ordered after). A problem, or None."""
+        try:
+            dst = self.pool.allocate(dst_blocks)
+        except DataPlaneError as e:
+            return f"no room for the copied pages: {e}"
+        words = self.pool.words
+        src = self.pool.slots_of(src_blocks)
+        words.index_copy_(0, torch.tensor(dst, device=words.device),
+                          words.index_select(0, torch.tensor(src, device=words.device)))
+        return None
 
     # ------------------------------------------------------------------ the step
     def _plan(self) -> list[tuple[_Seq, int]]:
@@ -332,7 +355,7 @@ class ServingLoop:
             s.num_reported = s.num_allocated
         freed, bytes_freed = [], 0
         if s.cmd.free_on_finish or reason not in ("stop", "length"):
-            freed = list(pages[s.cmd.num_cached_tokens // self.page:s.num_allocated])
+            freed = list(pages[s.first_new:s.num_allocated])
             bytes_freed = self.pool.free(freed) if freed else 0
         self.log.info("generate_finished", request_id=s.request_id, reason=reason, num_generated=s.num_generated,
                       ms=round((time.monotonic_ns() - s.t_start_ns) / 1e6, 1), pages_freed=len(freed))

@@ -241,9 +241,19 @@ class SessionRestored(Event):
 
 # ---------------------------------------------------------------- requests
 class RequestAdmitted(Event):
+    """A request was given its pages. ``shared_tokens``: leading prompt positions whose KV came
+    from another session's resident pages (``shared_from``, its pages ``shared_blocks``), not
+    prefilled: a request outside a session reads them in place and never owns them; a session's
+    turn has them copied into its own new pages on the device (``copied``), so every page a
+    session lists stays its own."""
+
     request_id: str
     session: str | None
     prompt_tokens: int
+    shared_tokens: int = 0
+    shared_from: str | None = None
+    shared_blocks: list[int] = []
+    copied: bool = False
 
 
 class RequestRefused(Event):

@@ -88,7 +88,14 @@ class Generate(Message):
 
     When it ends, the worker frees the pages it wrote if ``free_on_finish`` (a request outside a
     session) or if it did not finish normally (cancelled, failed); a session's turn keeps them.
-    The reused pages are never freed by the worker: they belong to earlier turns."""
+    The reused pages are never freed by the worker: they belong to earlier turns (or, for a
+    request outside a session, to another session whose prefix it shares).
+
+    ``copy_from``: another session's resident pages holding this prompt's first
+    ``num_cached_tokens`` positions; the worker copies them into the first pages of
+    ``block_ids`` on the device before the prefill, and those copies are then this sequence's new
+    pages (reported written, freed like them). The source pages are held (no move may take them)
+    while the sequence runs."""
 
     request_id: str
     session: str | None
@@ -97,6 +104,7 @@ class Generate(Message):
     num_cached_tokens: int
     sampling: SamplingParams
     free_on_finish: bool = False
+    copy_from: list[int] = []
 
 
 class CancelGenerate(Message):

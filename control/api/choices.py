@@ -73,4 +73,4 @@ def total_usage(usages: Sequence[Usage | None]) -> Usage | None:
         return None
     return Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in us),
                  cached_tokens=us[0].cached_tokens, restored_tokens=sum(u.restored_tokens for u in us),
-                 computed_tokens=sum(u.computed_tokens for u in us))
+                 computed_tokens=sum(u.computed_tokens for u in us), shared_tokens=us[0].shared_tokens)

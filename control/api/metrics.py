@@ -81,7 +81,9 @@ class ApiMetrics:
     def observe_usage(self, usage: Usage | None) -> None:
         if usage is None:
             return
-        self.prompt_tokens.labels("cached_resident").inc(max(0, usage.cached_tokens - usage.restored_tokens))
+        self.prompt_tokens.labels("cached_resident").inc(
+            max(0, usage.cached_tokens - usage.restored_tokens - usage.shared_tokens))
+        self.prompt_tokens.labels("shared").inc(usage.shared_tokens)
         self.prompt_tokens.labels("restored").inc(usage.restored_tokens)
         self.prompt_tokens.labels("computed").inc(usage.computed_tokens)
         self.completion_tokens.inc(usage.completion_tokens)

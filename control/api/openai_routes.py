@@ -34,6 +34,7 @@ def usage_json(u: Usage) -> dict:
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "restored_tokens": u.restored_tokens,
         "computed_tokens": u.computed_tokens,
+        "shared_tokens": u.shared_tokens,
     }
 
 

@@ -92,6 +92,9 @@ def _serving_args(p) -> None:
                    help="an idle session's pages are parked to host after this long (default 2 s when serving)")
     g.add_argument("--restore-policy", choices=("cost", "restore", "recompute"), default="cost",
                    help="a parked prefix: restore or recompute, whichever costs less (default), or always one")
+    g.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prompt may start from another session's pages on the device: read in place outside a "
+                        "session, copied into a session's own pages (default: on)")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion budget of a chat request that names no max_tokens (reserved up front)")
     g.add_argument("--admin-key", default=os.environ.get("RESIDENCY_ADMIN_KEY"),
@@ -246,7 +249,8 @@ def _api_app(proc, args):
     from control.api import ApiConfig, create_app  # noqa: PLC0415
     from control.scheduler.service import ServingService  # noqa: PLC0415
 
-    service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens)
+    service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
+                             share_prefixes=args.share_prefixes)
     return create_app(service, ApiConfig(admin_key=args.admin_key or None))
 
 

@@ -13,6 +13,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     restore_policy: str = "cost"       # cost | restore (always) | recompute (never restore)
     max_waiting: int = 256             # admitted requests waiting for room; beyond this: refused
     wait_timeout_s: float = 120.0      # a request that waited this long for room is refused
+    share_prefixes: bool = True        # a prompt may start from another session's resident pages
 
     def __post_init__(self) -> None:
         if self.page_tokens <= 0 or self.max_context <= 0:

@@ -31,6 +31,7 @@ from control.scheduler.config import SchedulerConfig
 from control.scheduler.cost import CostModel, PrefixDecision
 from control.scheduler.prefix import num_matching_pages, pages_needed
 from control.scheduler.sessions import SessionEntry
+from control.scheduler.sharing import find_shared_prefix
 from control.state import State
 
 RESTORE_SOURCES = ("host", "disk")
@@ -57,6 +58,9 @@ class Admit(msgspec.Struct, frozen=True, kw_only=True):
     decision: PrefixDecision | None   # set when a parked prefix was priced
     restored_tokens: int
     new_blocks: list[int]
+    shared: list[int] = []            # another session's device pages holding the prompt's first positions
+    shared_from: str | None = None    # that session
+    copied: bool = False              # copied into the first new pages (a session's turn) or read in place
 
 
 class Wait(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,6 +87,7 @@ class Running(msgspec.Struct, kw_only=True):
     worker: int
     reused: list[int]
     new_blocks: list[int]
+    shared: list[int] = []            # another session's pages it reads (or copies): held while it runs
     written: list[int] = []
     written_keys: list[str] = []
 
@@ -119,6 +124,7 @@ class Scheduler:
         for r in self.running.values():
             out.setdefault(r.worker, set()).update(r.reused)
             out[r.worker].update(r.new_blocks)
+            out[r.worker].update(r.shared)
         return out
 
     def busy_sessions(self) -> set[str]:
@@ -203,6 +209,14 @@ class Scheduler:
             if decision.choice == "recompute":
                 reused, restore, n = [], {}, 0
 
+        shared: list[int] = []
+        donor = None
+        if n == 0 and cfg.share_prefixes:
+            donor, shared = find_shared_prefix(
+                self.sessions.values(), state, w, exclude=ask.session, prompt_keys=ask.prompt_keys,
+                prompt_tokens=ask.prompt_tokens, page_tokens=P, moving=busy_blocks(state).get(w, set()))
+        copied = bool(shared) and ask.session is not None
+
         drop: dict[str, list[int]] = {}
         if entry is not None:
             for b in entry.blocks:
@@ -211,9 +225,13 @@ class Scheduler:
                     continue
                 for t in st.tiers:
                     drop.setdefault(t, []).append(b)
+            read = [b for b in drop.get("device", []) if b in self.busy_blocks().get(w, set())]
+            if read:
+                return Wait(request_id=ask.request_id,
+                            reason=f"pages {read[:8]} of session {ask.session!r} are read by a running request")
 
         total = pages_needed(ask.prompt_tokens, ask.max_tokens, P)
-        num_new = total - n
+        num_new = total - n - (0 if copied else len(shared))
         num_restore = sum(len(bl) for bl in restore.values())
         asked = num_new + num_restore
         limit, free = self.device_room(state, w)
@@ -241,17 +259,20 @@ class Scheduler:
         new_blocks = self.allocate_ids(state, w, num_new)
         if decision is not None:
             self.decisions[decision.choice] += 1
+        if shared:
+            self.decisions["shared"] = self.decisions.get("shared", 0) + 1
         return Admit(
-            request_id=ask.request_id, session=ask.session, worker=w, blocks=reused + new_blocks,
-            num_cached_tokens=n * P, reused=reused, restore=restore, drop=drop, decision=decision,
-            restored_tokens=num_restore * P, new_blocks=new_blocks,
+            request_id=ask.request_id, session=ask.session, worker=w,
+            blocks=reused + ([] if copied else shared) + new_blocks,
+            num_cached_tokens=(n + len(shared)) * P, reused=reused, restore=restore, drop=drop, decision=decision,
+            restored_tokens=num_restore * P, new_blocks=new_blocks, shared=shared, shared_from=donor, copied=copied,
         )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, admit: Admit, now_ns: int) -> None:
         self.running[admit.request_id] = Running(
             request_id=admit.request_id, session=admit.session, worker=admit.worker,
-            reused=list(admit.reused), new_blocks=list(admit.new_blocks),
+            reused=list(admit.reused), new_blocks=list(admit.new_blocks), shared=list(admit.shared),
         )
         if admit.session is not None:
             entry = self.sessions.get(admit.session)
@@ -260,7 +281,7 @@ class Scheduler:
             n = len(admit.reused)
             entry.worker = admit.worker
             entry.blocks, entry.keys = list(admit.reused), list(entry.keys[:n])
-            entry.num_tokens = admit.num_cached_tokens
+            entry.num_tokens = n * self.cfg.page_tokens
             entry.busy = admit.request_id
             entry.last_used_ns = now_ns
 

@@ -48,11 +48,12 @@ FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
 
 
 class ServingService(SessionOps):
-    def __init__(self, proc, *, restore_policy: str = "cost", cost: CostModel | None = None,
+    def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, cost: CostModel | None = None,
                  wait_timeout_s: float = 120.0, max_waiting: int = 256, tick_s: float = 0.25,
                  api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
         self.proc = proc
         self.restore_policy = restore_policy
+        self.share_prefixes = share_prefixes
         self.cost = cost or CostModel()
         self.wait_timeout_ns = int(wait_timeout_s * 1e9)
         self.max_waiting = max_waiting
@@ -266,7 +267,10 @@ class ServingService(SessionOps):
         if p in self.waiting:
             self.waiting.remove(p)
         self._record(ev.RequestAdmitted(request_id=p.request_id, session=p.req.session,
-                                        prompt_tokens=len(p.token_ids)), p.request_id)
+                                        prompt_tokens=len(p.token_ids),
+                                        shared_tokens=len(plan.shared) * self.sched.cfg.page_tokens,
+                                        shared_from=plan.shared_from, shared_blocks=list(plan.shared),
+                                        copied=plan.copied), p.request_id)
         self.sched.start(plan, now)
         p.admit = plan
         if plan.decision is not None:
@@ -315,7 +319,7 @@ class ServingService(SessionOps):
         sampling = msgspec.structs.replace(p.req.sampling, max_tokens=p.max_tokens)
         cmd = Generate(request_id=p.request_id, session=p.req.session, token_ids=p.token_ids, block_ids=a.blocks,
                        num_cached_tokens=a.num_cached_tokens, sampling=sampling,
-                       free_on_finish=p.req.session is None)
+                       free_on_finish=p.req.session is None, copy_from=list(a.shared) if a.copied else [])
         if not self.proc.send_to_worker(p.worker, cmd):
             self._end_unstarted(p, reason="error")
             p.reject(BackendError(503, f"worker {p.worker} is unreachable", type="server_error",
@@ -354,7 +358,8 @@ class ServingService(SessionOps):
         self._forget(p)
         usage = Usage(prompt_tokens=len(p.token_ids), completion_tokens=p.num_generated,
                       cached_tokens=a.num_cached_tokens, restored_tokens=a.restored_tokens,
-                      computed_tokens=msg.num_computed_tokens)
+                      computed_tokens=msg.num_computed_tokens,
+                      shared_tokens=len(a.shared) * self.sched.cfg.page_tokens)
         p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), finish_reason=reason, usage=usage,
                      error=msg.error, logprobs=list(msg.logprobs)))
         self._post_retry()
@@ -398,7 +403,8 @@ class ServingService(SessionOps):
     def _on_ready(self, link, msg: ServingReady) -> None:
         if self.sched is None:
             self.sched = Scheduler(SchedulerConfig(page_tokens=msg.page_tokens, max_context=msg.max_context,
-                                                   restore_policy=self.restore_policy), self.cost,
+                                                   restore_policy=self.restore_policy,
+                                                   share_prefixes=self.share_prefixes), self.cost,
                                    allocate=self.proc.allocate_block_ids)
             self.sched.rebuild(self.proc.state)
         elif msg.page_tokens != self.sched.cfg.page_tokens:

@@ -108,3 +108,12 @@ def test_the_serve_stall_bench_streams_beside_a_refused_huge_prompt(tmp_path):
     run = json.loads(out.read_text())["run"]
     assert run["tokens"] == 80 and run["before"]["n"] > 0
     assert [r["code"] for r in run["refusals"]] == ["context_length_exceeded"]
+
+
+def test_the_prefix_sharing_bench_shares_a_system_prompt_and_answers_the_same(tmp_path):
+    out = tmp_path / "share.json"
+    _run(["bench/serve_share.py", "--quick", "--out", str(out)], timeout=300)
+    s = json.loads(out.read_text())["summary"]
+    assert s["shared_session"]["shared_tokens_p50"] > 0 and s["shared_none"]["shared_tokens_p50"] > 0
+    assert s["not_shared_session"]["shared_tokens_p50"] == 0
+    assert s["answers_identical_with_and_without_sharing"] is True

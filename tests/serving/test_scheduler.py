@@ -273,3 +273,58 @@ def test_a_worker_running_as_many_sequences_as_it_batches_makes_the_next_wait():
         adm = s.plan(led.state, ask(rid))
         assert isinstance(adm, Admit)
         s.start(adm, now_ns=3)
+
+
+# ------------------------------------------------------------------ prefixes shared across sessions
+def test_a_new_session_copies_another_sessions_resident_prefix_into_its_own_pages():
+    led, s = Ledger(), sched()
+    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    b = s.plan(led.state, ask("b1", session="b", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
+    assert isinstance(b, Admit) and b.shared_from == "a" and b.shared == a.blocks[:2] and b.copied
+    assert b.num_cached_tokens == 8 and b.reused == [] and b.restore == {}
+    # its own pages: the copies first, then the rest of the sequence (17 positions: 5 pages)
+    assert b.blocks == b.new_blocks and len(b.blocks) == pages_needed(14, 4, P) == 5
+    assert not set(b.blocks) & set(a.blocks)
+    s.start(b, 3)
+    assert set(a.blocks[:2]) <= s.busy_blocks()[0], "the pages it copies are held while it runs"
+    assert s.sessions["b"].blocks == [] and s.decisions["shared"] == 1
+
+
+def test_a_request_outside_a_session_reads_the_shared_pages_in_place():
+    led, s = Ledger(), sched()
+    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    r = s.plan(led.state, ask("r1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
+    assert isinstance(r, Admit) and not r.copied and r.shared == a.blocks[:2]
+    assert r.blocks[:2] == a.blocks[:2] and len(r.new_blocks) == 3 and r.blocks[2:] == r.new_blocks
+    limit, free = s.device_room(led.state, 0)
+    s.start(r, 3)
+    assert s.device_room(led.state, 0) == (limit, free - 3), "shared pages take no new room"
+
+
+def test_only_pages_on_the_device_verified_and_in_no_move_are_shared():
+    led, s = Ledger(), sched()
+    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    b_ask = ask("b1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4)
+    mid = led.move("spill", "device", "host", a.blocks[1:2], ack=False)
+    assert s.plan(led.state, b_ask).shared == a.blocks[:1], "a page in a move is not offered"
+    led.add(ev.MoveAcked(move_id=mid, worker=0, bytes_moved=BB, bytes_freed_src=0, checksum_ok=True,
+                         started_ns=0, finished_ns=1))
+    led.move("park", "device", "host", a.blocks[:1])
+    assert s.plan(led.state, b_ask).shared == [], "the first page is parked: nothing to share"
+    off = Scheduler(SchedulerConfig(page_tokens=P, max_context=64, share_prefixes=False))
+    c = run_turn(off, Ledger(), ask("c1", session="c", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), 1)
+    assert c.shared == [] and off.plan(Ledger().state, b_ask).shared == []
+
+
+def test_the_donor_waits_to_drop_pages_a_running_request_reads():
+    led, s = Ledger(), sched()
+    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    r = s.plan(led.state, ask("r1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
+    s.start(r, 3)
+    # a's next turn diverges after its first page: its second page would be dropped while r reads it
+    nxt = ask("a2", session="a", prompt=14, prompt_keys=["k0", "y1", "y2"], max_tokens=4)
+    w = s.plan(led.state, nxt)
+    assert isinstance(w, Wait) and f"pages [{a.blocks[1]}" in w.reason and "read by a running request" in w.reason
+    s.finish("r1", "stop", 17, 4)
+    adm = s.plan(led.state, nxt)
+    assert isinstance(adm, Admit) and adm.reused == a.blocks[:1] and a.blocks[1] in adm.drop["device"]

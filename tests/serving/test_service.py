@@ -62,7 +62,7 @@ class ByteTokenizer:
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
                  policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
-                 max_seqs: int = 64):
+                 max_seqs: int = 64, share_prefixes: bool = True):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -71,7 +71,8 @@ class Stack:
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], policy=policy,
                             moves=MoveConfig(page_tokens=P), shutdown_grace_s=1.0)
         self.proc = ControlProc(self.store, cfg)
-        self.service = ServingService(self.proc, restore_policy=restore_policy, wait_timeout_s=10.0)
+        self.service = ServingService(self.proc, restore_policy=restore_policy, wait_timeout_s=10.0,
+                                      share_prefixes=share_prefixes)
         self.app = create_app(self.service, ApiConfig(admin_key=None))
         self.proc.start()
         model = random_model(TINY, seed=0)
@@ -257,7 +258,9 @@ def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
     assert r.status_code == 200 and r.json()["bytes_freed"] == held["bytes"] > 0 and r.json()["tier"] == "disk"
     assert s.client.get("/admin/sessions/gone").status_code == 404
     again = s.chat("a first turn " * 3, session="gone", max_tokens=6).json()
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and again["usage"]["restored_tokens"] == 0
+    # nothing of its own is left: what is cached is the chat template's opening page, shared from "busy"
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["shared_tokens"] == P
+    assert again["usage"]["restored_tokens"] == 0
     s.close()
     events, state = s.ledger()
     freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.reason == "release" and e.tier == "disk"]
@@ -382,3 +385,46 @@ def test_parked_pages_go_to_disk_under_host_pressure_and_come_back_from_both_tie
     events, _ = s.ledger()
     kinds = {(e.kind, e.src, e.dst) for e in events if type(e).__name__ == "MoveRequested" and e.src != e.dst}
     assert {("park", "device", "host"), ("demote", "host", "disk"), ("restore", "disk", "device")} <= kinds
+
+
+SYSTEM = {"role": "system", "content": "You are terse. Rules: one line, no lists, cite nothing. " * 2}
+
+
+def test_a_new_session_starts_from_another_sessions_pages_and_owns_copies_of_them(stack):
+    s = stack(device_blocks=160)
+    a = s.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4).json()
+    assert a["usage"]["shared_tokens"] == 0
+    ask_b = [SYSTEM, {"role": "user", "content": "second question"}]
+    b = s.chat(ask_b, session="b", max_tokens=8).json()
+    lone = s.chat(ask_b, max_tokens=8).json()                     # outside a session: read in place
+    u, ul = b["usage"], lone["usage"]
+    opening = len("<system>" + SYSTEM["content"] + "<user>") // P * P
+    assert u["shared_tokens"] == u["prompt_tokens_details"]["cached_tokens"] == opening
+    # the same prompt again, outside a session: b's pages now hold all of it but its last token
+    whole = (ul["prompt_tokens"] - 1) // P * P
+    assert u["computed_tokens"] == u["prompt_tokens"] - opening and ul["shared_tokens"] == whole > opening
+    off = stack(share_prefixes=False, device_blocks=160)
+    off.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
+    ref = off.chat(ask_b, session="b", max_tokens=8).json()
+    assert ref["usage"]["shared_tokens"] == 0 and ref["usage"]["computed_tokens"] == ref["usage"]["prompt_tokens"]
+    assert b["choices"][0]["message"]["content"] == lone["choices"][0]["message"]["content"] \
+        == ref["choices"][0]["message"]["content"]
+    # the donor can be parked while b keeps its own copies on the device
+    assert s.client.post("/admin/sessions/a/park", json={"tier": "host"}).status_code == 200
+    assert s.session("b")["tier"] == "device" and s.session("a")["tier"] == "host"
+    s.close()
+    events, state = s.ledger()
+    adm = {e.request_id: e for e in events if type(e).__name__ == "RequestAdmitted"}
+    shared = [e for e in adm.values() if e.shared_tokens]
+    assert [(e.session, e.shared_from, e.copied, e.shared_tokens) for e in shared] == \
+        [("b", "a", True, opening), (None, "b", False, whole)]
+    committed = {}
+    for e in events:
+        if type(e).__name__ == "BlocksCommitted" and e.tier == "device":
+            for bid, key in zip(e.blocks, e.keys):
+                committed[bid] = (e.session, key)
+    donor = shared[0].shared_blocks
+    b_pages = [bid for bid, (sess, _) in committed.items() if sess == "b"]
+    assert len(donor) == opening // P and all(committed[bid][0] == "a" for bid in donor)
+    assert not set(b_pages) & set(donor), "b owns copies, never a's pages"
+    assert [committed[bid][1] for bid in b_pages[:len(donor)]] == [committed[bid][1] for bid in donor]

@@ -312,3 +312,72 @@ def test_no_logprobs_unless_asked_none_for_the_end_of_turn_and_too_many_refused(
     bad = run(loop, Generate(request_id="c", session=None, token_ids=tk.token_ids, block_ids=pages(-(-(n + 4) // P)),
                              num_cached_tokens=0, sampling=greedy(4, logprobs=21), free_on_finish=True))
     assert final(bad, "c").finish_reason == "error" and "logprobs 21 must be in [0, 20]" in final(bad, "c").error
+
+
+def test_a_prefix_shared_from_another_session_gives_the_tokens_of_computing_it(model, tmp_path):
+    engine, loop = make_loop(model, tmp_path, "share")
+    system = "You are a careful assistant. Answer in one short sentence, and never invent facts. " * 2
+    a_ids = model.tokenizer.encode(system + "What is the capital of France?")
+    b_ids = model.tokenizer.encode(system + "What is the capital of Spain?")
+    keys_a, keys_b = (block_content_keys(i, P, model.kv_digest) for i in (a_ids, b_ids))
+    k = len(list(itertools.takewhile(lambda pair: pair[0] == pair[1], zip(keys_a, keys_b))))
+    assert k >= 2 and k * P < len(b_ids)
+    a_bl = pages(-(-(len(a_ids) + 8) // P))
+    run(loop, Generate(request_id="a", session="a", token_ids=a_ids, block_ids=a_bl, num_cached_tokens=0,
+                       sampling=greedy(8, ignore_eos=True)))
+    donor = a_bl[:k]
+    before = engine.device_pool.words[engine.device_pool.slots_of(donor)].clone()
+    n_b = -(-(len(b_ids) + 12) // P)
+
+    scratch = pages(n_b)                       # computed from nothing, freed after
+    out = run(loop, Generate(request_id="scratch", session=None, token_ids=b_ids, block_ids=scratch,
+                             num_cached_tokens=0, sampling=greedy(12), free_on_finish=True))
+    want = tokens_of(out, "scratch")
+
+    in_place = donor + pages(n_b - k)          # outside a session: the donor's pages read where they are
+    out = run(loop, Generate(request_id="read", session=None, token_ids=b_ids, block_ids=in_place,
+                             num_cached_tokens=k * P, sampling=greedy(12), free_on_finish=True))
+    last = final(out, "read")
+    assert tokens_of(out, "read") == want and last.num_computed_tokens == len(b_ids) - k * P
+    assert not set(last.blocks_freed) & set(donor) and all(engine.device_pool.has(b) for b in donor)
+
+    own = pages(n_b)                           # a session's turn: copied into its own first pages
+    gen = Generate(request_id="copy", session="b", token_ids=b_ids, block_ids=own, num_cached_tokens=k * P,
+                   sampling=greedy(12), copy_from=donor)
+    loop.handle(gen)
+    assert set(loop.holding(donor)) == set(donor), "the source pages are held while the copy's sequence runs"
+    out = []
+    while loop.has_work():
+        out += loop.step()
+    last = final(out, "copy")
+    written = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
+    written_keys = [x for o in out if isinstance(o, TokensGenerated) for x in o.keys_written]
+    assert tokens_of(out, "copy") == want and last.num_computed_tokens == len(b_ids) - k * P
+    assert written[:k] == own[:k] and written_keys[:k] == keys_b[:k], "the copies are reported as its pages"
+    assert last.blocks_freed == [] and all(engine.device_pool.has(b) for b in own[:k])
+    assert torch.equal(engine.device_pool.words[engine.device_pool.slots_of(own[:k])], before)
+    assert torch.equal(engine.device_pool.words[engine.device_pool.slots_of(donor)], before), "the source is unchanged"
+
+
+def test_a_cancelled_copy_frees_its_copies_and_a_bad_copy_is_refused(model, tmp_path):
+    engine, loop = make_loop(model, tmp_path, "copyfree")
+    ids = model.tokenizer.encode("Pages copied from one session to another are the new one's own. " * 5)
+    a_bl = pages(-(-(len(ids) + 2) // P))
+    run(loop, Generate(request_id="a", session="a", token_ids=ids, block_ids=a_bl, num_cached_tokens=0,
+                       sampling=greedy(2, ignore_eos=True)))
+    used = engine.device_pool.used_bytes
+    k = len(ids) // P - 1
+    assert k >= 3
+    own = pages(-(-(len(ids) + 30) // P))
+    loop.handle(Generate(request_id="b", session="b", token_ids=ids, block_ids=own, num_cached_tokens=k * P,
+                         sampling=greedy(30, ignore_eos=True), copy_from=a_bl[:k]))
+    loop.step()
+    last = final(loop.handle(CancelGenerate(request_id="b", reason="test")), "b")
+    assert set(own[:k]) <= set(last.blocks_freed) and engine.device_pool.used_bytes == used
+    assert not loop.holding(a_bl)
+    wrong = loop.handle(Generate(request_id="c", session="c", token_ids=ids, block_ids=pages(len(own)),
+                                 num_cached_tokens=k * P, sampling=greedy(4), copy_from=a_bl[:k - 1]))
+    assert final(wrong, "c").finish_reason == "error" and "copy_from names" in final(wrong, "c").error
+    gone = loop.handle(Generate(request_id="d", session="d", token_ids=ids, block_ids=pages(len(own)),
+                                num_cached_tokens=k * P, sampling=greedy(4), copy_from=pages(k)))
+    assert "pages to copy not usable" in final(gone, "d").error and engine.device_pool.used_bytes == used

@@ -1,0 +1,132 @@
+"""What a prefix another session already computed saves: time to first token of new
+conversations that open with the same long system prompt, with ``--share-prefixes`` (the default)
+and ``--no-share-prefixes``, against a real ``residency serve`` (SmolLM2, one CPU worker, SQLite).
+
+    python bench/serve_share.py              # -> bench/results/serve-share-<date>-cpu.json
+    python bench/serve_share.py --quick
+
+Per server: a warm-up, one donor session's first turn (the system prompt + a question), then,
+alternating, ``--reps`` new sessions and ``--reps`` requests outside a session, each with the same
+system prompt and a question of its own, streamed (TTFT from the request to the first content
+token). Servers run in the order on, off, on, off (``--rounds``), so drift shows. Reported per
+mode: TTFT p50/min/max, and the usage's ``shared_tokens``/``computed_tokens``; with sharing, the
+new session's pages are copies of the donor's (the ledger's RequestAdmitted says so), outside a
+session they are read in place. Greedy; the answers of both modes are compared token by token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve import FILLER, MODEL, ROOT, Serve  # noqa: E402
+
+QUESTIONS = ["What does Residency record?", "Who reads the ledger?", "Where do parked pages go?",
+             "What is a spill?", "What is a restore?", "Why replay a ledger?", "What is a tier?",
+             "What does the control process do?"]
+
+
+def stream(s: Serve, messages, max_tokens: int, session: str | None = None) -> dict:
+    """One streamed greedy chat: TTFT, its text and usage."""
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], None
+    for ch in s.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"session_id": session} if session else None):
+        if ch.choices and ch.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            text.append(ch.choices[0].delta.content)
+        if ch.usage:
+            usage = ch.usage
+    return {"ttft_s": ttft, "text": "".join(text), "usage": usage}
+
+
+def one_server(tmp: str, share: bool, words: int, reps: int, max_tokens: int) -> dict:
+    s = Serve(tmp, "--share-prefixes" if share else "--no-share-prefixes")
+    system = {"role": "system", "content": "You answer in one sentence. Context: " + FILLER * (words // 28)}
+    rows: dict[str, list] = {"session": [], "none": []}
+    try:
+        stream(s, [{"role": "user", "content": "Hello"}], 4)                        # warm up
+        stream(s, [system, {"role": "user", "content": "Hello?"}], 4, session="donor")
+        for i in range(reps):
+            for kind in ("session", "none"):
+                q = QUESTIONS[(2 * i + (kind == "none")) % len(QUESTIONS)]
+                r = stream(s, [system, {"role": "user", "content": q}], max_tokens,
+                           session=f"new-{i}" if kind == "session" else None)
+                u = r["usage"]
+                rows[kind].append({"question": q, "ttft_s": r["ttft_s"], "prompt_tokens": u.prompt_tokens,
+                                   "shared_tokens": u.model_extra["shared_tokens"],
+                                   "computed_tokens": u.model_extra["computed_tokens"],
+                                   "completion_tokens": u.completion_tokens, "text": r["text"]})
+    finally:
+        s.stop()
+    return {"share": share, "rows": rows}
+
+
+def summarize(runs: list[dict], share: bool, kind: str) -> dict:
+    rows = [r for run in runs if run["share"] == share for r in run["rows"][kind]]
+    t = [r["ttft_s"] for r in rows]
+    return {"n": len(rows), "ttft_p50_s": statistics.median(t), "ttft_min_s": min(t), "ttft_max_s": max(t),
+            "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
+            "shared_tokens_p50": statistics.median(r["shared_tokens"] for r in rows),
+            "computed_tokens_p50": statistics.median(r["computed_tokens"] for r in rows)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--words", type=int, default=900, help="words of the shared system prompt")
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="servers with and without sharing, alternating")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                                 f"serve-share-{date.today().isoformat()}-cpu.json"))
+    args = p.parse_args()
+    words, reps, rounds, max_tokens = (200, 1, 1, 4) if args.quick else (args.words, args.reps, args.rounds, 8)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out: dict = {"bench": "serve_share", "git_commit": commit, "date": date.today().isoformat(), "device": "cpu",
+                 "cpus": os.cpu_count(), "words": words, "reps": reps, "rounds": rounds,
+                 "loadavg_start": os.getloadavg()}
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for share in (True, False):
+                runs.append(one_server(tmp, share, words, reps, max_tokens))
+    out["runs"] = runs
+    out["summary"] = {f"{'shared' if share else 'not_shared'}_{kind}": summarize(runs, share, kind)
+                      for share in (True, False) for kind in ("session", "none")}
+    for kind in ("session", "none"):
+        on, off = out["summary"][f"shared_{kind}"], out["summary"][f"not_shared_{kind}"]
+        out["summary"][f"ttft_speedup_{kind}"] = off["ttft_p50_s"] / on["ttft_p50_s"]
+    answers: dict[tuple, set] = {}
+    for run in runs:
+        for kind, rows in run["rows"].items():
+            for r in rows:
+                answers.setdefault((kind, r["question"]), set()).add(r["text"])
+    out["summary"]["answers_identical_with_and_without_sharing"] = all(len(v) == 1 for v in answers.values())
+    out["loadavg_end"] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2, default=str)
+    print("| new conversation | sharing | prompt tokens | shared | computed | TTFT p50 (min-max) |")
+    print("|---|---|---|---|---|---|")
+    for kind in ("session", "none"):
+        for share in (True, False):
+            r = out["summary"][f"{'shared' if share else 'not_shared'}_{kind}"]
+            print(f"| {'new session' if kind == 'session' else 'no session'} | {'on' if share else 'off'} | "
+                  f"{r['prompt_tokens']:.0f} | {r['shared_tokens_p50']:.0f} | {r['computed_tokens_p50']:.0f} | "
+                  f"{1e3 * r['ttft_p50_s']:.0f} ms ({1e3 * r['ttft_min_s']:.0f}-{1e3 * r['ttft_max_s']:.0f}) |")
+    print(f"TTFT speedup: new session {out['summary']['ttft_speedup_session']:.2f}x, "
+          f"no session {out['summary']['ttft_speedup_none']:.2f}x")
+    print(f"answers identical with and without sharing: {out['summary']['answers_identical_with_and_without_sharing']}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

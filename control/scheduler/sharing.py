@@ -1,0 +1,48 @@
+"""Prefix sharing across sessions: which other session's resident pages already hold a prompt's
+first pages. Pure.
+
+Content keys are chained (``dataplane.model.prefix``), so equal keys at page i mean equal tokens
+in pages 0..i: a new conversation that opens with the system prompt and few-shot examples another
+session already computed needs none of those pages prefilled.
+
+    session A (idle or running):  [k0][k1][k2][k3][a4]          pages on the device, verified
+    new request's prompt:         [k0][k1][k2][b3][..]
+                                   └ shared ─┘ └ computed ┘
+
+Only pages that are on the device, verified and in no move are offered, and only while the
+donor lists them: a request outside a session reads them in place (held for its run, never
+owned); a session's turn copies them into its own pages (``Generate.copy_from``), so no session
+ever lists a page another owns. What the request read or copied is in its ``RequestAdmitted``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from control.scheduler.prefix import num_matching_pages
+from control.scheduler.sessions import SessionEntry
+from control.state import State
+
+
+def find_shared_prefix(sessions: Iterable[SessionEntry], state: State, worker: int, *, exclude: str | None,
+                       prompt_keys: list[str], prompt_tokens: int, page_tokens: int,
+                       moving: set[int]) -> tuple[str | None, list[int]]:
+    """(donor session, its pages holding the prompt's longest shareable prefix), or (None, [])."""
+    if not prompt_keys:
+        return None, []
+    first = prompt_keys[0]
+    wb = state.blocks.get(worker, {})
+    best: tuple[str | None, list[int]] = (None, [])
+    for e in sessions:
+        if e.worker != worker or e.session == exclude or not e.keys or e.keys[0] != first:
+            continue
+        n = min(num_matching_pages(e.keys, prompt_keys, prompt_tokens, page_tokens), len(e.blocks))
+        usable = 0
+        while usable < n:
+            b = e.blocks[usable]
+            st = wb.get(b)
+            if st is None or "device" not in st.tiers or not st.device_verified or b in moving:
+                break
+            usable += 1
+        if usable > len(best[1]):
+            best = (e.session, e.blocks[:usable])
+    return best
