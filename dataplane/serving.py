@@ -238,8 +238,13 @@ class ServingLoop:
             return f"no room for the copied pages: {e}"
         words = self.pool.words
         src = self.pool.slots_of(src_blocks)
-        words.index_copy_(0, torch.tensor(dst, device=words.device),
-                          words.index_select(0, torch.tensor(src, device=words.device)))
+        i = 0
+        while i < len(src):            # one copy per run of slots consecutive on both sides (disjoint)
+            j = i + 1
+            while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+                j += 1
+            words[dst[i]:dst[i] + j - i].copy_(words[src[i]:src[i] + j - i])
+            i = j
         return None
 
     # ------------------------------------------------------------------ the step
