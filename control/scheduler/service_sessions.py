@@ -15,6 +15,7 @@ from events import catalog as ev
 from events.commands import AskAnswered, AskMove, AskReleaseBlocks
 
 log = structlog.get_logger("control.serving")
+FAILED = (ev.MoveFailed, ev.MoveRejected, ev.MoveRefused, ev.MoveStranded, ev.MoveAbandoned)
 
 
 class SessionOps:
@@ -63,6 +64,7 @@ class SessionOps:
         if entry is not None and entry.busy:
             raise BackendError(409, f"session {session!r} is generating; park it when it is idle",
                                code="session_busy", param="session_id")
+        self._not_read(session, *self._session_pages(session), "park")
         moved: list[str] = []
 
         def step(ans: AskAnswered | None) -> None:
@@ -91,6 +93,18 @@ class SessionOps:
                 done(self._info_or_404(session, moved[-1] if moved else None))
         step(None)
 
+    def _not_read(self, session: str, worker: int | None, pages: list[int], what: str) -> None:
+        """409 if a running request reads some of the session's pages (a prefix it shares)."""
+        if self.sched is None or worker is None:
+            return
+        held = self.sched.busy_blocks().get(worker, set())
+        readers = sorted(r.request_id for r in self.sched.running.values()
+                         if r.worker == worker and r.session != session and set(r.shared) & set(pages) & held)
+        if readers:
+            raise BackendError(409, f"pages of session {session!r} are read by running request(s) {readers[:4]} "
+                                    f"(a prefix they share); {what} it when they have finished",
+                               code="session_in_use", param="session_id")
+
     def _delete(self, session: str, done) -> None:
         """Free every copy of a session's pages, tier by tier, by the book (each a release the
         ledger records), then forget the session. Its next turn starts from nothing."""
@@ -100,6 +114,7 @@ class SessionOps:
             raise BackendError(409, f"session {session!r} is generating; delete it when it is idle",
                                code="session_busy", param="session_id")
         w, pages = self._session_pages(session)
+        self._not_read(session, w, pages, "delete")
         wb = self.proc.state.blocks.get(w, {})
         by_tier: dict[str, list[int]] = {}
         for b in pages:
@@ -110,8 +125,12 @@ class SessionOps:
 
         def step(ans: AskAnswered | None) -> None:
             if ans is not None:
-                if ans.error is not None:
-                    done(_ask_error(ans))
+                failed = next((e for e in ans.events if type(e) in FAILED), None)
+                if ans.error is not None or failed is not None:
+                    done(_ask_error(ans) if failed is None else BackendError(
+                        503, f"the release of {session!r}'s pages failed ({type(failed).__name__}: "
+                             f"{getattr(failed, 'reason', '') or getattr(failed, 'error', '')}); "
+                             f"{freed[0]} bytes were freed before it", type="server_error", code="release_failed"))
                     return
                 freed[0] += sum(e.bytes for e in ans.events if type(e) is ev.BlocksFreed)
             if left:

@@ -428,3 +428,33 @@ def test_a_new_session_starts_from_another_sessions_pages_and_owns_copies_of_the
     assert len(donor) == opening // P and all(committed[bid][0] == "a" for bid in donor)
     assert not set(b_pages) & set(donor), "b owns copies, never a's pages"
     assert [committed[bid][1] for bid in b_pages[:len(donor)]] == [committed[bid][1] for bid in donor]
+
+
+def test_a_donor_read_by_a_running_request_is_not_deleted_or_parked_under_it(stack, monkeypatch):
+    s = stack(device_blocks=160)
+    s.chat([SYSTEM, {"role": "user", "content": "first"}], session="a", max_tokens=4)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat([SYSTEM, {"role": "user", "content": "second"}],
+                                                            max_tokens=100)))
+
+    def reading() -> None:
+        deadline = time.monotonic() + 10
+        while not any(r.shared for r in s.service.sched.running.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    t.start()
+    reading()
+    for r in (s.client.delete("/admin/sessions/a"), s.client.post("/admin/sessions/a/park", json={"tier": "host"})):
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_in_use", r.text
+    t.join()
+    assert out["r"].status_code == 200 and out["r"].json()["usage"]["shared_tokens"] > 0
+    # past the guard, the worker still refuses to free pages under a reader: the delete says so
+    monkeypatch.setattr(type(s.service), "_not_read", lambda *a: None)
+    t = threading.Thread(target=lambda: s.chat([SYSTEM, {"role": "user", "content": "third"}], max_tokens=100))
+    t.start()
+    reading()
+    r = s.client.delete("/admin/sessions/a")
+    t.join()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "release_failed", r.text
+    assert s.client.delete("/admin/sessions/a").json()["bytes_freed"] > 0
