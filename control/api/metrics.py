@@ -81,10 +81,12 @@ class ApiMetrics:
     def observe_usage(self, usage: Usage | None) -> None:
         if usage is None:
             return
+        # sources add up to the prompt: a shared prefix (resident or restored first) counts as shared only
+        own_restored = 0 if usage.shared_tokens else usage.restored_tokens
         self.prompt_tokens.labels("cached_resident").inc(
-            max(0, usage.cached_tokens - usage.restored_tokens - usage.shared_tokens))
+            max(0, usage.cached_tokens - usage.shared_tokens - own_restored))
         self.prompt_tokens.labels("shared").inc(usage.shared_tokens)
-        self.prompt_tokens.labels("restored").inc(usage.restored_tokens)
+        self.prompt_tokens.labels("restored").inc(own_restored)
         self.prompt_tokens.labels("computed").inc(usage.computed_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
 

@@ -37,6 +37,21 @@ from control.state import State
 RESTORE_SOURCES = ("host", "disk")
 
 
+def _restore_plan(wb: dict, pages: list[int]) -> tuple[list[int], dict[str, list[int]]]:
+    """The leading ``pages`` usable as a prefix (resident and verified, or with a host or disk copy
+    to restore) and the restores they need, by source tier."""
+    restore: dict[str, list[int]] = {}
+    for i, b in enumerate(pages):
+        st = wb[b]
+        if "device" in st.tiers and st.device_verified:
+            continue
+        src = next((t for t in RESTORE_SOURCES if t in st.tiers), None)
+        if src is None:                   # an unverified device copy and nothing else: unusable
+            return pages[:i], restore
+        restore.setdefault(src, []).append(b)
+    return list(pages), restore
+
+
 class GenerateAsk(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     session: str | None
@@ -88,6 +103,7 @@ class Running(msgspec.Struct, kw_only=True):
     reused: list[int]
     new_blocks: list[int]
     shared: list[int] = []            # another session's pages it reads (or copies): held while it runs
+    copied: bool = False
     written: list[int] = []
     written_keys: list[str] = []
 
@@ -182,39 +198,25 @@ class Scheduler:
                         reason=f"worker {w} is running {batch} sequences, the most it batches")
 
         n = num_matching_pages(held_keys, ask.prompt_keys, ask.prompt_tokens, P)
-        reused = held_blocks[:n]
         wb = state.blocks.get(w, {})
-        restore: dict[str, list[int]] = {}
-        for b in reused:
-            st = wb[b]
-            if "device" in st.tiers and st.device_verified:
-                continue
-            src = next((t for t in RESTORE_SOURCES if t in st.tiers), None)
-            if src is None:               # an unverified device copy and nothing else: unusable
-                reused = reused[:reused.index(b)]
-                break
-            restore.setdefault(src, []).append(b)
-        restore = {t: [b for b in bl if b in reused] for t, bl in restore.items()}
-        restore = {t: bl for t, bl in restore.items() if bl}
+        reused, restore = _restore_plan(wb, held_blocks[:n])
+        decision = self._priced(ws, restore, len(reused), ask.prompt_tokens) if restore else None
+        if decision is not None and decision.choice == "recompute":
+            reused, restore = [], {}
         n = len(reused)
-
-        decision = None
-        if restore:
-            bytes_by_tier = {t: len(bl) * ws.block_bytes for t, bl in restore.items()}
-            decision = self.cost.decide(cached_tokens=n * P, new_tokens=ask.prompt_tokens - n * P,
-                                        bytes_by_tier=bytes_by_tier)
-            if cfg.restore_policy != "cost":
-                decision = msgspec.structs.replace(decision, choice=cfg.restore_policy,
-                                                   reason=f"restore_policy={cfg.restore_policy}; " + decision.reason)
-            if decision.choice == "recompute":
-                reused, restore, n = [], {}, 0
 
         shared: list[int] = []
         donor = None
-        if n == 0 and cfg.share_prefixes:
-            donor, shared = find_shared_prefix(
+        if n == 0 and cfg.share_prefixes:        # another session's pages: resident, or brought back first
+            donor, found = find_shared_prefix(
                 self.sessions.values(), state, w, exclude=ask.session, prompt_keys=ask.prompt_keys,
                 prompt_tokens=ask.prompt_tokens, page_tokens=P, moving=busy_blocks(state).get(w, set()))
+            shared, restore = _restore_plan(wb, found)
+            if restore:
+                decision = self._priced(ws, restore, len(shared), ask.prompt_tokens)
+                if decision.choice == "recompute":
+                    shared, restore = [], {}
+            donor = donor if shared else None
         copied = bool(shared) and ask.session is not None
 
         drop: dict[str, list[int]] = {}
@@ -268,11 +270,23 @@ class Scheduler:
             restored_tokens=num_restore * P, new_blocks=new_blocks, shared=shared, shared_from=donor, copied=copied,
         )
 
+    def _priced(self, ws, restore: dict[str, list[int]], cached_pages: int, prompt_tokens: int) -> PrefixDecision:
+        """Restore ``restore`` (tier -> pages) or recompute those ``cached_pages``: the cost model's
+        choice, or the configured policy's."""
+        P = self.cfg.page_tokens
+        decision = self.cost.decide(cached_tokens=cached_pages * P, new_tokens=prompt_tokens - cached_pages * P,
+                                    bytes_by_tier={t: len(bl) * ws.block_bytes for t, bl in restore.items()})
+        if self.cfg.restore_policy != "cost":
+            decision = msgspec.structs.replace(decision, choice=self.cfg.restore_policy,
+                                               reason=f"restore_policy={self.cfg.restore_policy}; " + decision.reason)
+        return decision
+
     # ------------------------------------------------------------------ lifecycle
     def start(self, admit: Admit, now_ns: int) -> None:
         self.running[admit.request_id] = Running(
             request_id=admit.request_id, session=admit.session, worker=admit.worker,
             reused=list(admit.reused), new_blocks=list(admit.new_blocks), shared=list(admit.shared),
+            copied=admit.copied,
         )
         if admit.session is not None:
             entry = self.sessions.get(admit.session)
@@ -317,15 +331,16 @@ class Scheduler:
 
     def recompute_instead(self, state: State, request_id: str) -> Admit:
         """A restore that failed (refused, rejected, checksum): compute the whole prompt instead.
-        The prefix pages are given up (``drop``), fresh pages take their place."""
+        The session's own prefix pages are given up (``drop``; a shared prefix stays its donor's),
+        fresh pages take their place."""
         r = self.running[request_id]
         wb = state.blocks.get(r.worker, {})
         drop: dict[str, list[int]] = {}
         for b in r.reused:
             for t in (wb[b].tiers if b in wb else ()):
                 drop.setdefault(t, []).append(b)
-        fresh = self.allocate_ids(state, r.worker, len(r.reused))
-        r.reused, r.new_blocks = [], fresh + r.new_blocks
+        fresh = self.allocate_ids(state, r.worker, len(r.reused) + (0 if r.copied else len(r.shared)))
+        r.reused, r.shared, r.new_blocks = [], [], fresh + r.new_blocks
         if r.session is not None:
             entry = self.sessions[r.session]
             entry.blocks, entry.keys, entry.num_tokens = [], [], 0

@@ -280,8 +280,9 @@ class ServingService(SessionOps):
         if plan.restore:
             p.phase = "restoring"
             blocks = [b for bl in plan.restore.values() for b in bl]
+            owner = plan.shared_from if plan.shared else p.req.session     # a shared prefix stays its donor's
             self._ask(AskMove(ask_id=self._ask_id("restore"), kind="restore", worker=p.worker, blocks=blocks,
-                              session=p.req.session), "serving", lambda ans: self._restored(p, ans))
+                              session=owner), "serving", lambda ans: self._restored(p, ans))
         else:
             self._run(p)
 

@@ -9,10 +9,12 @@ session already computed needs none of those pages prefilled.
     new request's prompt:         [k0][k1][k2][b3][..]
                                    └ shared ─┘ └ computed ┘
 
-Only pages that are on the device, verified and in no move are offered, and only while the
-donor lists them: a request outside a session reads them in place (held for its run, never
-owned); a session's turn copies them into its own pages (``Generate.copy_from``), so no session
-ever lists a page another owns. What the request read or copied is in its ``RequestAdmitted``.
+Pages in no move are offered while the donor lists them: on the device and verified, or with a
+host or disk copy that the scheduler prices like a session's own parked prefix (restored to the
+device, still the donor's, or recomputed). A request outside a session reads them in place (held
+for its run, never owned); a session's turn copies them into its own pages
+(``Generate.copy_from``), so no session ever lists a page another owns. What the request read or
+copied is in its ``RequestAdmitted``.
 """
 from __future__ import annotations
 
@@ -26,23 +28,29 @@ from control.state import State
 def find_shared_prefix(sessions: Iterable[SessionEntry], state: State, worker: int, *, exclude: str | None,
                        prompt_keys: list[str], prompt_tokens: int, page_tokens: int,
                        moving: set[int]) -> tuple[str | None, list[int]]:
-    """(donor session, its pages holding the prompt's longest shareable prefix), or (None, [])."""
+    """(donor session, its pages holding the prompt's longest shareable prefix), or (None, []):
+    the longest, then the one with the fewest pages off the device."""
     if not prompt_keys:
         return None, []
     first = prompt_keys[0]
     wb = state.blocks.get(worker, {})
     best: tuple[str | None, list[int]] = (None, [])
+    best_score = (0, 0)
     for e in sessions:
         if e.worker != worker or e.session == exclude or not e.keys or e.keys[0] != first:
             continue
         n = min(num_matching_pages(e.keys, prompt_keys, prompt_tokens, page_tokens), len(e.blocks))
-        usable = 0
+        usable = off = 0
         while usable < n:
             b = e.blocks[usable]
             st = wb.get(b)
-            if st is None or "device" not in st.tiers or not st.device_verified or b in moving:
+            if st is None or b in moving:
                 break
+            if not ("device" in st.tiers and st.device_verified):
+                if "host" not in st.tiers and "disk" not in st.tiers:
+                    break
+                off += 1
             usable += 1
-        if usable > len(best[1]):
-            best = (e.session, e.blocks[:usable])
+        if (usable, -off) > best_score:
+            best, best_score = (e.session, e.blocks[:usable]), (usable, -off)
     return best

@@ -301,19 +301,43 @@ def test_a_request_outside_a_session_reads_the_shared_pages_in_place():
     assert s.device_room(led.state, 0) == (limit, free - 3), "shared pages take no new room"
 
 
-def test_only_pages_on_the_device_verified_and_in_no_move_are_shared():
-    led, s = Ledger(), sched()
+def test_pages_in_a_move_are_not_shared_and_parked_ones_are_restored_first_or_recomputed():
+    led = Ledger()
+    s = sched(host_to_device_bytes_per_s=1e9, prefill_tokens_per_s=100, fixed_restore_s=0.001)
     a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     b_ask = ask("b1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4)
     mid = led.move("spill", "device", "host", a.blocks[1:2], ack=False)
     assert s.plan(led.state, b_ask).shared == a.blocks[:1], "a page in a move is not offered"
     led.add(ev.MoveAcked(move_id=mid, worker=0, bytes_moved=BB, bytes_freed_src=0, checksum_ok=True,
                          started_ns=0, finished_ns=1))
+    assert s.plan(led.state, b_ask).restore == {"host": a.blocks[1:2]}, "moved off the device: restored first"
     led.move("park", "device", "host", a.blocks[:1])
-    assert s.plan(led.state, b_ask).shared == [], "the first page is parked: nothing to share"
+    parked = s.plan(led.state, b_ask)
+    assert parked.shared == a.blocks[:2] and parked.shared_from == "a" and parked.restore == {"host": a.blocks[:2]}
+    assert parked.decision.choice == "restore" and parked.restored_tokens == 2 * P == parked.num_cached_tokens
+    never = Scheduler(SchedulerConfig(page_tokens=P, max_context=64, restore_policy="recompute"))
+    never.sessions = s.sessions
+    r = never.plan(led.state, b_ask)
+    assert r.shared == [] and r.restore == {} and r.decision.choice == "recompute"
     off = Scheduler(SchedulerConfig(page_tokens=P, max_context=64, share_prefixes=False))
-    c = run_turn(off, Ledger(), ask("c1", session="c", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), 1)
-    assert c.shared == [] and off.plan(Ledger().state, b_ask).shared == []
+    off.sessions = s.sessions
+    assert off.plan(led.state, b_ask).shared == []
+
+
+def test_a_failed_restore_of_a_shared_prefix_recomputes_and_leaves_the_donor_its_pages():
+    led, s = Ledger(), sched(restore_policy="restore")
+    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    led.move("park", "device", "host", a.blocks[:3])
+    for session, copied in ((None, False), ("b", True)):
+        r = s.plan(led.state, ask(f"r-{copied}", session=session, prompt=14, prompt_keys=["k0", "k1", "x2"],
+                                  max_tokens=4))
+        assert r.copied is copied and r.shared == a.blocks[:2] and r.restore == {"host": a.blocks[:2]}
+        s.start(r, 3)
+        again = s.recompute_instead(led.state, r.request_id)
+        assert again.drop == {} and again.num_cached_tokens == 0 and again.shared == []
+        assert len(again.blocks) == len(r.blocks) and not set(again.blocks) & set(a.blocks)
+        assert not set(a.blocks) & s.busy_blocks().get(0, set())
+        s.finish(r.request_id, "stop", 17, 4)
 
 
 def test_the_donor_waits_to_drop_pages_a_running_request_reads():

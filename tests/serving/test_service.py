@@ -458,3 +458,23 @@ def test_a_donor_read_by_a_running_request_is_not_deleted_or_parked_under_it(sta
     t.join()
     assert r.status_code == 503 and r.json()["error"]["code"] == "release_failed", r.text
     assert s.client.delete("/admin/sessions/a").json()["bytes_freed"] > 0
+
+
+def test_a_parked_donor_prefix_is_restored_for_it_and_shared(stack):
+    s = stack(device_blocks=160, restore_policy="restore")
+    s.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
+    assert s.client.post("/admin/sessions/a/park", json={"tier": "disk"}).status_code == 200
+    ask_b = [SYSTEM, {"role": "user", "content": "second question"}]
+    b = s.chat(ask_b, session="b", max_tokens=8).json()
+    u = b["usage"]
+    opening = len("<system>" + SYSTEM["content"] + "<user>") // P * P
+    assert u["shared_tokens"] == u["restored_tokens"] == opening and u["computed_tokens"] == u["prompt_tokens"] - opening
+    off = stack(share_prefixes=False, device_blocks=160)
+    off.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
+    assert off.chat(ask_b, session="b", max_tokens=8).json()["choices"] == b["choices"]
+    assert s.session("a")["tier"] == "disk", "a's pages past the shared prefix stay where they were"
+    s.close()
+    events, _ = s.ledger()
+    restores = [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "restore"]
+    assert [(e.session, len(e.blocks)) for e in restores] == [("a", opening // P)]
+    assert [e.session for e in events if type(e).__name__ == "SessionRestored"] == ["a"]
