@@ -6,9 +6,10 @@ and ``--no-share-prefixes``, against a real ``residency serve`` (SmolLM2, one CP
     python bench/serve_share.py --quick
 
 Per server: a warm-up, one donor session's first turn (the system prompt + a question), then,
-alternating, ``--reps`` new sessions and ``--reps`` requests outside a session, each with the same
-system prompt and a question of its own, streamed (TTFT from the request to the first content
-token). Servers run in the order on, off, on, off (``--rounds``), so drift shows. Reported per
+in turn, ``--reps`` each of: a new session; a request outside a session; a new session after
+every session's pages were parked to host RAM (so the prefix is restored first, as the cost model
+chooses); each with the same system prompt and a question of its own, streamed (TTFT from the
+request to the first content token). Servers run in the order on, off, on, off (``--rounds``), so drift shows. Reported per
 mode: TTFT p50/min/max, and the usage's ``shared_tokens``/``computed_tokens``; with sharing, the
 new session's pages are copies of the donor's (the ledger's RequestAdmitted says so), outside a
 session they are read in place. Greedy; the answers of both modes are compared token by token.
@@ -26,7 +27,10 @@ import time
 from datetime import date
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve import FILLER, MODEL, ROOT, Serve  # noqa: E402
+import httpx  # noqa: E402
+from serve import FILLER, KEY, MODEL, ROOT, Serve  # noqa: E402
+
+KINDS = ("session", "none", "parked")      # a new session; no session; a new session, every other one parked
 
 QUESTIONS = ["What does Residency record?", "Who reads the ledger?", "Where do parked pages go?",
              "What is a spill?", "What is a restore?", "Why replay a ledger?", "What is a tier?",
@@ -48,21 +52,31 @@ def stream(s: Serve, messages, max_tokens: int, session: str | None = None) -> d
     return {"ttft_s": ttft, "text": "".join(text), "usage": usage}
 
 
+def park_all(s: Serve) -> None:
+    listed = httpx.get(f"{s.url}/admin/sessions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    for info in listed["data"]:
+        if info["tier"] == "device":
+            s.admin(f"/admin/sessions/{info['session_id']}/park", json={"tier": "host"})
+
+
 def one_server(tmp: str, share: bool, words: int, reps: int, max_tokens: int) -> dict:
     s = Serve(tmp, "--share-prefixes" if share else "--no-share-prefixes")
     system = {"role": "system", "content": "You answer in one sentence. Context: " + FILLER * (words // 28)}
-    rows: dict[str, list] = {"session": [], "none": []}
+    rows: dict[str, list] = {k: [] for k in KINDS}
     try:
         stream(s, [{"role": "user", "content": "Hello"}], 4)                        # warm up
         stream(s, [system, {"role": "user", "content": "Hello?"}], 4, session="donor")
         for i in range(reps):
-            for kind in ("session", "none"):
-                q = QUESTIONS[(2 * i + (kind == "none")) % len(QUESTIONS)]
+            for j, kind in enumerate(KINDS):
+                q = QUESTIONS[(len(KINDS) * i + j) % len(QUESTIONS)]
+                if kind == "parked":                 # every session's pages to host RAM first
+                    park_all(s)
                 r = stream(s, [system, {"role": "user", "content": q}], max_tokens,
-                           session=f"new-{i}" if kind == "session" else None)
+                           session=None if kind == "none" else f"{kind}-{i}")
                 u = r["usage"]
                 rows[kind].append({"question": q, "ttft_s": r["ttft_s"], "prompt_tokens": u.prompt_tokens,
                                    "shared_tokens": u.model_extra["shared_tokens"],
+                                   "restored_tokens": u.model_extra["restored_tokens"],
                                    "computed_tokens": u.model_extra["computed_tokens"],
                                    "completion_tokens": u.completion_tokens, "text": r["text"]})
     finally:
@@ -76,6 +90,7 @@ def summarize(runs: list[dict], share: bool, kind: str) -> dict:
     return {"n": len(rows), "ttft_p50_s": statistics.median(t), "ttft_min_s": min(t), "ttft_max_s": max(t),
             "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
             "shared_tokens_p50": statistics.median(r["shared_tokens"] for r in rows),
+            "restored_tokens_p50": statistics.median(r["restored_tokens"] for r in rows),
             "computed_tokens_p50": statistics.median(r["computed_tokens"] for r in rows)}
 
 
@@ -100,8 +115,8 @@ def main() -> None:
                 runs.append(one_server(tmp, share, words, reps, max_tokens))
     out["runs"] = runs
     out["summary"] = {f"{'shared' if share else 'not_shared'}_{kind}": summarize(runs, share, kind)
-                      for share in (True, False) for kind in ("session", "none")}
-    for kind in ("session", "none"):
+                      for share in (True, False) for kind in KINDS}
+    for kind in KINDS:
         on, off = out["summary"][f"shared_{kind}"], out["summary"][f"not_shared_{kind}"]
         out["summary"][f"ttft_speedup_{kind}"] = off["ttft_p50_s"] / on["ttft_p50_s"]
     answers: dict[tuple, set] = {}
@@ -114,16 +129,17 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2, default=str)
-    print("| new conversation | sharing | prompt tokens | shared | computed | TTFT p50 (min-max) |")
-    print("|---|---|---|---|---|---|")
-    for kind in ("session", "none"):
+    print("| new conversation | sharing | prompt tokens | shared | of them restored | computed | TTFT p50 (min-max) |")
+    print("|---|---|---|---|---|---|---|")
+    label = {"session": "new session", "none": "no session", "parked": "new session, the others parked to host"}
+    for kind in KINDS:
         for share in (True, False):
             r = out["summary"][f"{'shared' if share else 'not_shared'}_{kind}"]
-            print(f"| {'new session' if kind == 'session' else 'no session'} | {'on' if share else 'off'} | "
-                  f"{r['prompt_tokens']:.0f} | {r['shared_tokens_p50']:.0f} | {r['computed_tokens_p50']:.0f} | "
+            print(f"| {label[kind]} | {'on' if share else 'off'} | "
+                  f"{r['prompt_tokens']:.0f} | {r['shared_tokens_p50']:.0f} | {r['restored_tokens_p50']:.0f} | "
+                  f"{r['computed_tokens_p50']:.0f} | "
                   f"{1e3 * r['ttft_p50_s']:.0f} ms ({1e3 * r['ttft_min_s']:.0f}-{1e3 * r['ttft_max_s']:.0f}) |")
-    print(f"TTFT speedup: new session {out['summary']['ttft_speedup_session']:.2f}x, "
-          f"no session {out['summary']['ttft_speedup_none']:.2f}x")
+    print("TTFT speedup: " + ", ".join(f"{label[k]} {out['summary'][f'ttft_speedup_{k}']:.2f}x" for k in KINDS))
     print(f"answers identical with and without sharing: {out['summary']['answers_identical_with_and_without_sharing']}")
     print(f"wrote {args.out}")
 
