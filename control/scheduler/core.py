@@ -3,7 +3,8 @@
 It reads the folded ``State`` (where every page is, what is in flight, the device's limit) and
 its own soft tables (session page order and keys, running requests), and returns values:
 
-    plan(state, ask)  ─► Admit   pages for the sequence, what to free first, what to restore
+    plan(state, ask)  ─► Admit   pages for the sequence, what to free first, what to restore,
+                                 or another session's pages to share (``sharing.py``)
                       ─► Wait    not enough room now (which idle sessions to park to make it), or
                                  the worker already runs as many sequences as it batches
                       ─► Refuse  can never fit, or the session is busy (with the numbers)

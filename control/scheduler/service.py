@@ -8,10 +8,10 @@ A request, as the ledger sees it:
 
     Tokenize ─► Tokenized ─► plan ─► Refuse: RequestRefused                      (HTTP 400/409/503)
                                  ─► Wait:   parks of idle sessions, retried when room appears
-                                 ─► Admit:  RequestAdmitted
+                                 ─► Admit:  RequestAdmitted (with the donor of a shared prefix, if any)
                                             [release superseded pages]  MoveRequested(evict, T→T) …
                                             [restore the prefix]        MoveRequested(restore) … MoveAcked,
-                                                                        SessionRestored
+                                                                        SessionRestored (the donor's, if shared)
                                             Generate ─► TokensGenerated …  BlocksCommitted (as pages fill)
                                             last TokensGenerated ─►       BlocksFreed(finished|disconnected|error)
                                                                           RequestFinished
