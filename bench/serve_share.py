@@ -9,10 +9,11 @@ Per server: a warm-up, one donor session's first turn (the system prompt + a que
 in turn, ``--reps`` each of: a new session; a request outside a session; a new session after
 every session's pages were parked to host RAM (so the prefix is restored first, as the cost model
 chooses); each with the same system prompt and a question of its own, streamed (TTFT from the
-request to the first content token). Servers run in the order on, off, on, off (``--rounds``), so drift shows. Reported per
-mode: TTFT p50/min/max, and the usage's ``shared_tokens``/``computed_tokens``; with sharing, the
-new session's pages are copies of the donor's (the ledger's RequestAdmitted says so), outside a
-session they are read in place. Greedy; the answers of both modes are compared token by token.
+request to the first content token). Servers run in the order on, off, on, off (``--rounds``),
+so drift shows. Reported per case and mode: TTFT p50/min/max, and the usage's shared, restored and
+computed tokens; with sharing, a new session's pages are copies of the donor's (the ledger's
+RequestAdmitted says so), outside a session they are read in place. Greedy; the answers of both
+modes are compared token by token.
 """
 from __future__ import annotations
 

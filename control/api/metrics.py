@@ -49,7 +49,9 @@ class _BackendCollector:
         for t, v in sorted(s.sessions_by_tier.items()):
             sess.add_metric([t], v)
         yield sess
-        dec = CounterMetricFamily("residency_prefix_decisions", "Parked prefixes restored or recomputed", labels=["decision"])
+        dec = CounterMetricFamily("residency_prefix_decisions",
+                                  "Parked prefixes restored or recomputed; prefixes shared from another session",
+                                  labels=["decision"])
         for d, v in sorted(s.restore_decisions.items()):
             dec.add_metric([d], v)
         yield dec

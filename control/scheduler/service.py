@@ -48,9 +48,9 @@ FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
 
 
 class ServingService(SessionOps):
-    def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, cost: CostModel | None = None,
-                 wait_timeout_s: float = 120.0, max_waiting: int = 256, tick_s: float = 0.25,
-                 api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
+    def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True,
+                 cost: CostModel | None = None, wait_timeout_s: float = 120.0, max_waiting: int = 256,
+                 tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
         self.proc = proc
         self.restore_policy = restore_policy
         self.share_prefixes = share_prefixes

@@ -468,7 +468,8 @@ def test_a_parked_donor_prefix_is_restored_for_it_and_shared(stack):
     b = s.chat(ask_b, session="b", max_tokens=8).json()
     u = b["usage"]
     opening = len("<system>" + SYSTEM["content"] + "<user>") // P * P
-    assert u["shared_tokens"] == u["restored_tokens"] == opening and u["computed_tokens"] == u["prompt_tokens"] - opening
+    assert u["shared_tokens"] == u["restored_tokens"] == opening
+    assert u["computed_tokens"] == u["prompt_tokens"] - opening
     off = stack(share_prefixes=False, device_blocks=160)
     off.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
     assert off.chat(ask_b, session="b", max_tokens=8).json()["choices"] == b["choices"]
