@@ -55,8 +55,8 @@ def stream(s: Serve, messages, max_tokens: int, session: str | None = None) -> d
 
 def park_all(s: Serve) -> None:
     listed = httpx.get(f"{s.url}/admin/sessions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
-    for info in listed["data"]:
-        if info["tier"] == "device":
+    for info in listed["data"]:       # tier is the slowest of a session's pages: some may be on the device
+        if info["num_blocks"]:
             s.admin(f"/admin/sessions/{info['session_id']}/park", json={"tier": "host"})
 
 
