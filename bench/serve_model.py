@@ -385,6 +385,10 @@ def table(res: dict) -> str:
                      f"(same greedy token: {t['same_greedy_token']})"
                      + (f"; layer-pipelined restore {t['ttft_pipelined_ms']:.1f} ms, x{t['speedup_pipelined']:.1f}"
                         if "ttft_pipelined_ms" in t else ""))
+        lines.append(f"TTFT {t['history_tokens']}+{t['new_tokens']}, the history another session's prefix: read in place "
+                     f"{t['ttft_shared_in_place_ms']:.1f} ms, x{t['speedup_shared_in_place']:.1f}; copied on the device "
+                     f"{t['ttft_shared_copied_ms']:.1f} ms (copy {t['shared_copy_ms']:.2f} ms), "
+                     f"x{t['speedup_shared_copied']:.1f}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
 """Time to first token of a chat's next turn when its history's KV was parked in pinned host
 memory: restore it (one contiguous copy on a side stream, layer by layer) and prefill only the
-new turn, against recomputing the whole history (bench/serve_model.py runs it)."""
+new turn, against recomputing the whole history (bench/serve_model.py runs it). Beside it, a
+new session whose prompt opens with that history as another session's resident prefix: the
+pages read in place (outside a session) or copied on the device into its own (a session's turn)."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +18,7 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
     timer = Timer(device)
     hist_blocks = history // PAGE
     total_blocks = -(-(history + new) // PAGE)
-    pool = r.allocate_kv_pool(total_blocks + 1, PAGE)
+    pool = r.allocate_kv_pool(2 * total_blocks + 1, PAGE)   # the second half: a new session's own pages
     table = list(range(total_blocks))                    # history pages contiguous: one DMA
     hist_ids = torch.randint(0, model.config.vocab_size, (history,), generator=gen).tolist()
     new_ids = torch.randint(0, model.config.vocab_size, (new,), generator=gen).tolist()
@@ -76,6 +78,18 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
         pool[:hist_blocks].fill_(float("nan"))
         t_pipe = timer(pipelined_restore_and_prefill, repeat=5, warmup=1)
     restore_and_prefill()
+    # a new session sharing the history as another session's prefix: copy its pages on the device
+    # into its own (one run: Generate.copy_from's path), then prefill the new turn over them
+    own = list(range(total_blocks, 2 * total_blocks))
+    dst = pool[total_blocks:total_blocks + hist_blocks]
+
+    def copy_and_prefill():
+        dst.copy_(pool[:hist_blocks])
+        out["copied"] = r.forward([SeqInput(new_ids, history, own)], pool)[0]
+
+    t_devcopy = timer(lambda: dst.copy_(pool[:hist_blocks]), repeat=5, warmup=1)
+    dst.fill_(float("nan"))
+    t_shared_copy = timer(copy_and_prefill, repeat=5, warmup=1)
     res = {
         "history_tokens": history, "new_tokens": new,
         "history_kv_bytes": host.numel() * host.element_size(),
@@ -88,6 +102,11 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
         "ttft_recompute_ms": t_recompute * 1e3, "speedup": t_recompute / t_restore,
         "same_greedy_token": int(out["restored"].argmax()) == int(out["recomputed"].argmax()),
         "rel_err_restored_vs_recomputed": rel(out["restored"], out["recomputed"]),
+        "ttft_shared_in_place_ms": t_turn * 1e3, "speedup_shared_in_place": t_recompute / t_turn,
+        "ttft_shared_copied_ms": t_shared_copy * 1e3, "speedup_shared_copied": t_recompute / t_shared_copy,
+        "shared_copy_ms": t_devcopy * 1e3,
+        "shared_copy_gbs": 2 * host.numel() * host.element_size() / t_devcopy / 1e9,     # read + write
+        "copied_equals_restored_bitwise": bool(torch.equal(out["copied"], out["restored"])),
     }
     if t_pipe is not None:
         res.update(ttft_pipelined_ms=t_pipe * 1e3, speedup_pipelined=t_recompute / t_pipe,
@@ -97,6 +116,10 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
         f"{res['new_turn_prefill_sdpa_ms']:.1f} ms through SDPA) vs recompute "
         f"{res['ttft_recompute_ms']:.1f} ms: x{res['speedup']:.1f}"
         + (f"; layer-pipelined {t_pipe * 1e3:.1f} ms: x{res['speedup_pipelined']:.1f}" if t_pipe else ""))
+    log(f"  TTFT {history}+{new}, the history another session's prefix: read in place {t_turn * 1e3:.1f} ms "
+        f"(x{res['speedup_shared_in_place']:.1f}), copied on the device {t_shared_copy * 1e3:.1f} ms "
+        f"(copy {t_devcopy * 1e3:.2f} ms, {res['shared_copy_gbs']:.0f} GB/s read+write; "
+        f"x{res['speedup_shared_copied']:.1f}); copied == restored bitwise: {res['copied_equals_restored_bitwise']}")
     del pool
     return res
 
