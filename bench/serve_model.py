@@ -17,8 +17,10 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
+from datetime import date
 
 import numpy as np
 import torch
@@ -31,7 +33,9 @@ from dataplane.model.hf_reference import build_hf_llama  # noqa: E402
 from serve_common import PAGE, Timer, d2d_bandwidth, log, rel, slot_tables  # noqa: E402,F401
 from serve_ttft import bench_ttft  # noqa: E402
 
-DATE = "2026-12-02"
+DATE = date.today().isoformat()
+GIT_COMMIT = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip() or None
 
 
 
@@ -224,7 +228,8 @@ def stage(res: dict, key: str, save, fn):
 def run_gpu(args, save) -> dict:
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
-    res: dict = {"date": DATE, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
+    res: dict = {"date": DATE, "git_commit": GIT_COMMIT,
+                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
                  "torch": torch.__version__, "dtype": str(dtype)[6:]}
     try:
         import triton
@@ -288,7 +293,7 @@ def run_gpu(args, save) -> dict:
 
 
 def run_cpu(args) -> dict:
-    res: dict = {"date": DATE, "device": "cpu", "cpu": platform.processor() or platform.machine(),
+    res: dict = {"date": DATE, "git_commit": GIT_COMMIT, "device": "cpu", "cpu": platform.processor() or platform.machine(),
                  "cores": os.cpu_count(), "torch": torch.__version__, "dtype": "float32",
                  "load_average_at_start": os.getloadavg()}
     m = load_model(None)
