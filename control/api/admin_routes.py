@@ -40,7 +40,7 @@ def _authorize(request: Request) -> None:
 
 
 def _check_session_id(session: str) -> None:
-    if not SESSION_ID_RE.match(session):
+    if not SESSION_ID_RE.match(session.removeprefix("~")):     # "~...": a retained prefix's session
         raise ApiError(404, f"no session named {session!r}", param="session_id", code="session_not_found")
 
 

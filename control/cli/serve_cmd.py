@@ -36,6 +36,13 @@ from control.cli.main import UserError
 log = structlog.get_logger("control.serve")
 
 
+
+def _fraction(v: str) -> float:
+    f = float(v)
+    if not 0.0 <= f <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} is not a fraction in [0, 1]")
+    return f
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the control process and its workers (Ctrl-C stops everything cleanly)")
     add_db_arg(p)
@@ -95,6 +102,10 @@ def _serving_args(p) -> None:
     g.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True,
                    help="a prompt may start from another session's pages on the device: read in place outside a "
                         "session, copied into a session's own pages (default: on)")
+    g.add_argument("--retain-prefixes", type=_fraction, default=0.25, metavar="FRACTION",
+                   help="keep the pages of a request outside a session whose prompt nobody holds yet, as a "
+                        "session named ~<request id>, for later prompts that open the same way; at most this "
+                        "fraction of the host tier, least recently used evicted first (default 0.25; 0: off)")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion budget of a chat request that names no max_tokens (reserved up front)")
     g.add_argument("--admin-key", default=os.environ.get("RESIDENCY_ADMIN_KEY"),
@@ -250,7 +261,7 @@ def _api_app(proc, args):
     from control.scheduler.service import ServingService  # noqa: PLC0415
 
     service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
-                             share_prefixes=args.share_prefixes)
+                             share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes)
     return create_app(service, ApiConfig(admin_key=args.admin_key or None))
 
 

@@ -32,6 +32,7 @@ class Pending:
         self.wait_since_ns = 0
         self.wait_code, self.wait_reason = "insufficient_kv_capacity", ""     # the scheduler's last Wait
         self.parks_asked: set[str] = set()
+        self.session = req.session      # the session it runs as: the client's, or a retained prefix's
 
     @property
     def request_id(self) -> str:

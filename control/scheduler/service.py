@@ -35,7 +35,9 @@ from control.scheduler.config import SchedulerConfig
 from control.scheduler.core import Admit, GenerateAsk, Refuse, Scheduler, Wait
 from control.scheduler.cost import CostModel
 from control.scheduler.service_sessions import SessionOps
+from control.scheduler.retain import is_retained, retained_session_for
 from control.scheduler.service_stats import collect_stats
+from control.policy.asks import busy_blocks
 from events import catalog as ev
 from events.commands import (
     AskAnswered, AskMove, CancelGenerate, Generate, ServingReady, Tokenize, Tokenized,
@@ -48,12 +50,14 @@ FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
 
 
 class ServingService(SessionOps):
-    def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True,
+    def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, retain_fraction: float = 0.0,
                  cost: CostModel | None = None, wait_timeout_s: float = 120.0, max_waiting: int = 256,
                  tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
         self.proc = proc
         self.restore_policy = restore_policy
         self.share_prefixes = share_prefixes
+        self.retain_fraction = retain_fraction       # of the host tier: prefixes kept for requests outside a session
+        self._evicting: set[str] = set()
         self.cost = cost or CostModel()
         self.wait_timeout_ns = int(wait_timeout_s * 1e9)
         self.max_waiting = max_waiting
@@ -243,7 +247,12 @@ class ServingService(SessionOps):
 
     def _admit(self, p: Pending) -> None:
         now = time.time_ns()
-        ask = GenerateAsk(request_id=p.request_id, session=p.req.session, worker=p.worker,
+        if p.req.session is None and self.retain_fraction > 0:
+            p.session = retained_session_for(
+                self.sched.sessions.values(), self.proc.state, p.worker, request_id=p.request_id,
+                prompt_keys=p.keys, prompt_tokens=len(p.token_ids), page_tokens=self.sched.cfg.page_tokens,
+                moving=busy_blocks(self.proc.state).get(p.worker, set()))
+        ask = GenerateAsk(request_id=p.request_id, session=p.session, worker=p.worker,
                           prompt_tokens=len(p.token_ids), prompt_keys=p.keys, max_tokens=p.max_tokens)
         plan = self.sched.plan(self.proc.state, ask)
         if isinstance(plan, Refuse):
@@ -266,7 +275,7 @@ class ServingService(SessionOps):
             return
         if p in self.waiting:
             self.waiting.remove(p)
-        self._record(ev.RequestAdmitted(request_id=p.request_id, session=p.req.session,
+        self._record(ev.RequestAdmitted(request_id=p.request_id, session=p.session,
                                         prompt_tokens=len(p.token_ids),
                                         shared_tokens=len(plan.shared) * self.sched.cfg.page_tokens,
                                         shared_from=plan.shared_from, shared_blocks=list(plan.shared),
@@ -274,13 +283,13 @@ class ServingService(SessionOps):
         self.sched.start(plan, now)
         p.admit = plan
         if plan.decision is not None:
-            log.info("prefix_decision", request_id=p.request_id, session=p.req.session, choice=plan.decision.choice,
+            log.info("prefix_decision", request_id=p.request_id, session=p.session, choice=plan.decision.choice,
                      reason=plan.decision.reason)
-        self._release(p.worker, plan.drop, "superseded", p.req.session)
+        self._release(p.worker, plan.drop, "superseded", p.session)
         if plan.restore:
             p.phase = "restoring"
             blocks = [b for bl in plan.restore.values() for b in bl]
-            owner = plan.shared_from if plan.shared else p.req.session     # a shared prefix stays its donor's
+            owner = plan.shared_from if plan.shared else p.session     # a shared prefix stays its donor's
             self._ask(AskMove(ask_id=self._ask_id("restore"), kind="restore", worker=p.worker, blocks=blocks,
                               session=owner), "serving", lambda ans: self._restored(p, ans))
         else:
@@ -304,10 +313,10 @@ class ServingService(SessionOps):
             return
         if not ok:
             why = ans.error or ", ".join(type(e).__name__ for e in ans.events) or "no answer"
-            log.warning("restore_failed_recomputing", request_id=p.request_id, session=p.req.session, why=why,
+            log.warning("restore_failed_recomputing", request_id=p.request_id, session=p.session, why=why,
                         detail=ans.detail)
             admit = self.sched.recompute_instead(self.proc.state, p.request_id)
-            self._release(p.worker, admit.drop, "restore_failed", p.req.session)
+            self._release(p.worker, admit.drop, "restore_failed", p.session)
             p.admit = admit
         self._run(p)
 
@@ -318,9 +327,9 @@ class ServingService(SessionOps):
             return
         p.phase = "running"
         sampling = msgspec.structs.replace(p.req.sampling, max_tokens=p.max_tokens)
-        cmd = Generate(request_id=p.request_id, session=p.req.session, token_ids=p.token_ids, block_ids=a.blocks,
+        cmd = Generate(request_id=p.request_id, session=p.session, token_ids=p.token_ids, block_ids=a.blocks,
                        num_cached_tokens=a.num_cached_tokens, sampling=sampling,
-                       free_on_finish=p.req.session is None, copy_from=list(a.shared) if a.copied else [])
+                       free_on_finish=p.session is None, copy_from=list(a.shared) if a.copied else [])
         if not self.proc.send_to_worker(p.worker, cmd):
             self._end_unstarted(p, reason="error")
             p.reject(BackendError(503, f"worker {p.worker} is unreachable", type="server_error",
@@ -330,7 +339,7 @@ class ServingService(SessionOps):
 
     def _on_tokens(self, link, msg: TokensGenerated) -> None:
         p = self.pending.get(msg.request_id)
-        session = p.req.session if p is not None else None
+        session = p.session if p is not None else None
         bb = self.proc.state.workers[link.worker].block_bytes
         if msg.blocks_written:
             self._record(ev.BlocksCommitted(worker=link.worker, session=session, tier="device",
@@ -363,6 +372,8 @@ class ServingService(SessionOps):
                       shared_tokens=len(a.shared) * self.sched.cfg.page_tokens)
         p.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), finish_reason=reason, usage=usage,
                      error=msg.error, logprobs=list(msg.logprobs)))
+        if is_retained(p.session):
+            self._evict_retained()
         self._post_retry()
 
     def _cancel(self, request_id: str, reason: str) -> None:

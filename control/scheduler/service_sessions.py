@@ -10,6 +10,7 @@ from concurrent.futures import Future
 import structlog
 
 from control.api.backend import BackendError, SessionInfo, UnknownSession
+from control.scheduler.retain import is_retained, retained_bytes
 from control.scheduler.sessions import tier_of
 from events import catalog as ev
 from events.commands import AskAnswered, AskMove, AskReleaseBlocks
@@ -105,7 +106,39 @@ class SessionOps:
                                     f"(a prefix they share); {what} it when they have finished",
                                code="session_in_use", param="session_id")
 
-    def _delete(self, session: str, done) -> None:
+    def _evict_retained(self) -> None:
+        """Past the retention budget (``retain_fraction`` of the host tier), delete retained
+        prefixes by the book, least recently used first; one read by a running request is skipped."""
+        state = self.proc.state
+        cap = int(self.retain_fraction * sum(ws.tiers["host"].capacity_bytes for ws in state.workers.values()
+                                             if ws.alive and "host" in ws.tiers))
+        kept = sorted((e for e in self.sched.sessions.values() if is_retained(e.session)),
+                      key=lambda e: e.last_used_ns)
+        held = {e.session: retained_bytes(e, state, state.workers[e.worker].block_bytes) for e in kept
+                if e.worker in state.workers}
+        total = sum(b for name, b in held.items() if name not in self._evicting)
+        for e in kept:
+            if total <= cap:
+                break
+            if e.busy is not None or e.session in self._evicting or e.session not in held:
+                continue
+            try:
+                self._delete(e.session, lambda res, name=e.session: self._retained_evicted(name, res),
+                             why=f"retained prefix {e.session} evicted: {total} bytes retained, budget {cap}")
+            except BackendError as err:
+                log.info("retained_prefix_kept", session=e.session, why=str(err))
+                continue
+            self._evicting.add(e.session)
+            total -= held[e.session]
+
+    def _retained_evicted(self, session: str, result) -> None:
+        self._evicting.discard(session)
+        if isinstance(result, BackendError):
+            log.warning("retained_prefix_eviction_failed", session=session, error=str(result))
+        else:
+            log.info("retained_prefix_evicted", session=session, bytes_freed=result[1])
+
+    def _delete(self, session: str, done, why: str | None = None) -> None:
         """Free every copy of a session's pages, tier by tier, by the book (each a release the
         ledger records), then forget the session. Its next turn starts from nothing."""
         info = self._info_or_404(session)
@@ -136,7 +169,7 @@ class SessionOps:
             if left:
                 t = left.pop()
                 self._ask(AskReleaseBlocks(ask_id=self._ask_id("delete"), worker=w, tier=t, blocks=by_tier[t],
-                                           reason=f"session {session} deleted"), "operator", step)
+                                           reason=why or f"session {session} deleted"), "operator", step)
                 return
             if self.sched is not None:
                 self.sched.sessions.pop(session, None)

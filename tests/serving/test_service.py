@@ -62,7 +62,7 @@ class ByteTokenizer:
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
                  policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
-                 max_seqs: int = 64, share_prefixes: bool = True):
+                 max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -72,7 +72,7 @@ class Stack:
                             moves=MoveConfig(page_tokens=P), shutdown_grace_s=1.0)
         self.proc = ControlProc(self.store, cfg)
         self.service = ServingService(self.proc, restore_policy=restore_policy, wait_timeout_s=10.0,
-                                      share_prefixes=share_prefixes)
+                                      share_prefixes=share_prefixes, retain_fraction=retain_fraction)
         self.app = create_app(self.service, ApiConfig(admin_key=None))
         self.proc.start()
         model = random_model(TINY, seed=0)
@@ -479,3 +479,40 @@ def test_a_parked_donor_prefix_is_restored_for_it_and_shared(stack):
     restores = [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "restore"]
     assert [(e.session, len(e.blocks)) for e in restores] == [("a", opening // P)]
     assert [e.session for e in events if type(e).__name__ == "SessionRestored"] == ["a"]
+
+
+
+def test_a_request_outside_a_session_is_retained_for_the_prompts_that_open_like_it(stack):
+    s = stack(device_blocks=160, retain_fraction=0.5)
+    first = [SYSTEM, {"role": "user", "content": "first question"}]
+    r1 = s.chat(first, max_tokens=6).json()
+    r2 = s.chat([SYSTEM, {"role": "user", "content": "another one"}], max_tokens=6).json()
+    opening = len("<system>" + SYSTEM["content"] + "<user>") // P * P
+    assert r1["usage"]["shared_tokens"] == 0 and r2["usage"]["shared_tokens"] == opening
+    # the first conversation goes on without a session: it continues the retained pages
+    nxt = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                   {"role": "user", "content": "and then?"}]
+    r3 = s.chat(nxt, max_tokens=6).json()
+    assert r3["usage"]["shared_tokens"] == 0
+    assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] > opening
+    listed = s.client.get("/admin/sessions").json()["data"]
+    assert [d["session_id"] for d in listed] == [f"~{r1['id']}"] and listed[0]["tier"] == "device"
+    s.close()
+    events, _ = s.ledger()
+    adm = [(e.session, e.shared_from) for e in events if type(e).__name__ == "RequestAdmitted"]
+    assert adm == [(f"~{r1['id']}", None), (None, f"~{r1['id']}"), (f"~{r1['id']}", None)]
+
+
+def test_retained_prefixes_past_their_budget_are_evicted_by_the_book(stack):
+    s = stack(device_blocks=160, retain_fraction=0.001)      # under one prefix's bytes: each is evicted
+    r = s.chat([SYSTEM, {"role": "user", "content": "a question"}], max_tokens=4).json()
+    deadline = time.monotonic() + 10
+    while s.client.get("/admin/sessions").json()["total"]:
+        assert time.monotonic() < deadline, "the retained prefix was never evicted"
+        time.sleep(0.02)
+    s.close()
+    events, state = s.ledger()
+    asked = [e for e in events if type(e).__name__ == "MoveRequested" and "retained prefix" in e.reason]
+    assert asked and all(e.src == e.dst == "device" for e in asked) and f"~{r['id']}" in asked[0].reason
+    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.reason == "release"]
+    assert sum(e.bytes for e in freed) > 0 and not state.blocks.get(0)
