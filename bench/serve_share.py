@@ -1,6 +1,7 @@
 """What a prefix another session already computed saves: time to first token of new
 conversations that open with the same long system prompt, with ``--share-prefixes`` (the default)
-and ``--no-share-prefixes``, against a real ``residency serve`` (SmolLM2, one CPU worker, SQLite).
+and with ``--no-share-prefixes --retain-prefixes 0``, against a real ``residency serve``
+(SmolLM2, one CPU worker, SQLite).
 
     python bench/serve_share.py              # -> bench/results/serve-share-<date>-cpu.json
     python bench/serve_share.py --quick
@@ -9,7 +10,8 @@ Per server: a warm-up, one donor session's first turn (the system prompt + a que
 in turn, ``--reps`` each of: a new session; a request outside a session; a new session after
 every session's pages were parked to host RAM (so the prefix is restored first, as the cost model
 chooses); each with the same system prompt and a question of its own, streamed (TTFT from the
-request to the first content token). Servers run in the order on, off, on, off (``--rounds``),
+request to the first content token); and a request outside a session whose system prompt only an
+earlier request outside a session computed (kept as a retained prefix). Servers run in the order on, off, on, off (``--rounds``),
 so drift shows. Reported per case and mode: TTFT p50/min/max, and the usage's shared, restored and
 computed tokens; with sharing, a new session's pages are copies of the donor's (the ledger's
 RequestAdmitted says so), outside a session they are read in place. Greedy; the answers of both
@@ -31,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 from serve import FILLER, KEY, MODEL, ROOT, Serve  # noqa: E402
 
-KINDS = ("session", "none", "parked")      # a new session; no session; a new session, every other one parked
+# a new session; no session; a new session, every other one parked; no session, the prompt family
+# held only by a retained prefix (an earlier request outside a session, --retain-prefixes)
+KINDS = ("session", "none", "parked", "retained")
 
 QUESTIONS = ["What does Residency record?", "Who reads the ledger?", "Where do parked pages go?",
              "What is a spill?", "What is a restore?", "Why replay a ledger?", "What is a tier?",
@@ -61,19 +65,21 @@ def park_all(s: Serve) -> None:
 
 
 def one_server(tmp: str, share: bool, words: int, reps: int, max_tokens: int) -> dict:
-    s = Serve(tmp, "--share-prefixes" if share else "--no-share-prefixes")
+    s = Serve(tmp, *(("--share-prefixes",) if share else ("--no-share-prefixes", "--retain-prefixes", "0")))
     system = {"role": "system", "content": "You answer in one sentence. Context: " + FILLER * (words // 28)}
     rows: dict[str, list] = {k: [] for k in KINDS}
     try:
         stream(s, [{"role": "user", "content": "Hello"}], 4)                        # warm up
         stream(s, [system, {"role": "user", "content": "Hello?"}], 4, session="donor")
+        other = {"role": "system", "content": "You answer in two sentences. Notes: " + FILLER * (words // 28)}
+        stream(s, [other, {"role": "user", "content": "Hello?"}], 4)         # retained (nobody holds it)
         for i in range(reps):
             for j, kind in enumerate(KINDS):
                 q = QUESTIONS[(len(KINDS) * i + j) % len(QUESTIONS)]
                 if kind == "parked":                 # every session's pages to host RAM first
                     park_all(s)
-                r = stream(s, [system, {"role": "user", "content": q}], max_tokens,
-                           session=None if kind == "none" else f"{kind}-{i}")
+                r = stream(s, [other if kind == "retained" else system, {"role": "user", "content": q}], max_tokens,
+                           session=None if kind in ("none", "retained") else f"{kind}-{i}")
                 u = r["usage"]
                 rows[kind].append({"question": q, "ttft_s": r["ttft_s"], "prompt_tokens": u.prompt_tokens,
                                    "shared_tokens": u.model_extra["shared_tokens"],
@@ -132,7 +138,8 @@ def main() -> None:
         json.dump(out, f, indent=2, default=str)
     print("| new conversation | sharing | prompt tokens | shared | of them restored | computed | TTFT p50 (min-max) |")
     print("|---|---|---|---|---|---|---|")
-    label = {"session": "new session", "none": "no session", "parked": "new session, the others parked to host"}
+    label = {"session": "new session", "none": "no session", "parked": "new session, the others parked to host",
+             "retained": "no session, the prefix retained from an earlier one"}
     for kind in KINDS:
         for share in (True, False):
             r = out["summary"][f"{'shared' if share else 'not_shared'}_{kind}"]
