@@ -204,24 +204,22 @@ class ServingLoop:
             new_present = [b for b in cmd.block_ids[first_new:] if self.pool.has(b)]
             if problem is None and new_present:
                 problem = f"pages {new_present[:8]} are already in the pool"
-        if problem is None and cmd.copy_from:
+        sampling = generator = None
+        if problem is None:
+            sp = cmd.sampling
+            try:
+                sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+                                         max_tokens=max_tokens, ignore_eos=sp.ignore_eos)
+                generator = make_generator(sampling, "cpu")
+            except (ValueError, RuntimeError, OverflowError) as e:
+                problem = f"sampling: {e}"
+        if problem is None and cmd.copy_from:       # last: a refusal never has copies to free
             problem = self._copy_pages(cmd.copy_from, cmd.block_ids[:cached_pages])
         if problem is not None:
             self.log.warning("generate_refused", request_id=cmd.request_id, problem=problem)
             return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
                                     finish_reason="error", error=problem, num_prompt_tokens=n,
                                     blocks_unused=list(cmd.block_ids[first_new:]))]
-        sp = cmd.sampling
-        try:
-            sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, max_tokens=max_tokens,
-                                     ignore_eos=sp.ignore_eos)
-            generator = make_generator(sampling, "cpu")
-        except (ValueError, RuntimeError, OverflowError) as e:
-            copied = list(cmd.block_ids[:cached_pages]) if cmd.copy_from else []
-            return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
-                                    finish_reason="error", error=f"sampling: {e}", num_prompt_tokens=n,
-                                    blocks_freed=copied, bytes_freed=self.pool.free(copied) if copied else 0,
-                                    blocks_unused=list(cmd.block_ids[cached_pages:]))]
         self.seqs[cmd.request_id] = _Seq(
             cmd=cmd, tokens=list(cmd.token_ids), num_prompt=n, num_computed=cmd.num_cached_tokens,
             num_allocated=cached_pages, num_reported=first_new, first_new=first_new,

@@ -31,27 +31,9 @@ from control.policy.asks import busy_blocks
 from control.scheduler.config import SchedulerConfig
 from control.scheduler.cost import CostModel, PrefixDecision
 from control.scheduler.prefix import num_matching_pages, pages_needed
-from control.scheduler.sessions import SessionEntry
+from control.scheduler.sessions import SessionEntry, restore_plan
 from control.scheduler.sharing import find_shared_prefix
 from control.state import State
-
-RESTORE_SOURCES = ("host", "disk")
-
-
-def _restore_plan(wb: dict, pages: list[int]) -> tuple[list[int], dict[str, list[int]]]:
-    """The leading ``pages`` usable as a prefix (resident and verified, or with a host or disk copy
-    to restore) and the restores they need, by source tier."""
-    restore: dict[str, list[int]] = {}
-    for i, b in enumerate(pages):
-        st = wb[b]
-        if "device" in st.tiers and st.device_verified:
-            continue
-        src = next((t for t in RESTORE_SOURCES if t in st.tiers), None)
-        if src is None:                   # an unverified device copy and nothing else: unusable
-            return pages[:i], restore
-        restore.setdefault(src, []).append(b)
-    return list(pages), restore
-
 
 class GenerateAsk(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
@@ -74,7 +56,7 @@ class Admit(msgspec.Struct, frozen=True, kw_only=True):
     decision: PrefixDecision | None   # set when a parked prefix was priced
     restored_tokens: int
     new_blocks: list[int]
-    shared: list[int] = []            # another session's device pages holding the prompt's first positions
+    shared: list[int] = []            # another session's pages holding the prompt's first positions
     shared_from: str | None = None    # that session
     copied: bool = False              # copied into the first new pages (a session's turn) or read in place
 
@@ -200,7 +182,7 @@ class Scheduler:
 
         n = num_matching_pages(held_keys, ask.prompt_keys, ask.prompt_tokens, P)
         wb = state.blocks.get(w, {})
-        reused, restore = _restore_plan(wb, held_blocks[:n])
+        reused, restore = restore_plan(wb, held_blocks[:n])
         decision = self._priced(ws, restore, len(reused), ask.prompt_tokens) if restore else None
         if decision is not None and decision.choice == "recompute":
             reused, restore = [], {}
@@ -212,7 +194,7 @@ class Scheduler:
             donor, found = find_shared_prefix(
                 self.sessions.values(), state, w, exclude=ask.session, prompt_keys=ask.prompt_keys,
                 prompt_tokens=ask.prompt_tokens, page_tokens=P, moving=busy_blocks(state).get(w, set()))
-            shared, restore = _restore_plan(wb, found)
+            shared, restore = restore_plan(wb, found)
             if restore:
                 decision = self._priced(ws, restore, len(shared), ask.prompt_tokens)
                 if decision.choice == "recompute":

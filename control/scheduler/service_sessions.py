@@ -98,9 +98,9 @@ class SessionOps:
         """409 if a running request reads some of the session's pages (a prefix it shares)."""
         if self.sched is None or worker is None:
             return
-        held = self.sched.busy_blocks().get(worker, set())
+        mine = set(pages)
         readers = sorted(r.request_id for r in self.sched.running.values()
-                         if r.worker == worker and r.session != session and set(r.shared) & set(pages) & held)
+                         if r.worker == worker and r.session != session and mine.intersection(r.shared))
         if readers:
             raise BackendError(409, f"pages of session {session!r} are read by running request(s) {readers[:4]} "
                                     f"(a prefix they share); {what} it when they have finished",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from control.policy.asks import RESTORE_SOURCES
 from control.state import State
 
 
@@ -53,3 +54,18 @@ def tier_of(state: State, worker: int, blocks: list[int]) -> str | None:
         else:
             worst = "disk"
     return worst
+
+
+def restore_plan(wb: dict, pages: list[int]) -> tuple[list[int], dict[str, list[int]]]:
+    """The leading ``pages`` (all in ``wb``) usable as a prefix (resident and verified, or with a
+    host or disk copy to restore) and the restores they need, by source tier."""
+    restore: dict[str, list[int]] = {}
+    for i, b in enumerate(pages):
+        st = wb[b]
+        if "device" in st.tiers and st.device_verified:
+            continue
+        src = next((t for t in RESTORE_SOURCES if t in st.tiers), None)
+        if src is None:                   # an unverified device copy and nothing else: unusable
+            return pages[:i], restore
+        restore.setdefault(src, []).append(b)
+    return list(pages), restore

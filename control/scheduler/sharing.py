@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from control.scheduler.prefix import num_matching_pages
-from control.scheduler.sessions import SessionEntry
+from control.scheduler.sessions import SessionEntry, restore_plan
 from control.state import State
 
 
@@ -40,17 +40,11 @@ def find_shared_prefix(sessions: Iterable[SessionEntry], state: State, worker: i
         if e.worker != worker or e.session == exclude or not e.keys or e.keys[0] != first:
             continue
         n = min(num_matching_pages(e.keys, prompt_keys, prompt_tokens, page_tokens), len(e.blocks))
-        usable = off = 0
-        while usable < n:
-            b = e.blocks[usable]
-            st = wb.get(b)
-            if st is None or b in moving:
-                break
-            if not ("device" in st.tiers and st.device_verified):
-                if "host" not in st.tiers and "disk" not in st.tiers:
-                    break
-                off += 1
-            usable += 1
-        if (usable, -off) > best_score:
-            best, best_score = (e.session, e.blocks[:usable]), (usable, -off)
+        k = 0
+        while k < n and e.blocks[k] in wb and e.blocks[k] not in moving:
+            k += 1
+        usable, restore = restore_plan(wb, e.blocks[:k])
+        score = (len(usable), -sum(len(bl) for bl in restore.values()))
+        if score > best_score:
+            best, best_score = (e.session, usable), score
     return best
