@@ -33,7 +33,7 @@ class Usage:
     cached_tokens: int = 0        # prompt positions whose KV was reused (resident or restored)
     restored_tokens: int = 0      # of those, brought back from host or disk for this request
     computed_tokens: int = 0      # prompt positions prefilled for this request
-    shared_tokens: int = 0        # of the cached, from another session's pages on the device
+    shared_tokens: int = 0        # of the cached, another session's pages (resident or restored first)
 
     @property
     def total_tokens(self) -> int:

@@ -36,12 +36,12 @@ from control.cli.main import UserError
 log = structlog.get_logger("control.serve")
 
 
-
 def _fraction(v: str) -> float:
     f = float(v)
     if not 0.0 <= f <= 1.0:
         raise argparse.ArgumentTypeError(f"{v} is not a fraction in [0, 1]")
     return f
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the control process and its workers (Ctrl-C stops everything cleanly)")
