@@ -341,9 +341,10 @@ class Bench:
     # ------------------------------------------------------------ driver
     def main(self):
         r = self.res
-        from dataplane.engine import DEFAULT_COPY_MODES
+        from dataplane.engine import default_copy_modes
 
-        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=DEFAULT_COPY_MODES, dma_issuer=self.e.ctx.dma.name,
+        defaults = default_copy_modes(self.e.ctx.dma)    # what this engine uses when none is named
+        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name,
                  dma_batch_refused=getattr(self.e.ctx.dma, "batch_refused", None), device=device_name(self.dev),
                  torch=torch.__version__, triton=triton_version(), blocks=self.n, bytes=self.bytes,
                  layout=dict(num_layers=self.layout.num_layers, page_tokens=self.layout.page_tokens,
@@ -371,8 +372,8 @@ class Bench:
             # in one run is noise, and mixing modes changes "both at once").
             r["fastest_modes"] = {"d2h": max(modes, key=lambda m: modes[m]["spill_GBps"]),
                                   "h2d": max(modes, key=lambda m: modes[m]["restore_GBps"])}
-            best_d2h = DEFAULT_COPY_MODES["d2h"] if DEFAULT_COPY_MODES["d2h"] in modes else r["fastest_modes"]["d2h"]
-            best_h2d = DEFAULT_COPY_MODES["h2d"] if DEFAULT_COPY_MODES["h2d"] in modes else r["fastest_modes"]["h2d"]
+            best_d2h = defaults["d2h"] if defaults["d2h"] in modes else r["fastest_modes"]["d2h"]
+            best_h2d = defaults["h2d"] if defaults["h2d"] in modes else r["fastest_modes"]["h2d"]
             self.mode = best_d2h
             self.e.ctx.copy_modes.update(d2h=best_d2h, h2d=best_h2d)
             r["copy_modes"] = {"d2h": best_d2h, "h2d": best_h2d}

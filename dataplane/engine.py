@@ -65,9 +65,25 @@ from kernels.checksum import block_checksums, checksums_to_ints
 Outcome = MoveAcked | MoveFailed | MoveRejected
 log = structlog.get_logger("dataplane.engine")
 
-# The fastest mode per direction on the H200 (bench/results/moves-2026-12-02-h200.json: staged
-# 87.5%/85.1% of the link against dma 84.1%/81.4% and kernel 77.4%/79.8%, engine spill/restore).
-DEFAULT_COPY_MODES = {"d2h": "staged", "h2d": "staged"}
+# The copy mode per direction when the caller names none: "dma" where the runtime's DMAs go in
+# batches (cudaMemcpyBatchAsync), "staged" where they go one cudaMemcpyAsync per run or through
+# torch (the CPU path). On the H200 hosts with batches (runs 25-26 and the three of 2026-12-05)
+# "dma" matched "staged" one way (spill 53.2-53.9 vs 53.3-53.9 GB/s, restore 50.7-52.8 vs
+# 50.8-52.7) and beat it both at once in every run (1.709/1.782/1.792/1.756/1.725x per round
+# against 1.690/1.777/1.792/1.738/1.690x), and it leaves the SMs to the model. Without batches
+# "dma" lost: 1024 scattered DMAs issued one by one kept the link idle (copy path both ways 68-89
+# GB/s against staged's 74-98 in runs 4-24), and the first default (moves-2026-12-02-h200.json:
+# staged 87.5%/85.1% of the link against dma 84.1%/81.4%) was measured there.
+BATCHED_COPY_MODES = {"d2h": "dma", "h2d": "dma"}
+UNBATCHED_COPY_MODES = {"d2h": "staged", "h2d": "staged"}
+
+
+def default_copy_modes(dma) -> dict[str, str]:
+    """The copy modes an Engine uses, per direction, with the DMA issuer ``dma`` it has."""
+    batched = getattr(dma, "name", "") == "cudaMemcpyBatchAsync"
+    return dict(BATCHED_COPY_MODES if batched else UNBATCHED_COPY_MODES)
+
+
 # Moves submitted together start their links in turn by slices of this many blocks of their first
 # chunks (8 blocks of 2 MiB: ~0.3 ms on the link, ~0.08 ms of DMA enqueues each).
 FIRST_SLICE_BLOCKS = 8
@@ -115,7 +131,8 @@ class Engine(EarlyStart, BlockOps):
         self.worker = worker
         self.torch_device = dev
         self.clock = clock
-        modes = dict(DEFAULT_COPY_MODES, **(copy_modes or {}))
+        dma = dma_issuer(dev, raw_dma, batch_dma)
+        modes = dict(default_copy_modes(dma), **(copy_modes or {}))
         bad = {k: v for k, v in modes.items() if k not in ("d2h", "h2d") or v not in COPY_MODES}
         if bad:
             raise DataPlaneError(f"copy_modes {bad} not understood (d2h/h2d -> one of {COPY_MODES})")
@@ -146,7 +163,7 @@ class Engine(EarlyStart, BlockOps):
             worker=worker, layout=layout, device=self.device_pool, host=self.host_pool, disk=self.disk_tier,
             streams=self.streams, indexes=self.indexes, landing=self.landing, ring=self.ring,
             staging=DeviceStaging(layout, pipeline_blocks, dev), copy_modes=modes,
-            pipeline_blocks=pipeline_blocks, clock=clock, dma=dma_issuer(dev, raw_dma, batch_dma),
+            pipeline_blocks=pipeline_blocks, clock=clock, dma=dma,
         )
         self._outcomes: dict[str, Outcome] = {}
         self._inflight: dict[str, InFlight] = {}
@@ -423,4 +440,4 @@ class Engine(EarlyStart, BlockOps):
         self.close()
 
 
-__all__ = ["Engine", "MoveTicket", "DEFAULT_COPY_MODES", "seeded_words"]
+__all__ = ["Engine", "MoveTicket", "default_copy_modes", "seeded_words"]

@@ -197,3 +197,29 @@ def test_on_a_gpu_the_batch_is_used_where_the_runtime_has_it():
         assert dma.name == "cudaMemcpyBatchAsync" and dma.batch_refused is None, dma.batch_refused
     else:
         assert dma.name == "cudaMemcpyAsync" and "no cudaMemcpyBatchAsync" in dma.batch_refused
+
+
+def test_the_engine_copies_by_plain_dmas_only_where_they_go_in_batches():
+    from dataplane.engine import default_copy_modes
+
+    assert default_copy_modes(_memmove_issuer(batched=True)) == {"d2h": "dma", "h2d": "dma"}
+    assert default_copy_modes(_memmove_issuer()) == {"d2h": "staged", "h2d": "staged"}
+    assert default_copy_modes(TorchDma()) == {"d2h": "staged", "h2d": "staged"}
+
+
+def test_an_engine_uses_the_default_of_its_issuer_unless_told(tmp_path):
+    from tests.dataplane.helpers_dataplane import make_engine
+
+    with make_engine(tmp_path) as e:                              # CPU: torch copies, staged
+        assert e.ctx.copy_modes == {"d2h": "staged", "h2d": "staged"}
+    with make_engine(tmp_path / "b", copy_modes={"h2d": "kernel"}) as e:
+        assert e.ctx.copy_modes == {"d2h": "staged", "h2d": "kernel"}
+
+
+@gpu
+def test_on_a_gpu_with_batches_the_engine_copies_by_plain_dmas(tmp_path):
+    from tests.dataplane.helpers_dataplane import make_engine
+
+    with make_engine(tmp_path, device="cuda") as e:
+        batched = e.ctx.dma.name == "cudaMemcpyBatchAsync"
+        assert e.ctx.copy_modes == ({"d2h": "dma", "h2d": "dma"} if batched else {"d2h": "staged", "h2d": "staged"})
