@@ -254,6 +254,8 @@ class RequestAdmitted(Event):
     shared_from: str | None = None
     shared_blocks: list[int] = []
     copied: bool = False
+    worker: int | None = None          # where it runs (None: recorded before workers were named here)
+    routed_from: int | None = None     # the worker that tokenized it, when it moved for a shared prefix
 
 
 class RequestRefused(Event):

@@ -98,6 +98,7 @@ class BackendStats:
     waiting_requests: int = 0
     sessions_by_tier: dict[str, int] = field(default_factory=dict)
     restore_decisions: dict[str, int] = field(default_factory=dict)                 # restore|recompute|shared
+    routed: dict[str, int] = field(default_factory=dict)                            # session|prefix|load
     draining: bool = False                        # stopping: new requests are refused
     disk_bytes_kept: int = 0                      # disk copies kept across worker incarnations (ledger)
     disk_bytes_dropped: int = 0                   # files a new incarnation deleted as not the ledger's

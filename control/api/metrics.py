@@ -55,6 +55,12 @@ class _BackendCollector:
         for d, v in sorted(s.restore_decisions.items()):
             dec.add_metric([d], v)
         yield dec
+        routed = CounterMetricFamily("residency_requests_routed",
+                                     "Requests by why they run on their worker: their session's, the one sharing the "
+                                     "most of their prompt's pages, or the least loaded", labels=["reason"])
+        for r, v in sorted(s.routed.items()):
+            routed.add_metric([r], v)
+        yield routed
         yield GaugeMetricFamily("residency_draining", "1 while the server stops: new requests get 503",
                                 value=1 if s.draining else 0)
         yield CounterMetricFamily("residency_disk_kept_bytes", "Disk copies kept across worker incarnations",

@@ -23,6 +23,7 @@ class Pending:
         # loop-thread state
         self.phase = "new"              # new | tokenizing | waiting | restoring | running | done
         self.worker: int | None = None
+        self.routed_from: int | None = None     # tokenized there, moved to ``worker`` (service_routing)
         self.token_ids: list[int] = []
         self.keys: list[str] = []
         self.max_tokens = 0

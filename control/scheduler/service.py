@@ -34,6 +34,7 @@ from control.scheduler.bridge import Pending, Stream
 from control.scheduler.config import SchedulerConfig
 from control.scheduler.core import Admit, GenerateAsk, Refuse, Scheduler, Wait
 from control.scheduler.cost import CostModel
+from control.scheduler.service_routing import RoutingOps
 from control.scheduler.service_sessions import SessionOps
 from control.scheduler.retain import is_retained, retained_session_for
 from control.scheduler.service_stats import collect_stats
@@ -49,7 +50,7 @@ TERMINAL = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, ev.MoveStranded, ev.Mo
 FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
 
 
-class ServingService(SessionOps):
+class ServingService(SessionOps, RoutingOps):
     def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, retain_fraction: float = 0.0,
                  cost: CostModel | None = None, wait_timeout_s: float = 120.0, max_waiting: int = 256,
                  tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
@@ -70,6 +71,7 @@ class ServingService(SessionOps):
         self.disk_bytes_kept = 0          # WorkerLost.bytes_kept recorded by this process (/metrics)
         self.waiting: list[Pending] = []
         self.moves: collections.Counter = collections.Counter()     # (kind, outcome)
+        self.routed: collections.Counter = collections.Counter()    # reason a request runs where it does
         self._kind_of: dict[str, str] = {}
         self._src_of: dict[str, str] = {}                          # restore move -> source tier
         self._park_backoff: dict[str, int] = {}                    # session -> no park asked before (ns)
@@ -204,17 +206,6 @@ class ServingService(SessionOps):
             p.reject(BackendError(503, f"worker {worker} is unreachable", type="server_error",
                                   code="worker_unavailable"))
 
-    def _choose_worker(self, session: str | None) -> int | None:
-        alive = [w for w in self.ready if (ws := self.proc.state.workers.get(w)) is not None and ws.alive]
-        if not alive:
-            return None
-        if session is not None and self.sched is not None:
-            entry = self.sched.sessions.get(session)
-            if entry is not None and entry.worker in alive:
-                return entry.worker
-        load = collections.Counter(p.worker for p in self.pending.values())
-        return min(alive, key=lambda w: (load[w], w))
-
     def _on_tokenized(self, link, msg: Tokenized) -> None:
         p = self.pending.get(msg.request_id)
         if p is None or p.phase != "tokenizing":
@@ -243,6 +234,7 @@ class ServingService(SessionOps):
                          f"({max_tokens}) is {n + max_tokens}", "max_tokens")
             return
         p.token_ids, p.keys, p.max_tokens = list(msg.token_ids), list(msg.keys), max_tokens
+        self._route(p)
         self._admit(p)
 
     def _admit(self, p: Pending) -> None:
@@ -276,7 +268,7 @@ class ServingService(SessionOps):
         if p in self.waiting:
             self.waiting.remove(p)
         self._record(ev.RequestAdmitted(request_id=p.request_id, session=p.session,
-                                        prompt_tokens=len(p.token_ids),
+                                        prompt_tokens=len(p.token_ids), worker=p.worker, routed_from=p.routed_from,
                                         shared_tokens=len(plan.shared) * self.sched.cfg.page_tokens,
                                         shared_from=plan.shared_from, shared_blocks=list(plan.shared),
                                         copied=plan.copied), p.request_id)

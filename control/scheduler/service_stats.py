@@ -27,7 +27,7 @@ def collect_stats(svc) -> BackendStats:
         ledger_append_lag_s=None if lag_ms is None else lag_ms / 1e3, ledger_last_seq=st.last_seq,
         running_requests=sum(1 for p in svc.pending.values() if p.phase == "running"),
         waiting_requests=len(svc.waiting), sessions_by_tier=dict(by_tier),
-        restore_decisions=dict(svc.sched.decisions) if svc.sched else {},
+        restore_decisions=dict(svc.sched.decisions) if svc.sched else {}, routed=dict(svc.routed),
         draining=svc.draining, disk_bytes_kept=svc.disk_bytes_kept,
         disk_bytes_dropped=svc.proc.metrics.get("disk_bytes_dropped", 0),
     )

@@ -62,14 +62,14 @@ class ByteTokenizer:
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
                  policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
-                 max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0):
+                 max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0, workers: int = 1):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
         policy = policy or PolicyConfig(pressure=False, park=park_idle_s is not None,
                                         park_idle_s=park_idle_s or 30.0, cooldown_s=0.0)
-        cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], policy=policy,
-                            moves=MoveConfig(page_tokens=P), shutdown_grace_s=1.0)
+        cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=list(range(workers)),
+                            policy=policy, moves=MoveConfig(page_tokens=P), shutdown_grace_s=1.0)
         self.proc = ControlProc(self.store, cfg)
         self.service = ServingService(self.proc, restore_policy=restore_policy, wait_timeout_s=10.0,
                                       share_prefixes=share_prefixes, retain_fraction=retain_fraction)
@@ -78,21 +78,24 @@ class Stack:
         model = random_model(TINY, seed=0)
         kv = KVLayout(TINY.num_layers, P, TINY.num_kv_heads, TINY.head_dim, dtype=torch.float32)
         host = host_blocks * kv.block_bytes
-        engine = Engine(kv, device_blocks, host, self.dir / "disk", Engine.pinned_bytes_needed(kv, device_blocks, host),
-                        "cpu", fsync=False)
-        core = WorkerCore(engine, 0, WorkerFaults(), expected_errors=(DataPlaneError,))
-        loop = ServingLoop(worker=0, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(), device_pool=engine.device_pool,
-                           model_id="tiny", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys,
-                           max_seqs=max_seqs)
-        attach(core, loop, kv.block_bytes)
-        self.worker = WorkerProc(worker=0, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
-                                 block_bytes=kv.block_bytes, faults=WorkerFaults())
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-        self.thread.start()
+        self.workers, self.threads = [], []
+        for w in range(workers):             # one model, one worker thread each (as one process per GPU)
+            engine = Engine(kv, device_blocks, host, self.dir / f"disk{w}",
+                            Engine.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
+            core = WorkerCore(engine, w, WorkerFaults(), expected_errors=(DataPlaneError,))
+            loop = ServingLoop(worker=w, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(),
+                               device_pool=engine.device_pool, model_id="tiny", model_digest=model.kv_digest,
+                               page_tokens=P, keys_fn=block_content_keys, max_seqs=max_seqs)
+            attach(core, loop, kv.block_bytes)
+            self.workers.append(WorkerProc(worker=w, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
+                                           block_bytes=kv.block_bytes, faults=WorkerFaults()))
+            self.threads.append(threading.Thread(target=self.workers[-1].run, daemon=True))
+            self.threads[-1].start()
+        self.worker, self.thread = self.workers[0], self.threads[0]
         self.client = TestClient(self.app)
         deadline = time.monotonic() + 20
-        while not self.service.models():
-            assert time.monotonic() < deadline, "the worker never said ServingReady"
+        while len(self.service.ready) < workers:
+            assert time.monotonic() < deadline, "a worker never said ServingReady"
             time.sleep(0.02)
 
     def chat(self, text: str | list, session: str | None = None, max_tokens: int = 6, **kw):
@@ -109,8 +112,9 @@ class Stack:
         self.client.close()
         self.service.close()
         self.proc.stop("test done")
-        self.worker.stop("test done")
-        self.thread.join(10)
+        for w, t in zip(self.workers, self.threads):
+            w.stop("test done")
+            t.join(10)
         self.store.close()
 
     def ledger(self):
