@@ -3,6 +3,7 @@ process, one ledger; the block layouts it uses; the run's commit."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,8 @@ BIG_LAYOUT = "32,16,8,128,bfloat16"         # 2 MiB blocks (Llama-8B-like pages)
 
 
 def git_commit() -> str:
+    if os.environ.get("RESIDENCY_GIT_COMMIT"):          # see moves_report.git_commit
+        return os.environ["RESIDENCY_GIT_COMMIT"]
     try:
         rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "control", "dataplane", "bench/control.py",

@@ -4,6 +4,9 @@
 # `device` tool with `.whl` carried:
 #   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake]   (default: all
 #   but probe, trace and keepawake; JSON under $OUT)
+# Prefix it with RESIDENCY_GIT_COMMIT=<the commit sent> (`git rev-parse HEAD` here): the device
+# machine's copy of .git can be older than the working tree it receives, and the JSON would name
+# that older commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1

@@ -19,6 +19,10 @@ TARGETS = {  # figure -> (target, what it is compared with)
 
 
 def git_commit() -> str | None:
+    """RESIDENCY_GIT_COMMIT when set (the device machine's copy of .git can be older than the
+    working tree it was sent: bench/gpu_session.sh says how to pass it), else HEAD."""
+    if os.environ.get("RESIDENCY_GIT_COMMIT"):
+        return os.environ["RESIDENCY_GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                        cwd=os.path.dirname(os.path.abspath(__file__))).strip()

@@ -34,8 +34,9 @@ from serve_common import PAGE, Timer, d2d_bandwidth, log, rel, slot_tables  # no
 from serve_ttft import bench_ttft  # noqa: E402
 
 DATE = date.today().isoformat()
-GIT_COMMIT = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip() or None
+GIT_COMMIT = os.environ.get("RESIDENCY_GIT_COMMIT") or subprocess.run(    # see moves_report.git_commit
+    ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip() or None
 
 
 

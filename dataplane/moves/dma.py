@@ -146,7 +146,10 @@ class RawDma:
             g = torch.Generator().manual_seed(0x5EED)
             rows = torch.randint(-2**31, 2**31 - 1, (4, 1024), dtype=torch.int32, generator=g)
             dev = rows.cuda()
-            there, back = torch.empty_like(dev), torch.empty_like(dev)
+            # Destinations start as the bitwise complement of what should land (never left
+            # uninitialised: the caching allocator hands back the blocks of an earlier check, which
+            # already hold the right rows, and a batch that copied nothing would pass).
+            there, back = torch.bitwise_not(dev[[3, 0, 1, 2]]), torch.bitwise_not(dev)
             s = torch.cuda.Stream(dev.device)
             s.wait_stream(torch.cuda.current_stream(dev.device))
             with torch.cuda.stream(s):
