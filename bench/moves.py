@@ -114,17 +114,7 @@ class Bench:
         for _ in range(self.args.reps):
             d2h.append(timed(d, lambda: h_b.copy_(self.d_a, non_blocking=True)))
             h2d.append(timed(d, lambda: self.d_b.copy_(h_a, non_blocking=True)))
-            if d.type == "cuda":
-                s1, s2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
-
-                def go():
-                    with torch.cuda.stream(s1):
-                        h_b.copy_(self.d_a, non_blocking=True)
-                    with torch.cuda.stream(s2):
-                        self.d_b.copy_(h_a, non_blocking=True)
-                both.append(timed(d, go))
-            else:
-                both.append(timed(d, lambda: (h_b.copy_(self.d_a), self.d_b.copy_(h_a))))
+            both.append(self.bare_both())
         r = self.res
         r["ceiling_d2h_GBps"] = self.bytes / statistics.median(d2h) / GB
         r["ceiling_h2d_GBps"] = self.bytes / statistics.median(h2d) / GB
@@ -206,13 +196,27 @@ class Bench:
             copier.done().synchronize()
         return timed(self.dev, go)
 
-    def both_at_once(self, d2h: str, h2d: str, together: bool = True) -> tuple[float, float]:
+    def bare_both(self) -> float:
+        """Seconds for the ceiling's plain bidirectional copy (2 GiB each way, two streams)."""
+        d, h_a, h_b = self.dev, self.h_a.tensor, self.h_b.tensor
+        if d.type != "cuda":
+            return timed(d, lambda: (h_b.copy_(self.d_a), self.d_b.copy_(h_a)))
+        s1, s2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
+
+        def go():
+            with torch.cuda.stream(s1):
+                h_b.copy_(self.d_a, non_blocking=True)
+            with torch.cuda.stream(s2):
+                self.d_b.copy_(h_a, non_blocking=True)
+        return timed(d, go)
+
+    def both_at_once(self, d2h: str, h2d: str, together: bool = True, bare: bool = False) -> tuple[float, float]:
         """Spill B while A is restored, aggregate GB/s: both begun by Engine.submit_many (each
         reaches the link before either does its bookkeeping) or, ``together=False``, by two
         submits one after the other; then wait for both. Also returns the median over the rounds
         of each round's rate over its own one-way moves (``both_over_one``)."""
         self.e.ctx.copy_modes.update(d2h=d2h, h2d=h2d)
-        walls, ratios = [], []
+        walls, ratios, bares = [], [], []
         for _ in range(self.args.both_reps or self.args.reps):
             spill_wall = self.run(self.mv("evict", "device", "host", self.A))[1]
             out_cmd, in_cmd = self.mv("evict", "device", "host", self.B), self.mv("restore", "host", "device", self.A)
@@ -231,15 +235,20 @@ class Bench:
             restore_wall = self.run(self.mv("restore", "host", "device", self.B))[1]
             # the round's own one-direction moves: the spill that set it up, the restore that undoes it
             ratios.append(both_over_one(walls[-1], spill_wall, restore_wall))
+            if bare:      # and the bare copy both ways, same seconds: what the link allowed this round
+                bares.append(self.bare_both() / walls[-1])
         key = f"{d2h}/{h2d}/{'many' if together else 'two'}"
+        if bare:
+            self.res["both_fraction_of_bare_both_rounds"] = [round(x, 4) for x in bares]
+            self.res["both_fraction_of_bare_both_paired"] = round(statistics.median(bares), 4)
         self.res.setdefault("both_vs_one_direction_paired_rounds", {})[key] = [round(x, 4) for x in ratios]
         return 2 * self.bytes / statistics.median(walls) / GB, statistics.median(ratios)
 
     def bidir_probe(self):
         probe_bidir(self)
 
-    def both(self, into: dict, d2h: str, h2d: str) -> None:
-        into["both_GBps"], paired = self.both_at_once(d2h, h2d)
+    def both(self, into: dict, d2h: str, h2d: str, bare: bool = False) -> None:
+        into["both_GBps"], paired = self.both_at_once(d2h, h2d, bare=bare)
         into["both_vs_one_direction_paired"] = round(paired, 4)
         into["both_sequential_submits_GBps"] = self.both_at_once(d2h, h2d, together=False)[0]
         one = (into["spill_GBps"] + into["restore_GBps"]) / 2
@@ -383,7 +392,7 @@ class Bench:
             for key in ("restore_GBps", "restore_fraction_of_ceiling", "copy_only_h2d_GBps",
                         "restore_host_cpu_ms_per_GiB"):
                 r[key] = modes[best_h2d][key]
-            self.section("both_best", lambda: self.both(r, best_d2h, best_h2d))
+            self.section("both_best", lambda: self.both(r, best_d2h, best_h2d, bare=True))
             self.section("latency", self.latency)
             self.section("overlap", self.overlap)
         r["targets"] = {k: {"target": v, "measured": r.get(k),

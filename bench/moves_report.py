@@ -91,6 +91,9 @@ def table(r: dict) -> str:
             lines.append(f"| both / one direction, per round (its own spill and restore) | "
                          f"{r['both_vs_one_direction_paired']:.2f}x | "
                          + (f"bare copies per round: {hwp:.2f}x |" if hwp else "|"))
+    if "both_fraction_of_bare_both_paired" in r:
+        lines.append(f"| both at once / the bare copy both ways, per round (each round's own) | "
+                     f"{100 * r['both_fraction_of_bare_both_paired']:.1f}% | |")
     if "spill_checksum_cost_fraction" in r:
         lines.append(f"| checksum cost on spill | {100 * r['spill_checksum_cost_fraction']:.1f}% | |")
     if "spill_engine_overhead_fraction" in r:

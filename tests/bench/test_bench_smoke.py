@@ -33,6 +33,9 @@ def test_the_moves_bench_runs_its_sections_on_the_cpu(tmp_path):
     assert len(rounds["staged/staged/many"]) >= 1
     assert res["modes"]["staged"]["both_vs_one_direction_paired"] > 0
     assert "bare copies on this host" in p.stdout
+    assert len(res["both_fraction_of_bare_both_rounds"]) == len(rounds[f"{res['copy_modes']['d2h']}/"
+                                                                       f"{res['copy_modes']['h2d']}/many"])
+    assert "/ the bare copy both ways, per round" in p.stdout
 
 
 def test_both_over_one_is_the_rate_both_ways_over_the_mean_one_way_rate():
