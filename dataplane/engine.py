@@ -80,8 +80,7 @@ UNBATCHED_COPY_MODES = {"d2h": "staged", "h2d": "staged"}
 
 def default_copy_modes(dma) -> dict[str, str]:
     """The copy modes an Engine uses, per direction, with the DMA issuer ``dma`` it has."""
-    batched = getattr(dma, "name", "") == "cudaMemcpyBatchAsync"
-    return dict(BATCHED_COPY_MODES if batched else UNBATCHED_COPY_MODES)
+    return dict(BATCHED_COPY_MODES if dma.batched else UNBATCHED_COPY_MODES)
 
 
 # Moves submitted together start their links in turn by slices of this many blocks of their first

@@ -58,6 +58,7 @@ def _row_bytes(t: torch.Tensor, what: str) -> int:
 
 class TorchDma:
     name = "torch"
+    batched = False              # every run its own copy_
 
     def copy_runs(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
         """Copy rows ``src[a:a+n]`` to ``dst[b:b+n]`` for each run (a, b, n), enqueued on ``stream``
@@ -110,6 +111,11 @@ class RawDma:
         if why is not None:
             dma._batch, dma.name, dma.batch_refused = None, cls.name, why
         return dma
+
+    @property
+    def batched(self) -> bool:
+        """Whether a call's runs go in one cudaMemcpyBatchAsync (bound and past its check)."""
+        return self._batch is not None
 
     def copy_runs(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
         rb = _row_bytes(src, "DMA source")

@@ -221,5 +221,6 @@ def test_on_a_gpu_with_batches_the_engine_copies_by_plain_dmas(tmp_path):
     from tests.dataplane.helpers_dataplane import make_engine
 
     with make_engine(tmp_path, device="cuda") as e:
-        batched = e.ctx.dma.name == "cudaMemcpyBatchAsync"
+        batched = e.ctx.dma.batched
+        assert batched == (e.ctx.dma.name == "cudaMemcpyBatchAsync")
         assert e.ctx.copy_modes == ({"d2h": "dma", "h2d": "dma"} if batched else {"d2h": "staged", "h2d": "staged"})
