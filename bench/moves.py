@@ -201,7 +201,9 @@ class Bench:
         d, h_a, h_b = self.dev, self.h_a.tensor, self.h_b.tensor
         if d.type != "cuda":
             return timed(d, lambda: (h_b.copy_(self.d_a), self.d_b.copy_(h_a)))
-        s1, s2 = torch.cuda.Stream(d), torch.cuda.Stream(d)
+        if not hasattr(self, "_bare_streams"):       # two plain streams, made once
+            self._bare_streams = (torch.cuda.Stream(d), torch.cuda.Stream(d))
+        s1, s2 = self._bare_streams
 
         def go():
             with torch.cuda.stream(s1):
