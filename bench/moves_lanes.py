@@ -1,0 +1,127 @@
+"""Does spreading a move's 2 MiB DMAs over several copy streams ("lanes") close the gap between
+"both at once" and the bare bidirectional copy?
+
+The engine's both-at-once reaches 0.91-0.99 of a bare 2 GiB copy each way (bench/results,
+moves-2026-12-05-h200-run4..7), and one-way restores lose more than spills (scattered device
+rows on one side, 2 MiB DMAs). A copy engine that ends one DMA before it starts the next leaves
+the link idle for the read latency at every boundary; two streams per direction let two copy
+engines overlap those boundaries. No engine, no bookkeeping: pinned host rows (from the engine's
+budget authority) and device rows, the engine's DMA issuer (cudaMemcpyBatchAsync where there is
+one), a batch per 64 blocks as the engine issues them. Rounds interleave every variant:
+
+    whole        one 2 GiB copy per direction (the ceiling)
+    runs_L       1024 contiguous 2 MiB DMAs per direction, batches alternating over L streams
+    scattered_L  the same with the device rows at random over a 3x larger pool (the engine's case)
+
+Each: d2h alone, h2d alone, both at once; GB/s medians and both over the mean one-way rate.
+
+    python3 bench/moves_lanes.py [--out lanes.json] [--reps 7] [--lanes 1,2,4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from dataplane.moves.dma import dma_issuer  # noqa: E402
+from dataplane.pools.budget import PinnedBudget  # noqa: E402
+from moves_report import device_name, git_commit  # noqa: E402
+
+GB = 1e9
+ROW_WORDS = (2 << 20) // 4          # one 2 MiB block as int32 words
+BATCH = 64                          # blocks per batch, as the engine's pipeline_blocks
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--lanes", default="1,2,4")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moves_lanes: needs a GPU")
+        return 0
+    dev, n = torch.device("cuda:0"), a.blocks
+    budget = PinnedBudget(2 * n * ROW_WORDS * 4 + 4096, pin=True)
+    h_src = budget.alloc("lanes-h2d-source", (n, ROW_WORDS), torch.int32).tensor
+    h_dst = budget.alloc("lanes-d2h-destination", (n, ROW_WORDS), torch.int32).tensor
+    pool = torch.randint(-(2**31), 2**31, (3 * n, ROW_WORDS), dtype=torch.int32, device=dev)
+    h_src.copy_(pool[:n])
+    rng = random.Random(1)
+    rows = list(range(3 * n))
+    rng.shuffle(rows)
+    out_rows, in_rows = rows[:n], rows[n:2 * n]      # d2h reads these, h2d writes those
+    dma = dma_issuer(dev)
+    lanes = [int(x) for x in a.lanes.split(",")]
+    streams = {d: [torch.cuda.Stream(dev, priority=-8) for _ in range(max(lanes))] for d in ("d2h", "h2d")}
+
+    def issue(direction: str, k: int, scattered: bool) -> None:
+        dev_rows = (out_rows if direction == "d2h" else in_rows) if scattered else list(range(n))
+        for i, lo in enumerate(range(0, n, BATCH)):
+            s = streams[direction][i % k]
+            with torch.cuda.stream(s):
+                if direction == "d2h":
+                    dma.copy_runs(s, h_dst, pool, [(dev_rows[j], j, 1) for j in range(lo, min(n, lo + BATCH))])
+                else:
+                    dma.copy_runs(s, pool, h_src, [(j, dev_rows[j], 1) for j in range(lo, min(n, lo + BATCH))])
+
+    def whole(direction: str) -> None:
+        s = streams[direction][0]
+        with torch.cuda.stream(s):
+            if direction == "d2h":
+                h_dst.copy_(pool[:n], non_blocking=True)
+            else:
+                pool[n:2 * n].copy_(h_src, non_blocking=True)
+
+    variants = {"whole": lambda d: whole(d)}
+    for k in lanes:
+        variants[f"runs_{k}"] = lambda d, k=k: issue(d, k, False)
+        variants[f"scattered_{k}"] = lambda d, k=k: issue(d, k, True)
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    walls = {v: {"d2h": [], "h2d": [], "both": []} for v in variants}
+    for v, fn in variants.items():          # warm-up
+        timed(lambda: (fn("d2h"), fn("h2d")))
+    for _ in range(a.reps):
+        for v, fn in variants.items():
+            walls[v]["d2h"].append(timed(lambda: fn("d2h")))
+            walls[v]["h2d"].append(timed(lambda: fn("h2d")))
+            walls[v]["both"].append(timed(lambda: (fn("d2h"), fn("h2d"))))
+    nbytes = n * ROW_WORDS * 4
+    res = {"bench": "moves_lanes", "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(),
+           "device": device_name(dev), "dma_issuer": dma.name, "blocks": n, "reps": a.reps, "variants": {}}
+    bare_both = 2 * nbytes / statistics.median(walls["whole"]["both"]) / GB
+    print(f"{'variant':<14}{'d2h GB/s':>10}{'h2d GB/s':>10}{'both GB/s':>11}{'both/one':>10}{'of bare both':>14}")
+    for v, w in walls.items():
+        d2h, h2d = (nbytes / statistics.median(w[k]) / GB for k in ("d2h", "h2d"))
+        both = 2 * nbytes / statistics.median(w["both"]) / GB
+        row = {"d2h_GBps": round(d2h, 2), "h2d_GBps": round(h2d, 2), "both_GBps": round(both, 2),
+               "both_vs_one_direction": round(both / ((d2h + h2d) / 2), 4),
+               "both_fraction_of_bare_both": round(both / bare_both, 4),
+               "walls_ms": {k: [round(1e3 * x, 2) for x in xs] for k, xs in w.items()}}
+        res["variants"][v] = row
+        print(f"{v:<14}{d2h:>10.1f}{h2d:>10.1f}{both:>11.1f}{row['both_vs_one_direction']:>10.3f}"
+              f"{row['both_fraction_of_bare_both']:>14.3f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
