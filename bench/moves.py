@@ -71,7 +71,8 @@ class Bench:
         self.e = Engine(self.layout, 2 * self.n, host_bytes, self.tmp.name, need + 2 * self.bytes + 8192,
                         device=str(self.dev), fsync=False, pipeline_blocks=args.pipeline_blocks,
                         raw_dma=not getattr(args, "torch_dma", False),
-                        batch_dma=not getattr(args, "no_batch_dma", False))
+                        batch_dma=not getattr(args, "no_batch_dma", False),
+                        **({"dma_lanes": args.dma_lanes} if getattr(args, "dma_lanes", None) else {}))
         words = self.layout.block_words
         self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
         self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)
@@ -355,7 +356,7 @@ class Bench:
         from dataplane.engine import default_copy_modes
 
         defaults = default_copy_modes(self.e.ctx.dma)    # what this engine uses when none is named
-        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name,
+        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name, dma_lanes=self.e.streams.dma_lanes,
                  dma_batch_refused=getattr(self.e.ctx.dma, "batch_refused", None), device=device_name(self.dev),
                  torch=torch.__version__, triton=triton_version(), blocks=self.n, bytes=self.bytes,
                  layout=dict(num_layers=self.layout.num_layers, page_tokens=self.layout.page_tokens,
@@ -463,6 +464,7 @@ def main(argv=None):
                    help="issue the engine's DMAs through torch's copy_ instead of cudaMemcpyAsync (for comparison)")
     p.add_argument("--no-batch-dma", action="store_true",
                    help="one cudaMemcpyAsync per run instead of a cudaMemcpyBatchAsync per call (for comparison)")
+    p.add_argument("--dma-lanes", type=int, default=None, help="copy streams per direction for the dma mode (default: the engine's)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, measures nothing")
     p.add_argument("--out", default=None)

@@ -15,7 +15,12 @@ one), a batch per 64 blocks as the engine issues them. Rounds interleave every v
 
 Each: d2h alone, h2d alone, both at once; GB/s medians and both over the mean one-way rate.
 
-    python3 bench/moves_lanes.py [--out lanes.json] [--reps 7] [--lanes 1,2,4]
+Then the engine itself (bench/moves.py's blocks and engine, made with the most lanes asked for),
+per round and per lane count: a spill of A, a spill of B with a restore of A by submit_many, a
+restore of B, and the bare copy both ways; "both over one" per round as bench/moves.py's
+``_paired`` figure, and both at once over the bare copy both ways of the same round.
+
+    python3 bench/moves_lanes.py [--out lanes.json] [--reps 7] [--lanes 1,2,4] [--engine-reps 9]
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--lanes", default="1,2,4")
+    p.add_argument("--engine-reps", type=int, default=9, help="engine rounds per lane count (0: none)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -53,8 +59,9 @@ def main(argv=None) -> int:
         return 0
     dev, n = torch.device("cuda:0"), a.blocks
     budget = PinnedBudget(2 * n * ROW_WORDS * 4 + 4096, pin=True)
-    h_src = budget.alloc("lanes-h2d-source", (n, ROW_WORDS), torch.int32).tensor
-    h_dst = budget.alloc("lanes-d2h-destination", (n, ROW_WORDS), torch.int32).tensor
+    bufs = [budget.alloc("lanes-h2d-source", (n, ROW_WORDS), torch.int32),
+            budget.alloc("lanes-d2h-destination", (n, ROW_WORDS), torch.int32)]
+    h_src, h_dst = bufs[0].tensor, bufs[1].tensor
     pool = torch.randint(-(2**31), 2**31, (3 * n, ROW_WORDS), dtype=torch.int32, device=dev)
     h_src.copy_(pool[:n])
     rng = random.Random(1)
@@ -118,9 +125,71 @@ def main(argv=None) -> int:
         res["variants"][v] = row
         print(f"{v:<14}{d2h:>10.1f}{h2d:>10.1f}{both:>11.1f}{row['both_vs_one_direction']:>10.3f}"
               f"{row['both_fraction_of_bare_both']:>14.3f}")
+    del pool, h_src, h_dst
+    for buf in bufs:
+        buf.close()
+    torch.cuda.empty_cache()
+    if a.engine_reps:
+        res["engine"] = engine_lanes(lanes, a.engine_reps)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def engine_lanes(lanes: list[int], reps: int) -> dict:
+    """The engine with 1..max lanes, rounds interleaved (see the module's docstring)."""
+    import moves as mb
+    from moves_parts import both_over_one, sync
+
+    args = argparse.Namespace(blocks=1024, pipeline_blocks=64, reps=reps, layers=32, page_tokens=16, kv_heads=8,
+                              head_dim=128, latency_iters=1, chunk_blocks=128, matmuls=1, seed=1, cpu=False,
+                              quick=False, dma_lanes=max(lanes))
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    b = mb.Bench(args)
+    e = b.e
+    out: dict = {"copy_modes": dict(e.ctx.copy_modes), "per_lanes": {}}
+    rounds = {k: {"spill": [], "restore": [], "both": [], "bare_both": []} for k in lanes}
+    try:
+        for k in lanes:                      # warm-up: every lane count once
+            e.streams.dma_lanes = k
+            b.run(b.mv("evict", "device", "host", b.A))
+            b.run(b.mv("restore", "host", "device", b.A))
+        for _ in range(reps):
+            for k in lanes:
+                e.streams.dma_lanes = k
+                r = rounds[k]
+                r["spill"].append(b.run(b.mv("evict", "device", "host", b.A))[1])
+                out_cmd, in_cmd = b.mv("evict", "device", "host", b.B), b.mv("restore", "host", "device", b.A)
+                sync(b.dev)
+                t0 = time.perf_counter()
+                t_out, t_in = e.submit_many([out_cmd, in_cmd])
+                acks = e.wait(t_in), e.wait(t_out)
+                r["both"].append(time.perf_counter() - t0)
+                assert all(type(x).__name__ == "MoveAcked" for x in acks), acks
+                r["restore"].append(b.run(b.mv("restore", "host", "device", b.B))[1])
+                r["bare_both"].append(b.bare_both())
+        e.check_integrity()
+        print(f"\n{'engine lanes':<14}{'spill GB/s':>11}{'restore GB/s':>13}{'both GB/s':>11}{'both/one':>10}"
+              f"{'of bare both':>14}")
+        for k, r in rounds.items():
+            paired = [both_over_one(w, s, i) for w, s, i in zip(r["both"], r["spill"], r["restore"])]
+            of_bare = [bb / w for w, bb in zip(r["both"], r["bare_both"])]
+            row = {f"{x}_GBps": round((2 if x == "both" else 1) * b.bytes / statistics.median(r[x]) / GB, 2)
+                   for x in ("spill", "restore", "both")}
+            row.update(both_vs_one_direction_paired=round(statistics.median(paired), 4),
+                       both_fraction_of_bare_both_paired=round(statistics.median(of_bare), 4),
+                       paired_rounds=[round(x, 4) for x in paired], of_bare_rounds=[round(x, 4) for x in of_bare],
+                       walls_ms={x: [round(1e3 * w, 2) for w in ws] for x, ws in r.items()})
+            out["per_lanes"][str(k)] = row
+            print(f"{k:<14}{row['spill_GBps']:>11.1f}{row['restore_GBps']:>13.1f}{row['both_GBps']:>11.1f}"
+                  f"{row['both_vs_one_direction_paired']:>10.3f}{row['both_fraction_of_bare_both_paired']:>14.3f}")
+    finally:
+        b.close()
+    return out
 
 
 if __name__ == "__main__":

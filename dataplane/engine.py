@@ -83,6 +83,10 @@ def default_copy_modes(dma) -> dict[str, str]:
     return dict(BATCHED_COPY_MODES if dma.batched else UNBATCHED_COPY_MODES)
 
 
+# Streams per direction the "dma" copy mode spreads a move's chunks over (CopyStreams.lanes):
+# bench/moves_lanes.py measures one against two on the H200. 1 until that says otherwise.
+DMA_LANES = 1
+
 # Moves submitted together start their links in turn by slices of this many blocks of their first
 # chunks (8 blocks of 2 MiB: ~0.3 ms on the link, ~0.08 ms of DMA enqueues each).
 FIRST_SLICE_BLOCKS = 8
@@ -122,6 +126,7 @@ class Engine(EarlyStart, BlockOps):
         clock: Callable[[], int] = time.time_ns,
         raw_dma: bool = True,
         batch_dma: bool = True,
+        dma_lanes: int = DMA_LANES,
     ):
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -143,7 +148,7 @@ class Engine(EarlyStart, BlockOps):
             self.device_pool = DevicePool(layout, device_blocks, dev)
             self.host_pool = HostPool(layout, host_bytes, self.pinned)
             self._closers.append(self.host_pool)
-            self.streams = CopyStreams(dev)
+            self.streams = CopyStreams(dev, lanes=dma_lanes)
             max_blocks = max(device_blocks, self.host_pool.num_slots, 1)
             self.indexes = {}
             for d in ("d2h", "h2d", "hash"):

@@ -151,8 +151,10 @@ class InFlight:
 
     def after_compute(self, *streams) -> None:
         """Order ``streams`` after the work already queued on the caller's compute stream."""
+        s = self.ctx.streams
         for stream in streams:
-            self.ctx.streams.wait_stream(stream, self.compute)
+            for lane in s.with_lanes(stream):       # a copy stream's other dma lanes too
+                s.wait_stream(lane, self.compute)
 
     def drain(self) -> None:
         s = self.ctx.streams

@@ -5,7 +5,9 @@
               device slots (restore). SMs drive PCIe; no staging; ~no host CPU per block.
     "dma"     one cudaMemcpyAsync per run of slots consecutive on both sides (a block-first block
               is one contiguous span, so a run is ≥ block_bytes = 2 MiB for real models). Uses no
-              SMs; a few µs of host CPU and a small gap on the link per run.
+              SMs; a few µs of host CPU and a small gap on the link per run. Successive enqueues
+              go round the direction's lanes (``CopyStreams.lanes``), so two copy engines can
+              hide each other's gaps; ``done()`` joins the direction's lanes.
     "staged"  gather the chunk's scattered device rows into a device staging buffer at HBM speed
               (or scatter out of it), and DMA the staging buffer to/from the host in runs as long
               as the host slots allow: a fresh host pool hands out consecutive slots, and
@@ -63,6 +65,9 @@ class Copier:
         self.src_slots, self.dst_slots = list(src_slots), list(dst_slots)
         self.mode = mode or ctx.copy_modes[direction]
         self.dev_idx = None          # the kernels' slot indices, uploaded by the first enqueue
+        # "dma": enqueue k goes on lane k % len(lanes); the first lane is self.stream
+        self.lanes = s.lanes(direction) if self.mode == "dma" else [self.stream]
+        self.turn = 0
 
     def _upload(self) -> None:
         # Not in __init__: a move whose blocks all went in its first chunk (plain DMAs) builds the
@@ -78,7 +83,9 @@ class Copier:
         if self.dev_idx is None and self.mode != "dma":
             self._upload()
         if self.mode == "dma":
-            self._dma(self.stream, self.src_words, self.src_slots[lo:hi], self.dst_words, self.dst_slots[lo:hi])
+            lane = self.lanes[self.turn % len(self.lanes)]
+            self.turn += 1
+            self._dma(lane, self.src_words, self.src_slots[lo:hi], self.dst_words, self.dst_slots[lo:hi])
         elif self.mode == "kernel":
             si, di = self.dev_idx[0][lo:hi], self.dev_idx[1][lo:hi]
             with self.ctx.streams.on(self.stream):
@@ -94,6 +101,9 @@ class Copier:
     def done(self, spin: bool = False):
         s = self.ctx.streams
         last = self.stage if (self.mode == "staged" and self.direction == "h2d") else self.stream
+        # Every lane of the direction, not only this copier's: a move's first chunk (its own
+        # copier) may have gone on lanes its later chunks did not use.
+        s.join(last, s.lanes(self.direction))
         return s.mark(last, spin)
 
     def _dma(self, stream, src_words, src_slots, dst_words, dst_slots) -> None:
