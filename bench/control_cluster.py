@@ -3,7 +3,6 @@ process, one ledger; the block layouts it uses; the run's commit."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,21 +19,15 @@ from control.proc import ControlConfig, ControlProc  # noqa: E402
 from events.commands import AskCommitBlocks  # noqa: E402
 from ledger import LedgerStore  # noqa: E402
 
+import commit  # noqa: E402  (bench/commit.py)
+
 SMALL_LAYOUT = "2,16,2,64,float16"          # 16 KiB blocks: a one-block move is latency, not bandwidth
 BIG_LAYOUT = "32,16,8,128,bfloat16"         # 2 MiB blocks (Llama-8B-like pages): spills are bandwidth
 
 
 def git_commit() -> str:
-    if os.environ.get("RESIDENCY_GIT_COMMIT"):          # see moves_report.git_commit
-        return os.environ["RESIDENCY_GIT_COMMIT"]
-    try:
-        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "control", "dataplane", "bench/control.py",
-                                "bench/control_cluster.py", "bench/control_spill.py"],
-                               cwd=ROOT).returncode != 0
-        return rev + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    return commit.git_commit(("control", "dataplane", "bench/control.py", "bench/control_cluster.py",
+                              "bench/control_spill.py"))
 
 
 def write_result(out: dict, stem: str, out_arg: str | None) -> Path:

@@ -30,14 +30,9 @@ from events import Envelope  # noqa: E402
 from events import catalog as ev  # noqa: E402
 from ledger import LedgerStore  # noqa: E402
 
+from commit import git_commit  # noqa: E402  (bench/commit.py)
+
 SECOND = 1_000_000_000
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
-    except Exception:
-        return "unknown"
 
 
 def wedge_tail(last: Envelope, n_seconds: int = 30):

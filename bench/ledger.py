@@ -22,7 +22,6 @@ import json
 import os
 import random
 import sqlite3
-import subprocess
 import sys
 import time
 import uuid
@@ -32,6 +31,8 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from events import Envelope  # noqa: E402
+
+from commit import git_commit  # noqa: E402  (bench/commit.py)
 from events.catalog import BlocksCommitted, BlocksFreed, MoveAcked, MoveRequested, pack_checksums  # noqa: E402
 from ledger import LedgerStore  # noqa: E402
 
@@ -256,8 +257,7 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="record this commit (default: git rev-parse HEAD)")
     args = ap.parse_args()
     counts = {1: 3_000, 100: 50_000, 1000: 200_000}
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip()
+    commit = args.commit or git_commit()
     results: dict = {"bench": "ledger", "date": dt.date.today().isoformat(), "machine": args.machine,
                      "commit": commit or "unknown", "events": args.events, "repeat": args.repeat, "seed": args.seed,
                      "cpu_count": os.cpu_count(), "sqlite_version": sqlite3.sqlite_version, "durability": "normal"}

@@ -57,6 +57,18 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moves_lanes: needs a GPU")
         return 0
+    lanes = [int(x) for x in a.lanes.split(",")]
+    res = copies(a, lanes)               # its buffers are gone when it returns
+    torch.cuda.empty_cache()
+    if a.engine_reps:
+        res["engine"] = engine_lanes(lanes, a.engine_reps)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def copies(a, lanes: list[int]) -> dict:
+    """Bare DMAs: the whole copy, contiguous 2 MiB runs and scattered ones, over 1..max lanes."""
     dev, n = torch.device("cuda:0"), a.blocks
     budget = PinnedBudget(2 * n * ROW_WORDS * 4 + 4096, pin=True)
     bufs = [budget.alloc("lanes-h2d-source", (n, ROW_WORDS), torch.int32),
@@ -69,7 +81,6 @@ def main(argv=None) -> int:
     rng.shuffle(rows)
     out_rows, in_rows = rows[:n], rows[n:2 * n]      # d2h reads these, h2d writes those
     dma = dma_issuer(dev)
-    lanes = [int(x) for x in a.lanes.split(",")]
     streams = {d: [torch.cuda.Stream(dev, priority=-8) for _ in range(max(lanes))] for d in ("d2h", "h2d")}
 
     def issue(direction: str, k: int, scattered: bool) -> None:
@@ -125,15 +136,9 @@ def main(argv=None) -> int:
         res["variants"][v] = row
         print(f"{v:<14}{d2h:>10.1f}{h2d:>10.1f}{both:>11.1f}{row['both_vs_one_direction']:>10.3f}"
               f"{row['both_fraction_of_bare_both']:>14.3f}")
-    del pool, h_src, h_dst
     for buf in bufs:
         buf.close()
-    torch.cuda.empty_cache()
-    if a.engine_reps:
-        res["engine"] = engine_lanes(lanes, a.engine_reps)
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
-    return 0
+    return res
 
 
 def engine_lanes(lanes: list[int], reps: int) -> dict:

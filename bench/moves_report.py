@@ -2,10 +2,10 @@
 (commit, device, Triton)."""
 from __future__ import annotations
 
-import os
-import subprocess
 
 import torch
+
+from commit import git_commit  # noqa: F401  (bench/moves.py and its kin import it from here)
 
 GB = 1e9
 TARGETS = {  # figure -> (target, what it is compared with)
@@ -16,18 +16,6 @@ TARGETS = {  # figure -> (target, what it is compared with)
     "both_vs_one_direction_paired": 1.7,
     "spill_checksum_cost_fraction": 0.05,   # at most
 }
-
-
-def git_commit() -> str | None:
-    """RESIDENCY_GIT_COMMIT when set (the device machine's copy of .git can be older than the
-    working tree it was sent: bench/gpu_session.sh says how to pass it), else HEAD."""
-    if os.environ.get("RESIDENCY_GIT_COMMIT"):
-        return os.environ["RESIDENCY_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except Exception:  # noqa: BLE001 - the device machine may have no git metadata
-        return os.environ.get("GIT_COMMIT")
 
 
 def device_name(dev) -> str:

@@ -14,7 +14,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,13 +24,7 @@ from control.replay import replay, write_snapshots  # noqa: E402
 from control.simulate import simulate  # noqa: E402
 from ledger import LedgerStore  # noqa: E402
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent).strip()
-    except Exception:
-        return "unknown"
+from commit import git_commit  # noqa: E402  (bench/commit.py)
 
 
 def _load_1m() -> float | None:

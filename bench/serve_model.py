@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from datetime import date
@@ -33,12 +32,10 @@ from dataplane.model.hf_reference import build_hf_llama  # noqa: E402
 from serve_common import PAGE, Timer, d2d_bandwidth, log, rel, slot_tables  # noqa: E402,F401
 from serve_ttft import bench_ttft  # noqa: E402
 
+from commit import git_commit  # noqa: E402  (bench/commit.py)
+
 DATE = date.today().isoformat()
-GIT_COMMIT = os.environ.get("RESIDENCY_GIT_COMMIT") or subprocess.run(    # see moves_report.git_commit
-    ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip() or None
-
-
+GIT_COMMIT = git_commit()
 
 
 # ------------------------------------------------------------------ numerics on the device

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ from datetime import date
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 from serve import FILLER, KEY, MODEL, ROOT, Serve  # noqa: E402
+
+from commit import git_commit  # noqa: E402  (bench/commit.py)
 
 # a new session; no session; a new session, every other one parked; no session, the prompt family
 # held only by a retained prefix (an earlier request outside a session, --retain-prefixes)
@@ -111,8 +112,7 @@ def main() -> None:
                                                  f"serve-share-{date.today().isoformat()}-cpu.json"))
     args = p.parse_args()
     words, reps, rounds, max_tokens = (200, 1, 1, 4) if args.quick else (args.words, args.reps, args.rounds, 8)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out: dict = {"bench": "serve_share", "git_commit": commit, "date": date.today().isoformat(), "device": "cpu",
+    out: dict = {"bench": "serve_share", "git_commit": git_commit(), "date": date.today().isoformat(), "device": "cpu",
                  "cpus": os.cpu_count(), "words": words, "reps": reps, "rounds": rounds,
                  "loadavg_start": os.getloadavg()}
     runs = []

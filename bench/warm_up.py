@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from commit import git_commit  # noqa: E402  (bench/commit.py)
+
 CHILD = r"""
 import json, sys, tempfile, time
 import torch
@@ -56,13 +58,6 @@ out["second_1_block_spill_s"] = timed("d", "evict", "device", "host", [0])
 e.close()
 print("RESULT " + json.dumps(out))
 """
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def main() -> int:

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import zmq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from commit import git_commit  # noqa: E402  (bench/commit.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"default": (False, False), "pinned": (True, False), "headsup": (False, True),
             "pinned+headsup": (True, True)}
@@ -145,11 +148,7 @@ def main() -> int:
         print(f"{v:16s} command hop p50 {c['p50_ms']:.3f} ms (min {c['min_ms']:.3f}, p90 {c['p90_ms']:.3f})   "
               f"ack hop p50 {a['p50_ms']:.3f} ms (min {a['min_ms']:.3f}, p90 {a['p90_ms']:.3f})", flush=True)
     machine = args.machine or ("h200" if Path("/dev/nvidia0").exists() else "cpu")
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
-    out = {"bench": "zmq_wake", "date": dt.date.today().isoformat(), "machine": machine, "git_commit": commit,
+    out = {"bench": "zmq_wake", "date": dt.date.today().isoformat(), "machine": machine, "git_commit": git_commit(),
            "host": platform.node(), "cpu_count": os.cpu_count(), "cpus_used": cpus, "work_ms": args.work_ms,
            "tail_ms": args.tail_ms, "gap_ms": args.gap_ms, "zmq": zmq.zmq_version(), "results": rows}
     path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"zmq-wake-{out['date']}-{machine}.json"
