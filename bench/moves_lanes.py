@@ -16,11 +16,12 @@ one), a batch per 64 blocks as the engine issues them. Rounds interleave every v
 Each: d2h alone, h2d alone, both at once; GB/s medians and both over the mean one-way rate.
 
 Then the engine itself (bench/moves.py's blocks and engine, made with the most lanes asked for),
-per round and per lane count: a spill of A, a spill of B with a restore of A by submit_many, a
+per round, per copy modes (--engine-modes) and lane count: a spill of A, a spill of B with a restore of A by submit_many, a
 restore of B, and the bare copy both ways; "both over one" per round as bench/moves.py's
 ``_paired`` figure, and both at once over the bare copy both ways of the same round.
 
     python3 bench/moves_lanes.py [--out lanes.json] [--reps 7] [--lanes 1,2,4] [--engine-reps 9]
+                                 [--engine-modes dma/dma,dma/staged,staged/staged]
 """
 from __future__ import annotations
 
@@ -52,16 +53,22 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--lanes", default="1,2,4")
     p.add_argument("--engine-reps", type=int, default=9, help="engine rounds per lane count (0: none)")
+    p.add_argument("--engine-modes", default="dma/dma,dma/staged,staged/staged",
+                   help="copy modes d2h/h2d the engine part compares")
+    p.add_argument("--quick", action="store_true", help="the engine part only, tiny, on the CPU: checks the script")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("moves_lanes: needs a GPU")
-        return 0
     lanes = [int(x) for x in a.lanes.split(",")]
+    if a.quick:
+        print(json.dumps(engine_lanes(lanes, 2, a.engine_modes.split(","), quick=True)["variants"].keys().__repr__()))
+        return 0
+    if not torch.cuda.is_available():
+        print("moves_lanes: needs a GPU (--quick checks the script on the CPU)")
+        return 0
     res = copies(a, lanes)               # its buffers are gone when it returns
     torch.cuda.empty_cache()
     if a.engine_reps:
-        res["engine"] = engine_lanes(lanes, a.engine_reps)
+        res["engine"] = engine_lanes(lanes, a.engine_reps, a.engine_modes.split(","))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
@@ -141,32 +148,51 @@ def copies(a, lanes: list[int]) -> dict:
     return res
 
 
-def engine_lanes(lanes: list[int], reps: int) -> dict:
-    """The engine with 1..max lanes, rounds interleaved (see the module's docstring)."""
+def engine_variants(lanes: list[int], modes: list[str]) -> list[tuple[str, str, int]]:
+    """(d2h mode, h2d mode, lanes) to run: lanes only matter where a direction is "dma"."""
+    out = []
+    for m in modes:
+        d2h, h2d = m.split("/")
+        for k in (lanes if "dma" in (d2h, h2d) else lanes[:1]):
+            out.append((d2h, h2d, k))
+    return out
+
+
+def engine_lanes(lanes: list[int], reps: int, modes: list[str], quick: bool = False) -> dict:
+    """The engine per (copy modes, lanes), rounds interleaved (see the module's docstring)."""
+    import logging
+
+    import structlog
+
     import moves as mb
     from moves_parts import both_over_one, sync
 
     args = argparse.Namespace(blocks=1024, pipeline_blocks=64, reps=reps, layers=32, page_tokens=16, kv_heads=8,
                               head_dim=128, latency_iters=1, chunk_blocks=128, matmuls=1, seed=1, cpu=False,
-                              quick=False, dma_lanes=max(lanes))
-    import logging
-
-    import structlog
-
+                              quick=quick, dma_lanes=max(lanes))
+    if quick:                                # tiny sizes, on the CPU: checks the script, measures nothing
+        args.blocks, args.layers, args.page_tokens, args.kv_heads, args.head_dim, args.cpu = 16, 2, 4, 2, 16, True
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     b = mb.Bench(args)
     e = b.e
-    out: dict = {"copy_modes": dict(e.ctx.copy_modes), "per_lanes": {}}
-    rounds = {k: {"spill": [], "restore": [], "both": [], "bare_both": []} for k in lanes}
+    variants = engine_variants(lanes, modes)
+    name = {v: f"{v[0]}/{v[1]} x{v[2]}" for v in variants}
+    out: dict = {"engine_default_copy_modes": dict(e.ctx.copy_modes), "variants": {}}
+    rounds = {v: {"spill": [], "restore": [], "both": [], "bare_both": []} for v in variants}
+
+    def use(v):
+        e.ctx.copy_modes.update(d2h=v[0], h2d=v[1])
+        e.streams.dma_lanes = v[2]
+
     try:
-        for k in lanes:                      # warm-up: every lane count once
-            e.streams.dma_lanes = k
+        for v in variants:                   # warm-up: every variant once
+            use(v)
             b.run(b.mv("evict", "device", "host", b.A))
             b.run(b.mv("restore", "host", "device", b.A))
         for _ in range(reps):
-            for k in lanes:
-                e.streams.dma_lanes = k
-                r = rounds[k]
+            for v in variants:
+                use(v)
+                r = rounds[v]
                 r["spill"].append(b.run(b.mv("evict", "device", "host", b.A))[1])
                 out_cmd, in_cmd = b.mv("evict", "device", "host", b.B), b.mv("restore", "host", "device", b.A)
                 sync(b.dev)
@@ -178,9 +204,9 @@ def engine_lanes(lanes: list[int], reps: int) -> dict:
                 r["restore"].append(b.run(b.mv("restore", "host", "device", b.B))[1])
                 r["bare_both"].append(b.bare_both())
         e.check_integrity()
-        print(f"\n{'engine lanes':<14}{'spill GB/s':>11}{'restore GB/s':>13}{'both GB/s':>11}{'both/one':>10}"
+        print(f"\n{'engine':<18}{'spill GB/s':>11}{'restore GB/s':>13}{'both GB/s':>11}{'both/one':>10}"
               f"{'of bare both':>14}")
-        for k, r in rounds.items():
+        for v, r in rounds.items():
             paired = [both_over_one(w, s, i) for w, s, i in zip(r["both"], r["spill"], r["restore"])]
             of_bare = [bb / w for w, bb in zip(r["both"], r["bare_both"])]
             row = {f"{x}_GBps": round((2 if x == "both" else 1) * b.bytes / statistics.median(r[x]) / GB, 2)
@@ -189,8 +215,8 @@ def engine_lanes(lanes: list[int], reps: int) -> dict:
                        both_fraction_of_bare_both_paired=round(statistics.median(of_bare), 4),
                        paired_rounds=[round(x, 4) for x in paired], of_bare_rounds=[round(x, 4) for x in of_bare],
                        walls_ms={x: [round(1e3 * w, 2) for w in ws] for x, ws in r.items()})
-            out["per_lanes"][str(k)] = row
-            print(f"{k:<14}{row['spill_GBps']:>11.1f}{row['restore_GBps']:>13.1f}{row['both_GBps']:>11.1f}"
+            out["variants"][name[v]] = row
+            print(f"{name[v]:<18}{row['spill_GBps']:>11.1f}{row['restore_GBps']:>13.1f}{row['both_GBps']:>11.1f}"
                   f"{row['both_vs_one_direction_paired']:>10.3f}{row['both_fraction_of_bare_both_paired']:>14.3f}")
     finally:
         b.close()

@@ -38,6 +38,22 @@ def test_the_moves_bench_runs_its_sections_on_the_cpu(tmp_path):
     assert "/ the bare copy both ways, per round" in p.stdout
 
 
+def test_the_lanes_bench_runs_its_engine_variants_on_the_cpu():
+    p = _run(["bench/moves_lanes.py", "--quick", "--lanes", "1,2", "--engine-modes", "dma/dma,staged/staged"])
+    assert "dma/dma x2" in p.stdout and "staged/staged x1" in p.stdout and "staged/staged x2" not in p.stdout
+
+
+def test_every_bench_names_the_commit_it_was_told_first(monkeypatch):
+    sys.path.insert(0, str(REPO / "bench"))
+    from commit import git_commit
+
+    monkeypatch.setenv("RESIDENCY_GIT_COMMIT", "abc123")
+    assert git_commit() == "abc123"
+    monkeypatch.delenv("RESIDENCY_GIT_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert git_commit() == (head or "unknown")
+
+
 def test_both_over_one_is_the_rate_both_ways_over_the_mean_one_way_rate():
     sys.path.insert(0, str(REPO / "bench"))
     from moves_parts import both_over_one
