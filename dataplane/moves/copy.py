@@ -103,7 +103,9 @@ class Copier:
         last = self.stage if (self.mode == "staged" and self.direction == "h2d") else self.stream
         # Every lane of the direction, not only this copier's: a move's first chunk (its own
         # copier) may have gone on lanes its later chunks did not use.
-        s.join(last, s.lanes(self.direction))
+        lanes = s.lanes(self.direction)
+        if len(lanes) > 1:
+            s.join(last, lanes)
         return s.mark(last, spin)
 
     def _dma(self, stream, src_words, src_slots, dst_words, dst_slots) -> None:
