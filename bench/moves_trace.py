@@ -3,17 +3,19 @@
 bench/moves.py says how fast a move is; this says why. It runs the same engine and blocks as
 bench/moves.py (1024 scattered 2 MiB blocks), warms up, then profiles one of each:
 
-    spill            evict A device -> host (staged copy, checksums)
+    spill            evict A device -> host (checksums; copy modes: --copy-modes, default the engine's)
     restore          restore A host -> device (verified)
     restore_nohash   the same without hashing (bench/moves.py's no_checksums)
     both             spill B and restore A submitted one after the other (two submits)
     both_many        the same through Engine.submit_many (first chunks in turn, by slices)
+    bare_both        no engine: one contiguous 2 GiB copy each way, each on its own stream, at once
+                     (which direction the link itself favours when both run)
 
 and prints, per move, on one timeline starting at the host's call: when the first DMA started,
 how long the DMAs were busy, the gaps between them (the link idle inside the move), when the last
 DMA and the last kernel ended, and when the host returned. Chrome traces go to --trace-dir.
 
-    python3 bench/moves_trace.py [--out trace.json] [--trace-dir DIR]
+    python3 bench/moves_trace.py [--out trace.json] [--trace-dir DIR] [--copy-modes default|dma|staged|kernel]
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--pipeline-blocks", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--copy-modes", default="default",
+                   help="the engine's copy mode for both directions, or 'default' (the engine's own)")
     a = p.parse_args(argv)
     # the fields bench/moves.py's Bench reads
     a.layers, a.page_tokens, a.kv_heads, a.head_dim = 32, 16, 8, 128
@@ -52,8 +56,9 @@ def _summary(prof, label: str) -> dict:
                   and t0 <= e.time_range.start <= t1),
                  key=lambda e: e.time_range.start)
     dmas = [e for e in dev if e.name.startswith("Memcpy")]
+    names = sorted({e.name for e in dmas})
     kernels = [e for e in dev if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")]
-    out: dict = {"host_us": round(t1 - t0, 1), "dmas": len(dmas), "kernels": len(kernels)}
+    out: dict = {"host_us": round(t1 - t0, 1), "dmas": len(dmas), "dma_names": names[:4], "kernels": len(kernels)}
     for name, group in (("d2h", [e for e in dmas if "DtoH" in e.name]), ("h2d", [e for e in dmas if "HtoD" in e.name])):
         if not group:
             continue
@@ -92,7 +97,9 @@ def main(argv=None) -> int:
     res["moves"] = {}
     try:
         e = b.e
-        e.ctx.copy_modes.update(d2h="staged", h2d="staged")
+        if args.copy_modes != "default":
+            e.ctx.copy_modes.update(d2h=args.copy_modes, h2d=args.copy_modes)
+        res["copy_modes"] = dict(e.ctx.copy_modes)
         for _ in range(2):                                   # warm: compile, caches, allocator
             b.run(b.mv("evict", "device", "host", b.A))
             b.run(b.mv("restore", "host", "device", b.A))
@@ -146,10 +153,23 @@ def main(argv=None) -> int:
             ph["both_many"] = mb.phases(e.last_phases)
             b.run(b.mv("restore", "host", "device", b.B))
 
+        side = (torch.cuda.Stream(), torch.cuda.Stream())
+
+        def bare_both():
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("bare_both"):
+                for st in side:
+                    st.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side[0]):
+                    b.h_b.tensor.copy_(b.d_a, non_blocking=True)
+                with torch.cuda.stream(side[1]):
+                    b.d_b.copy_(b.h_a.tensor, non_blocking=True)
+                torch.cuda.synchronize()
+
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         sched = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
         for label, fn in (("spill", spill), ("restore", restore), ("restore_nohash", restore_nohash), ("both", both),
-                          ("both_many", both_many)):
+                          ("both_many", both_many), ("bare_both", bare_both)):
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=acts, schedule=sched) as prof:
                 for _ in range(2):
