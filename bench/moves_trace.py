@@ -38,6 +38,9 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--pipeline-blocks", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--tail-ms", type=float, default=0.0,
+                   help="list every device event and CUDA call in each move's last this many ms")
+    p.add_argument("--only", default=None, help="comma-separated moves to trace (default: all)")
     p.add_argument("--copy-modes", default="default",
                    help="the engine's copy mode for both directions, or 'default' (the engine's own)")
     a = p.parse_args(argv)
@@ -47,7 +50,26 @@ def _args(argv) -> argparse.Namespace:
     return a
 
 
-def _summary(prof, label: str) -> dict:
+def _tail(evs, t0: float, t1: float, ms: float) -> list:
+    """Every device event and CUDA host call that ends in the last ``ms`` of [t0, t1]: what runs
+    between a move's last byte and its return. Rows: (start µs, end µs, "dev"/"host", stream or
+    thread, name), relative to t0."""
+    rows = []
+    for e in evs:
+        end = e.time_range.end
+        if not (t1 - ms * 1e3 <= end <= t1 and e.time_range.start >= t0):
+            continue
+        if e.device_type == DeviceType.CUDA:
+            where = f"dev s{getattr(e, 'device_resource_id', '?')}"
+        elif e.name.startswith("cu"):
+            where = "host"
+        else:
+            continue
+        rows.append((round(e.time_range.start - t0, 1), round(end - t0, 1), where, e.name[:48]))
+    return sorted(rows)
+
+
+def _summary(prof, label: str, tail_ms: float = 0.0) -> dict:
     """The move's device activity relative to the host range named ``label``."""
     evs = prof.events()
     host = [e for e in evs if e.name == label and e.device_type == DeviceType.CPU]
@@ -80,11 +102,13 @@ def _summary(prof, label: str) -> dict:
     launches = [e for e in evs if e.device_type == DeviceType.CPU and t0 <= e.time_range.start <= t1
                 and e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
                                "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventSynchronize",
-                               "cudaEventQuery")]
+                               "cudaEventQuery", "cudaMemcpyBatchAsync", "cudaStreamSynchronize")]
     calls: dict[str, list[float]] = {}
     for e in launches:
         calls.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     out["host_calls_us"] = {k: [len(v), round(sum(v), 1)] for k, v in calls.items()}
+    if tail_ms:
+        out["tail"] = _tail(evs, t0, t1, tail_ms)
     return out
 
 
@@ -170,13 +194,15 @@ def main(argv=None) -> int:
         sched = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
         for label, fn in (("spill", spill), ("restore", restore), ("restore_nohash", restore_nohash), ("both", both),
                           ("both_many", both_many), ("bare_both", bare_both)):
+            if args.only and label not in args.only.split(","):
+                continue
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=acts, schedule=sched) as prof:
                 for _ in range(2):
                     fn()
                     torch.cuda.synchronize()
                     prof.step()
-            s = _summary(prof, label)
+            s = _summary(prof, label, args.tail_ms)
             s["phases_us"] = ph.get(label)
             res["moves"][label] = s
             print(label, json.dumps(s))
