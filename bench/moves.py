@@ -73,6 +73,7 @@ class Bench:
                         raw_dma=not getattr(args, "torch_dma", False),
                         batch_dma=not getattr(args, "no_batch_dma", False),
                         **({"dma_lanes": args.dma_lanes} if getattr(args, "dma_lanes", None) else {}))
+        self.e.settle_beside = not getattr(args, "no_settle_beside", False)
         words = self.layout.block_words
         self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
         self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)
@@ -356,7 +357,7 @@ class Bench:
         from dataplane.engine import default_copy_modes
 
         defaults = default_copy_modes(self.e.ctx.dma)    # what this engine uses when none is named
-        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name, dma_lanes=self.e.streams.dma_lanes,
+        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name, dma_lanes=self.e.streams.dma_lanes, settle_beside=self.e.settle_beside,
                  dma_batch_refused=getattr(self.e.ctx.dma, "batch_refused", None), device=device_name(self.dev),
                  torch=torch.__version__, triton=triton_version(), blocks=self.n, bytes=self.bytes,
                  layout=dict(num_layers=self.layout.num_layers, page_tokens=self.layout.page_tokens,
@@ -465,6 +466,7 @@ def main(argv=None):
     p.add_argument("--no-batch-dma", action="store_true",
                    help="one cudaMemcpyAsync per run instead of a cudaMemcpyBatchAsync per call (for comparison)")
     p.add_argument("--dma-lanes", type=int, default=None, help="copy streams per direction for the dma mode (default: the engine's)")
+    p.add_argument("--no-settle-beside", action="store_true", help="settle moves only when waited for (Engine.settle_beside off)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, measures nothing")
     p.add_argument("--out", default=None)

@@ -37,6 +37,7 @@ class EarlyStart:
             self._undo(mv, "begin_ahead_failed", repr(e))
             return False
         mv.mark("enqueued")
+        mv.ahead = True                 # not settled beside another move: only its own wait finishes it
         return True
 
     def abandon(self, move_id: str, why: str) -> None:

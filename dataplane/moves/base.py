@@ -80,6 +80,20 @@ class InFlight:
         # submitted -> validated -> enqueued (begin done) -> landed (copies seen complete) -> settled
         self.phases: dict[str, int] = {}
         self.pending: Iterator[None] | None = None   # the rest of the enqueue, one chunk per step
+        # Routes that chunk their copies set this once the last chunk is enqueued: an event after
+        # every chunk but the last (None: one chunk, or a route that cannot tell).
+        self.nearly = None
+        self.ahead = False       # begun before its command came (Engine.begin_ahead) and not yet waited for
+
+    def device_done(self) -> bool:
+        """Whether everything this move enqueued on the device has finished, so ``finish()``
+        would not wait. False where the route cannot tell without waiting (it is then finished
+        when its caller waits for it). Routes with copies in flight override it."""
+        return False
+
+    def nearing(self) -> bool:
+        """Whether all but the move's last chunk are across (False without chunks to tell by)."""
+        return self.nearly is not None and self.nearly.query()
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter_ns()

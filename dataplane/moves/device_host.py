@@ -126,6 +126,11 @@ class SpillToHost(_LinkFirst):
             self._hash()
         self.copied = copier.done(spin=True)
 
+    def device_done(self) -> bool:
+        """Every chunk enqueued and landed, and the source hashed."""
+        return self.pending is None and getattr(self, "copied", None) is not None \
+            and self.copied.query() and self.hashed.query()
+
     def _hash(self) -> None:
         # The checksums read the device source (which stays put until commit) beside the copies.
         c = self.ctx
@@ -221,8 +226,10 @@ class RestoreFromHost(_LinkFirst):
         copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
         self.hasher = None
+        done = first_done
         for lo in range(n0, n, step):
             hi = min(n, lo + step)
+            self.nearly = done                   # the link is busy with the chunks before this one
             copier.enqueue(lo, hi)
             done = copier.done()
             if self.hasher is None:              # once the link has its second chunk
@@ -232,6 +239,10 @@ class RestoreFromHost(_LinkFirst):
         if self.hasher is None:
             self._start_hash(dst_slots, n0, first_done)
         self.hashed = self.hasher.done()
+
+    def device_done(self) -> bool:
+        """Every chunk enqueued, landed and hashed (the hash stream waited on each chunk)."""
+        return self.pending is None and getattr(self, "hashed", None) is not None and self.hashed.query()
 
     def _start_hash(self, dst_slots, n0: int, first_done) -> None:
         self.hasher = Hasher(self.ctx, self.ctx.device.words, dst_slots, self.order_ids)
