@@ -68,34 +68,33 @@ def test_an_early_start_is_never_settled_beside_another_move(tmp_path):
         _check_bytes(e, out_ids, in_ids, data)
 
 
-def _hold(stream):
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(100_000_000)                      # ~50 ms of the stream's time
+def _held_pair(e, held):
+    """The pair submitted together on the GPU with ``held`` (a copy stream) kept busy ~50 ms
+    first, and the restore waited for: (out_ids, in_ids, data, spill ticket, restore's ack)."""
+    out_ids, in_ids, data = _pair(e)
+    with torch.cuda.stream(held):
+        torch.cuda._sleep(100_000_000)
+    t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
+                                 move("restore", "host", "device", in_ids)])
+    ack_in = e.wait(t_in)
+    assert isinstance(ack_in, MoveAcked)
+    return out_ids, in_ids, data, t_out, ack_in
 
 
 @gpu
 def test_on_the_gpu_a_landed_spill_is_settled_while_the_restore_still_crosses(tmp_path):
     with _engine(tmp_path, "cuda:0") as e:
-        out_ids, in_ids, data = _pair(e)
-        _hold(e.streams.h2d)                                 # the restore's copies wait
-        t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
-                                     move("restore", "host", "device", in_ids)])
-        ack_in = e.wait(t_in)
+        out_ids, in_ids, data, t_out, ack_in = _held_pair(e, e.streams.h2d)      # the restore waits
         ack_out = e.outcome_of(t_out.move_id)
-        assert isinstance(ack_out, MoveAcked) and isinstance(ack_in, MoveAcked)
-        assert ack_out.finished_ns < ack_in.finished_ns
+        assert isinstance(ack_out, MoveAcked) and ack_out.finished_ns < ack_in.finished_ns
         _check_bytes(e, out_ids, in_ids, data)
 
 
 @gpu
 def test_on_the_gpu_a_spill_still_crossing_is_left_to_its_own_wait(tmp_path):
     with _engine(tmp_path, "cuda:0") as e:
-        out_ids, in_ids, data = _pair(e)
-        _hold(e.streams.d2h)                                 # the spill's copies wait
-        t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
-                                     move("restore", "host", "device", in_ids)])
-        ack_in = e.wait(t_in)
-        assert isinstance(ack_in, MoveAcked) and e.outcome_of(t_out.move_id) is None
+        out_ids, in_ids, data, t_out, ack_in = _held_pair(e, e.streams.d2h)      # the spill waits
+        assert e.outcome_of(t_out.move_id) is None
         ack_out = e.wait(t_out)
         assert isinstance(ack_out, MoveAcked) and ack_out.finished_ns > ack_in.finished_ns
         _check_bytes(e, out_ids, in_ids, data)
