@@ -361,14 +361,17 @@ class Engine(EarlyStart, BlockOps):
             others = [m for m in self._inflight.values() if m is not target and m.pending is None and not m.ahead]
             if not others:
                 return
-            landed = [m for m in others if m.device_done()]
+            try:                              # an event that cannot be queried: each move's own
+                landed = [m for m in others if m.device_done()]            # wait will say why
+                if not landed and (target.nearing() or target.device_done()):
+                    return
+            except Exception as e:  # noqa: BLE001
+                self.log.warning("settle_beside_stopped", move_id=target.cmd.move_id, error=repr(e))
+                return
             for m in landed:
                 self._finish(m)
-            if landed:
-                continue
-            if target.nearing() or target.device_done():
-                return
-            time.sleep(SETTLE_POLL_S)
+            if not landed:
+                time.sleep(SETTLE_POLL_S)
 
     def pump(self) -> bool:
         """Enqueue one more chunk of every move in flight that has chunks left, in turn.

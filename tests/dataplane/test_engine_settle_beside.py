@@ -68,6 +68,21 @@ def test_an_early_start_is_never_settled_beside_another_move(tmp_path):
         _check_bytes(e, out_ids, in_ids, data)
 
 
+def test_a_move_that_cannot_say_whether_it_landed_is_left_to_its_own_wait(tmp_path):
+    with _engine(tmp_path) as e:
+        out_ids, in_ids, data = _pair(e)
+        t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
+                                     move("restore", "host", "device", in_ids)])
+
+        def broken():
+            raise RuntimeError("event query failed")
+        e._inflight[t_out.move_id].device_done = broken
+        assert isinstance(e.wait(t_in), MoveAcked)
+        assert e.outcome_of(t_out.move_id) is None
+        assert isinstance(e.wait(t_out), MoveAcked)
+        _check_bytes(e, out_ids, in_ids, data)
+
+
 def _held_pair(e, held):
     """The pair submitted together on the GPU with ``held`` (a copy stream) kept busy ~50 ms
     first, and the restore waited for: (out_ids, in_ids, data, spill ticket, restore's ack)."""
