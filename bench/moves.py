@@ -72,8 +72,8 @@ class Bench:
                         device=str(self.dev), fsync=False, pipeline_blocks=args.pipeline_blocks,
                         raw_dma=not getattr(args, "torch_dma", False),
                         batch_dma=not getattr(args, "no_batch_dma", False),
+                        settle_beside=not getattr(args, "no_settle_beside", False),
                         **({"dma_lanes": args.dma_lanes} if getattr(args, "dma_lanes", None) else {}))
-        self.e.settle_beside = not getattr(args, "no_settle_beside", False)
         words = self.layout.block_words
         self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
         self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)

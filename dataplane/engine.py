@@ -133,6 +133,7 @@ class Engine(EarlyStart, BlockOps):
         raw_dma: bool = True,
         batch_dma: bool = True,
         dma_lanes: int = DMA_LANES,
+        settle_beside: bool = True,
     ):
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -183,7 +184,7 @@ class Engine(EarlyStart, BlockOps):
         # bookkeeping (unregistering the move, recording the outcome); must not raise
         self.on_outcome: Callable[[Outcome], None] | None = None
         # settle other moves in flight as they land while waiting for one (_settle_landed_beside)
-        self.settle_beside = True
+        self.settle_beside = settle_beside
         self.log = log.bind(worker=worker)
         refused = getattr(self.ctx.dma, "batch_refused", None)
         if refused is not None and batch_dma:
@@ -354,8 +355,8 @@ class Engine(EarlyStart, BlockOps):
         byte (bench/moves_trace.py --tail-ms). Here the engine thread looks every
         ``SETTLE_POLL_S`` until ``target`` is on its last chunk, and settles each other move whose
         device work is over (``InFlight.device_done``) at once. Only for a target of several
-        chunks: a small move is not kept waiting behind another's bookkeeping."""
-        if not self.settle_beside or len(target.ids) <= self.ctx.pipeline_blocks:
+        chunks (``InFlight.chunked``): a move of one is not kept waiting behind another's bookkeeping."""
+        if not self.settle_beside or not target.chunked():
             return
         while True:
             others = [m for m in self._inflight.values() if m is not target and m.pending is None and not m.ahead]

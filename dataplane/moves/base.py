@@ -80,8 +80,9 @@ class InFlight:
         # submitted -> validated -> enqueued (begin done) -> landed (copies seen complete) -> settled
         self.phases: dict[str, int] = {}
         self.pending: Iterator[None] | None = None   # the rest of the enqueue, one chunk per step
-        # Routes that chunk their copies set this once the last chunk is enqueued: an event after
-        # every chunk but the last (None: one chunk, or a route that cannot tell).
+        # Routes that chunk their copies keep here, as they enqueue each chunk, an event after the
+        # chunks before it: once all are enqueued, after every chunk but the last (None: not yet,
+        # or a route that cannot tell).
         self.nearly = None
         self.ahead = False       # begun before its command came (Engine.begin_ahead) and not yet waited for
 
@@ -89,6 +90,10 @@ class InFlight:
         """Whether everything this move enqueued on the device has finished, so ``finish()``
         would not wait. False where the route cannot tell without waiting (it is then finished
         when its caller waits for it). Routes with copies in flight override it."""
+        return False
+
+    def chunked(self) -> bool:
+        """Whether the move copies in more than one chunk (its first, then pipelined ones)."""
         return False
 
     def nearing(self) -> bool:

@@ -83,6 +83,9 @@ class _LinkFirst(InFlight):
     def first_enqueued(self, first) -> None:
         """The whole first chunk is enqueued."""
 
+    def chunked(self) -> bool:
+        return self.n0 < len(self.ids)
+
 
 class SpillToHost(_LinkFirst):
     route = ("device", "host")

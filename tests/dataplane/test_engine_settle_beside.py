@@ -57,6 +57,20 @@ def test_a_move_of_one_chunk_does_not_wait_behind_the_others(tmp_path):
         e.check_integrity()
 
 
+def test_moves_started_together_in_one_chunk_each_are_each_left_to_their_own_wait(tmp_path):
+    # submit_many gives each move a first chunk of two pipeline chunks: 6 blocks go in one
+    with _engine(tmp_path) as e:
+        out_ids, in_ids, data = _pair(e)
+        t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
+                                     move("restore", "host", "device", in_ids[:6])])
+        while e.pump():                                     # the spill all enqueued (landed, on CPU)
+            pass
+        assert isinstance(e.wait(t_in), MoveAcked)
+        assert e.outcome_of(t_out.move_id) is None
+        assert isinstance(e.wait(t_out), MoveAcked)
+        e.check_integrity()
+
+
 def test_an_early_start_is_never_settled_beside_another_move(tmp_path):
     with _engine(tmp_path) as e:
         out_ids, in_ids, data = _pair(e)
