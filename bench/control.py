@@ -38,15 +38,14 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from control.cli.ctl_cmd import parse_size  # noqa: E402
+from residency.control.cli.ctl_cmd import parse_size  # noqa: E402
 from control_cluster import BIG_LAYOUT, SMALL_LAYOUT, Cluster, git_commit, layout_bytes, pct  # noqa: E402
 from control_spill import (  # noqa: E402
     VARIANTS, cpu_spinner, default_variant, dma_hog, spill, spill_control_only, under_dma_load,
 )
-from events.commands import AskMove  # noqa: E402
-from events.logconfig import configure_logging  # noqa: E402
+from residency.events.commands import AskMove  # noqa: E402
+from residency.events.logconfig import configure_logging  # noqa: E402
 
 
 

@@ -11,13 +11,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from control.moves import MoveConfig  # noqa: E402
-from control.policy import PolicyConfig  # noqa: E402
-from control.proc import ControlConfig, ControlProc  # noqa: E402
-from events.commands import AskCommitBlocks  # noqa: E402
-from ledger import LedgerStore  # noqa: E402
+from residency.control.moves import MoveConfig  # noqa: E402
+from residency.control.policy import PolicyConfig  # noqa: E402
+from residency.control.proc import ControlConfig, ControlProc  # noqa: E402
+from residency.events.commands import AskCommitBlocks  # noqa: E402
+from residency.ledger import LedgerStore  # noqa: E402
 
 import commit  # noqa: E402  (bench/commit.py)
 
@@ -60,7 +59,7 @@ class Cluster:
                             command_ahead_min_bytes=ahead_min_bytes if ahead else 0, start_ahead=early, warm_writer=warm,
                             wake_lane_on_ask=wake, keep_awake=keep_awake, keep_awake_min_bytes=ahead_min_bytes)
         self.proc = ControlProc(self.store, cfg).start()
-        argv = [sys.executable, "-m", "dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
+        argv = [sys.executable, "-m", "residency.dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
                 "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
                 "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else []) + (
@@ -100,5 +99,5 @@ class Cluster:
 
 
 def layout_bytes(spec: str) -> int:
-    from dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from residency.dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
     return layout_block_bytes(parse_layout(spec))

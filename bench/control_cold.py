@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from control_cluster import BIG_LAYOUT, Cluster, git_commit, layout_bytes, write_result  # noqa: E402
-from events import Envelope  # noqa: E402
-from events import catalog as ev  # noqa: E402
-from events.codec import encode_message  # noqa: E402
-from events.commands import AskMove  # noqa: E402
-from ledger import LedgerStore  # noqa: E402
+from residency.events import Envelope  # noqa: E402
+from residency.events import catalog as ev  # noqa: E402
+from residency.events.codec import encode_message  # noqa: E402
+from residency.events.commands import AskMove  # noqa: E402
+from residency.ledger import LedgerStore  # noqa: E402
 
 IDLE_S = 0.040
 
@@ -52,7 +51,7 @@ def _median_us(fn, reps: int, idle_s: float = 0.0, before=None) -> float:
 
 def request_steps(reps: int) -> dict[str, float]:
     """The request's steps, on the control loop's thread, for 1024 blocks of 2 MiB."""
-    from control import moves  # noqa: PLC0415
+    from residency.control import moves  # noqa: PLC0415
 
     d = tempfile.mkdtemp(prefix="rcc-")
     c = Cluster(f"sqlite:///{d}/l.db", "nocopy", "cpu", BIG_LAYOUT, 1032, 1032 * layout_bytes(BIG_LAYOUT))

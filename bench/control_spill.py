@@ -3,7 +3,6 @@ called in this process, by variant (lane, hints, placement); the same moves thro
 worker (the control plane alone), also under a DMA load; where each move's time goes."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -11,8 +10,8 @@ import tempfile
 import time
 
 from control_cluster import BIG_LAYOUT, ROOT, Cluster, layout_bytes, pct
-from events import affinity
-from events.commands import AskMove
+from residency.events import affinity
+from residency.events.commands import AskMove
 
 # Where a move's time goes, in order: (name, from mark, to mark). Marks are wall-clock ns: the
 # bench's own (submit, returned), the control's (control.proc.MoveTraces), the worker's (MoveTimed,
@@ -179,7 +178,7 @@ def cpu_spinner() -> subprocess.Popen:
 def idle_spinners():
     """(part ``awake``) control/keep_awake.py's spinners, one window through the whole variant
     (not only while big moves are in flight, as the control's ``keep_awake`` does)."""
-    from control.keep_awake import KeepAwake  # noqa: PLC0415
+    from residency.control.keep_awake import KeepAwake  # noqa: PLC0415
     ka = KeepAwake()
     ka.until(time.monotonic_ns() + 3600 * 10**9)
     return ka
@@ -251,10 +250,10 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
     once per variant (the headline figures are the default variant's; all are under "variants")."""
     import torch  # noqa: PLC0415
 
-    from dataplane.engine import Engine  # noqa: PLC0415
-    from dataplane.pools import KVLayout  # noqa: PLC0415
-    from dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
-    from events.commands import CommitBlocks, ExecuteMove  # noqa: PLC0415
+    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.pools import KVLayout  # noqa: PLC0415
+    from residency.dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from residency.events.commands import CommitBlocks, ExecuteMove  # noqa: PLC0415
 
     if device == "cpu":
         torch.set_num_threads(1)          # like the worker (--torch-threads 1): the same copy engine on both sides

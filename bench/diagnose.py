@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from control.simulate import simulate  # noqa: E402
-from events import Envelope  # noqa: E402
-from events import catalog as ev  # noqa: E402
-from ledger import LedgerStore  # noqa: E402
+from residency.control.simulate import simulate  # noqa: E402
+from residency.events import Envelope  # noqa: E402
+from residency.events import catalog as ev  # noqa: E402
+from residency.ledger import LedgerStore  # noqa: E402
 
 from commit import git_commit  # noqa: E402  (bench/commit.py)
 

@@ -8,8 +8,9 @@
 # machine's copy of .git can be older than the working tree it receives, and the JSON would name
 # that older commit.
 set -u
+# The checkout's folders import as residency.* through a link named residency to the checkout.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  && ln -sfn "$PWD" /tmp/site/residency && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1
 parts=" ${*:-tests moves control cold ttft} "
 nvidia-smi -L

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from control.keep_awake import KeepAwake  # noqa: E402  (before bench/ joins the path: bench/control.py)
+from residency.control.keep_awake import KeepAwake  # noqa: E402  (before bench/ joins the path: bench/control.py)
 
 sys.path.insert(0, str(ROOT / "bench"))
 from control_cluster import git_commit, write_result  # noqa: E402

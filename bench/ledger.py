@@ -22,19 +22,17 @@ import json
 import os
 import random
 import sqlite3
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events import Envelope  # noqa: E402
+from residency.events import Envelope  # noqa: E402
 
 from commit import git_commit  # noqa: E402  (bench/commit.py)
-from events.catalog import BlocksCommitted, BlocksFreed, MoveAcked, MoveRequested, pack_checksums  # noqa: E402
-from ledger import LedgerStore  # noqa: E402
+from residency.events.catalog import BlocksCommitted, BlocksFreed, MoveAcked, MoveRequested, pack_checksums  # noqa: E402
+from residency.ledger import LedgerStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SQLITE_PATH = "/tmp/residency-ledger-bench.db"
@@ -213,7 +211,7 @@ def big_ledger(results: dict, url: str, label: str, num_events: int, repeat: int
     for b in Workload(seed, moves_only=False).batches(num_events, 1000):
         store.append(b, durability="normal")
     results[f"{label}_build_{num_events}_s"] = time.perf_counter() - t
-    from ledger.verify_parallel import MIN_EVENTS_PER_WORKER
+    from residency.ledger.verify_parallel import MIN_EVENTS_PER_WORKER
 
     # The library picks workers by idle cores (``default_workers``); the bench asks for one per core
     # so the figure says what the code does, not what the neighbours left over this minute.
@@ -275,7 +273,7 @@ def main() -> None:
     fresh_sqlite()
 
     if args.pg:
-        from ledger.errors import masked
+        from residency.ledger.errors import masked
         results["pg_url"] = masked(args.pg)
 
         def pg_url():

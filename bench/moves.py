@@ -31,23 +31,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dataplane.engine import Engine  # noqa: E402
-from dataplane.moves.copy import Copier  # noqa: E402
-from dataplane.pools import KVLayout  # noqa: E402
-from events.catalog import MoveAcked  # noqa: E402
-from events.commands import CommitBlocks, ExecuteMove  # noqa: E402
-from kernels.checksum import block_checksums  # noqa: E402
+from residency.dataplane.engine import Engine  # noqa: E402
+from residency.dataplane.moves.copy import Copier  # noqa: E402
+from residency.dataplane.pools import KVLayout  # noqa: E402
+from residency.events.catalog import MoveAcked  # noqa: E402
+from residency.events.commands import CommitBlocks, ExecuteMove  # noqa: E402
+from residency.kernels.checksum import block_checksums  # noqa: E402
 from moves_parts import GB, both_over_one, no_checksums, phases, probe_bidir, sync, timed  # noqa: E402,F401
 from moves_report import TARGETS, device_name, git_commit, table, triton_version  # noqa: E402,F401
 
@@ -354,7 +352,7 @@ class Bench:
     # ------------------------------------------------------------ driver
     def main(self):
         r = self.res
-        from dataplane.engine import default_copy_modes
+        from residency.dataplane.engine import default_copy_modes
 
         defaults = default_copy_modes(self.e.ctx.dma)    # what this engine uses when none is named
         r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name, dma_lanes=self.e.streams.dma_lanes, settle_beside=self.e.settle_beside,
@@ -443,7 +441,7 @@ def gpu_bench(name: str, args, why: str = "") -> tuple[Bench, dict] | None:
 
 
 def main(argv=None):
-    from events.logconfig import configure_logging
+    from residency.events.logconfig import configure_logging
 
     configure_logging()          # as a worker runs: info level, so per-move debug lines cost nothing
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

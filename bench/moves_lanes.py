@@ -33,13 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from dataplane.moves.dma import dma_issuer  # noqa: E402
-from dataplane.pools.budget import PinnedBudget  # noqa: E402
+from residency.dataplane.moves.dma import dma_issuer  # noqa: E402
+from residency.dataplane.pools.budget import PinnedBudget  # noqa: E402
 from moves_report import device_name, git_commit  # noqa: E402
 
 GB = 1e9

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from dataplane.moves.copy import Copier
+from residency.dataplane.moves.copy import Copier
 
 GB = 1e9
 
@@ -45,9 +45,9 @@ class no_checksums:
     of measuring what the checksum itself costs. Never used outside bench/."""
 
     def __enter__(self):
-        import dataplane.moves.device_host as dh
+        import residency.dataplane.moves.device_host as dh
 
-        from dataplane.moves.indexes import Landed
+        from residency.dataplane.moves.indexes import Landed
 
         class Part:
             def __init__(self, n):

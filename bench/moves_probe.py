@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import moves as mb  # noqa: E402  (bench/moves.py: the same engine set-up)
-from dataplane.moves import Copier, DeviceStaging  # noqa: E402
-from dataplane.moves.copy import coalesce  # noqa: E402
+from residency.dataplane.moves import Copier, DeviceStaging  # noqa: E402
+from residency.dataplane.moves.copy import coalesce  # noqa: E402
 
 GB = 1e9
 
@@ -224,7 +224,7 @@ def both(b: mb.Bench, reps: int) -> dict:
     first chunks 1, 2 and 3 pipeline chunks long (``submit_many_x<k>``; the engine's default is
     ``dataplane.engine.FIRST_CHUNKS_TOGETHER``), and x2 without the first move's longer first step
     (``FIRST_LEAD_BLOCKS``; ``_nolead``), two interleaved rounds."""
-    import dataplane.engine as engine_mod
+    import residency.dataplane.engine as engine_mod
 
     res = {}
     hows = ("sequential", "submit_many_x1", "submit_many_x2", "submit_many_x3", "submit_many_x2_nolead")
@@ -303,7 +303,7 @@ def dma_issue_cost(b: mb.Bench, reps: int) -> dict:
 
 def _issuers() -> dict:
     """torch, and where the runtime is found raw (one call per run) and batch (one per call)."""
-    from dataplane.moves.dma import RawDma, TorchDma
+    from residency.dataplane.moves.dma import RawDma, TorchDma
 
     out: dict = {"torch": TorchDma()}
     one_by_one, batched = RawDma.load(batch=False), RawDma.load()

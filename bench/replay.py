@@ -14,15 +14,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control.replay import replay, write_snapshots  # noqa: E402
-from control.simulate import simulate  # noqa: E402
-from ledger import LedgerStore  # noqa: E402
+from residency.control.replay import replay, write_snapshots  # noqa: E402
+from residency.control.simulate import simulate  # noqa: E402
+from residency.ledger import LedgerStore  # noqa: E402
 
 from commit import git_commit  # noqa: E402  (bench/commit.py)
 

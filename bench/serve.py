@@ -49,7 +49,7 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = tempfile.mkdtemp(dir=tmp)
-        argv = [sys.executable, "-m", "control.cli.main", "serve", "--ledger", f"sqlite:///{self.dir}/l.db",
+        argv = [sys.executable, "-m", "residency.control.cli.main", "serve", "--ledger", f"sqlite:///{self.dir}/l.db",
                 "--port", str(self.port), "--run-dir", f"{self.dir}/run", "--no-policies", "--admin-key", KEY,
                 "--device-blocks", "512", "--no-disk-fsync", *extra]
         self.log = open(f"{self.dir}/serve.log", "wb")

@@ -17,17 +17,15 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from datetime import date
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dataplane.model import LLAMA3_8B, SMOLLM2_135M, SamplingParams, SeqInput, load_model, random_model  # noqa: E402
-from dataplane.model.hf_reference import build_hf_llama  # noqa: E402
+from residency.dataplane.model import LLAMA3_8B, SMOLLM2_135M, SamplingParams, SeqInput, load_model, random_model  # noqa: E402
+from residency.dataplane.model.hf_reference import build_hf_llama  # noqa: E402
 
 from serve_common import PAGE, Timer, d2d_bandwidth, log, rel, slot_tables  # noqa: E402,F401
 from serve_ttft import bench_ttft  # noqa: E402
@@ -40,7 +38,7 @@ GIT_COMMIT = git_commit()
 
 # ------------------------------------------------------------------ numerics on the device
 def check_kernels(device: torch.device) -> dict:
-    from kernels.attention import paged_decode_attention, paged_decode_attention_ref, rope_and_cache, rope_and_cache_ref
+    from residency.kernels.attention import paged_decode_attention, paged_decode_attention_ref, rope_and_cache, rope_and_cache_ref
 
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -62,7 +60,7 @@ def check_kernels(device: torch.device) -> dict:
                 "bitwise_repeatable": bool(torch.equal(o, again))}
         T = 37
         qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=g).to(device)
-        from dataplane.model.config import rope_inv_freq, rope_tables
+        from residency.dataplane.model.config import rope_inv_freq, rope_tables
         cos, sin = (x.to(device) for x in rope_tables(rope_inv_freq(LLAMA3_8B.replace(head_dim=hd)), 5000))
         pos = torch.randint(0, 5000, (T,), generator=g, dtype=torch.int32).to(device)
         slots = torch.arange(T, dtype=torch.int32, device=device) // PAGE
@@ -243,7 +241,7 @@ def run_gpu(args, save) -> dict:
     log("kernel checks: " + json.dumps(res["kernel_checks"]))
     graphs_cls = None
     if device.type == "cuda":
-        from dataplane.model.graphs import DecodeGraphs
+        from residency.dataplane.model.graphs import DecodeGraphs
         graphs_cls = DecodeGraphs
     configs = [SMOLLM2_135M, LLAMA3_8B]                       # small and launch-bound; large and HBM-bound
     if args.dry_run:
@@ -328,7 +326,7 @@ def run_cpu(args) -> dict:
                 f"{row['decode_b1_tok_s']:.1f} tok/s, b4 {row['decode_b4_tok_s']:.1f} tok/s (load {row['load_average']:.1f})")
     r.batch_invariant = False
     torch.set_num_threads(args.threads[0])
-    from dataplane.model import chat
+    from residency.dataplane.model import chat
     t = time.perf_counter()
     reply = chat(m, [{"role": "user", "content": "Give me three tips for a good night's sleep."}],
                  SamplingParams(max_tokens=80))

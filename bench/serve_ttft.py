@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.model import SeqInput
+from residency.dataplane.model import SeqInput
 from serve_common import PAGE, Timer, log, rel
 
 
@@ -64,7 +64,7 @@ def bench_ttft(model, device, history: int, new: int, gen) -> dict:
     t_turn = timer(lambda: r.forward([SeqInput(new_ids, history, table)], pool), repeat=5, warmup=1)
     # The same turn with its attention through SDPA over gathered pages (the path before the
     # extend kernel), side by side: time and how far its logits are from the kernel's.
-    import dataplane.model.runner as runner_mod
+    import residency.dataplane.model.runner as runner_mod
     saved, runner_mod.EXTEND_MAX_TOKENS = runner_mod.EXTEND_MAX_TOKENS, 0
     try:
         t_turn_sdpa = timer(lambda: r.forward([SeqInput(new_ids, history, table)], pool), repeat=5, warmup=1)

@@ -2,7 +2,7 @@
 
 Each round starts a fresh Python process (kernels compile, or load from Triton's disk cache, once
 per process), builds an engine of 2 MiB blocks (the moves bench's layout), optionally runs
-``Engine.warm_up()`` (what ``python -m dataplane.proc`` does on a GPU before its Hello), then
+``Engine.warm_up()`` (what ``python -m residency.dataplane.proc`` does on a GPU before its Hello), then
 times its first 1-block spill and restore and its first 128-block spill. Rounds alternate
 cold / warmed, --rounds of each. Prints a table; writes bench/results/warm-up-<date>-<device>.json.
 
@@ -16,20 +16,18 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from commit import git_commit  # noqa: E402  (bench/commit.py)
 
 CHILD = r"""
 import json, sys, tempfile, time
 import torch
-from dataplane.engine import Engine
-from dataplane.pools import KVLayout
-from events.commands import CommitBlocks, ExecuteMove
+from residency.dataplane.engine import Engine
+from residency.dataplane.pools import KVLayout
+from residency.events.commands import CommitBlocks, ExecuteMove
 
 device, warm = sys.argv[1], sys.argv[2] == "1"
 kv = KVLayout(32, 16, 8, 128, dtype="bfloat16")

@@ -19,17 +19,17 @@ from typing import Callable
 import zmq
 import structlog
 
-from events import catalog as ev
-from events.commands import (
+from residency.events import catalog as ev
+from residency.events.commands import (
     AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, BlocksWritten, CommandFailed,
     CommitBlocks, StatusReport,
 )
-from control import budget, moves
-from control.errors import ControlError, LedgerDiverged
-from control.links import WorkerLink
-from control.policy import release
-from control.state import encode_state, state_hash
-from control.transport import INVALID_ASK, TransportError
+from residency.control import budget, moves
+from residency.control.errors import ControlError, LedgerDiverged
+from residency.control.links import WorkerLink
+from residency.control.policy import release
+from residency.control.state import encode_state, state_hash
+from residency.control.transport import INVALID_ASK, TransportError
 
 log = structlog.get_logger("control.asking")
 S = 1_000_000_000

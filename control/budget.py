@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
-from events import catalog as ev
-from control.state import State, TierAccount
+from residency.events import catalog as ev
+from residency.control.state import State, TierAccount
 
 
 class Refusal(msgspec.Struct, frozen=True, kw_only=True):

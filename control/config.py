@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from control import moves
-from control.policy import PolicyConfig
+from residency.control import moves
+from residency.control.policy import PolicyConfig
 
 
 class ControlConfig(msgspec.Struct, kw_only=True):

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from events import catalog as ev
-from events.envelope import Recorded
-from control import fold_serving
-from control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
-from control.state import (
+from residency.events import catalog as ev
+from residency.events.envelope import Recorded
+from residency.control import fold_serving
+from residency.control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
+from residency.control.state import (
     MAX_REFUSALS_KEPT,
     BlockState,
     copy_set,

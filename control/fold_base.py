@@ -3,7 +3,7 @@
 missing. Part of the fold: deterministic, no I/O."""
 from __future__ import annotations
 
-from control.state import MAX_ANOMALIES_KEPT, State
+from residency.control.state import MAX_ANOMALIES_KEPT, State
 
 
 def anomaly(s: State, seq: int, what: str) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from events import catalog as ev
-from control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
-from control.state import ArenaState, RebindState, SessionState, State
+from residency.events import catalog as ev
+from residency.control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
+from residency.control.state import ArenaState, RebindState, SessionState, State
 
 def _session(s: State, name: str) -> SessionState:
     sess = s.sessions.get(name)

@@ -18,11 +18,11 @@ import time
 import msgspec
 import structlog
 
-from events import catalog as ev
-from events.commands import BlocksReleased, CommandAhead, MovesReport, MoveTimed
-from control import budget, moves, recovery, watchdog
-from control.links import WorkerLink
-from control.policy import plan
+from residency.events import catalog as ev
+from residency.events.commands import BlocksReleased, CommandAhead, MovesReport, MoveTimed
+from residency.control import budget, moves, recovery, watchdog
+from residency.control.links import WorkerLink
+from residency.control.policy import plan
 
 log = structlog.get_logger("control.lifecycle")
 S = 1_000_000_000

@@ -22,14 +22,14 @@ from typing import Any, Callable, Collection
 import structlog
 import zmq
 
-from events import catalog as ev
-from events.commands import (
+from residency.events import catalog as ev
+from residency.events.commands import (
     ClaimDisk, DiskClaimed, ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown, Tokenize,
 )
-from ledger.errors import LedgerError
-from control import recovery, watchdog
-from control.errors import ControlError, LedgerDiverged
-from control.transport import (
+from residency.ledger.errors import LedgerError
+from residency.control import recovery, watchdog
+from residency.control.errors import ControlError, LedgerDiverged
+from residency.control.transport import (
     UNKNOWN_WORKER, WORKER_LOST, WORKER_MISMATCH, TransportError, WorkerUnreachable, parse_worker_identity,
     worker_identity,
 )

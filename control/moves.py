@@ -21,12 +21,12 @@ from collections.abc import Callable
 
 import msgspec
 
-from events import catalog as ev
-from events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
-from control.budget import Refusal, can_fund
-from control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
-from control.policy.restore import plan_restore
-from control.state import MoveState, State, copies_on
+from residency.events import catalog as ev
+from residency.events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
+from residency.control.budget import Refusal, can_fund
+from residency.control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
+from residency.control.policy.restore import plan_restore
+from residency.control.state import MoveState, State, copies_on
 
 S = 1_000_000_000
 _TIERS = operator.attrgetter("tiers")

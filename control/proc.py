@@ -41,24 +41,24 @@ from typing import Any, Callable
 import structlog
 import zmq
 
-from events import affinity
-from events import catalog as ev
-from events.commands import (
+from residency.events import affinity
+from residency.events import catalog as ev
+from residency.events.commands import (
     BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
     MoveTimed, Pong,
 )
-from control.asking import Asks
-from control.config import ControlConfig, Health
-from control.errors import ControlError, LedgerDiverged
-from control.keep_awake import KeepAwake
-from control.lifecycle import MoveLifecycle
-from control.links import WorkerLink, WorkerLinks
-from control.policy.recency import Recency
-from control.probes import ControlFaults, MoveTraces
-from control.recorder import Recorder
-from control.startstop import SERVER_VERSION, StartStop
-from control.state import State, encode_state, state_hash
-from control.transport import AskServer, WorkerRouter
+from residency.control.asking import Asks
+from residency.control.config import ControlConfig, Health
+from residency.control.errors import ControlError, LedgerDiverged
+from residency.control.keep_awake import KeepAwake
+from residency.control.lifecycle import MoveLifecycle
+from residency.control.links import WorkerLink, WorkerLinks
+from residency.control.policy.recency import Recency
+from residency.control.probes import ControlFaults, MoveTraces
+from residency.control.recorder import Recorder
+from residency.control.startstop import SERVER_VERSION, StartStop
+from residency.control.state import State, encode_state, state_hash
+from residency.control.transport import AskServer, WorkerRouter
 
 log = structlog.get_logger("control.proc")
 MS, S = 1_000_000, 1_000_000_000
@@ -242,7 +242,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             self._stopped.set()
 
     def _default_writer(self, store):
-        from ledger.writer import GroupCommitWriter
+        from residency.ledger.writer import GroupCommitWriter
         return GroupCommitWriter(store, max_batch=self.cfg.commit_max_batch, max_delay_s=self.cfg.commit_max_delay_s,
                                  max_queue=self.cfg.max_queue, durability=self.cfg.durability)
 

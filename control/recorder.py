@@ -7,14 +7,14 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
-from events import catalog as ev
-from events.envelope import Envelope, Recorded
-from control.errors import LedgerDiverged
-from control.fold import fold
-from control.policy.recency import Recency
-from control.probes import ControlFaults
-from control.recovery import PRODUCER
-from control.state import State
+from residency.events import catalog as ev
+from residency.events.envelope import Envelope, Recorded
+from residency.control.errors import LedgerDiverged
+from residency.control.fold import fold
+from residency.control.policy.recency import Recency
+from residency.control.probes import ControlFaults
+from residency.control.recovery import PRODUCER
+from residency.control.state import State
 
 
 class Recorder:

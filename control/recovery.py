@@ -25,12 +25,12 @@ import time
 import msgspec
 import structlog
 
-from events import catalog as ev
-from events.commands import MovesReport
-from control import moves
-from control.fold import fold
-from control.policy.recency import Recency
-from control.state import State, decode_state, state_hash
+from residency.events import catalog as ev
+from residency.events.commands import MovesReport
+from residency.control import moves
+from residency.control.fold import fold
+from residency.control.policy.recency import Recency
+from residency.control.state import State, decode_state, state_hash
 
 log = structlog.get_logger("control.recovery")
 PRODUCER = "control"

@@ -20,10 +20,10 @@ import gc
 from operator import call, itemgetter
 from typing import Callable
 
-from events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event, decode_packed
-from control.fold import fold_decoded, fold_run
-from control.state import State, decode_state, encode_state, state_hash
-from ledger.schema import PackedRun, PayloadRun
+from residency.events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event, decode_packed
+from residency.control.fold import fold_decoded, fold_run
+from residency.control.state import State, decode_state, encode_state, state_hash
+from residency.ledger.schema import PackedRun, PayloadRun
 
 
 _payload = itemgetter(2)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from typing import Iterator
 
-from events import catalog as ev
-from events.envelope import Envelope, Recorded
-from control.fold import fold
-from control.state import State, state_hash
+from residency.events import catalog as ev
+from residency.events.envelope import Envelope, Recorded
+from residency.control.fold import fold
+from residency.control.state import State, state_hash
 
 GiB = 1 << 30
 MiB = 1 << 20

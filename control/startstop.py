@@ -16,12 +16,12 @@ from typing import Callable
 
 import structlog
 
-from events import catalog as ev
-from events.commands import Shutdown
-from control import moves, recovery
-from control.policy import RefusalMemo, release
-from control.recorder import Recorder
-from control.state import index_copies
+from residency.events import catalog as ev
+from residency.events.commands import Shutdown
+from residency.control import moves, recovery
+from residency.control.policy import RefusalMemo, release
+from residency.control.recorder import Recorder
+from residency.control.state import index_copies
 
 log = structlog.get_logger("control.startstop")
 S = 1_000_000_000

@@ -15,7 +15,7 @@ import hashlib
 
 import msgspec
 
-from events.catalog import TIERS
+from residency.events.catalog import TIERS
 
 
 class IntegrityError(AssertionError):

@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 
 import msgspec
 
-from events.envelope import Recorded
+from residency.events.envelope import Recorded
 
 SUBJECT_KINDS = ("block", "session", "move", "worker")
 

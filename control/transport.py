@@ -26,8 +26,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from events.codec import encode_message
-from events.commands import AnyAsk, AnyAskReply, AnyMessage, AnyReply, ErrorReply, Message
+from residency.events.codec import encode_message
+from residency.events.commands import AnyAsk, AnyAskReply, AnyMessage, AnyReply, ErrorReply, Message
 
 # The errors a peer can provoke, by the name carried in ``ErrorReply.error``.
 MALFORMED = "malformed_message"            # bytes that are not one msgpack message

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from events.catalog import TIERS
-from control.state import State, check_integrity, IntegrityError
+from residency.events.catalog import TIERS
+from residency.control.state import State, check_integrity, IntegrityError
 
 
 def iso(ts_ns: int) -> str:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from events import catalog as ev
-from control.state import MoveState, State
+from residency.events import catalog as ev
+from residency.control.state import MoveState, State
 
 
 def is_release(mv: MoveState) -> bool:

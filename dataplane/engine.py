@@ -32,7 +32,7 @@ from itertools import repeat
 import structlog
 import torch
 
-from dataplane.moves import (
+from residency.dataplane.moves import (
     COPY_MODES,
     EXECUTORS,
     CopyStreams,
@@ -45,7 +45,7 @@ from dataplane.moves import (
     StagingRing,
     validate,
 )
-from dataplane.pools import (
+from residency.dataplane.pools import (
     DataPlaneError,
     DevicePool,
     DiskTier,
@@ -54,13 +54,13 @@ from dataplane.pools import (
     KVLayout,
     PinnedBudget,
 )
-from dataplane.engine_ahead import EarlyStart
-from dataplane.engine_blocks import BlockOps, seeded_words
-from dataplane.moves.dma import dma_issuer
-from dataplane.pools.budget import page_round
-from events.catalog import MoveAcked, MoveFailed, MoveRejected
-from events.commands import CommitBlocks, ExecuteMove, MovesReport
-from kernels.checksum import block_checksums, checksums_to_ints
+from residency.dataplane.engine_ahead import EarlyStart
+from residency.dataplane.engine_blocks import BlockOps, seeded_words
+from residency.dataplane.moves.dma import dma_issuer
+from residency.dataplane.pools.budget import page_round
+from residency.events.catalog import MoveAcked, MoveFailed, MoveRejected
+from residency.events.commands import CommitBlocks, ExecuteMove, MovesReport
+from residency.kernels.checksum import block_checksums, checksums_to_ints
 
 Outcome = MoveAcked | MoveFailed | MoveRejected
 log = structlog.get_logger("dataplane.engine")

@@ -8,7 +8,7 @@ command came), it is reserved destination slots and bytes in flight that nobody 
 """
 from __future__ import annotations
 
-from events.commands import ExecuteMove
+from residency.events.commands import ExecuteMove
 
 # Routes a move may begin before its command comes: their copies only fill slots they reserve;
 # the disk routes write files, so they wait for their command.

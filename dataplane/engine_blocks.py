@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.pools import AlreadyResident, BlockBusy, DataPlaneError
-from events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ReleaseBlocks
-from kernels.checksum import block_checksums, checksums_to_ints
+from residency.dataplane.pools import AlreadyResident, BlockBusy, DataPlaneError
+from residency.events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ReleaseBlocks
+from residency.kernels.checksum import block_checksums, checksums_to_ints
 
 
 class BlockOps:

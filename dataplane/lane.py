@@ -23,11 +23,11 @@ import time
 
 import zmq
 
-from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
-from dataplane.worker import OUTCOMES, command_ref
-from events import affinity
-from events.codec import encode_message
-from events.commands import CommandAhead, ErrorReply, ExecuteMove, LaneHello, MoveNearlyDone, MoveTimed, ReleaseBlocks
+from residency.dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
+from residency.dataplane.worker import OUTCOMES, command_ref
+from residency.events import affinity
+from residency.events.codec import encode_message
+from residency.events.commands import CommandAhead, ErrorReply, ExecuteMove, LaneHello, MoveNearlyDone, MoveTimed, ReleaseBlocks
 
 AWAKE_MAX_US = 5000       # the longest a CommandAhead keeps the lane polling awake
 # the longest an early-started move (a CommandAhead that carried its command) waits for that

@@ -1,4 +1,4 @@
-"""A data-plane worker process: ``python -m dataplane.proc --worker N --control ipc://... --device cpu``.
+"""A data-plane worker process: ``python -m residency.dataplane.proc --worker N --control ipc://... --device cpu``.
 
 Two threads, two sockets:
 
@@ -42,17 +42,17 @@ import msgspec
 import structlog
 import zmq
 
-from dataplane.serving_worker import add_serving_args
-from dataplane.lane import EngineLane
-from dataplane.side import SideThreads
-from dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError, lane_identity_of
-from dataplane.worker import OUTCOMES, NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord, command_ref
-from events import affinity
-from events.codec import encode_message
-from events.commands import (
+from residency.dataplane.serving_worker import add_serving_args
+from residency.dataplane.lane import EngineLane
+from residency.dataplane.side import SideThreads
+from residency.dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError, lane_identity_of
+from residency.dataplane.worker import OUTCOMES, NoCopyEngine, WorkerCore, WorkerFaults, WorkerRecord, command_ref
+from residency.events import affinity
+from residency.events.codec import encode_message
+from residency.events.commands import (
     BlocksReleased, CommandAhead, ErrorReply, ExecuteMove, Hello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
-from events.logconfig import configure_logging
+from residency.events.logconfig import configure_logging
 
 log = structlog.get_logger("dataplane.proc")
 MS = 1_000_000
@@ -385,7 +385,7 @@ def layout_block_bytes(layout: tuple[int, int, int, int, str]) -> int:
 
 def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     if args.engine == "real" and getattr(args, "model", None) not in (None, "", "none"):
-        from dataplane.serving_worker import build_serving_core  # noqa: PLC0415 - the model sets the layout
+        from residency.dataplane.serving_worker import build_serving_core  # noqa: PLC0415 - the model sets the layout
         return build_serving_core(args, faults)
     layout = parse_layout(args.kv_layout)
     block_bytes = layout_block_bytes(layout)
@@ -394,9 +394,9 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         return WorkerCore(NoCopyEngine(block_bytes, caps, args.worker, args.device), args.worker, faults), block_bytes
     import torch  # noqa: PLC0415 - only the real engine needs it (and its seconds of import)
 
-    from dataplane.engine import Engine  # noqa: PLC0415
-    from dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
-    from dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
+    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+    from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -409,7 +409,7 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataplane.proc", description="A Residency data-plane worker.")
+    p = argparse.ArgumentParser(prog="python -m residency.dataplane.proc", description="A Residency data-plane worker.")
     p.add_argument("--worker", type=int, required=True)
     p.add_argument("--epoch", type=int, default=0, help="this incarnation (default: now in µs)")
     p.add_argument("--control", required=True, help="the control process's worker endpoint (ipc:// or tcp://)")

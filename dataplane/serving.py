@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from dataplane.model.runner import ModelRunner, SeqInput
-from dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
-from dataplane.pools import DataPlaneError
-from dataplane.serving_text import TextStream
-from events.catalog import StepCompleted
-from events.commands import (
+from residency.dataplane.model.runner import ModelRunner, SeqInput
+from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
+from residency.dataplane.pools import DataPlaneError
+from residency.dataplane.serving_text import TextStream
+from residency.events.catalog import StepCompleted
+from residency.events.commands import (
     MAX_LOGPROBS, CancelGenerate, Generate, ServingReady, TokenChoice, TokenLogprobs, Tokenize, Tokenized, TokensGenerated,
 )
 

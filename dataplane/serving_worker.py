@@ -1,6 +1,6 @@
 """A worker that serves a model: the model decides the KV layout, the engine's device pool holds it.
 
-``python -m dataplane.proc ... --model PATH|embedded`` builds its core here instead of from
+``python -m residency.dataplane.proc ... --model PATH|embedded`` builds its core here instead of from
 ``--kv-layout``: the layout (layers, kv heads, head dim, dtype) comes from the model, so the pages
 the Engine parks and restores are exactly the pages the model writes. The serving loop joins the
 worker's engine thread:
@@ -20,9 +20,9 @@ import re
 
 import structlog
 
-from dataplane.worker import WorkerCore, WorkerFaults
-from events import catalog as ev
-from events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
+from residency.dataplane.worker import WorkerCore, WorkerFaults
+from residency.events import catalog as ev
+from residency.events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
 
 log = structlog.get_logger("dataplane.serving")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -52,10 +52,10 @@ def model_id_for(path: str | None) -> str:
 def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
 
-    from dataplane.engine import Engine  # noqa: PLC0415
-    from dataplane.model import block_content_keys, load_model  # noqa: PLC0415
-    from dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
-    from dataplane.serving import ServingLoop  # noqa: PLC0415
+    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
+    from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+    from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
 
     device = args.device
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
@@ -65,7 +65,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
     c = model.config
     kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
-    from dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
+    from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)

@@ -18,8 +18,8 @@ from typing import Any, Union
 import msgspec
 import zmq
 
-from events.codec import encode_message
-from events.commands import AnyCommand, AnyMessage, ErrorReply
+from residency.events.codec import encode_message
+from residency.events.commands import AnyCommand, AnyMessage, ErrorReply
 
 # What the control process may send a worker: its commands, and a named error (e.g.
 # ``unknown_worker`` after a control restart, which the worker answers with Hello).

@@ -20,8 +20,8 @@ from typing import Any
 
 import structlog
 
-from events import catalog as ev
-from events.commands import (
+from residency.events import catalog as ev
+from residency.events.commands import (
     BlocksReleased, BlocksWritten, ClaimDisk, CommandFailed, CommitBlocks, DiskClaimed, ExecuteMove, Inventory,
     MovesReport, QueryInventory, ReleaseBlocks,
 )

@@ -3,11 +3,11 @@
 Imports nothing of ours. Everything that crosses a process or lands in the ledger is one of
 these structs; see ``events.catalog`` for the union and ``events.codec`` for the bytes.
 """
-from events.envelope import Envelope, Recorded
-from events.catalog import *  # noqa: F401,F403  (the catalog is the package's API)
-from events.catalog import EVENT_TYPES, Event, event_type_name
-from events.commands import *  # noqa: F401,F403
-from events.codec import (
+from residency.events.envelope import Envelope, Recorded
+from residency.events.catalog import *  # noqa: F401,F403  (the catalog is the package's API)
+from residency.events.catalog import EVENT_TYPES, Event, event_type_name
+from residency.events.commands import *  # noqa: F401,F403
+from residency.events.codec import (
     DecodeError,
     decode_event,
     decode_message,
@@ -31,6 +31,6 @@ __all__ = [
     "event_to_json_obj",
     "event_from_json_obj",
 ]
-from events import catalog as _catalog, commands as _commands  # noqa: E402
+from residency.events import catalog as _catalog, commands as _commands  # noqa: E402
 
 __all__ += _catalog.__all__ + _commands.__all__

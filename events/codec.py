@@ -10,9 +10,9 @@ from typing import Any, Sequence
 
 import msgspec
 
-from events.catalog import EVENT_TYPES, AnyEvent, Event
-from events.commands import AnyMessage, Message
-from events.upcast import upcast
+from residency.events.catalog import EVENT_TYPES, AnyEvent, Event
+from residency.events.commands import AnyMessage, Message
+from residency.events.upcast import upcast
 
 
 class DecodeError(ValueError):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Union
 
-from events.catalog import MoveAcked, MoveFailed, MoveKind, MoveRejected, Tier
-from events.message import Message
+from residency.events.catalog import MoveAcked, MoveFailed, MoveKind, MoveRejected, Tier
+from residency.events.message import Message
 
 
 # ---------------------------------------------------------------- control -> worker
@@ -127,13 +127,13 @@ __all__ = [
 
 # ---------------------------------------------------------------- serving (control <-> worker)
 # The messages of the inference path live in events/serving.py; they join the unions here.
-from events.serving import (  # noqa: E402
+from residency.events.serving import (  # noqa: E402
     MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServingReady, TokenChoice, TokenLogprobs,
     Tokenize, Tokenized, TokensGenerated,
 )
 
 # The serving messages join the unions (appended so existing members keep their order).
-from events.catalog import StepCompleted  # noqa: E402
+from residency.events.catalog import StepCompleted  # noqa: E402
 
 AnyCommand = Union[AnyCommand, Tokenize, Generate, CancelGenerate]  # type: ignore[misc]
 AnyReply = Union[AnyReply, Tokenized, ServingReady, TokensGenerated, StepCompleted]  # type: ignore[misc]
@@ -149,7 +149,7 @@ __all__ += [
 # ---------------------------------------------------------------- operators / the API -> control
 # Appended for the control process's own socket (``residency status|ctl``) and its in-process
 # API. An ask is answered once, with what the ledger recorded for it.
-from events.catalog import (  # noqa: E402
+from residency.events.catalog import (  # noqa: E402
     BlocksCommitted,
     BlocksFreed,
     BudgetSet,

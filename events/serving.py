@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from events.message import Message
+from residency.events.message import Message
 
 
 # A request's life on the wire:

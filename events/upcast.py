@@ -21,7 +21,7 @@ def _move_acked_v1_to_v2(raw: list) -> list:
     # v1: [type, move_id, worker, bytes_moved, bytes_freed_src, checksum_ok, started_ns, finished_ns,
     #      checksums (list of ints; absent when empty)]
     # v2: the same with the checksums packed (events.catalog.pack_checksums)
-    from events.catalog import pack_checksums
+    from residency.events.catalog import pack_checksums
     if len(raw) < 9:
         return [*raw, b""]
     return [*raw[:8], pack_checksums(raw[8]), *raw[9:]]

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from kernels._common import SUM_COMBINE, KernelInputError, dual_mode_kernel, next_pow2, tl, use_triton
+from residency.kernels._common import SUM_COMBINE, KernelInputError, dual_mode_kernel, next_pow2, tl, use_triton
 
 try:
     # Reductions go through ``tl.reduce`` with the library's combine functions: ``tl.max`` and

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._common import (
+from residency.kernels._common import (
     SUM_COMBINE,
     KernelInputError,
     check_rows,

@@ -29,8 +29,8 @@ import math
 
 import torch
 
-from kernels._common import SUM_COMBINE, KernelInputError, dual_mode_kernel, next_pow2, tl, use_triton
-from kernels.attention import _LOG2E, MAX_COMBINE, _check_index, _check_pool
+from residency.kernels._common import SUM_COMBINE, KernelInputError, dual_mode_kernel, next_pow2, tl, use_triton
+from residency.kernels.attention import _LOG2E, MAX_COMBINE, _check_index, _check_pool
 
 SPLIT_TOKENS = 512   # keys per program; fixed, so a row's result never depends on M or the batch
 BLOCK_R = 64         # (token, head) rows per program

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._common import (
+from residency.kernels._common import (
     KernelInputError,
     check_pair,
     check_rows,

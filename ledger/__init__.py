@@ -16,18 +16,18 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ledger.errors import LedgerConflict, LedgerCorrupt, LedgerError, LedgerUnavailable, NotALedger, SchemaOutOfDate
-    from ledger.schema import RawRow, Snapshot
-    from ledger.store import LedgerStore
-    from ledger.verify import VerifyReport
-    from ledger.writer import GroupCommitWriter
+    from residency.ledger.errors import LedgerConflict, LedgerCorrupt, LedgerError, LedgerUnavailable, NotALedger, SchemaOutOfDate
+    from residency.ledger.schema import RawRow, Snapshot
+    from residency.ledger.store import LedgerStore
+    from residency.ledger.verify import VerifyReport
+    from residency.ledger.writer import GroupCommitWriter
 
 # NOTE: the names below load on first use (PEP 562), so a process that needs only a leaf module
 # (a verify worker: ledger.verify over plain sqlite3) does not pay for SQLAlchemy and Alembic.
 _EXPORTS = {
-    "LedgerStore": "ledger.store", "GroupCommitWriter": "ledger.writer", "VerifyReport": "ledger.verify",
-    "RawRow": "ledger.schema", "Snapshot": "ledger.schema",
-    **{name: "ledger.errors" for name in ("LedgerError", "LedgerUnavailable", "NotALedger", "LedgerCorrupt",
+    "LedgerStore": "residency.ledger.store", "GroupCommitWriter": "residency.ledger.writer", "VerifyReport": "residency.ledger.verify",
+    "RawRow": "residency.ledger.schema", "Snapshot": "residency.ledger.schema",
+    **{name: "residency.ledger.errors" for name in ("LedgerError", "LedgerUnavailable", "NotALedger", "LedgerCorrupt",
                                            "LedgerConflict", "SchemaOutOfDate")},
 }
 __all__ = list(_EXPORTS)

@@ -28,11 +28,11 @@ from typing import Sequence
 
 import msgspec
 
-from events import Envelope, decode_event
-from events.catalog import EVENT_TYPES, Event
-from ledger.chain import GENESIS
-from ledger.columns import extractor
-from ledger.errors import LedgerConflict
+from residency.events import Envelope, decode_event
+from residency.events.catalog import EVENT_TYPES, Event
+from residency.ledger.chain import GENESIS
+from residency.ledger.columns import extractor
+from residency.ledger.errors import LedgerConflict
 
 _encode = msgspec.msgpack.Encoder().encode
 _sha256 = hashlib.sha256

@@ -33,9 +33,9 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
-from ledger.append import Tail
-from ledger.schema import EVENT_COLUMNS
-from ledger.errors import LedgerError, LedgerUnavailable, NotALedger, init_hint, masked, translating
+from residency.ledger.append import Tail
+from residency.ledger.schema import EVENT_COLUMNS
+from residency.ledger.errors import LedgerError, LedgerUnavailable, NotALedger, init_hint, masked, translating
 
 DURABILITY = ("normal", "full")
 _SQLITE_PRAGMAS = (

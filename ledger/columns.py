@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from events import catalog as c
+from residency.events import catalog as c
 
 Columns = tuple  # (move_id, worker, session, tier, kind, bytes)
 NONE: Columns = (None, None, None, None, None, None)

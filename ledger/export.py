@@ -25,15 +25,15 @@ from typing import IO, TYPE_CHECKING, Callable
 
 import msgspec
 
-from events import DecodeError, decode_event, encode_event, event_from_json_obj, event_to_json_obj
-from events.catalog import EVENT_TYPES
-from ledger import append as _append
-from ledger.chain import GENESIS, row_hash
-from ledger.columns import columns_of
-from ledger.errors import LedgerConflict, LedgerCorrupt
+from residency.events import DecodeError, decode_event, encode_event, event_from_json_obj, event_to_json_obj
+from residency.events.catalog import EVENT_TYPES
+from residency.ledger import append as _append
+from residency.ledger.chain import GENESIS, row_hash
+from residency.ledger.columns import columns_of
+from residency.ledger.errors import LedgerConflict, LedgerCorrupt
 
 if TYPE_CHECKING:
-    from ledger.store import LedgerStore
+    from residency.ledger.store import LedgerStore
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode

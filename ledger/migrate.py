@@ -20,12 +20,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 
-from ledger.backend import make_engine
-from ledger.errors import LedgerError, translating
+from residency.ledger.backend import make_engine
+from residency.ledger.errors import LedgerError, translating
 
 
 def _location() -> Path:
-    return Path(str(importlib.resources.files("migrations")))
+    return Path(str(importlib.resources.files("residency.migrations")))
 
 
 def config() -> Config:

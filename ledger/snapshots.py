@@ -12,8 +12,8 @@ import time
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.engine import Connection
 
-from ledger.errors import LedgerConflict
-from ledger.schema import Snapshot, events, snapshots
+from residency.ledger.errors import LedgerConflict
+from residency.ledger.schema import Snapshot, events, snapshots
 
 
 def save(conn: Connection, through_seq: int, state_bytes: bytes, state_hash: str) -> None:

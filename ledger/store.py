@@ -18,16 +18,16 @@ from typing import IO, Callable, Iterator, Sequence
 from sqlalchemy import func, select
 from sqlalchemy.engine import URL
 
-from events import DecodeError, Envelope, Recorded, decode_event
-from events.catalog import EVENT_TYPES, Event, MoveAcked
-from ledger import append as _append
-from ledger import snapshots
-from ledger.backend import DURABILITY, Raw, make_engine, parse_url
-from ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
-from ledger.prefetch import prefetched
-from ledger.schema import RAW_COLUMNS, PackedRun, PayloadRun, RawRow, Snapshot, events
-from ledger.verify import Progress, VerifyReport, verify_batches
-from ledger.verify_parallel import default_workers, verify_parallel
+from residency.events import DecodeError, Envelope, Recorded, decode_event
+from residency.events.catalog import EVENT_TYPES, Event, MoveAcked
+from residency.ledger import append as _append
+from residency.ledger import snapshots
+from residency.ledger.backend import DURABILITY, Raw, make_engine, parse_url
+from residency.ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
+from residency.ledger.prefetch import prefetched
+from residency.ledger.schema import RAW_COLUMNS, PackedRun, PayloadRun, RawRow, Snapshot, events
+from residency.ledger.verify import Progress, VerifyReport, verify_batches
+from residency.ledger.verify_parallel import default_workers, verify_parallel
 
 READ_BATCH = 10_000
 
@@ -53,7 +53,7 @@ class LedgerStore:
         Raises NotALedger (no ledger schema, or not a database), SchemaOutOfDate (older or unknown
         revision), LedgerUnavailable (cannot connect or open).
         """
-        from ledger import migrate  # alembic: imported only by what opens or migrates a ledger
+        from residency.ledger import migrate  # alembic: imported only by what opens or migrates a ledger
 
         u = parse_url(url)
         engine = make_engine(u, must_exist=not create)
@@ -328,7 +328,7 @@ class LedgerStore:
 
     def export_jsonl(self, fp: IO[str]) -> int:
         """Write every event as one JSON object per line (see ledger.export); returns the count."""
-        from ledger.export import export_jsonl
+        from residency.ledger.export import export_jsonl
         return export_jsonl(self, fp)
 
     @classmethod
@@ -338,7 +338,7 @@ class LedgerStore:
 
         Raises LedgerConflict (target not empty), LedgerCorrupt (a broken line, named; nothing written).
         """
-        from ledger.export import import_jsonl
+        from residency.ledger.export import import_jsonl
         with cls.open(url, create=create) as store:
             return import_jsonl(store, fp, progress)
 
@@ -374,7 +374,7 @@ def _current_version_sql() -> str:
 
 
 def _check_schema(engine, u: URL) -> None:
-    from ledger import migrate
+    from residency.ledger import migrate
 
     rev = migrate.current(engine)
     if rev is None:

@@ -18,9 +18,9 @@ from typing import Callable, Iterable
 
 import msgspec
 
-from events import DecodeError, decode_event
-from events.catalog import EVENT_TYPES, AnyEvent
-from ledger.chain import GENESIS, HASH_BYTES, row_hash
+from residency.events import DecodeError, decode_event
+from residency.events.catalog import EVENT_TYPES, AnyEvent
+from residency.ledger.chain import GENESIS, HASH_BYTES, row_hash
 
 _encode = msgspec.msgpack.Encoder().encode
 _sha256 = hashlib.sha256

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ledger.chain import GENESIS
-from ledger.verify import Progress, VerifyReport, verify_batches
+from residency.ledger.chain import GENESIS
+from residency.ledger.verify import Progress, VerifyReport, verify_batches
 
 if TYPE_CHECKING:
-    from ledger.store import LedgerStore
+    from residency.ledger.store import LedgerStore
 
 log = structlog.get_logger("ledger.verify")
 # A worker costs ~0.3 s (SQLite) to ~1 s (PostgreSQL: SQLAlchemy imports) to start: below these
@@ -94,11 +94,8 @@ def verify_range(store: "LedgerStore", start: int, end: int, prev: bytes, progre
 
 
 def _child_env(url: str, sqlite_path: str | None = None) -> dict[str, str]:
-    import events
-    import ledger
-    roots = {str(Path(ledger.__file__).resolve().parents[1]), str(Path(events.__file__).resolve().parents[1])}
+    # The child imports residency the way this process did: installed, or through an inherited PYTHONPATH.
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [env.get("PYTHONPATH")])])
     env[_URL_ENV] = url
     env.pop(_SQLITE_ENV, None)
     if sqlite_path is not None:
@@ -192,8 +189,8 @@ def main(argv: list[str]) -> int:
     if path:
         report = _verify_sqlite_range(path, start, end, prev, on_progress)
     else:
-        from ledger.backend import Raw, make_engine, parse_url
-        from ledger.store import LedgerStore
+        from residency.ledger.backend import Raw, make_engine, parse_url
+        from residency.ledger.store import LedgerStore
 
         u = parse_url(os.environ[_URL_ENV])
         with LedgerStore(Raw(make_engine(u, must_exist=True), u)) as store:   # the parent checked the schema
@@ -217,7 +214,7 @@ def _verify_sqlite_range(path: str, start: int, end: int, prev: bytes, progress:
     """``verify_range`` over a read-only sqlite3 connection per thread (reads as ledger.store does)."""
     import sqlite3
 
-    from ledger.prefetch import prefetched
+    from residency.ledger.prefetch import prefetched
 
     uri = f"{Path(path).absolute().as_uri()}?mode=ro"
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import structlog
 
-from events import Envelope
-from events.catalog import EVENT_TYPES, Event
-from ledger.backend import DURABILITY
-from ledger.errors import LedgerConflict, LedgerError
+from residency.events import Envelope
+from residency.events.catalog import EVENT_TYPES, Event
+from residency.ledger.backend import DURABILITY
+from residency.ledger.errors import LedgerConflict, LedgerError
 
 log = structlog.get_logger("ledger.writer")
 _EVENT_CLASSES = frozenset(EVENT_TYPES.values())

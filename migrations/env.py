@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from ledger.schema import metadata
+from residency.ledger.schema import metadata
 
 config = context.config
 
@@ -29,7 +29,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from ledger.backend import make_engine
+    from residency.ledger.backend import make_engine
 
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     if not url:

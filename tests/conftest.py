@@ -75,7 +75,7 @@ def ledger_url(request, tmp_path) -> str:
 @pytest.fixture
 def ledger_store(ledger_url):
     """An initialized, empty LedgerStore on each backend."""
-    from ledger import LedgerStore
+    from residency.ledger import LedgerStore
 
     store = LedgerStore.open(ledger_url, create=True)
     yield store

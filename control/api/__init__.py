@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI). Decides nothing about memory: see ``backend``."""
-from control.api.app import ApiConfig, create_app
-from control.api.backend import (
+from residency.control.api.app import ApiConfig, create_app
+from residency.control.api.backend import (
     Backend,
     BackendError,
     BackendStats,

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from control.api import admin_routes, openai_routes
-from control.api.backend import Backend
-from control.api.errors import install_error_handlers
-from control.api.metrics import ApiMetrics
+from residency.control.api import admin_routes, openai_routes
+from residency.control.api.backend import Backend
+from residency.control.api.errors import install_error_handlers
+from residency.control.api.metrics import ApiMetrics
 
 
 @dataclass(frozen=True)

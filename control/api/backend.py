@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Protocol, runtime_checkable
 
-from events.commands import ChatTurn, SamplingParams
+from residency.events.commands import ChatTurn, SamplingParams
 
 
 @dataclass(frozen=True)

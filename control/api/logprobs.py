@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from events.commands import TokenChoice, TokenLogprobs
+from residency.events.commands import TokenChoice, TokenLogprobs
 
 FLOOR = -9999.0
 

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
-from control.api.errors import ApiError
-from events.commands import MAX_LOGPROBS
+from residency.control.api.errors import ApiError
+from residency.events.commands import MAX_LOGPROBS
 
 MAX_CHOICES = 8                        # choices (``n``) one request may ask for
 

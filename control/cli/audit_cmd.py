@@ -9,9 +9,9 @@ import json
 
 from sqlalchemy import text
 
-from control.cli.common import add_db_arg, open_store, parse_time_ns
-from control.cli.main import UserError
-from control.views import human_bytes, iso
+from residency.control.cli.common import add_db_arg, open_store, parse_time_ns
+from residency.control.cli.main import UserError
+from residency.control.views import human_bytes, iso
 
 GROUP_COLUMNS = {
     "reclaimed": {"tier": "tier", "worker": "worker", "session": "session", "kind": "cause"},

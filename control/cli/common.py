@@ -6,7 +6,7 @@ import sys
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
-from control.cli.main import UserError
+from residency.control.cli.main import UserError
 
 DEFAULT_DB = "sqlite:///residency.db"
 
@@ -27,7 +27,7 @@ def check_sqlite_path(url: str) -> None:
 
 @contextmanager
 def open_store(url: str, create: bool = False):
-    from ledger import LedgerStore  # noqa: PLC0415
+    from residency.ledger import LedgerStore  # noqa: PLC0415
 
     if not create:
         check_sqlite_path(url)

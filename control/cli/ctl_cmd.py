@@ -19,8 +19,8 @@ import os
 import re
 import uuid
 
-from control.cli.common import add_db_arg
-from control.cli.main import UserError
+from residency.control.cli.common import add_db_arg
+from residency.control.cli.main import UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6, "mb": 10**6,
@@ -97,7 +97,7 @@ def register(sub) -> None:
 
 
 def ask_of(args):
-    from events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget  # noqa: PLC0415
+    from residency.events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget  # noqa: PLC0415
 
     ask_id = f"ctl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if args.kind == "budget":
@@ -115,7 +115,7 @@ def ask_of(args):
 def client_for(args):
     from pathlib import Path  # noqa: PLC0415
 
-    from control.transport import AskClient, ask_endpoint, default_run_dir  # noqa: PLC0415
+    from residency.control.transport import AskClient, ask_endpoint, default_run_dir  # noqa: PLC0415
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.db)
     if not server_running(run_dir):
@@ -142,7 +142,7 @@ def server_running(run_dir) -> bool:
 
 
 def ask_server(args, msg):
-    from control.transport import TransportError  # noqa: PLC0415
+    from residency.control.transport import TransportError  # noqa: PLC0415
 
     try:
         reply = client_for(args).ask(msg)
@@ -154,7 +154,7 @@ def ask_server(args, msg):
 
 
 def describe(seq: int, e) -> str:
-    from control.views import human_bytes as hb  # noqa: PLC0415
+    from residency.control.views import human_bytes as hb  # noqa: PLC0415
 
     t = type(e).__name__
     at = f"(seq {seq})"
@@ -194,7 +194,7 @@ def describe(seq: int, e) -> str:
 
 
 def run(args) -> int:
-    from events.codec import event_to_display_obj  # noqa: PLC0415
+    from residency.events.codec import event_to_display_obj  # noqa: PLC0415
 
     reply = ask_server(args, ask_of(args))
     if reply.error:

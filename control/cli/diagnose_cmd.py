@@ -11,11 +11,11 @@ import time
 
 import msgspec
 
-from control.cli.common import add_db_arg, open_store, parse_time_ns, progress_bar
-from control.cli.main import UserError
-from control.diagnose import DiagnoseParams, diagnose
-from control.diagnose.params import SECOND
-from control.diagnose.text import iso_ns, render_text
+from residency.control.cli.common import add_db_arg, open_store, parse_time_ns, progress_bar
+from residency.control.cli.main import UserError
+from residency.control.diagnose import DiagnoseParams, diagnose
+from residency.control.diagnose.params import SECOND
+from residency.control.diagnose.text import iso_ns, render_text
 
 
 def add_at_arg(parser) -> None:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import sys
 
-from control.cli.common import add_db_arg, check_sqlite_path, open_store, progress_bar
-from control.cli.main import UserError
-from control.replay import check_checkpoints, write_snapshots
+from residency.control.cli.common import add_db_arg, check_sqlite_path, open_store, progress_bar
+from residency.control.cli.main import UserError
+from residency.control.replay import check_checkpoints, write_snapshots
 
 
 def register(sub) -> None:
@@ -50,7 +50,7 @@ def register(sub) -> None:
 
 
 def _migrate():
-    from ledger import migrate  # noqa: PLC0415
+    from residency.ledger import migrate  # noqa: PLC0415
 
     return migrate
 
@@ -122,7 +122,7 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    from ledger import LedgerStore  # noqa: PLC0415
+    from residency.ledger import LedgerStore  # noqa: PLC0415
 
     try:
         fp = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from events.logconfig import configure_logging
+from residency.events.logconfig import configure_logging
 
 # module name under control.cli -> registered in this order in --help
 COMMAND_MODULES = (
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
-            module = importlib.import_module(f"control.cli.{name}")
+            module = importlib.import_module(f"residency.control.cli.{name}")
         except ModuleNotFoundError as e:
-            if e.name == f"control.cli.{name}":
+            if e.name == f"residency.control.cli.{name}":
                 continue          # command not built in this checkout
             raise
         module.register(sub)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from ledger.errors import LedgerError  # noqa: PLC0415  (the ledger may not be importable yet)
+    from residency.ledger.errors import LedgerError  # noqa: PLC0415  (the ledger may not be importable yet)
 
     try:
         return int(args.func(args) or 0)

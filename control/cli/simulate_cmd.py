@@ -1,10 +1,10 @@
 """`residency simulate --events N`: write a realistic, valid ledger for tests, benchmarks and demos."""
 from __future__ import annotations
 
-from control.cli.common import add_db_arg, open_store, progress_bar
-from control.cli.main import UserError
-from control.replay import write_snapshots
-from control.simulate import simulate
+from residency.control.cli.common import add_db_arg, open_store, progress_bar
+from residency.control.cli.main import UserError
+from residency.control.replay import write_snapshots
+from residency.control.simulate import simulate
 
 
 def register(sub) -> None:

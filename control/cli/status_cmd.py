@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from control.cli.ctl_cmd import add_target_args, ask_server
+from residency.control.cli.ctl_cmd import add_target_args, ask_server
 
 
 def register(sub) -> None:
@@ -19,9 +19,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from control.state import decode_state  # noqa: PLC0415
-    from control.views import human_bytes, render_text, summarize  # noqa: PLC0415
-    from events.commands import AskStatus  # noqa: PLC0415
+    from residency.control.state import decode_state  # noqa: PLC0415
+    from residency.control.views import human_bytes, render_text, summarize  # noqa: PLC0415
+    from residency.events.commands import AskStatus  # noqa: PLC0415
 
     report = ask_server(args, AskStatus(ask_id=f"status-{time.time_ns()}"))
     state = decode_state(report.state)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 
-from events.codec import event_to_display_obj
-from control.cli.common import add_db_arg, open_store
-from control.cli.main import UserError
-from control.timeline import SubjectError, one_line, parse_subject, timeline
-from control.views import iso
+from residency.events.codec import event_to_display_obj
+from residency.control.cli.common import add_db_arg, open_store
+from residency.control.cli.main import UserError
+from residency.control.timeline import SubjectError, one_line, parse_subject, timeline
+from residency.control.views import iso
 
 
 def register(sub) -> None:

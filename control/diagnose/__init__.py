@@ -24,17 +24,17 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from events import Recorded
-from control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
-from control.diagnose.engine import Diagnosis, detect_with, diagnose, run_pass
-from control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
-from control.diagnose.groups import GroupDivergence
-from control.diagnose.moves import OverdueMoves, Pendulum
-from control.diagnose.params import DiagnoseParams
-from control.diagnose.rebind import TornRebind
-from control.diagnose.refusals import RefusalStorm, RetriedSmaller
-from control.diagnose.stall import Hole, Stall
-from control.diagnose.workers import WorkerSilence
+from residency.events import Recorded
+from residency.control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
+from residency.control.diagnose.engine import Diagnosis, detect_with, diagnose, run_pass
+from residency.control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
+from residency.control.diagnose.groups import GroupDivergence
+from residency.control.diagnose.moves import OverdueMoves, Pendulum
+from residency.control.diagnose.params import DiagnoseParams
+from residency.control.diagnose.rebind import TornRebind
+from residency.control.diagnose.refusals import RefusalStorm, RetriedSmaller
+from residency.control.diagnose.stall import Hole, Stall
+from residency.control.diagnose.workers import WorkerSilence
 
 ALL_DETECTORS = (
     OverdueMoves, Stall, WorkerSilence, Pendulum, RefusalStorm, RetriedSmaller,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from events import (
+from residency.events import (
     BlocksCommitted,
     BlocksFreed,
     MoveAbandoned,

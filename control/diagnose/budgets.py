@@ -10,10 +10,10 @@ on the host tier live inside a registration and are not added again); the budget
 """
 from __future__ import annotations
 
-from events import BudgetSet, PinnedRegistered, PinnedReleased, Recorded, WorkerJoined
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.events import BudgetSet, PinnedRegistered, PinnedReleased, Recorded, WorkerJoined
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 
 class _Episodes:

@@ -15,9 +15,9 @@ from typing import Callable, ClassVar, Iterable, Protocol
 
 import msgspec
 
-from events import Recorded
-from control.diagnose.findings import Finding, sort_findings
-from control.diagnose.params import DiagnoseParams
+from residency.events import Recorded
+from residency.control.diagnose.findings import Finding, sort_findings
+from residency.control.diagnose.params import DiagnoseParams
 
 Handler = Callable[[Recorded], None]
 
@@ -98,8 +98,8 @@ def diagnose(
     ``at_ns`` is "now" for the detectors; ``None`` means the last event's time. ``observers``
     ride along the same pass (the report collects its series this way).
     """
-    from control.diagnose import ALL_DETECTORS  # noqa: PLC0415
-    from control.diagnose.accounting import Accounting  # noqa: PLC0415
+    from residency.control.diagnose import ALL_DETECTORS  # noqa: PLC0415
+    from residency.control.diagnose.accounting import Accounting  # noqa: PLC0415
 
     params = params or DiagnoseParams()
     acct = Accounting()
@@ -122,7 +122,7 @@ def diagnose(
 
 def detect_with(cls: type, events: Iterable[Recorded], at_ns: int, params: DiagnoseParams | None) -> list[Finding]:
     """Run one detector alone over a stream: the pure-function form of every detector."""
-    from control.diagnose.accounting import Accounting  # noqa: PLC0415
+    from residency.control.diagnose.accounting import Accounting  # noqa: PLC0415
 
     acct = Accounting()
     det = cls(acct, params or DiagnoseParams())

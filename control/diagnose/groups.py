@@ -15,10 +15,10 @@ without a recovery.
 """
 from __future__ import annotations
 
-from events import GroupDiverged, GroupStopped, Recorded, StepCompleted, WorkerJoined, WorkerLost
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import Finding, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.events import GroupDiverged, GroupStopped, Recorded, StepCompleted, WorkerJoined, WorkerLost
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import Finding, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 _LAG = 4  # steps a straggler may trail the group before its step is judged without it
 

@@ -7,7 +7,7 @@ names the requests and sessions blocked on it and the moves queued after it on t
 """
 from __future__ import annotations
 
-from events import (
+from residency.events import (
     MoveAbandoned,
     MoveAcked,
     MoveFailed,
@@ -16,9 +16,9 @@ from events import (
     MoveRequested,
     Recorded,
 )
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 
 def _move_words(req: MoveRequested) -> str:

@@ -8,10 +8,10 @@ pool commits with every reader stamped: that commit is the recovery edge.
 """
 from __future__ import annotations
 
-from events import ReaderStamped, RebindCommitted, RebindRequested, RebindTorn, Recorded
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import Finding, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.events import ReaderStamped, RebindCommitted, RebindRequested, RebindTorn, Recorded
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import Finding, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 _SUGGEST = ("readers on different generations read the wrong pages: stop admitting to the pool, "
             "re-stamp the readers behind, or roll the pool back to the old generation")

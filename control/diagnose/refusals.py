@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from events import MoveRefused, MoveRequested, Recorded
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.events import MoveRefused, MoveRequested, Recorded
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 
 def _ask_words(ev: MoveRefused) -> str:

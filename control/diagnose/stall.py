@@ -10,7 +10,7 @@ that device for ``hole_after_ns`` afterwards: the memory the queue needed sat th
 """
 from __future__ import annotations
 
-from events import (
+from residency.events import (
     BlocksCommitted,
     BlocksFreed,
     MoveAcked,
@@ -22,9 +22,9 @@ from events import (
     StepCompleted,
     WorkerLost,
 )
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 
 class Stall:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from control.diagnose.engine import Diagnosis
-from control.diagnose.findings import Finding, fmt_duration
+from residency.control.diagnose.engine import Diagnosis
+from residency.control.diagnose.findings import Finding, fmt_duration
 
 # Past this many findings of one detector, the rest are counted, not printed (``--json`` has all).
 MAX_PER_DETECTOR = 10

@@ -9,7 +9,7 @@ every move gets exactly one.
 """
 from __future__ import annotations
 
-from events import (
+from residency.events import (
     MoveAbandoned,
     MoveAcked,
     MoveFailed,
@@ -22,9 +22,9 @@ from events import (
     WorkerJoined,
     WorkerLost,
 )
-from control.diagnose.accounting import Accounting
-from control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
-from control.diagnose.params import DiagnoseParams
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.findings import MAX_PROOF_SEQS, Finding, fmt_bytes, fmt_duration, proof
+from residency.control.diagnose.params import DiagnoseParams
 
 
 class WorkerSilence:

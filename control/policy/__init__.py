@@ -12,14 +12,14 @@ tick, runs each ask past the budget authority (``control.budget``), and records 
 """
 from __future__ import annotations
 
-from control.budget import available_bytes
-from control.policy.asks import Ask, busy_blocks, leaving_bytes, release
-from control.policy.config import PolicyConfig
-from control.policy.park import plan_parks
-from control.policy.pressure import plan_pressure
-from control.policy.recency import Recency
-from control.policy.restore import plan_restore
-from control.state import State
+from residency.control.budget import available_bytes
+from residency.control.policy.asks import Ask, busy_blocks, leaving_bytes, release
+from residency.control.policy.config import PolicyConfig
+from residency.control.policy.park import plan_parks
+from residency.control.policy.pressure import plan_pressure
+from residency.control.policy.recency import Recency
+from residency.control.policy.restore import plan_restore
+from residency.control.state import State
 
 S = 1_000_000_000
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from control.state import State
+from residency.control.state import State
 
 # Where each kind goes by default, and whether the source copy stays.
 KIND_DEFAULTS: dict[str, tuple[str | None, str, bool]] = {

@@ -5,10 +5,10 @@ or cooling are left for a later tick; the rest of the session is parked now.
 """
 from __future__ import annotations
 
-from control.policy.asks import Ask, split_for_destination
-from control.policy.config import PolicyConfig
-from control.policy.recency import Recency
-from control.state import State
+from residency.control.policy.asks import Ask, split_for_destination
+from residency.control.policy.config import PolicyConfig
+from residency.control.policy.recency import Recency
+from residency.control.state import State
 
 S = 1_000_000_000
 

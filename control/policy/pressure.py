@@ -12,11 +12,11 @@ watermarks is the hysteresis that keeps one busy tier from moving a block per ti
 """
 from __future__ import annotations
 
-from control.budget import limit_bytes
-from control.policy.asks import Ask, split_for_destination
-from control.policy.config import PolicyConfig
-from control.policy.recency import Recency
-from control.state import State
+from residency.control.budget import limit_bytes
+from residency.control.policy.asks import Ask, split_for_destination
+from residency.control.policy.config import PolicyConfig
+from residency.control.policy.recency import Recency
+from residency.control.state import State
 
 S = 1_000_000_000
 RELIEF: tuple[tuple[str, str, str], ...] = (("device", "host", "evict"), ("host", "disk", "demote"))

@@ -10,8 +10,8 @@ Unknown means hot: a block whose use time is not known is never chosen by a poli
 """
 from __future__ import annotations
 
-from events import catalog as ev
-from control.state import State
+from residency.events import catalog as ev
+from residency.control.state import State
 
 
 class Recency:

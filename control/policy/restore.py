@@ -5,8 +5,8 @@ tier. Cooldown never holds back a restore someone is waiting for.
 """
 from __future__ import annotations
 
-from control.policy.asks import RESTORE_SOURCES, Ask
-from control.state import State, copies_on
+from residency.control.policy.asks import RESTORE_SOURCES, Ask
+from residency.control.state import State, copies_on
 
 
 def plan_restore(state: State, asker: str, worker: int, blocks, session: str | None,

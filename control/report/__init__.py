@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from events import Recorded
-from control.diagnose import ALL_DETECTORS, DiagnoseParams
-from control.diagnose.accounting import Accounting
-from control.diagnose.engine import Diagnosis, run_pass
-from control.diagnose.findings import sort_findings
-from control.report.collect import ReportCollector
-from control.report.page import render_page
+from residency.events import Recorded
+from residency.control.diagnose import ALL_DETECTORS, DiagnoseParams
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.engine import Diagnosis, run_pass
+from residency.control.diagnose.findings import sort_findings
+from residency.control.report.collect import ReportCollector
+from residency.control.report.page import render_page
 
 DEFAULT_BINS = 480
 

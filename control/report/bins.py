@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from control.report.collect import Changes, Times
+from residency.control.report.collect import Changes, Times
 
 
 def make_edges(t0: int, t1: int, num_bins: int) -> np.ndarray:

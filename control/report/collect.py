@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 
-from events import (
+from residency.events import (
     BlocksFreed,
     BudgetSet,
     MoveAbandoned,
@@ -28,7 +28,7 @@ from events import (
     StepCompleted,
     WorkerLost,
 )
-from control.diagnose.accounting import Accounting
+from residency.control.diagnose.accounting import Accounting
 
 OUTCOMES = ("MoveAcked", "MoveLateAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
 

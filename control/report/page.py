@@ -5,13 +5,13 @@ readout and marks ``<body data-rendered="1">`` once it has run, which the headle
 """
 from __future__ import annotations
 
-from control.diagnose.engine import Diagnosis
-from control.diagnose.findings import SEVERITY_RANK, fmt_bytes, fmt_duration
-from control.diagnose.text import iso_ns
-from control.report.bins import count_bins, step_bins
-from control.report.collect import OUTCOMES, ReportCollector
-from control.report.svg import PALETTE, SEVERITY_COLOR, Marker, Series, TimeAxis, chart, esc, timeline
-from events import MOVE_KINDS, TIERS
+from residency.control.diagnose.engine import Diagnosis
+from residency.control.diagnose.findings import SEVERITY_RANK, fmt_bytes, fmt_duration
+from residency.control.diagnose.text import iso_ns
+from residency.control.report.bins import count_bins, step_bins
+from residency.control.report.collect import OUTCOMES, ReportCollector
+from residency.control.report.svg import PALETTE, SEVERITY_COLOR, Marker, Series, TimeAxis, chart, esc, timeline
+from residency.events import MOVE_KINDS, TIERS
 
 MAX_FINDINGS_DRAWN = 2000
 MAX_FINDINGS_LISTED = 500
@@ -102,7 +102,7 @@ def _band_series(name: str, color: str, binned, line: str = "last") -> Series:
 
 
 def render_page(d: Diagnosis, col: ReportCollector, source: str, t0: int, t1: int, num_bins: int) -> str:
-    from control.report.bins import make_edges  # noqa: PLC0415
+    from residency.control.report.bins import make_edges  # noqa: PLC0415
 
     edges = make_edges(t0, t1, num_bins)
     # counts per bin are noisy at the resolution of a level: coarser bins for them, same axis

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from control.api.backend import BackendError, Chunk, GenerateRequest
+from residency.control.api.backend import BackendError, Chunk, GenerateRequest
 
 
 class Pending:

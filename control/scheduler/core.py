@@ -26,14 +26,14 @@ from typing import Callable
 
 import msgspec
 
-from control.budget import limit_bytes
-from control.policy.asks import busy_blocks
-from control.scheduler.config import SchedulerConfig
-from control.scheduler.cost import CostModel, PrefixDecision
-from control.scheduler.prefix import num_matching_pages, pages_needed
-from control.scheduler.sessions import SessionEntry, restore_plan
-from control.scheduler.sharing import find_shared_prefix
-from control.state import State
+from residency.control.budget import limit_bytes
+from residency.control.policy.asks import busy_blocks
+from residency.control.scheduler.config import SchedulerConfig
+from residency.control.scheduler.cost import CostModel, PrefixDecision
+from residency.control.scheduler.prefix import num_matching_pages, pages_needed
+from residency.control.scheduler.sessions import SessionEntry, restore_plan
+from residency.control.scheduler.sharing import find_shared_prefix
+from residency.control.state import State
 
 class GenerateAsk(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from control.scheduler.prefix import num_matching_pages
-from control.scheduler.sessions import SessionEntry
-from control.scheduler.sharing import find_shared_prefix
-from control.state import State
+from residency.control.scheduler.prefix import num_matching_pages
+from residency.control.scheduler.sessions import SessionEntry
+from residency.control.scheduler.sharing import find_shared_prefix
+from residency.control.state import State
 
 PREFIX = "~"
 

@@ -27,20 +27,20 @@ import time
 import msgspec
 import structlog
 
-from control.api.backend import (
+from residency.control.api.backend import (
     BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, Usage,
 )
-from control.scheduler.bridge import Pending, Stream
-from control.scheduler.config import SchedulerConfig
-from control.scheduler.core import Admit, GenerateAsk, Refuse, Scheduler, Wait
-from control.scheduler.cost import CostModel
-from control.scheduler.service_routing import RoutingOps
-from control.scheduler.service_sessions import SessionOps
-from control.scheduler.retain import is_retained, retained_session_for
-from control.scheduler.service_stats import collect_stats
-from control.policy.asks import busy_blocks
-from events import catalog as ev
-from events.commands import (
+from residency.control.scheduler.bridge import Pending, Stream
+from residency.control.scheduler.config import SchedulerConfig
+from residency.control.scheduler.core import Admit, GenerateAsk, Refuse, Scheduler, Wait
+from residency.control.scheduler.cost import CostModel
+from residency.control.scheduler.service_routing import RoutingOps
+from residency.control.scheduler.service_sessions import SessionOps
+from residency.control.scheduler.retain import is_retained, retained_session_for
+from residency.control.scheduler.service_stats import collect_stats
+from residency.control.policy.asks import busy_blocks
+from residency.events import catalog as ev
+from residency.events.commands import (
     AskAnswered, AskMove, CancelGenerate, Generate, ServingReady, Tokenize, Tokenized,
     TokensGenerated,
 )

@@ -12,9 +12,9 @@ import collections
 
 import structlog
 
-from control.policy.asks import busy_blocks
-from control.scheduler import routing
-from control.scheduler.sharing import find_shared_prefix
+from residency.control.policy.asks import busy_blocks
+from residency.control.scheduler import routing
+from residency.control.scheduler.sharing import find_shared_prefix
 
 log = structlog.get_logger("control.serving")
 

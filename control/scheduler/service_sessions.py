@@ -9,11 +9,11 @@ from concurrent.futures import Future
 
 import structlog
 
-from control.api.backend import BackendError, SessionInfo, UnknownSession
-from control.scheduler.retain import is_retained, retained_bytes
-from control.scheduler.sessions import tier_of
-from events import catalog as ev
-from events.commands import AskAnswered, AskMove, AskReleaseBlocks
+from residency.control.api.backend import BackendError, SessionInfo, UnknownSession
+from residency.control.scheduler.retain import is_retained, retained_bytes
+from residency.control.scheduler.sessions import tier_of
+from residency.events import catalog as ev
+from residency.events.commands import AskAnswered, AskMove, AskReleaseBlocks
 
 log = structlog.get_logger("control.serving")
 FAILED = (ev.MoveFailed, ev.MoveRejected, ev.MoveRefused, ev.MoveStranded, ev.MoveAbandoned)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import collections
 
-from control.api.backend import BackendStats
-from control.scheduler.sessions import tier_of
+from residency.control.api.backend import BackendStats
+from residency.control.scheduler.sessions import tier_of
 
 
 def collect_stats(svc) -> BackendStats:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from control.policy.asks import RESTORE_SOURCES
-from control.state import State
+from residency.control.policy.asks import RESTORE_SOURCES
+from residency.control.state import State
 
 
 class SessionEntry(msgspec.Struct, kw_only=True):

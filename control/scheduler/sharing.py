@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from control.scheduler.prefix import num_matching_pages
-from control.scheduler.sessions import SessionEntry, restore_plan
-from control.state import State
+from residency.control.scheduler.prefix import num_matching_pages
+from residency.control.scheduler.sessions import SessionEntry, restore_plan
+from residency.control.state import State
 
 
 def find_shared_prefix(sessions: Iterable[SessionEntry], state: State, worker: int, *, exclude: str | None,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dataplane.model.errors import UnsupportedModel
+from residency.dataplane.model.errors import UnsupportedModel
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataplane.model.errors import OutOfSlots
-from dataplane.model.loader import LoadedModel
-from dataplane.model.prefix import KeyChain, block_content_keys
-from dataplane.model.runner import SeqInput
-from dataplane.model.sampler import SamplingParams, make_generator, sample, stop_reason
+from residency.dataplane.model.errors import OutOfSlots
+from residency.dataplane.model.loader import LoadedModel
+from residency.dataplane.model.prefix import KeyChain, block_content_keys
+from residency.dataplane.model.runner import SeqInput
+from residency.dataplane.model.sampler import SamplingParams, make_generator, sample, stop_reason
 
 
 class BlockManager:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane.model.errors import ModelFileError, UnsupportedModel
+from residency.dataplane.model.errors import ModelFileError, UnsupportedModel
 
 try:
     import gguf as _gguf

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataplane.model.errors import BatchError
-from dataplane.model.runner import ModelRunner, StepPlan
+from residency.dataplane.model.errors import BatchError
+from residency.dataplane.model.runner import ModelRunner, StepPlan
 
 
 class DecodeGraphs:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.model.config import ModelConfig
-from dataplane.model.weights import Weights, to_hf_state_dict
+from residency.dataplane.model.config import ModelConfig
+from residency.dataplane.model.weights import Weights, to_hf_state_dict
 
 
 def build_hf_llama(config: ModelConfig, weights: Weights, attn_implementation: str = "sdpa"):

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.model.config import ModelConfig, config_from_hf
-from dataplane.model.errors import ModelFileError
-from dataplane.model.gguf_file import GGUFFile
-from dataplane.model.runner import ModelRunner
-from dataplane.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
-from dataplane.model.weights import (
+from residency.dataplane.model.config import ModelConfig, config_from_hf
+from residency.dataplane.model.errors import ModelFileError
+from residency.dataplane.model.gguf_file import GGUFFile
+from residency.dataplane.model.runner import ModelRunner
+from residency.dataplane.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from residency.dataplane.model.weights import (
     Weights,
     config_from_gguf,
     random_weights,
@@ -136,7 +136,7 @@ def save_hf_dir(model: LoadedModel, path: str, tokenizer_json: str | None = None
     """Write ``model`` as a Hugging Face directory (config.json + model.safetensors), for tests."""
     from safetensors.torch import save_file
 
-    from dataplane.model.weights import to_hf_state_dict
+    from residency.dataplane.model.weights import to_hf_state_dict
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -29,17 +29,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from dataplane.model.attention import paged_attention_invariant, paged_prefill_attention, tiled_linear
-from dataplane.model.config import ModelConfig, rope_inv_freq, rope_tables
-from dataplane.model.errors import BatchError
-from dataplane.model.weights import Weights
-from kernels.attention import (
+from residency.dataplane.model.attention import paged_attention_invariant, paged_prefill_attention, tiled_linear
+from residency.dataplane.model.config import ModelConfig, rope_inv_freq, rope_tables
+from residency.dataplane.model.errors import BatchError
+from residency.dataplane.model.weights import Weights
+from residency.kernels.attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
     rope_and_cache,
     rope_and_cache_ref,
 )
-from kernels.prefill_attention import paged_extend_attention
+from residency.kernels.prefill_attention import paged_extend_attention
 
 
 # A span of at most this many new tokens (a new turn over a cached or restored history) goes

@@ -17,7 +17,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from dataplane.model.errors import ChatTemplateMissing, ModelFileError, UnsupportedModel
+from residency.dataplane.model.errors import ChatTemplateMissing, ModelFileError, UnsupportedModel
 
 # Token strings that end a turn in the chat formats we know; any of them present as a special
 # token of the vocabulary joins the eos set, so generation stops at the end of the model's turn.

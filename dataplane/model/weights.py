@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.model.config import ModelConfig
-from dataplane.model.errors import ModelFileError, UnsupportedModel
-from dataplane.model.gguf_file import GGUFFile
+from residency.dataplane.model.config import ModelConfig
+from residency.dataplane.model.errors import ModelFileError, UnsupportedModel
+from residency.dataplane.model.gguf_file import GGUFFile
 
 
 @dataclass
@@ -122,7 +122,7 @@ def config_from_gguf(f: GGUFFile, name: str) -> ModelConfig:
     scaling = None
     stype = meta.get(f"{a}.rope.scaling.type")
     if stype == "linear":
-        from dataplane.model.config import RopeScaling
+        from residency.dataplane.model.config import RopeScaling
         scaling = RopeScaling("linear", float(g("rope.scaling.factor")))
     elif stype not in (None, "none"):
         raise UnsupportedModel(f"{name}: GGUF RoPE scaling {stype!r} (supported: none, linear, rope_freqs)")

@@ -8,14 +8,14 @@
     host   -> disk     demote                   Demote
     disk   -> host     promote                  Promote
 """
-from dataplane.moves.base import Hasher, InFlight, MoveContext
-from dataplane.moves.copy import COPY_MODES, Copier, coalesce
-from dataplane.moves.device_host import PRIME_CHUNKS, RestoreFromHost, SpillToHost
-from dataplane.moves.disk_routes import Demote, Promote, RestoreFromDisk, SpillToDisk
-from dataplane.moves.indexes import IndexUploader, SumsLanding
-from dataplane.moves.plan import FREES_SOURCE, ROUTES, MovePlan, validate
-from dataplane.moves.staging import DeviceStaging, StagingRing
-from dataplane.moves.streams import CopyStreams, Done
+from residency.dataplane.moves.base import Hasher, InFlight, MoveContext
+from residency.dataplane.moves.copy import COPY_MODES, Copier, coalesce
+from residency.dataplane.moves.device_host import PRIME_CHUNKS, RestoreFromHost, SpillToHost
+from residency.dataplane.moves.disk_routes import Demote, Promote, RestoreFromDisk, SpillToDisk
+from residency.dataplane.moves.indexes import IndexUploader, SumsLanding
+from residency.dataplane.moves.plan import FREES_SOURCE, ROUTES, MovePlan, validate
+from residency.dataplane.moves.staging import DeviceStaging, StagingRing
+from residency.dataplane.moves.streams import CopyStreams, Done
 
 EXECUTORS: dict[tuple[str, str], type[InFlight]] = {
     cls.route: cls for cls in (SpillToHost, RestoreFromHost, SpillToDisk, RestoreFromDisk, Demote, Promote)

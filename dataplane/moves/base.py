@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from dataplane.moves.dma import RawDma, TorchDma
-from dataplane.moves.indexes import IndexUploader, Landed, SumsLanding
-from dataplane.moves.plan import MovePlan
-from dataplane.moves.staging import DeviceStaging, StagingRing
-from dataplane.moves.streams import CopyStreams
-from dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
+from residency.dataplane.moves.dma import RawDma, TorchDma
+from residency.dataplane.moves.indexes import IndexUploader, Landed, SumsLanding
+from residency.dataplane.moves.plan import MovePlan
+from residency.dataplane.moves.staging import DeviceStaging, StagingRing
+from residency.dataplane.moves.streams import CopyStreams
+from residency.dataplane.pools import DevicePool, DiskTier, HostPool, KVLayout
 
 log = structlog.get_logger("dataplane.moves")
-from events.catalog import MoveAcked, MoveFailed, pack_checksums
-from kernels.checksum import block_checksums
+from residency.events.catalog import MoveAcked, MoveFailed, pack_checksums
+from residency.kernels.checksum import block_checksums
 
 
 _DONE = object()

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernels.gather import gather_blocks, gather_blocks_trusted
-from kernels.scatter import scatter_blocks, scatter_blocks_trusted
+from residency.kernels.gather import gather_blocks, gather_blocks_trusted
+from residency.kernels.scatter import scatter_blocks, scatter_blocks_trusted
 
 COPY_MODES = ("kernel", "dma", "staged")
 

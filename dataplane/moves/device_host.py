@@ -29,10 +29,10 @@ host-slot order, so host runs are long):
 """
 from __future__ import annotations
 
-from dataplane.moves.base import Hasher, InFlight
-from dataplane.moves.copy import Copier
-from dataplane.pools.errors import ChecksumMismatch
-from events.catalog import pack_checksums
+from residency.dataplane.moves.base import Hasher, InFlight
+from residency.dataplane.moves.copy import Copier
+from residency.dataplane.pools.errors import ChecksumMismatch
+from residency.events.catalog import pack_checksums
 
 
 def first_chunk_blocks(ctx, n: int, chunks: int = 1) -> int:

@@ -16,8 +16,8 @@ indexed, like a corrupted host copy, until the control plane releases it.
 """
 from __future__ import annotations
 
-from dataplane.moves.base import Hasher, InFlight
-from dataplane.pools.errors import ChecksumMismatch, DiskCopyError
+from residency.dataplane.moves.base import Hasher, InFlight
+from residency.dataplane.pools.errors import ChecksumMismatch, DiskCopyError
 
 
 class _DiskWriter(InFlight):

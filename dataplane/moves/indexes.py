@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dataplane.moves.streams import CopyStreams, Done
-from dataplane.pools.budget import PinnedBudget
-from kernels.gather import gather_blocks_trusted
+from residency.dataplane.moves.streams import CopyStreams, Done
+from residency.dataplane.pools.budget import PinnedBudget
+from residency.kernels.gather import gather_blocks_trusted
 
 
 class SumsLanding:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events.catalog import MoveRejected
-from events.commands import ExecuteMove
+from residency.events.catalog import MoveRejected
+from residency.events.commands import ExecuteMove
 
 ROUTES: dict[str, frozenset[tuple[str, str]]] = {
     "spill": frozenset({("device", "host"), ("device", "disk")}),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.moves.streams import CopyStreams, Done
-from dataplane.pools.budget import PinnedBudget
-from dataplane.pools.layout import KVLayout
+from residency.dataplane.moves.streams import CopyStreams, Done
+from residency.dataplane.pools.budget import PinnedBudget
+from residency.dataplane.pools.layout import KVLayout
 
 
 class StagingRing:

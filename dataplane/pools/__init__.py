@@ -1,9 +1,9 @@
 """Memory of one data-plane worker: the device KV pool, the pinned host pool, the disk tier,
 and the pinned-host budget that every page-locked allocation is registered with first."""
-from dataplane.pools.budget import PinnedBudget, PinnedBuffer, PinnedGrant
-from dataplane.pools.device import DevicePool
-from dataplane.pools.disk import DiskTier, RebuildReport
-from dataplane.pools.errors import (
+from residency.dataplane.pools.budget import PinnedBudget, PinnedBuffer, PinnedGrant
+from residency.dataplane.pools.device import DevicePool
+from residency.dataplane.pools.disk import DiskTier, RebuildReport
+from residency.dataplane.pools.errors import (
     AlreadyResident,
     BlockBusy,
     BlockNotReady,
@@ -18,9 +18,9 @@ from dataplane.pools.errors import (
     PinnedBudgetExceeded,
     PinningFailed,
 )
-from dataplane.pools.host import HostPool
-from dataplane.pools.layout import KVLayout
-from dataplane.pools.slots import SlotTable
+from residency.dataplane.pools.host import HostPool
+from residency.dataplane.pools.layout import KVLayout
+from residency.dataplane.pools.slots import SlotTable
 
 __all__ = [
     "KVLayout", "SlotTable", "DevicePool", "HostPool", "DiskTier", "RebuildReport",

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 
 import torch
 
-from dataplane.pools.errors import IntegrityError
-from dataplane.pools.layout import KVLayout
-from dataplane.pools.slots import SlotTable
+from residency.dataplane.pools.errors import IntegrityError
+from residency.dataplane.pools.layout import KVLayout
+from residency.dataplane.pools.slots import SlotTable
 
 
 class BlockPool:

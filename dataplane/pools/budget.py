@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.pools.errors import IntegrityError, PinnedBudgetExceeded, PinningFailed
+from residency.dataplane.pools.errors import IntegrityError, PinnedBudgetExceeded, PinningFailed
 
 PAGE_BYTES = 4096
 _CUDA_HOST_REGISTER_PORTABLE = 1

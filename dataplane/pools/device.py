@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
-from dataplane.pools.base import BlockPool
-from dataplane.pools.layout import KVLayout
+from residency.dataplane.pools.base import BlockPool
+from residency.dataplane.pools.layout import KVLayout
 
 
 class DevicePool(BlockPool):

@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataplane.pools.errors import (
+from residency.dataplane.pools.errors import (
     AlreadyResident,
     DiskCopyError,
     IntegrityError,
     NoRoom,
     NotResident,
 )
-from dataplane.pools.layout import KVLayout
+from residency.dataplane.pools.layout import KVLayout
 
 MAGIC = b"RSDKVBL1"
 VERSION = 1

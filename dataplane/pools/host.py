@@ -17,10 +17,10 @@ from itertools import repeat
 
 import torch
 
-from dataplane.pools.base import BlockPool
-from dataplane.pools.budget import PinnedBudget
-from dataplane.pools.errors import IntegrityError, NotResident
-from dataplane.pools.layout import KVLayout
+from residency.dataplane.pools.base import BlockPool
+from residency.dataplane.pools.budget import PinnedBudget
+from residency.dataplane.pools.errors import IntegrityError, NotResident
+from residency.dataplane.pools.layout import KVLayout
 
 
 class HostPool(BlockPool):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.pools.errors import LayoutError
+from residency.dataplane.pools.errors import LayoutError
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable
 from itertools import repeat
 
-from dataplane.pools.errors import (
+from residency.dataplane.pools.errors import (
     AlreadyResident,
     BlockNotReady,
     IntegrityError,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from events.commands import TokenChoice, TokenLogprobs
-from control.api.backend import (
+from residency.events.commands import TokenChoice, TokenLogprobs
+from residency.control.api.backend import (
     BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, UnknownSession, Usage,
 )
 

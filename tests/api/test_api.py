@@ -8,8 +8,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from control.api import ApiConfig, create_app
-from control.api.backend import BackendError
+from residency.control.api import ApiConfig, create_app
+from residency.control.api.backend import BackendError
 from tests.api.fake_backend import MODEL, FakeBackend
 
 ADMIN_KEY = "s3cret"
@@ -289,8 +289,8 @@ def test_bad_logprobs_asks_are_400_naming_the_field(client, backend, path, body,
 
 
 def test_a_logprob_that_is_not_finite_is_reported_as_minus_9999_so_the_json_stays_valid():
-    from control.api.logprobs import CompletionLogprobs, chat_logprobs
-    from events.commands import TokenChoice, TokenLogprobs
+    from residency.control.api.logprobs import CompletionLogprobs, chat_logprobs
+    from residency.events.commands import TokenChoice, TokenLogprobs
     t = TokenLogprobs(chosen=TokenChoice(token_id=1, text="a", token_bytes=b"a", logprob=float("nan")),
                       top=[TokenChoice(token_id=2, text="b", token_bytes=b"b", logprob=float("-inf"))])
     c = chat_logprobs([t])["content"][0]

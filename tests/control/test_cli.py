@@ -8,12 +8,12 @@ import sqlite3
 
 import pytest
 
-from control.cli.main import main
-from control.replay import replay
-from control.simulate import simulate
-from events import catalog as ev
-from events.envelope import Envelope
-from ledger import LedgerStore
+from residency.control.cli.main import main
+from residency.control.replay import replay
+from residency.control.simulate import simulate
+from residency.events import catalog as ev
+from residency.events.envelope import Envelope
+from residency.ledger import LedgerStore
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +176,9 @@ def test_timeline_json_shows_an_acks_checksums_as_hex_per_block(tmp_path, capsys
     import json
     import os
 
-    from events import catalog as ev
-    from events.envelope import Envelope
-    from ledger import LedgerStore
+    from residency.events import catalog as ev
+    from residency.events.envelope import Envelope
+    from residency.ledger import LedgerStore
     url = f"sqlite:///{tmp_path / 'acks.db'}"
     sums = os.urandom(3 * 8)
     events = [ev.MoveRequested(move_id="m-1", kind="evict", worker=0, src="device", dst="host", blocks=[7, 3, 9],

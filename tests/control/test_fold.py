@@ -6,11 +6,11 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from control.fold import fold, fold_all, fold_run
-from control.simulate import Simulator
-from control.state import IntegrityError, State, check_integrity, decode_state, encode_state, index_copies, state_hash
-from events import catalog as ev
-from events.envelope import Envelope, Recorded
+from residency.control.fold import fold, fold_all, fold_run
+from residency.control.simulate import Simulator
+from residency.control.state import IntegrityError, State, check_integrity, decode_state, encode_state, index_copies, state_hash
+from residency.events import catalog as ev
+from residency.events.envelope import Envelope, Recorded
 
 MiB = 1 << 20
 
@@ -234,7 +234,7 @@ def test_fold_run_over_a_gapless_run_equals_fold_all():
 # ---------------------------------------------------------------------- fast paths vs their references
 def _apply_arrival_ref(s: State, mv, bytes_freed_src: int, checksum_ok: bool, seq: int) -> None:
     """control.fold._apply_arrival before its sole-copy fast path: every block the general way."""
-    from control.fold_base import anomaly as _anomaly
+    from residency.control.fold_base import anomaly as _anomaly
 
     ws = s.workers.get(mv.worker)
     if ws is None:
@@ -264,8 +264,8 @@ def _apply_arrival_ref(s: State, mv, bytes_freed_src: int, checksum_ok: bool, se
 
 def _blocks_committed_ref(s: State, e: ev.BlocksCommitted, seq: int) -> None:
     """control.fold._blocks_committed before new blocks were made with their copy in place."""
-    from control.fold_base import anomaly as _anomaly
-    from control.state import BlockState, SessionState
+    from residency.control.fold_base import anomaly as _anomaly
+    from residency.control.state import BlockState, SessionState
 
     ws = s.workers.get(e.worker)
     if ws is None:
@@ -298,7 +298,7 @@ _TIER_LISTS = st.lists(st.sampled_from(["device", "host", "disk"]), max_size=3, 
 def _worker_with_blocks(draw):
     """A state with worker 0 holding random blocks: any tiers in any order (none at all too), any
     verification; plus block ids that are not there (up to 40, so a few are missing)."""
-    from control.state import BlockState, new_worker
+    from residency.control.state import BlockState, new_worker
 
     s = State()
     s.workers[0] = new_worker(0, "cpu", {"device": 1 << 40, "host": 1 << 40, "disk": 1 << 40}, draw(st.integers(1, 4096)))
@@ -316,8 +316,8 @@ def test_an_ack_folds_the_same_with_and_without_the_sole_copy_fast_path(state, d
     """Every block kind at once: sole copies on the source (the fast path), copies on other tiers too,
     copies already on the destination, no copy anywhere, missing blocks, a block named twice, a
     kept source, a move naming one tier twice, a failed checksum toward the device."""
-    from control.fold import _apply_arrival
-    from control.state import MoveState
+    from residency.control.fold import _apply_arrival
+    from residency.control.state import MoveState
 
     known = list(state.blocks[0]) or [0]
     blocks = data.draw(st.lists(st.one_of(st.sampled_from(known), st.integers(0, 45)), max_size=40))
@@ -336,7 +336,7 @@ def test_an_ack_folds_the_same_with_and_without_the_sole_copy_fast_path(state, d
 @given(state=_worker_with_blocks(), data=st.data())
 def test_blocks_committed_folds_the_same_as_its_reference(state, data):
     """New blocks, blocks already there (with or without a copy on the tier), a block named twice."""
-    from control.fold import _blocks_committed
+    from residency.control.fold import _blocks_committed
 
     blocks = data.draw(st.lists(st.integers(0, 45), max_size=40))
     keys = data.draw(st.one_of(st.just([]), st.lists(st.text(max_size=3), min_size=len(blocks), max_size=len(blocks))))

@@ -9,16 +9,16 @@ import msgspec
 import pytest
 from sqlalchemy import event
 
-import ledger.store
-from control.fold import fold_decoded
-from control.replay import ReplayError, replay
-from control.simulate import simulate
-from control.state import State, state_hash
-from events.catalog import BlocksFreed
-from events.codec import current_decoders, decode_event, decode_packed
-from ledger import LedgerStore
-from ledger.chain import row_hash
-from ledger.schema import PackedRun, PayloadRun
+from residency.ledger import store as ledger_store
+from residency.control.fold import fold_decoded
+from residency.control.replay import ReplayError, replay
+from residency.control.simulate import simulate
+from residency.control.state import State, state_hash
+from residency.events.catalog import BlocksFreed
+from residency.events.codec import current_decoders, decode_event, decode_packed
+from residency.ledger import LedgerStore
+from residency.ledger.chain import row_hash
+from residency.ledger.schema import PackedRun, PayloadRun
 from tests.ledger.tamper import insert_row, run_unguarded
 
 
@@ -31,7 +31,7 @@ def reference(store, to_seq=None) -> State:
 @pytest.fixture
 def small_batches(monkeypatch, rng):
     """Read in small, irregular batches so one replay crosses many runs (and the prefetch thread)."""
-    monkeypatch.setattr(ledger.store, "READ_BATCH", rng.randint(7, 300))
+    monkeypatch.setattr(ledger_store, "READ_BATCH", rng.randint(7, 300))
 
 
 def _simulated(store, rng, n):

@@ -26,17 +26,17 @@ import msgspec
 import pytest
 import zmq
 
-from control.fold import fold
-from control.state import State, check_integrity, state_hash
-from events import catalog as ev
-from events.codec import encode_message
-from events.commands import AnyCommand, Hello, Ping, Pong
+from residency.control.fold import fold
+from residency.control.state import State, check_integrity, state_hash
+from residency.events import catalog as ev
+from residency.events.codec import encode_message
+from residency.events.commands import AnyCommand, Hello, Ping, Pong
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = set(ev.TERMINAL_MOVE_EVENTS)
 SMALL_LAYOUT = "2,16,2,64,float16"          # 16 KiB blocks
 SMALL_BLOCK = 16384
-# the `residency` console script, as installed (``python -m control.cli.main`` would import that module twice)
+# the `residency` console script, as installed (``python -m residency.control.cli.main`` would import that module twice)
 RESIDENCY = [sys.executable, "-c", "import sys; from control.cli.main import main; sys.exit(main(sys.argv[1:]))"]
 
 
@@ -142,10 +142,10 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.02, what: str = "c
 @pytest.fixture
 def make_control(short_dir):
     """make_control(url, **ControlConfig overrides) -> (proc, store). Stopped at teardown."""
-    from control.moves import MoveConfig
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
-    from ledger import LedgerStore
+    from residency.control.moves import MoveConfig
+    from residency.control.policy import PolicyConfig
+    from residency.control.proc import ControlConfig, ControlProc
+    from residency.ledger import LedgerStore
 
     made = []
 
@@ -205,7 +205,7 @@ class FakeWorker:
             try:
                 msg = self._decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                from events.codec import decode_message
+                from residency.events.codec import decode_message
                 msg = decode_message(data)
             if type(msg) is Ping:
                 if self.answer_pings:
@@ -260,7 +260,7 @@ def joined(proc, worker: int = 0) -> bool:
 
 def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier: str = "device") -> list[int]:
     """Commit n blocks through the control process, the fake worker answering the CommitBlocks."""
-    from events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
+    from residency.events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
 
     fut = proc.submit(AskCommitBlocks(ask_id="commit", worker=fw.worker, session=session, tier=tier, num_blocks=n))
     cmd = fw.expect(CommitBlocks)
@@ -275,7 +275,7 @@ def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier:
 def worker_argv(worker: int, endpoint: str, run_dir: Path, *, engine: str = "real", faults: str = "",
                 epoch: int = 0, device_blocks: int = 256, host_blocks: int = 512, disk_blocks: int = 1024,
                 layout: str = SMALL_LAYOUT, block_bytes: int = SMALL_BLOCK) -> list[str]:
-    argv = [sys.executable, "-m", "dataplane.proc", "--worker", str(worker), "--control", endpoint,
+    argv = [sys.executable, "-m", "residency.dataplane.proc", "--worker", str(worker), "--control", endpoint,
             "--run-dir", str(run_dir), "--engine", engine, "--kv-layout", layout,
             "--device-blocks", str(device_blocks), "--host-bytes", str(host_blocks * block_bytes),
             "--disk-bytes", str(disk_blocks * block_bytes), "--no-disk-fsync", "--torch-threads", "1",
@@ -325,9 +325,9 @@ class SlowDisk:
 def gated_control(url: str, short_dir: Path, **over):
     """A control process (no policies) whose ledger appends wait while the returned gate is
     closed (open to begin with): (proc, store, gate). The caller stops the proc, closes the store."""
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
-    from ledger import LedgerStore
+    from residency.control.policy import PolicyConfig
+    from residency.control.proc import ControlConfig, ControlProc
+    from residency.ledger import LedgerStore
 
     store = LedgerStore.open(url, create=True)
     gate = threading.Event()
@@ -363,7 +363,7 @@ class FailingDisk(SlowDisk):
 
     def append(self, items, **kw):
         if self.broken:
-            from ledger.errors import LedgerUnavailable
+            from residency.ledger.errors import LedgerUnavailable
             raise LedgerUnavailable("cannot reach the ledger database (test)")
         return self._store.append(items, **kw)
 

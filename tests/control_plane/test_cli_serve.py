@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from control.transport import AskClient, ControlUnreachable, ask_endpoint
-from events.commands import AskStatus
-from ledger import LedgerStore
+from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
+from residency.events.commands import AskStatus
+from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import REPO, RESIDENCY, SMALL_BLOCK, check_ledger, spawn, wait_for  # noqa: E402
 from tests.control_plane.test_worker_kill import serve_argv  # noqa: E402
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def cli(*args, run_dir, url) -> subprocess.CompletedProcess:
     """`residency ARGS` in this process (the same ``main`` the console script runs)."""
-    from control.cli.main import main
+    from residency.control.cli.main import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main([*args, "--ledger", url, "--run-dir", str(run_dir), "--timeout", "20"])

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from control.transport import AskClient, ControlUnreachable, ask_endpoint
-from events import catalog as ev
-from events.commands import AskCommitBlocks, AskMove, AskStatus
-from ledger import LedgerStore
+from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
+from residency.events import catalog as ev
+from residency.events.commands import AskCommitBlocks, AskMove, AskStatus
+from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import check_ledger, events_of, spawn, wait_for  # noqa: E402
 from tests.control_plane.test_worker_kill import serve_argv  # noqa: E402

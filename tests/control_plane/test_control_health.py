@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from events import catalog as ev
-from events.commands import AskMove, AskSetBudget, AskStatus, ExecuteMove
-from ledger import LedgerStore
+from residency.events import catalog as ev
+from residency.events.commands import AskMove, AskSetBudget, AskStatus, ExecuteMove
+from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
     FailingDisk as _FailingDisk, SlowDisk as _SlowDisk, check_ledger, commit_blocks, event_types as _types,
@@ -22,8 +22,8 @@ from tests.control_plane.conftest import (  # noqa: E402
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inline-commit", "group-commit-writer"])
 def test_a_stalled_ledger_is_never_behind_a_green_health_check(fake_worker, sqlite_url, short_dir, inline):
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
+    from residency.control.policy import PolicyConfig
+    from residency.control.proc import ControlConfig, ControlProc
     store = LedgerStore.open(sqlite_url, create=True)
     gate = threading.Event()
     gate.set()
@@ -69,8 +69,8 @@ def test_live_state_hash_equals_replay_at_every_checkpoint(make_control, fake_wo
     from tests.control_plane.conftest import check_checkpoints
     assert check_checkpoints(store) >= 3
     state = check_ledger(store)
-    from control.fold import fold_all
-    from control.state import State
+    from residency.control.fold import fold_all
+    from residency.control.state import State
     upto = fold_all(State(), store.read(1, st.last_seq))
     assert upto.state_hash() == st.state_hash                          # status's live hash == replay
     assert state.state_hash() == proc.state.state_hash()
@@ -114,8 +114,8 @@ def test_past_its_deadline_the_workers_own_refusal_is_awaited_before_stranding(m
 
 def test_another_writer_on_the_ledger_stops_the_control_process_and_turns_health_red(make_control, fake_worker,
                                                                                      sqlite_url):
-    from control.proc import LedgerDiverged
-    from events.envelope import Envelope
+    from residency.control.proc import LedgerDiverged
+    from residency.events.envelope import Envelope
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
     with LedgerStore.open(sqlite_url) as other:
         other.append([(Envelope(producer="intruder", epoch=1, producer_seq=1, ts_ns=time.time_ns()),
@@ -128,9 +128,9 @@ def test_another_writer_on_the_ledger_stops_the_control_process_and_turns_health
 
 
 def test_a_restart_resumes_from_the_newest_snapshot_to_the_same_state(make_control, fake_worker, sqlite_url):
-    from control.fold import fold_all
-    from control.recovery import replay
-    from control.state import State
+    from residency.control.fold import fold_all
+    from residency.control.recovery import replay
+    from residency.control.state import State
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, checkpoint_every_events=4, snapshot_every_events=4)
     blocks = commit_blocks(proc, fw, 6)
     for i, b in enumerate(blocks):
@@ -146,7 +146,7 @@ def test_a_restart_resumes_from_the_newest_snapshot_to_the_same_state(make_contr
 
 
 def test_a_plugged_in_handler_that_raises_is_logged_and_the_loop_goes_on(make_control, fake_worker, sqlite_url):
-    from events.commands import Pong
+    from residency.events.commands import Pong
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, ping_interval_s=0.05)
 
     def broken(link, msg):
@@ -162,7 +162,7 @@ def test_a_plugged_in_handler_that_raises_is_logged_and_the_loop_goes_on(make_co
 
 
 def test_pressure_spills_through_the_loop_down_to_the_low_watermark(make_control, fake_worker, sqlite_url):
-    from control.policy import PolicyConfig
+    from residency.control.policy import PolicyConfig
     policy = PolicyConfig(high_watermark=0.8, low_watermark=0.5, hot_s=0.0, cooldown_s=60, park=False)
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, policy=policy, policy_interval_s=0.05)
     commit_blocks(proc, fw, 60)                          # 60 of 64 device blocks: above 0.8
@@ -180,8 +180,8 @@ def test_pressure_spills_through_the_loop_down_to_the_low_watermark(make_control
 def _on_a_disk_that_can_fail(fake_worker, url, short_dir, inline: bool = True):
     """A control process whose ledger fails once ``disk.broken`` is set, a worker joined and two
     blocks committed: (proc, store, disk, worker, blocks)."""
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
+    from residency.control.policy import PolicyConfig
+    from residency.control.proc import ControlConfig, ControlProc
     store = LedgerStore.open(url, create=True)
     disk = _FailingDisk(store)
     cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", commit_inline=inline, release_on_stop=False,
@@ -195,7 +195,7 @@ def _on_a_disk_that_can_fail(fake_worker, url, short_dir, inline: bool = True):
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inline-commit", "group-commit-writer"])
 def test_a_move_whose_request_cannot_be_committed_is_never_sent(fake_worker, sqlite_url, short_dir, inline):
-    from ledger.errors import LedgerUnavailable
+    from residency.ledger.errors import LedgerUnavailable
     proc, store, disk, fw, blocks = _on_a_disk_that_can_fail(fake_worker, sqlite_url, short_dir, inline)
     try:
         disk.broken = True
@@ -215,7 +215,7 @@ def test_a_ledger_that_fails_committing_an_ack_stops_the_control_and_nothing_is_
     """The ack's commit runs inside its message handler (the short way): a ledger error there must
     end the loop like any failed commit, never be logged as one handler's bug while the loop goes on
     with events folded that were never committed."""
-    from ledger.errors import LedgerUnavailable
+    from residency.ledger.errors import LedgerUnavailable
     proc, store, disk, fw, blocks = _on_a_disk_that_can_fail(fake_worker, sqlite_url, short_dir)
     try:
         fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))

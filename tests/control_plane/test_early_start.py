@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-from events import catalog as ev
-from events.commands import (
+from residency.events import catalog as ev
+from residency.events.commands import (
     AskCommitBlocks, AskMove, BlocksWritten, CommandAhead, CommitBlocks, ExecuteMove, Hello, Inventory, LaneHello,
     MovesReport, MoveTimed, Pong, QueryInventory, QueryMoves, Shutdown,
 )
@@ -42,7 +42,7 @@ def _inventory(ctl: Control, nonce: int) -> dict[str, list[int]]:
 
 def test_a_worker_begins_a_move_on_its_hint_shows_nothing_before_its_command_and_drops_what_never_comes(
         short_dir, tmp_path):
-    from dataplane.lane import AHEAD_HOLD_MS
+    from residency.dataplane.lane import AHEAD_HOLD_MS
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=True)
     w = spawn(worker_argv(0, endpoint, short_dir, device_blocks=256) + ["--report-timings", "--no-nearly-done"],

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import time
 
-from events import catalog as ev
-from events.commands import AskCommitBlocks, AskMove
+from residency.events import catalog as ev
+from residency.events.commands import AskCommitBlocks, AskMove
 
-from control.keep_awake import KeepAwake
+from residency.control.keep_awake import KeepAwake
 from tests.control_plane.conftest import check_ledger, gated_cluster, spawn, wait_for
 
 S = 10**9
@@ -115,8 +115,8 @@ def test_the_control_keeps_the_host_awake_while_a_big_move_is_in_flight(short_di
 
 
 def test_serve_keeps_the_host_awake_with_gpu_workers_or_when_asked(tmp_path):
-    from control.cli.main import build_parser
-    from control.cli.serve_cmd import build_config
+    from residency.control.cli.main import build_parser
+    from residency.control.cli.serve_cmd import build_config
     for flag, devices, want in (("auto", ["cuda:0"], True), ("auto", ["cpu"], False), ("on", ["cpu"], True),
                                 ("off", ["cuda:0", "cuda:1"], False)):
         args = build_parser().parse_args(["serve", "--keep-awake", flag])

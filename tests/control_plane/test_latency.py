@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from events import affinity
-from events import catalog as ev
-from events.commands import AskMove, ErrorReply, ExecuteMove, Hello, Ping
-from ledger import LedgerStore
+from residency.events import affinity
+from residency.events import catalog as ev
+from residency.events.commands import AskMove, ErrorReply, ExecuteMove, Hello, Ping
+from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
     SlowDisk as _SlowDisk, check_ledger, commit_blocks, events_of, gated_control, joined, setup_control as _setup,
@@ -50,7 +50,7 @@ def test_the_placement_plan_leaves_small_hosts_alone_and_names_bad_cpus():
 
 
 def _lane_worker(proc, fake_worker, short_dir):
-    from events.commands import Hello, LaneHello
+    from residency.events.commands import Hello, LaneHello
     from tests.control_plane.conftest import FakeWorker
     main = fake_worker()
     lane = FakeWorker(f"ipc://{short_dir}/w.sock", identity=b"w0.lane")
@@ -80,7 +80,7 @@ def _lane_control(sqlite_url, short_dir, fake_worker, **over):
 
 
 def _commit_on_lane(proc, lane, n):
-    from events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
+    from residency.events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=n))
     cmd = lane.expect(CommitBlocks)
     lane.send(BlocksWritten(request_id=cmd.request_id, worker=0, tier="device", blocks=cmd.blocks,
@@ -93,7 +93,7 @@ def test_while_the_host_is_kept_awake_an_ask_does_not_wake_the_lane_first(fake_w
     """With keep_awake's spinners spinning (a window open, here lingering 30 s after a big move) a
     woken thread runs at once: a big ask's first CommandAhead is its move's hint, with no wake-up
     (move_id "") before it. Once the window is over, the wake-up comes first again."""
-    from events.commands import CommandAhead
+    from residency.events.commands import CommandAhead
 
     with _lane_control(sqlite_url, short_dir, fake_worker, command_ahead_min_bytes=3 * 4096, keep_awake=True,
                        keep_awake_min_bytes=3 * 4096, keep_awake_linger_s=30.0) as (proc, store, gate, lane):
@@ -130,7 +130,7 @@ def test_a_big_copy_is_announced_to_the_lane_before_its_commit_and_its_command_f
     command) before it is resolved; its move's CommandAhead, carrying the command, goes while the
     MoveRequested is still committing (here: a disk held still); the command itself waits for the
     commit (write-ahead). Smaller moves get neither."""
-    from events.commands import CommandAhead
+    from residency.events.commands import CommandAhead
 
     with _lane_control(sqlite_url, short_dir, fake_worker, command_ahead_min_bytes=3 * 4096,
                        command_ahead_us=1500) as (proc, store, gate, lane):
@@ -214,7 +214,7 @@ def test_a_checkpoint_due_by_time_waits_for_an_iteration_that_sent_and_answered_
 
 
 def test_a_traced_move_keeps_its_phases_in_order_with_the_workers_own(make_control, fake_worker, sqlite_url):
-    from events.commands import MoveTimed
+    from residency.events.commands import MoveTimed
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, trace_moves=2)
     blocks = commit_blocks(proc, fw, 3)
     mids = []
@@ -238,7 +238,7 @@ def test_a_traced_move_keeps_its_phases_in_order_with_the_workers_own(make_contr
 
 def test_tracing_is_off_unless_configured_and_a_workers_timings_are_then_ignored(make_control, fake_worker,
                                                                                  sqlite_url):
-    from events.commands import MoveTimed
+    from residency.events.commands import MoveTimed
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
     (b,) = commit_blocks(proc, fw, 1)
     fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=[b]))
@@ -258,7 +258,7 @@ def test_the_engines_commands_wait_for_the_lane_then_go_there_and_its_acks_count
     """A worker that names an engine lane in its Hello gets the engine's commands on the lane, not
     before the lane's LaneHello (whichever of the two arrives first), in the order they were asked;
     Pings and QueryMoves stay on its Hello socket; what comes back on the lane is the worker's."""
-    from events.commands import BlocksWritten, CommitBlocks, LaneHello, Pong
+    from residency.events.commands import BlocksWritten, CommitBlocks, LaneHello, Pong
     from tests.control_plane.conftest import FakeWorker
     proc, store = make_control(sqlite_url, ping_interval_s=0.05)
     main = fake_worker()
@@ -272,7 +272,7 @@ def test_the_engines_commands_wait_for_the_lane_then_go_there_and_its_acks_count
         main.send(Hello(worker=0, epoch=main.epoch, device="cpu", tiers=main.tiers, block_bytes=main.block_bytes,
                         lane="w0.lane"))
         wait_for(lambda: joined(proc), what="worker joined")
-        from events.commands import AskCommitBlocks
+        from residency.events.commands import AskCommitBlocks
         fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=4))
         if not lane_first:
             assert lane.quiet(0.3) == [] and main.quiet(0.1) == []   # held: the lane is not known up yet
@@ -305,7 +305,7 @@ def test_a_lane_of_a_worker_that_never_said_hello_is_not_taken_for_it(make_contr
                                                                      short_dir):
     """An outcome from a lane nobody announced is refused like any unknown sender's; a LaneHello of
     another incarnation does not open the lane of this one."""
-    from events.commands import LaneHello
+    from residency.events.commands import LaneHello
     from tests.control_plane.conftest import FakeWorker
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url)     # a worker without a lane
     lane = FakeWorker(f"ipc://{short_dir}/w.sock", identity=b"w0.lane")
@@ -382,7 +382,7 @@ def test_an_asker_on_the_loop_thread_hears_of_an_ack_only_after_its_fold(make_co
 
 def test_the_loop_steps_off_the_gil_after_answering_a_thread_of_its_process_not_a_socket(make_control, fake_worker,
                                                                                         sqlite_url, short_dir):
-    from control.transport import AskClient
+    from residency.control.transport import AskClient
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url, answer_yield_min_blocks=4)
     blocks = commit_blocks(proc, fw, 12)
     fut = proc.submit(AskMove(ask_id="thread", kind="evict", worker=0, blocks=blocks[:4]))
@@ -405,12 +405,12 @@ def test_the_loop_steps_off_the_gil_after_answering_a_thread_of_its_process_not_
 
 def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_the_hello_socket(
         make_control, fake_worker, sqlite_url):
-    from events.commands import CommitBlocks, Hello as H, BlocksWritten
+    from residency.events.commands import CommitBlocks, Hello as H, BlocksWritten
     proc, store = make_control(sqlite_url, ping_interval_s=0.05, lane_wait_s=0.3)
     fw = fake_worker()
     fw.send(H(worker=0, epoch=fw.epoch, device="cpu", tiers=fw.tiers, block_bytes=fw.block_bytes, lane="w0.lane"))
     wait_for(lambda: joined(proc), what="worker joined")
-    from events.commands import AskCommitBlocks
+    from residency.events.commands import AskCommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=2))
     t0 = time.monotonic()
     cmd = fw.expect(CommitBlocks, timeout=5)              # held, then sent here once the lane is given up
@@ -444,8 +444,8 @@ def test_a_burst_of_acks_is_committed_together_and_only_a_lone_moves_ack_takes_t
     """With many moves in flight their acks come in bursts: committed a few at a time at the end of
     the loop's iterations (a commit and a GIL yield per ack would halve the moves/s the loop
     sustains), while the ack of the only move in flight is committed and answered at once."""
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
+    from residency.control.policy import PolicyConfig
+    from residency.control.proc import ControlConfig, ControlProc
     store = LedgerStore.open(sqlite_url, create=True)
     disk = _CountingDisk(store)
     cfg = ControlConfig(worker_endpoint=f"ipc://{short_dir}/w.sock", release_on_stop=False,

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from control import moves, recovery, watchdog
-from control.moves import MoveConfig
-from control.policy.asks import release
-from events import catalog as ev
-from events.commands import AskMove, MovesReport, ReleaseBlocks
+from residency.control import moves, recovery, watchdog
+from residency.control.moves import MoveConfig
+from residency.control.policy.asks import release
+from residency.events import catalog as ev
+from residency.events.commands import AskMove, MovesReport, ReleaseBlocks
 
 from tests.control_plane.test_policies import BB, Book  # noqa: E402  (shared builder)
 
@@ -108,7 +108,7 @@ def test_invalid_asks_are_named_and_record_nothing():
 def _resolve_ref(state, msg, asker, busy):
     """The plain version of ``moves.resolve`` for named blocks (one list per check, every ask
     validated in full): the single-pass resolve must say exactly what this says."""
-    from control.policy.asks import KIND_DEFAULTS, split_for_destination
+    from residency.control.policy.asks import KIND_DEFAULTS, split_for_destination
     src0, dst0, keep0 = KIND_DEFAULTS[msg.kind]
     src, dst = msg.src or src0, msg.dst or dst0
     keep = keep0 if msg.keep_source is None else msg.keep_source
@@ -253,7 +253,7 @@ def _plan_restore_ref(state, blocks, src=None):
 
 def test_a_restore_takes_each_block_from_its_fastest_copy_one_move_per_source_in_order_of_first_use():
     import random
-    from control.policy.restore import plan_restore
+    from residency.control.policy.restore import plan_restore
     rng = random.Random(11)
     tiers = ["device", "host", "disk"]
     for _ in range(300):

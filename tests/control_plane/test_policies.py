@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from control import budget, moves
-from control.fold import fold
-from control.policy import PolicyConfig, RefusalMemo, plan
-from control.policy.asks import busy_blocks
-from control.policy.recency import Recency
-from control.state import State
-from events import catalog as ev
-from events.commands import AskMove
-from events.envelope import Envelope, Recorded
+from residency.control import budget, moves
+from residency.control.fold import fold
+from residency.control.policy import PolicyConfig, RefusalMemo, plan
+from residency.control.policy.asks import busy_blocks
+from residency.control.policy.recency import Recency
+from residency.control.state import State
+from residency.events import catalog as ev
+from residency.events.commands import AskMove
+from residency.events.envelope import Envelope, Recorded
 
 BB = 1 << 20       # 1 MiB blocks
 S = 1_000_000_000

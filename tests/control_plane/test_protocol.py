@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from events import catalog as ev
-from events.codec import encode_message
-from events.commands import (
+from residency.events import catalog as ev
+from residency.events.codec import encode_message
+from residency.events.commands import (
     AskMove, AskReleaseBlocks, AskSetBudget, BlocksReleased, ClaimDisk, ErrorReply, ExecuteMove, MovesReport, Ping,
     QueryMoves, ReleaseBlocks, Shutdown,
 )
-from control.state import check_integrity
-from ledger import LedgerStore
+from residency.control.state import check_integrity
+from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
     SlowDisk as _SlowDisk, check_ledger, commit_blocks, event_types as _types, events_of, joined,
@@ -27,8 +27,8 @@ from tests.control_plane.conftest import (  # noqa: E402
 @pytest.mark.parametrize("inline", [True, False], ids=["inline-commit", "group-commit-writer"])
 def test_write_ahead_the_move_is_committed_before_the_worker_sees_the_command(fake_worker, any_url, short_dir,
                                                                               inline):
-    from control.policy import PolicyConfig
-    from control.proc import ControlConfig, ControlProc
+    from residency.control.policy import PolicyConfig
+    from residency.control.proc import ControlConfig, ControlProc
     store = LedgerStore.open(any_url, create=True)
     gate = threading.Event()
     gate.set()
@@ -287,7 +287,7 @@ def test_worker_process_exit_is_a_loss_right_away(make_control, fake_worker, sql
 # ---------------------------------------------------------------------- recovery with a scripted worker
 def _crashed_ledger(url, epoch=1):
     """A ledger as a crashed control process leaves it: three moves in flight, no ServerStopped."""
-    from events.envelope import Envelope
+    from residency.events.envelope import Envelope
     store = LedgerStore.open(url, create=True)
     bb = 4096
     evs = [ev.ServerStarted(version="0", config_digest="x"),
@@ -334,7 +334,7 @@ def test_after_a_crash_the_same_worker_is_adopted_and_asked_what_it_completed(ma
 
 def _crashed_ledger_with_disk(url):
     """A crashed control's ledger whose worker holds blocks 7 and 8 on disk (and 9 on device)."""
-    from events.envelope import Envelope
+    from residency.events.envelope import Envelope
     store = LedgerStore.open(url, create=True)
     bb = 4096
     evs = [ev.ServerStarted(version="0", config_digest="x"),

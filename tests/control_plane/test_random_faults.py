@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from control.moves import MoveConfig
-from events import catalog as ev
-from events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, Inventory, QueryInventory
+from residency.control.moves import MoveConfig
+from residency.events import catalog as ev
+from residency.events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, Inventory, QueryInventory
 
 from tests.control_plane.conftest import (  # noqa: E402
     SMALL_BLOCK, check_ledger, joined, spawn, wait_for, worker_argv,

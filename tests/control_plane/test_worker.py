@@ -13,10 +13,10 @@ import msgspec
 import pytest
 import zmq
 
-from dataplane.worker import WorkerFaults, WorkerRecord
-from events import catalog as ev
-from events.codec import encode_message
-from events.commands import (
+from residency.dataplane.worker import WorkerFaults, WorkerRecord
+from residency.events import catalog as ev
+from residency.events.codec import encode_message
+from residency.events.commands import (
     AnyReply, BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, LaneHello,
     MoveNearlyDone, MovesReport, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
@@ -156,7 +156,7 @@ def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombs
 
 @LANE_MODES
 def test_a_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order(short_dir, tmp_path, mode):
-    from events.commands import MoveTimed
+    from residency.events.commands import MoveTimed
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=mode == "lane")
     w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"],
@@ -264,7 +264,7 @@ def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_
 def test_a_command_ahead_is_a_silent_hint_on_either_socket(short_dir, tmp_path, mode):
     """CommandAhead is never answered (neither by the lane, which polls awake for the command,
     nor by the I/O thread, which ignores it) and the command that follows runs as usual."""
-    from events.commands import CommandAhead
+    from residency.events.commands import CommandAhead
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=mode == "lane")
     w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
@@ -305,7 +305,7 @@ def test_a_lane_worker_sends_a_moves_ack_once_before_the_engine_settles_it(short
     """With --early-ack (the default) the lane sends a real engine's outcome as soon as the engine
     has it: its MoveTimed says the ack left before the engine call returned. Either way the ack is
     sent once, a repeated command gets the same ack again, and QueryMoves reports it."""
-    from events.commands import MoveTimed
+    from residency.events.commands import MoveTimed
     ctl, w = _real_lane_worker(short_dir, tmp_path, ["--report-timings", "--no-nearly-done"] + (
         [] if early else ["--no-early-ack"]), blocks=100)
     try:

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from control.transport import AskClient, ask_endpoint
-from events import catalog as ev
-from events.commands import AskCommitBlocks, AskMove, AskStatus
-from ledger import LedgerStore
+from residency.control.transport import AskClient, ask_endpoint
+from residency.events import catalog as ev
+from residency.events.commands import AskCommitBlocks, AskMove, AskStatus
+from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
     REPO, RESIDENCY, SMALL_BLOCK, SMALL_LAYOUT, check_ledger, events_of, kill_pid_file, spawn, wait_for,

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.engine import Engine
-from dataplane.pools import KVLayout
-from events.commands import CommitBlocks, ExecuteMove, ReleaseBlocks
+from residency.dataplane.engine import Engine
+from residency.dataplane.pools import KVLayout
+from residency.events.commands import CommitBlocks, ExecuteMove, ReleaseBlocks
 
 # 3 layers x K/V x 5 tokens x 2 heads x 6 dims, bf16: 720 bytes = 180 words per block.
 LAYOUT = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.bfloat16)

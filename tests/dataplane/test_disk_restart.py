@@ -3,9 +3,9 @@ import os
 
 import torch
 
-from dataplane.pools import KVLayout
-from dataplane.pools.disk import HEADER_BYTES
-from events.catalog import MoveAcked
+from residency.dataplane.pools import KVLayout
+from residency.dataplane.pools.disk import HEADER_BYTES
+from residency.events.catalog import MoveAcked
 from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, words_of
 
 
@@ -51,7 +51,7 @@ def test_restart_quarantines_bad_files_and_drops_temporaries(tmp_path):
 
 
 def test_the_quarantine_keeps_only_its_newest_files(tmp_path, monkeypatch):
-    from dataplane.pools import disk
+    from residency.dataplane.pools import disk
     monkeypatch.setattr(disk, "QUARANTINE_KEEP", 3)
     other = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.float16)
     for round_ in range(3):           # each restart under another layout quarantines two files
@@ -73,8 +73,8 @@ def test_files_of_another_layout_are_not_loaded(tmp_path):
 
 
 def test_a_worker_offers_the_files_it_found_and_deletes_those_the_control_does_not_claim(tmp_path):
-    from dataplane.worker import WorkerCore
-    from events.commands import ClaimDisk, DiskClaimed
+    from residency.dataplane.worker import WorkerCore
+    from residency.events.commands import ClaimDisk, DiskClaimed
     with make_engine(tmp_path) as first:
         data = commit(first, "device", [3, 4, 5])
         first.execute(move("evict", "device", "disk", [3, 4, 5]))

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dataplane.moves.copy import coalesce
-from dataplane.moves.dma import RawDma, TorchDma, dma_issuer
+from residency.dataplane.moves.copy import coalesce
+from residency.dataplane.moves.dma import RawDma, TorchDma, dma_issuer
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 NO_STREAM = SimpleNamespace(cuda_stream=0)
@@ -121,7 +121,7 @@ class _FakeRuntime:
 
 @pytest.mark.parametrize("version,n_args", [(12080, 9), (12090, 9), (13000, 8), (13020, 8)])
 def test_the_batch_is_bound_with_the_signature_of_the_runtime_version(version, n_args):
-    from dataplane.moves.dma import _MemcpyAttributes, _bind_batch
+    from residency.dataplane.moves.dma import _MemcpyAttributes, _bind_batch
 
     rt = _FakeRuntime(version)
     batch, why = _bind_batch(rt)
@@ -136,7 +136,7 @@ def test_the_batch_is_bound_with_the_signature_of_the_runtime_version(version, n
 
 
 def test_no_batch_before_12_8_or_without_the_symbol():
-    from dataplane.moves.dma import _bind_batch
+    from residency.dataplane.moves.dma import _bind_batch
 
     assert _bind_batch(_FakeRuntime(12060))[0] is None
     batch, why = _bind_batch(_FakeRuntime(12090, has_batch=False))
@@ -178,7 +178,7 @@ def test_on_a_gpu_the_raw_path_moves_scattered_rows_both_ways(batch):
 
 
 def test_the_runtime_found_is_torchs_own_major_version_when_several_are_mapped():
-    from dataplane.moves.dma import _mapped_cudart
+    from residency.dataplane.moves.dma import _mapped_cudart
 
     maps = ("7f00-7f01 r-xp 00000000 08:01 11 /opt/x/lib/libcudart.so.11.0\n"
             "7f02-7f03 r--p 00000000 08:01 12 /usr/lib/nvidia/cuda_runtime/lib/libcudart.so.12\n"
@@ -200,7 +200,7 @@ def test_on_a_gpu_the_batch_is_used_where_the_runtime_has_it():
 
 
 def test_the_engine_copies_by_plain_dmas_only_where_they_go_in_batches():
-    from dataplane.engine import default_copy_modes
+    from residency.dataplane.engine import default_copy_modes
 
     assert default_copy_modes(_memmove_issuer(batched=True)) == {"d2h": "dma", "h2d": "dma"}
     assert default_copy_modes(_memmove_issuer()) == {"d2h": "staged", "h2d": "staged"}

@@ -2,8 +2,8 @@
 comes, nothing is visible until it does, and a start whose command never comes is undone exactly."""
 import torch
 
-from dataplane.worker import WorkerCore
-from events.catalog import MoveAcked, MoveFailed
+from residency.dataplane.worker import WorkerCore
+from residency.events.catalog import MoveAcked, MoveFailed
 from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, move, snapshot, words_of
 
 

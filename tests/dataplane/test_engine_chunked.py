@@ -3,8 +3,8 @@ lands intact, and a chunk that raises half-way fails its move with the pools unc
 import pytest
 import torch
 
-import dataplane.moves.copy as copy_mod
-from events.catalog import MoveAcked, MoveFailed
+import residency.dataplane.moves.copy as copy_mod
+from residency.events.catalog import MoveAcked, MoveFailed
 from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, move, snapshot, words_of
 
 
@@ -61,7 +61,7 @@ def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(ch
 def test_moves_submitted_together_reach_the_link_in_turn_then_advance_in_turn(chunky, monkeypatch, slice_blocks, pairs):
     """First chunks two pipeline chunks long (6 blocks: one slice of 8, or 6 slices of 1), a slice of
     each move in turn; then the two chunks left of each (3 blocks and 1), in turn."""
-    import dataplane.engine as engine_mod
+    import residency.dataplane.engine as engine_mod
 
     e = chunky
     monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", slice_blocks)
@@ -78,7 +78,7 @@ def test_moves_submitted_together_reach_the_link_in_turn_then_advance_in_turn(ch
 def test_the_first_move_submitted_together_leads_with_a_longer_first_step(chunky, monkeypatch):
     """The spill's link gets FIRST_LEAD_BLOCKS blocks before the restore is admitted (validated,
     slots claimed), so it stays busy meanwhile; then slices of each in turn, and both land."""
-    import dataplane.engine as engine_mod
+    import residency.dataplane.engine as engine_mod
 
     e = chunky
     monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
@@ -99,7 +99,7 @@ def test_the_first_move_submitted_together_leads_with_a_longer_first_step(chunky
 
 
 def test_a_move_failing_half_way_through_its_first_chunk_fails_alone(chunky, monkeypatch):
-    import dataplane.engine as engine_mod
+    import residency.dataplane.engine as engine_mod
 
     e = chunky
     monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
@@ -139,7 +139,7 @@ def test_submit_many_refuses_a_move_that_collides_with_an_earlier_one_and_lands_
 
 
 def test_a_move_whose_start_raises_in_submit_many_fails_alone(chunky, monkeypatch):
-    import dataplane.moves.device_host as dh
+    import residency.dataplane.moves.device_host as dh
 
     e = chunky
     ids = list(range(10))
@@ -219,7 +219,7 @@ class _BrokenLanded:
 
 
 def test_a_spill_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypatch):
-    import dataplane.moves.device_host as dh
+    import residency.dataplane.moves.device_host as dh
 
     e = chunky
     ids = list(range(10))
@@ -238,7 +238,7 @@ def test_a_spill_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypatch
 
 
 def test_a_restore_whose_last_wait_fails_puts_both_tables_back(chunky, monkeypatch):
-    import dataplane.moves.base as base
+    import residency.dataplane.moves.base as base
 
     e = chunky
     ids = list(range(10))

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dataplane.moves.copy import Copier
-from dataplane.moves.streams import CopyStreams
-from events.catalog import MoveAcked
+from residency.dataplane.moves.copy import Copier
+from residency.dataplane.moves.streams import CopyStreams
+from residency.events.catalog import MoveAcked
 from tests.dataplane.helpers_dataplane import commit, make_engine, move, words_of
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from events.catalog import MoveAcked, MoveRejected
-from kernels.checksum import block_checksums_ref, checksums_to_ints
+from residency.events.catalog import MoveAcked, MoveRejected
+from residency.kernels.checksum import block_checksums_ref, checksums_to_ints
 from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, release, snapshot, assert_same, words_of
 
 BB = LAYOUT.block_bytes
@@ -90,13 +90,11 @@ def test_every_copy_mode_moves_the_same_bytes(tmp_path, engine_device, mode):
 
 def test_moves_run_the_triton_kernels_under_the_interpreter(tmp_path, monkeypatch):
     """The CPU engine's kernel path through Triton's interpreter, not just the torch references."""
-    import kernels.checksum
-    import kernels.gather
-    import kernels.scatter
+    from residency.kernels import checksum, gather, scatter
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod, name in ((kernels.gather, "gather_blocks_ref"), (kernels.scatter, "scatter_blocks_ref"),
-                      (kernels.checksum, "block_checksums_ref")):
+    for mod, name in ((gather, "gather_blocks_ref"), (scatter, "scatter_blocks_ref"),
+                      (checksum, "block_checksums_ref")):
         monkeypatch.setattr(mod, name, _must_not_run)
     with make_engine(tmp_path, copy_modes={"d2h": "kernel", "h2d": "kernel"}) as e:
         data = commit(e, "device", [3, 1, 4])

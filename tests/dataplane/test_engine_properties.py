@@ -6,9 +6,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dataplane.moves.plan import FREES_SOURCE, ROUTES
-from dataplane.pools import DataPlaneError
-from events.catalog import MoveAcked, MoveRejected
+from residency.dataplane.moves.plan import FREES_SOURCE, ROUTES
+from residency.dataplane.pools import DataPlaneError
+from residency.events.catalog import MoveAcked, MoveRejected
 from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, release, words_of
 
 TIERS = ("device", "host", "disk")

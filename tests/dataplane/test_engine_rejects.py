@@ -1,8 +1,8 @@
 """Bad commands are refused with their reasons and arithmetic, and change nothing."""
 import pytest
 
-from dataplane.pools import BlockBusy, NoRoom, NotResident
-from events.catalog import MoveRejected
+from residency.dataplane.pools import BlockBusy, NoRoom, NotResident
+from residency.events.catalog import MoveRejected
 from tests.dataplane.helpers_dataplane import LAYOUT, assert_same, commit, make_engine, move, release, snapshot
 
 BB = LAYOUT.block_bytes
@@ -122,7 +122,7 @@ def test_blocks_in_a_move_in_flight_cannot_be_moved_or_released(engine):
 
 
 def test_check_integrity_catches_a_reservation_no_move_owns(engine):
-    from dataplane.pools import IntegrityError
+    from residency.dataplane.pools import IntegrityError
 
     engine.device_pool.reserve([99])                     # a slot taken behind the engine's back
     with pytest.raises(IntegrityError, match=r"device: 1 reserved slots belong to no move in flight: \[99\]"):

@@ -4,7 +4,7 @@ bytes are still crossing, never an early start, and never ahead of a small move.
 import pytest
 import torch
 
-from events.catalog import MoveAcked
+from residency.events.catalog import MoveAcked
 from tests.dataplane.helpers_dataplane import commit, make_engine, move, words_of
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

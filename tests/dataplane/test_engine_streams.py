@@ -3,7 +3,7 @@ compute stream, and a restore is not done (nor its blocks readable) before its c
 import pytest
 import torch
 
-from events.catalog import MoveAcked
+from residency.events.catalog import MoveAcked
 from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, release, words_of
 
 BB = LAYOUT.block_bytes

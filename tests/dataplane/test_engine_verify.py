@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from dataplane.pools.disk import HEADER_BYTES
-from events.catalog import MoveAcked, MoveFailed
+from residency.dataplane.pools.disk import HEADER_BYTES
+from residency.events.catalog import MoveAcked, MoveFailed
 from tests.dataplane.helpers_dataplane import LAYOUT, assert_same, commit, move, snapshot, words_of
 
 BB = LAYOUT.block_bytes
@@ -126,7 +126,7 @@ def test_demote_refuses_to_write_a_host_copy_that_no_longer_matches(engine):
 
 
 def test_a_restore_blocks_are_invisible_until_verified(engine):
-    from dataplane.pools import BlockNotReady
+    from residency.dataplane.pools import BlockNotReady
 
     commit(engine, "device", [1])
     engine.execute(move("evict", "device", "host", [1]))

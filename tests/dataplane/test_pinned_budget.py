@@ -3,9 +3,9 @@ refusal with its arithmetic, and nothing is allocated."""
 import pytest
 import torch
 
-import dataplane.pools.budget as budget_mod
-from dataplane.engine import Engine
-from dataplane.pools import PinnedBudget, PinnedBudgetExceeded
+import residency.dataplane.pools.budget as budget_mod
+from residency.dataplane.engine import Engine
+from residency.dataplane.pools import PinnedBudget, PinnedBudgetExceeded
 from tests.dataplane.helpers_dataplane import LAYOUT
 
 

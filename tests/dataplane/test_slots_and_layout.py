@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dataplane.pools import (
+from residency.dataplane.pools import (
     AlreadyResident,
     BlockNotReady,
     DevicePool,
@@ -108,7 +108,7 @@ def test_only_reserved_blocks_can_be_published_or_cancelled():
 
 
 def test_checked_ahead_free_and_publish_say_no_where_the_checked_calls_would_raise():
-    from dataplane.pools.slots import SlotTable
+    from residency.dataplane.pools.slots import SlotTable
 
     t = SlotTable("device", 8, 100)
     t.allocate([1, 2, 3])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import random
 
-from events import Envelope, Recorded
-from events import catalog as ev
+from residency.events import Envelope, Recorded
+from residency.events import catalog as ev
 
 SECOND = 1_000_000_000
 MS = 1_000_000
@@ -128,7 +128,7 @@ _SIMULATED: dict[tuple[int, int], list[Recorded]] = {}
 
 def simulated(n: int, seed: int) -> list[Recorded]:
     """A simulated ledger as Recorded rows, built once per process (the simulator folds as it goes)."""
-    from control.simulate import simulate  # noqa: PLC0415
+    from residency.control.simulate import simulate  # noqa: PLC0415
 
     key = (n, seed)
     if key not in _SIMULATED:

@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import detect_device_below_floor, detect_pinned_over_budget
+from residency.events import catalog as ev
+from residency.control.diagnose import detect_device_below_floor, detect_pinned_over_budget
 from tests.diagnose.ledgers import SECOND
 
 

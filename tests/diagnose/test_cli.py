@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from control.cli.main import main
-from control.diagnose.text import iso_ns
-from ledger import LedgerStore
+from residency.control.cli.main import main
+from residency.control.diagnose.text import iso_ns
+from residency.ledger import LedgerStore
 from tests.diagnose.ledgers import SECOND
 
 

@@ -1,10 +1,10 @@
 import msgspec
 
-from control.diagnose import ALL_DETECTORS, detect_with, diagnose
-from control.diagnose.accounting import Accounting
-from control.diagnose.engine import run_pass
-from control.fold import fold_all
-from control.state import State
+from residency.control.diagnose import ALL_DETECTORS, detect_with, diagnose
+from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.engine import run_pass
+from residency.control.fold import fold_all
+from residency.control.state import State
 from tests.diagnose.ledgers import SECOND, simulated
 from tests.diagnose.test_moves import _swing
 

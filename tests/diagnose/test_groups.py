@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import DiagnoseParams, detect_group_divergence
+from residency.events import catalog as ev
+from residency.control.diagnose import DiagnoseParams, detect_group_divergence
 
 
 def run_steps(L, steps, workers=(0, 1), diverge=(), gap_ms=50.0):

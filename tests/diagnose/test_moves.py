@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import DiagnoseParams, detect_overdue_moves, detect_pendulum
+from residency.events import catalog as ev
+from residency.control.diagnose import DiagnoseParams, detect_overdue_moves, detect_pendulum
 from tests.diagnose.ledgers import MS, SECOND
 
 

@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import detect_torn_rebinds
+from residency.events import catalog as ev
+from residency.control.diagnose import detect_torn_rebinds
 from tests.diagnose.ledgers import SECOND
 
 READERS = ["scheduler", "worker_views", "host_staging"]

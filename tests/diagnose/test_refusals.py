@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import detect_refusal_storms, detect_retried_smaller
+from residency.events import catalog as ev
+from residency.control.diagnose import detect_refusal_storms, detect_retried_smaller
 from tests.diagnose.ledgers import SECOND
 
 

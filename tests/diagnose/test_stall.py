@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import DiagnoseParams, detect_holes, detect_stalls
+from residency.events import catalog as ev
+from residency.control.diagnose import DiagnoseParams, detect_holes, detect_stalls
 from tests.diagnose.ledgers import SECOND
 
 

@@ -1,5 +1,5 @@
-from events import catalog as ev
-from control.diagnose import detect_worker_silence
+from residency.events import catalog as ev
+from residency.control.diagnose import detect_worker_silence
 from tests.diagnose.ledgers import SECOND
 
 

@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from events import (
+from residency.events import (
     EVENT_TYPES,
     DecodeError,
     decode_event,
@@ -17,9 +17,9 @@ from events import (
     event_from_json_obj,
     event_to_json_obj,
 )
-from events import catalog as ev
-from events.codec import decode_packed
-from events.commands import ExecuteMove, Ping
+from residency.events import catalog as ev
+from residency.events.codec import decode_packed
+from residency.events.commands import ExecuteMove, Ping
 
 
 def _random_event(rng: random.Random) -> ev.Event:

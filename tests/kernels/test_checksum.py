@@ -3,9 +3,9 @@ one flipped bit, swapped blocks, swapped pages and truncation."""
 import pytest
 import torch
 
-import kernels.checksum as ck
-from kernels._common import KernelInputError
-from kernels.checksum import block_checksum_py, block_checksums, block_checksums_ref, checksums_to_ints
+import residency.kernels.checksum as ck
+from residency.kernels._common import KernelInputError
+from residency.kernels.checksum import block_checksum_py, block_checksums, block_checksums_ref, checksums_to_ints
 from tests.kernels.helpers_kernels import random_table
 
 
@@ -86,7 +86,7 @@ def test_a_truncated_block_hashes_differently(device, gen):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
 def test_the_gpu_hashes_pinned_host_rows_in_place(gen):
-    from dataplane.pools import PinnedBudget
+    from residency.dataplane.pools import PinnedBudget
 
     buf = PinnedBudget(1 << 22, pin=True).alloc("test", (3, 4099), torch.int32)
     try:

@@ -3,11 +3,11 @@ import pytest
 import torch
 from tests.kernels.helpers_kernels import is_poison, poisoned, random_table
 
-import kernels.gather as gather_mod
-import kernels.scatter as scatter_mod
-from kernels._common import KernelInputError, use_triton
-from kernels.gather import gather_blocks, gather_blocks_ref
-from kernels.scatter import scatter_blocks, scatter_blocks_ref
+import residency.kernels.gather as gather_mod
+import residency.kernels.scatter as scatter_mod
+from residency.kernels._common import KernelInputError, use_triton
+from residency.kernels.gather import gather_blocks, gather_blocks_ref
+from residency.kernels.scatter import scatter_blocks, scatter_blocks_ref
 
 # (rows in the pool, row_words, blocks moved): odd sizes, a single word, a row spanning 2+ chunks.
 SHAPES = [(5, 1, 3), (9, 37, 4), (7, 1000, 7), (6, 4099, 2), (4, 16385 + 3, 3)]
@@ -84,7 +84,7 @@ def test_gather_then_scatter_round_trips_through_strided_tables(device, gen):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
 def test_kernels_store_into_and_load_from_pinned_host_memory(gen):
-    from dataplane.pools import PinnedBudget
+    from residency.dataplane.pools import PinnedBudget
 
     budget = PinnedBudget(1 << 24, pin=True)
     buf = budget.alloc("test", (6, 4099), torch.int32)
@@ -154,8 +154,8 @@ def _must_not_run(*a, **k):
 
 
 def test_trusted_launches_move_the_same_rows_as_the_checked_ones(device, gen):
-    from kernels.gather import gather_blocks_trusted
-    from kernels.scatter import scatter_blocks_trusted
+    from residency.kernels.gather import gather_blocks_trusted
+    from residency.kernels.scatter import scatter_blocks_trusted
 
     src = torch.randint(-(2**31), 2**31, (13, 777), dtype=torch.int32, generator=gen).to(device)
     idx = torch.tensor([12, 0, 5, 7], dtype=torch.int64, device=device)

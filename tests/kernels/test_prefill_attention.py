@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.prefill_attention import SPLIT_TOKENS, paged_extend_attention, paged_extend_attention_ref
+from residency.kernels._common import KernelInputError
+from residency.kernels.prefill_attention import SPLIT_TOKENS, paged_extend_attention, paged_extend_attention_ref
 
 
 def make_case(gen, device, *, start, M, nh, nkv, hd, page, layers=2, dtype=torch.float32):
@@ -50,7 +50,7 @@ def test_extend_kernel_matches_reference(gen, device, start, M, nh, nkv, hd, pag
 
 
 def test_reference_matches_float64_rows_and_runner_sdpa(gen):
-    from dataplane.model.attention import paged_prefill_attention
+    from residency.dataplane.model.attention import paged_prefill_attention
 
     start, M, nh, nkv, hd, page = 45, 7, 6, 2, 16, 8
     q, pool, table = make_case(gen, "cpu", start=start, M=M, nh=nh, nkv=nkv, hd=hd, page=page, dtype=torch.float64)

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec.inspect as mi
 
-from events import Envelope
-from events.catalog import EVENT_TYPES, Event
+from residency.events import Envelope
+from residency.events.catalog import EVENT_TYPES, Event
 
 ALL_TYPES = sorted(EVENT_TYPES)
 

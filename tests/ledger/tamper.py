@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
-from ledger.chain import GENESIS, row_hash
+from residency.ledger.chain import GENESIS, row_hash
 
 
 def run_unguarded(store, sql: str, params: dict | None = None) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from events import Envelope
-from events.catalog import EVENT_TYPES
-from ledger.columns import NAMES, columns_of
+from residency.events import Envelope
+from residency.events.catalog import EVENT_TYPES
+from residency.ledger.columns import NAMES, columns_of
 from tests.ledger.factories import random_event
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ledger import LedgerConflict, LedgerCorrupt, LedgerStore
+from residency.ledger import LedgerConflict, LedgerCorrupt, LedgerStore
 from tests.ledger.factories import random_items
 
 
@@ -33,7 +33,7 @@ def test_export_then_import_reproduces_every_row_and_hash(source, ledger_store):
             "schema_version", "event", "row_hash"} <= set(first)
     assert first["event"]["type"] == first["type"] and len(first["row_hash"]) == 64
     # import into the backend under test (the fixture store is empty and open)
-    from ledger.export import import_jsonl
+    from residency.ledger.export import import_jsonl
     assert import_jsonl(ledger_store, io.StringIO(text)) == source.last_seq()
     assert [tuple(r) for r in ledger_store.read_raw()] == [tuple(r) for r in source.read_raw()]
     report = ledger_store.verify()
@@ -65,12 +65,12 @@ def _break(lines: list[str], k: int, breakage: str, rng) -> int:
 
 @pytest.mark.parametrize("breakage", ["hash", "field", "event", "truncated", "dropped"])
 def test_a_broken_export_imports_nothing_and_names_the_line(source, ledger_store, rng, breakage, monkeypatch):
-    import ledger.export
+    from residency.ledger import export as ledger_export
 
-    monkeypatch.setattr(ledger.export, "IMPORT_BATCH", 3)    # several inserts before the broken line
+    monkeypatch.setattr(ledger_export, "IMPORT_BATCH", 3)    # several inserts before the broken line
     lines = _export(source).splitlines()
     line = _break(lines, rng.randrange(len(lines)), breakage, rng)
-    from ledger.export import import_jsonl
+    from residency.ledger.export import import_jsonl
     with pytest.raises(LedgerCorrupt, match=rf"^line {line} \(seq {line}\) of the import is broken: "):
         import_jsonl(ledger_store, io.StringIO("\n".join(lines)))
     assert ledger_store.last_seq() == 0
@@ -92,7 +92,7 @@ def test_import_by_url_is_all_or_nothing(source, tmp_path, rng):
 
 def test_import_refuses_a_ledger_that_already_has_events(source, ledger_store, rng):
     ledger_store.append(random_items(rng, 1))
-    from ledger.export import import_jsonl
+    from residency.ledger.export import import_jsonl
     with pytest.raises(LedgerConflict, match="already holds events"):
         import_jsonl(ledger_store, io.StringIO(_export(source)))
     assert ledger_store.last_seq() == 1
@@ -101,7 +101,7 @@ def test_import_refuses_a_ledger_that_already_has_events(source, ledger_store, r
 def test_import_into_an_uninitialized_database_says_so_unless_asked_to_create(source, tmp_path):
     text = _export(source)
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
-    from ledger import NotALedger
+    from residency.ledger import NotALedger
     with pytest.raises(NotALedger):
         LedgerStore.import_jsonl(url, io.StringIO(text))
     assert LedgerStore.import_jsonl(url, io.StringIO(text), create=True) == source.last_seq()

@@ -6,7 +6,7 @@ import socket
 import pytest
 from sqlalchemy import text
 
-from ledger import LedgerError, LedgerStore, LedgerUnavailable, NotALedger, SchemaOutOfDate, migrate
+from residency.ledger import LedgerError, LedgerStore, LedgerUnavailable, NotALedger, SchemaOutOfDate, migrate
 
 
 def _one_sentence(e: BaseException) -> str:
@@ -85,7 +85,7 @@ def test_a_schema_from_the_future_is_out_of_date_too(ledger_url):
     if ledger_url == "sqlite:///:memory:":
         pytest.skip("needs the database to outlive one engine")
     LedgerStore.open(ledger_url, create=True).close()
-    from ledger.backend import make_engine
+    from residency.ledger.backend import make_engine
     engine = make_engine(ledger_url)
     with engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from events import Envelope
-from ledger import LedgerConflict, LedgerStore
-from ledger.chain import GENESIS, row_hash
+from residency.events import Envelope
+from residency.ledger import LedgerConflict, LedgerStore
+from residency.ledger.chain import GENESIS, row_hash
 from tests.ledger.factories import envelope, random_event, random_items
 
 
@@ -46,7 +46,7 @@ def test_read_honours_from_and_to(ledger_store, rng):
 
 
 def test_reads_stream_across_batches(ledger_store, rng, monkeypatch):
-    import ledger.store as store_mod
+    import residency.ledger.store as store_mod
 
     monkeypatch.setattr(store_mod, "READ_BATCH", 7)
     n = rng.randint(40, 60)
@@ -269,7 +269,7 @@ def test_an_abandoned_read_stops_its_prefetch_thread(ledger_store, rng):
 
 
 def test_an_error_while_prefetching_reaches_the_reader(ledger_store, rng):
-    from ledger import LedgerError
+    from residency.ledger import LedgerError
 
     ledger_store.append(random_items(rng, rng.randint(30, 50)))
     it = ledger_store.raw_batches(batch=3)
@@ -284,7 +284,7 @@ def test_an_error_while_prefetching_reaches_the_reader(ledger_store, rng):
 def _append_elsewhere(store, items) -> list[int]:
     """Append as another writer does (a second store, another process): the same database, on a
     connection of its own (SQLite in memory: the one connection), none of this store's memory."""
-    from ledger import append as _append
+    from residency.ledger import append as _append
 
     raw = store._raw
     with raw.write_lock, raw.cursor("appending elsewhere") as (conn, cur):
@@ -347,7 +347,7 @@ def test_a_lost_writing_connection_costs_one_append_not_the_store(pg_schema_url,
     (LedgerError, nothing written) and the next one opens a fresh connection."""
     from sqlalchemy import text
 
-    from ledger import LedgerError
+    from residency.ledger import LedgerError
 
     with LedgerStore.open(pg_schema_url, create=True) as store:
         items = random_items(rng, 9)

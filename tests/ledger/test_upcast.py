@@ -5,9 +5,9 @@ import io
 
 import msgspec
 
-from events.catalog import BlocksFreed
-from ledger.chain import row_hash
-from ledger.export import import_jsonl
+from residency.events.catalog import BlocksFreed
+from residency.ledger.chain import row_hash
+from residency.ledger.export import import_jsonl
 from tests.ledger.factories import random_items
 from tests.ledger.tamper import insert_row
 
@@ -32,7 +32,7 @@ def test_a_stored_blocks_freed_v1_row_is_upcast_on_read(ledger_store, rng):
     ledger_store.export_jsonl(buf)
     line = buf.getvalue().splitlines()[-1]
     assert '"payload":' in line and '"schema_version":1' in line
-    from ledger import LedgerStore
+    from residency.ledger import LedgerStore
     with LedgerStore.open("sqlite:///:memory:", create=True) as copy:
         assert import_jsonl(copy, io.StringIO(buf.getvalue())) == last.seq + 1
         assert list(copy.read_raw()) == list(ledger_store.read_raw())

@@ -5,9 +5,9 @@ import sqlite3
 
 import pytest
 
-from events import encode_event
-from ledger import LedgerCorrupt, LedgerStore
-from ledger.chain import GENESIS, row_hash
+from residency.events import encode_event
+from residency.ledger import LedgerCorrupt, LedgerStore
+from residency.ledger.chain import GENESIS, row_hash
 from tests.ledger.factories import random_event, random_items
 from tests.ledger.tamper import rechain, run_unguarded
 
@@ -177,7 +177,7 @@ def checkpointed(ledger_store, rng):
 @pytest.mark.parametrize("kind", ["sound", "flipped", "hash", "missing", "unknown", "boundary"])
 def test_verifying_in_ranges_reaches_the_same_verdict_as_one_pass(checkpointed, rng, kind):
     """The parallel split, run in-process: each range from its predecessor's stored hash, combined."""
-    from ledger.verify_parallel import combine, jobs, split, verify_range
+    from residency.ledger.verify_parallel import combine, jobs, split, verify_range
 
     store, n = checkpointed
     if kind == "boundary":          # the tail of the first of two ranges is gone
@@ -206,7 +206,7 @@ def test_parallel_verify_in_worker_processes(checkpointed, rng):
 def test_a_failing_worker_falls_back_to_one_pass_and_says_so(tmp_path, rng, monkeypatch):
     import structlog
 
-    import ledger.verify_parallel as vp
+    import residency.ledger.verify_parallel as vp
 
     with LedgerStore.open(f"sqlite:///{tmp_path / 'l.db'}", create=True) as store:
         store.append(random_items(rng, 30))
@@ -230,8 +230,8 @@ def test_reads_step_over_a_gap_wider_than_a_batch(filled, rng):
 
 
 def test_the_sqlite_worker_reads_the_columns_the_store_reads():
-    from ledger.schema import RAW_COLUMNS
-    from ledger.verify_parallel import RAW_COLUMNS as worker_columns
+    from residency.ledger.schema import RAW_COLUMNS
+    from residency.ledger.verify_parallel import RAW_COLUMNS as worker_columns
     assert worker_columns == RAW_COLUMNS
 
 
@@ -239,7 +239,7 @@ def test_the_sqlite_worker_reads_the_columns_the_store_reads():
 def test_parallel_verify_on_sqlite_uses_no_sqlalchemy_in_its_workers_and_agrees(tmp_path, rng, kind, monkeypatch):
     """Child processes on an SQLite file (plain sqlite3, read-only) reach one pass's verdict,
     and really are the lean kind: the worker fails if SQLAlchemy gets imported."""
-    import ledger.verify_parallel as vp
+    import residency.ledger.verify_parallel as vp
 
     monkeypatch.setattr(vp, "_WORKER", "import sys; sys.modules['sqlalchemy'] = None; " + vp._WORKER)
     with LedgerStore.open(f"sqlite:///{tmp_path / 'l.db'}", create=True) as store:

@@ -7,8 +7,8 @@ import time
 import pytest
 import structlog
 
-import ledger.writer as writer_mod
-from ledger import GroupCommitWriter, LedgerConflict, LedgerError
+import residency.ledger.writer as writer_mod
+from residency.ledger import GroupCommitWriter, LedgerConflict, LedgerError
 from tests.ledger.factories import random_event, random_items
 
 

@@ -11,9 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from ledger import LedgerStore, migrate
-from ledger.backend import make_engine
-from ledger.schema import VIEWS, metadata
+from residency.ledger import LedgerStore, migrate
+from residency.ledger.backend import make_engine
+from residency.ledger.schema import VIEWS, metadata
 from tests.ledger.factories import random_items
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_every_version_upgrades_and_downgrades(url, rng):
 
 
 def test_an_unknown_revision_is_a_ledger_error(tmp_path):
-    from ledger import LedgerError
+    from residency.ledger import LedgerError
     with pytest.raises(LedgerError, match="upgrading the ledger schema to nope failed"):
         migrate.upgrade(f"sqlite:///{tmp_path / 'x.db'}", "nope")
 
@@ -118,7 +118,7 @@ def _audit(url) -> tuple[list, list]:
 def test_0003_trades_the_session_and_move_indexes_for_the_two_view_lookups_and_back(url):
     """Rows written under 0002 verify, and the audit views answer the same, after 0003 and after
     going back down; only the index set changes."""
-    from control.simulate import simulate
+    from residency.control.simulate import simulate
 
     migrate.upgrade(url, "0002")
     with LedgerStore(_raw(url)) as store:
@@ -142,7 +142,7 @@ def test_0003_trades_the_session_and_move_indexes_for_the_two_view_lookups_and_b
 
 def _raw(url):
     """A store on a schema that is not head (LedgerStore.open would refuse it): for writing old rows."""
-    from ledger.backend import Raw, parse_url
+    from residency.ledger.backend import Raw, parse_url
     u = parse_url(url)
     return Raw(make_engine(u), u)
 

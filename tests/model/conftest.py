@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.model import RopeScaling, SMOLLM2_135M, load_model, random_model
+from residency.dataplane.model import RopeScaling, SMOLLM2_135M, load_model, random_model
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2):
     """transformers' LlamaForCausalLM over the same dequantized weights."""
-    from dataplane.model.hf_reference import build_hf_llama
+    from residency.dataplane.model.hf_reference import build_hf_llama
 
     return build_hf_llama(smollm2.config, smollm2.weights)
 

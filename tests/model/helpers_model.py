@@ -9,9 +9,9 @@ import os
 import numpy as np
 import torch
 
-from dataplane.model.config import rope_inv_freq
-from dataplane.model.loader import LoadedModel, save_hf_dir
-from dataplane.model.weights import to_hf_state_dict
+from residency.dataplane.model.config import rope_inv_freq
+from residency.dataplane.model.loader import LoadedModel, save_hf_dir
+from residency.dataplane.model.weights import to_hf_state_dict
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGE_WORDS = ["he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld", "Ġt", "Ġth", "Ġthe"]

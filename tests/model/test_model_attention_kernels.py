@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.model.attention import paged_attention_invariant, paged_prefill_attention
-from kernels._common import KernelInputError
-from kernels.attention import (
+from residency.dataplane.model.attention import paged_attention_invariant, paged_prefill_attention
+from residency.kernels._common import KernelInputError
+from residency.kernels.attention import (
     SPLIT_TOKENS,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -119,7 +119,7 @@ def test_prefill_paths_match_float64_attention(gen, attend, start, new, page):
 
 def test_rope_and_cache_kernel_matches_reference(gen):
     nh, nkv, hd, page, T = 6, 2, 64, 10, 23
-    from dataplane.model.config import SMOLLM2_135M, rope_inv_freq, rope_tables
+    from residency.dataplane.model.config import SMOLLM2_135M, rope_inv_freq, rope_tables
 
     cos, sin = rope_tables(rope_inv_freq(SMOLLM2_135M), 500)
     qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=gen)

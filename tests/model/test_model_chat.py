@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from dataplane.model import SamplingParams, chat, generate
+from residency.dataplane.model import SamplingParams, chat, generate
 
 
 @pytest.mark.model
@@ -20,7 +20,7 @@ def test_greedy_chat_reply_is_sensible_english(smollm2):
 
 @pytest.mark.model
 def test_two_turn_chat_stops_at_end_of_turn_and_reuses_the_first_turn(smollm2):
-    from dataplane.model import LocalEngine
+    from residency.dataplane.model import LocalEngine
 
     tok = smollm2.tokenizer
     turn1 = [{"role": "user", "content": "Name a fruit that is yellow."}]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.model import SamplingParams, SeqInput
+from residency.dataplane.model import SamplingParams, SeqInput
 from tests.model.conftest import poisoned_pool
 
 PAGE = 16
@@ -123,7 +123,7 @@ def test_smollm2_split_prefill_gives_the_same_greedy_reply(smollm2):
 
 @pytest.mark.model
 def test_smollm2_invariant_mode_split_prefill_is_bitwise(smollm2):
-    from dataplane.model import ModelRunner
+    from residency.dataplane.model import ModelRunner
 
     r = ModelRunner(smollm2.config, smollm2.weights, batch_invariant=True)
     ids = smollm2.tokenizer.encode("Residency moves bytes between tiers; the numbers must not move. " * 3)
@@ -134,7 +134,7 @@ def test_smollm2_invariant_mode_split_prefill_is_bitwise(smollm2):
 
 
 def test_sampled_generation_is_reproducible_per_seed(tiny_fast):
-    from dataplane.model import generate
+    from residency.dataplane.model import generate
 
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     a = generate(tiny_fast, [[5, 6, 7, 8]], params)[0].token_ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.model import (
+from residency.dataplane.model import (
     BlockManager,
     LocalEngine,
     OutOfSlots,
@@ -14,8 +14,8 @@ from dataplane.model import (
     generate,
     sample,
 )
-from dataplane.model.prefix import KeyChain
-from dataplane.model.sampler import token_logprobs
+from residency.dataplane.model.prefix import KeyChain
+from residency.dataplane.model.sampler import token_logprobs
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

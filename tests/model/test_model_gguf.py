@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.model import SMOLLM2_135M, UnsupportedModel, load_model
-from dataplane.model.gguf_file import GGUFFile
-from dataplane.model.hf_reference import build_hf_llama
-from dataplane.model.weights import unpermute_rope_rows
+from residency.dataplane.model import SMOLLM2_135M, UnsupportedModel, load_model
+from residency.dataplane.model.gguf_file import GGUFFile
+from residency.dataplane.model.hf_reference import build_hf_llama
+from residency.dataplane.model.weights import unpermute_rope_rows
 from tests.model.conftest import TINY_LLAMA3
 from tests.model.helpers_model import llama_cpp_permute, write_gguf
 
@@ -91,12 +91,12 @@ def test_embedded_smollm2_has_the_preset_shape(smollm2):
 
 # ------------------------------------------------------------------ helpers
 def load_model_random():
-    from dataplane.model import random_model
+    from residency.dataplane.model import random_model
 
     return random_model(TINY_LLAMA3, seed=11)
 
 
 def _seq(ids):
-    from dataplane.model import SeqInput
+    from residency.dataplane.model import SeqInput
 
     return SeqInput(ids, 0, list(range(16)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.model import BatchError, SeqInput, load_model, random_model
+from residency.dataplane.model import BatchError, SeqInput, load_model, random_model
 from tests.model.conftest import TINY_LLAMA3, poisoned_pool
 from tests.model.helpers_model import write_hf_dir
 
@@ -74,7 +74,7 @@ def test_tiny_llama3_scaled_safetensors_dir_matches_transformers_from_pretrained
 
 def test_rope_scaling_changes_logits_so_the_comparison_can_fail(tmp_path):
     """Guard for the test above: the same weights without Llama-3 scaling disagree with it."""
-    from dataplane.model.hf_reference import build_hf_llama
+    from residency.dataplane.model.hf_reference import build_hf_llama
 
     m = random_model(TINY_LLAMA3, seed=5)
     hf_unscaled = build_hf_llama(TINY_LLAMA3.replace(rope_scaling=None), m.weights)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from dataplane.model import ChatTemplateMissing, IncrementalDecoder, load_model, random_model
-from dataplane.model.tokenizer import Tokenizer, tokenizer_from_hf_dir
+from residency.dataplane.model import ChatTemplateMissing, IncrementalDecoder, load_model, random_model
+from residency.dataplane.model.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from tests.model.conftest import TINY_LLAMA3
 from tests.model.helpers_model import CHATML, write_hf_dir
 
@@ -174,7 +174,7 @@ def test_the_length_bound_reads_the_normalized_text_and_is_off_without_bpe():
 
 @pytest.mark.model
 def test_a_long_text_is_encoded_with_the_gil_let_go_and_to_the_same_ids(smollm2, monkeypatch):
-    from dataplane.model import tokenizer as tk
+    from residency.dataplane.model import tokenizer as tk
     tok = smollm2.tokenizer
     text = "".join(TEXTS) * (tk.LONG_TEXT_CHARS // len("".join(TEXTS)) + 1)
     expect = tok.backend.encode(text, add_special_tokens=False).ids

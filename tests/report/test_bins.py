@@ -1,7 +1,7 @@
 import random
 
-from control.report.bins import count_bins, make_edges, step_bins
-from control.report.collect import Changes, Times
+from residency.control.report.bins import count_bins, make_edges, step_bins
+from residency.control.report.collect import Changes, Times
 
 
 def step_bins_ref(points, edges, initial=0):

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from control.cli.main import main
+from residency.control.cli.main import main
 from tests.diagnose.test_cli import wedged_db  # noqa: F401  (fixture)
 
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from control.report import build_report
+from residency.control.report import build_report
 from tests.report.test_report import wedged
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

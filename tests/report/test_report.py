@@ -2,9 +2,9 @@ import re
 
 from sqlalchemy import text
 
-from events import catalog as ev
-from control.report import build_report, collect
-from ledger import LedgerStore
+from residency.events import catalog as ev
+from residency.control.report import build_report, collect
+from residency.ledger import LedgerStore
 from tests.diagnose.ledgers import simulated
 
 

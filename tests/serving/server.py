@@ -29,7 +29,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ledger = f"sqlite:///{self.dir / 'ledger.db'}"
         self.log_path = self.dir / "serve.log"
-        argv = [sys.executable, "-m", "control.cli.main", "serve", "--ledger", self.ledger, "--port", str(self.port),
+        argv = [sys.executable, "-m", "residency.control.cli.main", "serve", "--ledger", self.ledger, "--port", str(self.port),
                 "--run-dir", str(self.dir / "run"), "--device-blocks", "192", "--host-bytes", "256MiB",
                 "--disk-bytes", "512MiB", "--no-disk-fsync", "--admin-key", ADMIN_KEY, *extra]
         env = dict(os.environ, RESIDENCY_LOG_FORMAT="json", RESIDENCY_WORKER_LOG_LEVEL="info")
@@ -73,8 +73,8 @@ class Server:
 
 def read_ledger(url: str):
     """(recorded events, state folded from zero) of a ledger no server is writing any more."""
-    from control.replay import replay
-    from ledger import LedgerStore
+    from residency.control.replay import replay
+    from residency.ledger import LedgerStore
 
     store = LedgerStore.open(url)
     try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from events import catalog as ev
-from dataplane.pools.disk import HEADER_BYTES
+from residency.events import catalog as ev
+from residency.dataplane.pools.disk import HEADER_BYTES
 from tests.serving.server import MODEL, Server, read_ledger
 
 pytestmark = pytest.mark.model

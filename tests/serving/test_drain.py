@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from events import catalog as ev
+from residency.events import catalog as ev
 from tests.serving.server import MODEL, Server, read_ledger
 
 pytestmark = pytest.mark.model

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from control.fold import fold
-from control.scheduler import CostModel, GenerateAsk, Scheduler, SchedulerConfig
-from control.scheduler.core import Admit, Refuse, Wait
-from control.scheduler.prefix import num_matching_pages, pages_needed
-from control.state import State
-from events import catalog as ev
-from events.envelope import Envelope, Recorded
+from residency.control.fold import fold
+from residency.control.scheduler import CostModel, GenerateAsk, Scheduler, SchedulerConfig
+from residency.control.scheduler.core import Admit, Refuse, Wait
+from residency.control.scheduler.prefix import num_matching_pages, pages_needed
+from residency.control.state import State
+from residency.events import catalog as ev
+from residency.events.envelope import Envelope, Recorded
 
 P = 4            # tokens per page, small so the arithmetic is visible
 BB = 1000        # bytes per page

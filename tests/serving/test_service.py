@@ -18,19 +18,19 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from control.api import ApiConfig, create_app
-from control.moves import MoveConfig
-from control.policy import PolicyConfig
-from control.proc import ControlConfig, ControlProc
-from control.scheduler.service import ServingService
-from dataplane.engine import Engine
-from dataplane.model import ModelConfig, block_content_keys, random_model
-from dataplane.pools import DataPlaneError, KVLayout
-from dataplane.proc import WorkerProc
-from dataplane.serving import ServingLoop
-from dataplane.serving_worker import attach
-from dataplane.worker import WorkerCore, WorkerFaults
-from ledger import LedgerStore
+from residency.control.api import ApiConfig, create_app
+from residency.control.moves import MoveConfig
+from residency.control.policy import PolicyConfig
+from residency.control.proc import ControlConfig, ControlProc
+from residency.control.scheduler.service import ServingService
+from residency.dataplane.engine import Engine
+from residency.dataplane.model import ModelConfig, block_content_keys, random_model
+from residency.dataplane.pools import DataPlaneError, KVLayout
+from residency.dataplane.proc import WorkerProc
+from residency.dataplane.serving import ServingLoop
+from residency.dataplane.serving_worker import attach
+from residency.dataplane.worker import WorkerCore, WorkerFaults
+from residency.ledger import LedgerStore
 from tests.serving.server import read_ledger
 
 P = 4

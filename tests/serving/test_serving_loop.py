@@ -11,13 +11,13 @@ import itertools
 import pytest
 import torch
 
-from dataplane.engine import Engine
-from dataplane.model import block_content_keys, generate, load_model
-from dataplane.model import SamplingParams as ModelSampling
-from dataplane.pools import KVLayout
-from dataplane.serving import ServingLoop
-from events.catalog import MoveAcked, StepCompleted
-from events.commands import (
+from residency.dataplane.engine import Engine
+from residency.dataplane.model import block_content_keys, generate, load_model
+from residency.dataplane.model import SamplingParams as ModelSampling
+from residency.dataplane.pools import KVLayout
+from residency.dataplane.serving import ServingLoop
+from residency.events.catalog import MoveAcked, StepCompleted
+from residency.events.commands import (
     CancelGenerate, ChatTurn, ExecuteMove, Generate, SamplingParams, Tokenize, TokensGenerated,
 )
 
@@ -210,11 +210,11 @@ def test_parked_demoted_and_restored_pages_give_token_identical_greedy_output(mo
 
 
 def test_the_worker_refuses_to_move_or_free_pages_a_running_sequence_uses(model, tmp_path):
-    from dataplane.pools import DataPlaneError
-    from dataplane.serving_worker import attach
-    from dataplane.worker import WorkerCore
-    from events.catalog import MoveRejected
-    from events.commands import CommandFailed, ReleaseBlocks
+    from residency.dataplane.pools import DataPlaneError
+    from residency.dataplane.serving_worker import attach
+    from residency.dataplane.worker import WorkerCore
+    from residency.events.catalog import MoveRejected
+    from residency.events.commands import CommandFailed, ReleaseBlocks
 
     engine, loop = make_loop(model, tmp_path, "g")
     core = WorkerCore(engine, 0, expected_errors=(DataPlaneError,))
@@ -271,7 +271,7 @@ def test_a_prompt_over_the_context_is_refused_before_its_keys_and_a_huge_one_bef
 def test_logprobs_are_the_models_own_before_temperature_and_the_bytes_spell_the_text(model, tmp_path):
     """Sampled at temperature 0.8 (so the chosen token is not always the likeliest), each token's
     logprob and its top 3 are transformers' log-softmax of the raw logits at that position."""
-    from dataplane.model.hf_reference import build_hf_llama
+    from residency.dataplane.model.hf_reference import build_hf_llama
 
     _, loop = make_loop(model, tmp_path, "lp")
     tk = loop.tokenize(Tokenize(request_id="t", messages=[ChatTurn(role="user", content="Write about cats.")]))

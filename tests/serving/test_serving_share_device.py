@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 
-from dataplane.engine import Engine
-from dataplane.model import ModelConfig, block_content_keys, random_model
-from dataplane.pools import KVLayout
-from dataplane.serving import ServingLoop
-from events.commands import Generate, SamplingParams, TokensGenerated
+from residency.dataplane.engine import Engine
+from residency.dataplane.model import ModelConfig, block_content_keys, random_model
+from residency.dataplane.pools import KVLayout
+from residency.dataplane.serving import ServingLoop
+from residency.events.commands import Generate, SamplingParams, TokensGenerated
 from tests.serving.test_service import ByteTokenizer
 
 P = 8
