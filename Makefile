@@ -22,8 +22,11 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/residency serve --host $(HOST) --port $(PORT) --ledger $(LEDGER)
 
+# pytest's own script, not `python -m pytest`: -m would put the checkout on sys.path, where its
+# folders (kernels/, control/, events/) shadow the PyPI packages of those names that transformers and
+# others import. Installed, ours are residency.kernels and so on.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench-ledger: install
 	$(PY) bench/ledger.py

@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 parts=" ${*:-tests moves control cold ttft} "
 nvidia-smi -L
 if [[ $parts == *" tests "* ]]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
+  timeout 240 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
     tests/dataplane/test_engine_streams.py tests/dataplane/test_engine_chunked.py tests/dataplane/test_engine_ahead.py tests/dataplane/test_dma.py tests/dataplane/test_engine_lanes.py tests/dataplane/test_engine_settle_beside.py tests/dataplane/test_engine_moves.py tests/dataplane/test_engine_verify.py tests/serving/test_serving_share_device.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
