@@ -45,7 +45,7 @@ from control_spill import (  # noqa: E402
     VARIANTS, cpu_spinner, default_variant, dma_hog, spill, spill_control_only, under_dma_load,
 )
 from residency.events.commands import AskMove  # noqa: E402
-from residency.events.logconfig import configure_logging  # noqa: E402
+from residency.control.logconfig import configure_logging  # noqa: E402
 
 
 

@@ -441,7 +441,7 @@ def gpu_bench(name: str, args, why: str = "") -> tuple[Bench, dict] | None:
 
 
 def main(argv=None):
-    from residency.events.logconfig import configure_logging
+    from residency.control.logconfig import configure_logging
 
     configure_logging()          # as a worker runs: info level, so per-move debug lines cost nothing
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

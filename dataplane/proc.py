@@ -52,7 +52,7 @@ from residency.events.codec import encode_message
 from residency.events.commands import (
     BlocksReleased, CommandAhead, ErrorReply, ExecuteMove, Hello, MoveTimed, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
-from residency.events.logconfig import configure_logging
+from residency.dataplane.logconfig import configure_worker_logging
 
 log = structlog.get_logger("dataplane.proc")
 MS = 1_000_000
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="after each move's outcome send MoveTimed (where its time went here); benchmarks")
     add_serving_args(p)
     args = p.parse_args(argv)
-    configure_logging(level=os.environ.get("RESIDENCY_WORKER_LOG_LEVEL", "warning"))
+    configure_worker_logging()
     epoch = args.epoch or time.time_ns() // 1000
     structlog.contextvars.bind_contextvars(proc=f"worker:{args.worker}")
     run_dir = Path(args.run_dir)

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from residency.events.logconfig import configure_logging
+from residency.control.logconfig import configure_logging
 
 # module name under control.cli -> registered in this order in --help
 COMMAND_MODULES = (

@@ -26,7 +26,7 @@ from typing import Iterable
 
 from residency.events import Recorded
 from residency.control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
-from residency.control.diagnose.engine import Diagnosis, detect_with, diagnose, run_pass
+from residency.control.diagnose.scan import Diagnosis, detect_with, diagnose, run_pass
 from residency.control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
 from residency.control.diagnose.groups import GroupDivergence
 from residency.control.diagnose.moves import OverdueMoves, Pendulum

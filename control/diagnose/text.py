@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from residency.control.diagnose.engine import Diagnosis
+from residency.control.diagnose.scan import Diagnosis
 from residency.control.diagnose.findings import Finding, fmt_duration
 
 # Past this many findings of one detector, the rest are counted, not printed (``--json`` has all).

@@ -10,7 +10,7 @@ from typing import Iterable
 from residency.events import Recorded
 from residency.control.diagnose import ALL_DETECTORS, DiagnoseParams
 from residency.control.diagnose.accounting import Accounting
-from residency.control.diagnose.engine import Diagnosis, run_pass
+from residency.control.diagnose.scan import Diagnosis, run_pass
 from residency.control.diagnose.findings import sort_findings
 from residency.control.report.collect import ReportCollector
 from residency.control.report.page import render_page

@@ -5,7 +5,7 @@ readout and marks ``<body data-rendered="1">`` once it has run, which the headle
 """
 from __future__ import annotations
 
-from residency.control.diagnose.engine import Diagnosis
+from residency.control.diagnose.scan import Diagnosis
 from residency.control.diagnose.findings import SEVERITY_RANK, fmt_bytes, fmt_duration
 from residency.control.diagnose.text import iso_ns
 from residency.control.report.bins import count_bins, step_bins

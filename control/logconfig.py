@@ -1,7 +1,5 @@
-"""structlog, configured once per process: JSON lines in production, readable in a terminal.
-
-Lives in events/ because every process (control, api, workers) calls it and events/ is the one
-package all of them may import; it imports nothing of ours.
+"""structlog for the control process and the operator commands: JSON lines in production,
+readable in a terminal. (A worker process sets up its own: dataplane/logconfig.py.)
 """
 from __future__ import annotations
 
@@ -12,6 +10,21 @@ import sys
 import structlog
 
 _configured = False
+
+
+class StderrNow:
+    """Writes to whatever ``sys.stderr`` is at the moment of the write.
+
+    NOTE: structlog's PrintLogger keeps the file it was given. Given ``sys.stderr`` at set-up, a
+    process whose stderr is later replaced (pytest's capture, closed after the test that set it up)
+    would write every later line to a closed stream and raise from inside a log call.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def configure_logging(json: bool | None = None, level: str | None = None) -> None:
@@ -38,7 +51,7 @@ def configure_logging(json: bool | None = None, level: str | None = None) -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=StderrNow()),
         cache_logger_on_first_use=True,
     )
     _configured = True

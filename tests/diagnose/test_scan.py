@@ -2,7 +2,7 @@ import msgspec
 
 from residency.control.diagnose import ALL_DETECTORS, detect_with, diagnose
 from residency.control.diagnose.accounting import Accounting
-from residency.control.diagnose.engine import run_pass
+from residency.control.diagnose.scan import run_pass
 from residency.control.fold import fold_all
 from residency.control.state import State
 from tests.diagnose.ledgers import SECOND, simulated
