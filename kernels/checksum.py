@@ -24,8 +24,9 @@ slots), not against someone forging data.
 Speed: the sum is order-free, so the kernel splits every block into 64 KiB chunks (one program
 each; a 2 MiB block is 32 programs), sums each chunk's terms in registers, stores one partial
 per chunk, and a second tiny kernel folds the partials. Bytes read = n × block_bytes, once; the
-arithmetic (two 64-bit multiplies per 4 bytes) keeps it near HBM speed on an H200, i.e. ~1 ms for
-2 GiB, which is noise next to the ~40 ms the same bytes take to cross PCIe.
+arithmetic (two 64-bit multiplies per 4 bytes) stays under the cost of reading the bytes from HBM,
+so a restore's check costs a few percent of what the same bytes take to cross PCIe (HBM is ~50x
+faster than the link).
 """
 import functools
 from collections.abc import Sequence
@@ -150,10 +151,9 @@ _M2_S = _M2 - (1 << 64)
 
 
 # The reference hashes this many bytes of int64 words at a time (many blocks of a small layout,
-# a few rows of a big one): few torch calls per block for the CPU engine, whose moves checksum
-# with it, and temporaries that stay in cache (2026-12-04, this repo's 2-vCPU VM, one row at a
-# time before: 1024 rows of 256 words 123 ms -> 0.7 ms; 64 rows of 92,160 words, SmolLM2's
-# 368 KiB block, 26.0 -> 16.8 ms; with 4 MiB 23.8, 8 MiB 22.8).
+# a few rows of a big one): few torch calls per block for the CPU path, whose moves checksum with
+# it, while its temporaries still fit in cache. One row at a time made per-call overhead dominate
+# for small blocks; larger batches bought nothing (bench/RESULTS.md has the timings).
 _REF_BATCH_BYTES = 2 << 20
 
 

@@ -10,7 +10,7 @@ Why it is fast: a KV block is one contiguous row (the pool is block-first), so e
 reads and writes long unit-stride runs: 64 KiB per program, 4 KiB per iteration, 16-byte vector
 loads and stores. Bytes moved = 2 × n × row_bytes (read once, write once); nothing else is
 touched, so the kernel runs at the speed of the slower side: HBM (~4 TB/s read+write) for
-device staging, the PCIe link (~55 GB/s on the H200 host) when ``out`` is pinned host memory.
+device staging, the PCIe link when ``out`` is pinned host memory.
 One launch replaces the n (or n × layers × 2) cudaMemcpyAsync calls of a per-block copy loop.
 """
 from collections.abc import Sequence

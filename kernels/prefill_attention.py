@@ -8,8 +8,8 @@ to every key at a position ≤ its own, i.e. the whole history plus the new toke
 
 Why not SDPA: a flash-style kernel parallelises over (heads × query tiles) only. With M = 128
 new tokens and an 8k history that is a few dozen programs each walking 8k keys, while K/V
-must first be gathered out of the pages and (for GQA) repeated per query head: measured 27 ms
-for the 8B shape on an H200, most of a restored turn's time to first token.
+must first be gathered out of the pages and (for GQA) repeated per query head: for the 8B shape
+that gather and the few programs dominate a restored turn's time to first token.
 
 How this kernel goes faster, for the same result:
   * GQA folded into rows: a program owns one KV head and BLOCK_R rows, row r being
