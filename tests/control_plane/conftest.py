@@ -37,7 +37,7 @@ TERMINAL = set(ev.TERMINAL_MOVE_EVENTS)
 SMALL_LAYOUT = "2,16,2,64,float16"          # 16 KiB blocks
 SMALL_BLOCK = 16384
 # the `residency` console script, as installed (``python -m residency.control.cli.main`` would import that module twice)
-RESIDENCY = [sys.executable, "-c", "import sys; from control.cli.main import main; sys.exit(main(sys.argv[1:]))"]
+RESIDENCY = [sys.executable, "-c", "import sys; from residency.control.cli.main import main; sys.exit(main(sys.argv[1:]))"]
 
 
 # ---------------------------------------------------------------------- ledgers

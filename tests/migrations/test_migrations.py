@@ -79,8 +79,8 @@ def test_migrations_run_from_an_installed_copy_in_another_directory(tmp_path):
     migrate from a different working directory: nothing may depend on the repository root."""
     site = tmp_path / "site"
     for pkg in ("events", "ledger"):
-        shutil.copytree(REPO / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    mig = site / "migrations"
+        shutil.copytree(REPO / pkg, site / "residency" / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    mig = site / "residency" / "migrations"
     (mig / "versions").mkdir(parents=True)
     for pattern in ("*.py", "*.ini", "*.mako", "versions/*.py"):     # modules + [tool.setuptools.package-data]
         for f in (REPO / "migrations").glob(pattern):
@@ -88,7 +88,7 @@ def test_migrations_run_from_an_installed_copy_in_another_directory(tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     db = tmp_path / "installed.db"
-    code = ("from ledger import migrate, LedgerStore; import migrations; "
+    code = ("from residency.ledger import migrate, LedgerStore; import residency.migrations as migrations; "
             f"assert migrations.__file__.startswith({str(site)!r}), migrations.__file__; "
             f"migrate.upgrade('sqlite:///{db}'); print(migrate.current('sqlite:///{db}')); "
             f"LedgerStore.open('sqlite:///{db}').close()")
