@@ -47,7 +47,7 @@ PARALLEL_MIN_EVENTS = 500_000
 MIN_EVENTS_PER_WORKER = 250_000
 _URL_ENV = "RESIDENCY_VERIFY_URL"
 _SQLITE_ENV = "RESIDENCY_VERIFY_SQLITE_PATH"     # set for an SQLite file: the worker reads it with sqlite3
-_WORKER = "import sys; from ledger.verify_parallel import main; sys.exit(main(sys.argv[1:]))"
+_WORKER = "import sys; from residency.ledger.verify_parallel import main; sys.exit(main(sys.argv[1:]))"
 
 
 def default_workers(total: int) -> int:
