@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI). Decides nothing about memory: see ``backend``."""
+"""The OpenAI-compatible HTTP API (FastAPI). Decides nothing about memory: see ``control.scheduler.port``."""
 from residency.control.api.app import ApiConfig, create_app
-from residency.control.api.backend import (
+from residency.control.scheduler.port import (
     Backend,
     BackendError,
     BackendStats,

@@ -11,7 +11,7 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from residency.control.api.backend import SessionInfo
+from residency.control.scheduler.port import SessionInfo
 from residency.control.api.errors import ApiError
 from residency.control.api.schemas import SESSION_ID_RE, ParkBody, parse_json, validate
 

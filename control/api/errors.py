@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from residency.control.api.backend import BackendError
+from residency.control.scheduler.port import BackendError
 import structlog
 
 log = structlog.get_logger("residency.api")

@@ -15,7 +15,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from residency.control.api.backend import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
+from residency.control.scheduler.port import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
 from residency.control.api.choices import Choices, choice_requests, total_usage
 from residency.control.api.errors import ApiError
 from residency.control.api.logprobs import CompletionLogprobs, chat_logprobs
