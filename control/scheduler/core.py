@@ -69,7 +69,7 @@ class Wait(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     code: str = "insufficient_kv_capacity"    # the refusal's code should the wait time out
     park: list[str] = []              # idle sessions whose device pages would make room
-    asked_blocks: int = 0
+    needed_blocks: int = 0
     free_blocks: int = 0
 
 
@@ -78,7 +78,7 @@ class Refuse(msgspec.Struct, frozen=True, kw_only=True):
     status: int                       # the HTTP status the API answers with
     code: str
     reason: str
-    asked_blocks: int = 0
+    needed_blocks: int = 0
     available_blocks: int = 0
 
 
@@ -221,14 +221,14 @@ class Scheduler:
         total = pages_needed(req.prompt_tokens, req.max_tokens, P)
         num_new = total - n - (0 if copied else len(shared))
         num_restore = sum(len(bl) for bl in restore.values())
-        asked = num_new + num_restore
+        needed = num_new + num_restore
         limit, free = self.device_room(state, w)
-        if asked > limit:
+        if needed > limit:
             return Refuse(request_id=req.request_id, status=503, code="insufficient_kv_capacity",
-                          reason=f"the sequence needs {asked} pages on the device; its limit is {limit} pages",
-                          asked_blocks=asked, available_blocks=free)
-        if asked > free:
-            short = asked - free
+                          reason=f"the sequence needs {needed} pages on the device; its limit is {limit} pages",
+                          needed_blocks=needed, available_blocks=free)
+        if needed > free:
+            short = needed - free
             park: list[str] = []
             busy = busy_blocks(state).get(w, set())
             idle = sorted((e for e in self.sessions.values()
@@ -241,8 +241,8 @@ class Scheduler:
                     short -= len(on_device)
                     if short <= 0:
                         break
-            return Wait(request_id=req.request_id, park=park, asked_blocks=asked, free_blocks=free,
-                        reason=f"needs {asked} device pages, {free} free")
+            return Wait(request_id=req.request_id, park=park, needed_blocks=needed, free_blocks=free,
+                        reason=f"needs {needed} device pages, {free} free")
 
         new_blocks = self.allocate_ids(state, w, num_new)
         if decision is not None:

@@ -109,7 +109,7 @@ def test_reservations_of_running_requests_count_against_the_device():
     s.start(a1, 1)
     assert s.device_room(led.state, 0) == (10, 5)
     w = s.plan(led.state, pending("r2", prompt=12, max_tokens=13))     # 24 positions: 6 pages > 5 free
-    assert isinstance(w, Wait) and (w.asked_blocks, w.free_blocks) == (6, 5)
+    assert isinstance(w, Wait) and (w.needed_blocks, w.free_blocks) == (6, 5)
     led.commit(a1.blocks[:2])                                       # committed pages move from reserved to used
     s.written("r1", a1.blocks[:2], ["", ""])
     assert s.device_room(led.state, 0) == (10, 5)
@@ -119,7 +119,7 @@ def test_a_request_larger_than_the_device_is_refused_with_the_numbers():
     led, s = Ledger(device_pages=3), sched()
     r = s.plan(led.state, pending(prompt=10, max_tokens=6))
     assert isinstance(r, Refuse) and r.status == 503 and r.code == "insufficient_kv_capacity"
-    assert (r.asked_blocks, r.available_blocks) == (4, 3)
+    assert (r.needed_blocks, r.available_blocks) == (4, 3)
 
 
 def test_waiting_for_room_names_the_idle_sessions_to_park_oldest_first():
