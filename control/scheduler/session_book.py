@@ -136,7 +136,7 @@ class SessionBook:
                 continue
             try:
                 self.delete(e.session, lambda res, name=e.session: self._retained_evicted(name, res),
-                             why=f"retained prefix {e.session} evicted: {total} bytes retained, budget {cap}")
+                            why=f"retained prefix {e.session} evicted: {total} bytes retained, budget {cap}")
             except BackendError as err:
                 log.info("retained_prefix_kept", session=e.session, why=str(err))
                 continue
