@@ -71,7 +71,7 @@ class ServingService:
         self.streams = GenerationStreams(proc, self.workers, self.requests, self.admission, self.book)
         self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router)
         self.draining = False             # set by drain(): new requests are refused
-        self._last_stats = BackendStats()
+        self._last_stats = BackendStats()  # what /metrics shows again while the loop cannot answer
         self._last_prune_ns = 0
         self._stop = threading.Event()
         for msg_type, handler in ((ServingReady, self.workers.on_ready), (Tokenized, self.admission.on_tokenized),
