@@ -1,20 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI). Decides nothing about memory: see ``backend``."""
+"""The OpenAI-compatible HTTP API (FastAPI). Decides nothing about memory: it calls the port the
+serving scheduler declares (``control.scheduler.port``)."""
 from residency.control.api.app import ApiConfig, create_app
-from residency.control.api.backend import (
-    Backend,
-    BackendError,
-    BackendStats,
-    Chunk,
-    GenerateRequest,
-    GenerationStream,
-    Health,
-    ModelCard,
-    SessionInfo,
-    UnknownSession,
-    Usage,
-)
 
-__all__ = [
-    "ApiConfig", "create_app", "Backend", "BackendError", "BackendStats", "Chunk", "GenerateRequest",
-    "GenerationStream", "Health", "ModelCard", "SessionInfo", "UnknownSession", "Usage",
-]
+__all__ = ["ApiConfig", "create_app"]

@@ -11,9 +11,9 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from residency.control.api.backend import SessionInfo
 from residency.control.api.errors import ApiError
 from residency.control.api.schemas import SESSION_ID_RE, ParkBody, parse_json, validate
+from residency.control.scheduler.port import SessionInfo
 
 MAX_LISTED = 1000           # sessions one GET /admin/sessions may list
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from residency.control.api import admin_routes, openai_routes
-from residency.control.api.backend import Backend
 from residency.control.api.errors import install_error_handlers
 from residency.control.api.metrics import ApiMetrics
+from residency.control.scheduler.port import Backend
 
 
 @dataclass(frozen=True)

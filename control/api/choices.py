@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
-from residency.control.api.backend import Chunk, GenerateRequest, GenerationStream, Usage
+from residency.control.scheduler.port import Chunk, GenerateRequest, GenerationStream, Usage
 
 
 def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:

@@ -6,13 +6,13 @@ refusal (503/429), our own bug (500, logged once). The server keeps serving ever
 """
 from __future__ import annotations
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from residency.control.api.backend import BackendError
-import structlog
+from residency.control.scheduler.port import BackendError
 
 log = structlog.get_logger("residency.api")
 

@@ -15,12 +15,12 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from residency.control.api.backend import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
 from residency.control.api.choices import Choices, choice_requests, total_usage
 from residency.control.api.errors import ApiError
 from residency.control.api.logprobs import CompletionLogprobs, chat_logprobs
 from residency.control.api.schemas import SESSION_ID_RE, ChatCompletionBody, CompletionBody, parse_json, validate
 from residency.control.api.sse import SSE_DONE, SSEResponse, sse_data
+from residency.control.scheduler.port import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
 from residency.events.commands import ChatTurn, SamplingParams
 
 router = APIRouter()

@@ -1,6 +1,6 @@
 """Between two threads: the API's asyncio loop and the control process's loop thread.
 
-A request lives in a ``Pending``: the loop thread fills it (admission outcome, chunks), the API
+A request lives in a ``RequestState``: the loop thread fills it (admission outcome, chunks), the API
 reads it. Every hand-over to the asyncio side goes through ``call_soon_threadsafe``; nothing on
 the loop thread ever waits for the API.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from residency.control.api.backend import BackendError, Chunk, GenerateRequest
+from residency.control.scheduler.port import BackendError, Chunk, GenerateRequest
 
 
-class Pending:
+class RequestState:
     """One request: created on the API thread, driven on the control loop thread."""
 
     def __init__(self, req: GenerateRequest, loop: asyncio.AbstractEventLoop):
@@ -23,7 +23,7 @@ class Pending:
         # loop-thread state
         self.phase = "new"              # new | tokenizing | waiting | restoring | running | done
         self.worker: int | None = None
-        self.routed_from: int | None = None     # tokenized there, moved to ``worker`` (service_routing)
+        self.routed_from: int | None = None     # tokenized there, moved to ``worker`` (``Router``)
         self.token_ids: list[int] = []
         self.keys: list[str] = []
         self.max_tokens = 0
@@ -59,16 +59,16 @@ class Pending:
 class Stream:
     """What ``Backend.submit`` returns: chunks until the one with ``finish_reason``."""
 
-    def __init__(self, pending: Pending, cancel: Callable[[str, str], None]):
-        self.pending = pending
-        self.request_id = pending.request_id
-        self.model = pending.req.model
+    def __init__(self, state: RequestState, cancel: Callable[[str, str], None]):
+        self.state = state
+        self.request_id = state.request_id
+        self.model = state.req.model
         self._cancel = cancel
         self._done = False
 
     async def __aiter__(self):
         while True:
-            chunk = await self.pending.chunks.get()
+            chunk = await self.state.chunks.get()
             if chunk.finish_reason is not None:
                 self._done = True
                 yield chunk

@@ -3,7 +3,7 @@
 It reads the folded ``State`` (where every page is, what is in flight, the device's limit) and
 its own soft tables (session page order and keys, running requests), and returns values:
 
-    plan(state, ask)  ─► Admit   pages for the sequence, what to free first, what to restore,
+    plan(state, req)  ─► Admit   pages for the sequence, what to free first, what to restore,
                                  or another session's pages to share (``sharing.py``)
                       ─► Wait    not enough room now (which idle sessions to park to make it), or
                                  the worker already runs as many sequences as it batches
@@ -35,7 +35,10 @@ from residency.control.scheduler.sessions import SessionEntry, restore_plan
 from residency.control.scheduler.sharing import find_shared_prefix
 from residency.control.state import State
 
-class GenerateAsk(msgspec.Struct, frozen=True, kw_only=True):
+
+class PendingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A tokenized request waiting to be admitted: what ``plan`` weighs."""
+
     request_id: str
     session: str | None
     worker: int
@@ -66,7 +69,7 @@ class Wait(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     code: str = "insufficient_kv_capacity"    # the refusal's code should the wait time out
     park: list[str] = []              # idle sessions whose device pages would make room
-    asked_blocks: int = 0
+    needed_blocks: int = 0
     free_blocks: int = 0
 
 
@@ -75,7 +78,7 @@ class Refuse(msgspec.Struct, frozen=True, kw_only=True):
     status: int                       # the HTTP status the API answers with
     code: str
     reason: str
-    asked_blocks: int = 0
+    needed_blocks: int = 0
     available_blocks: int = 0
 
 
@@ -155,16 +158,16 @@ class Scheduler:
             self.max_seqs.pop(worker, None)
 
     # ------------------------------------------------------------------ admission
-    def plan(self, state: State, ask: GenerateAsk) -> Admit | Wait | Refuse:
-        cfg, P, w = self.cfg, self.cfg.page_tokens, ask.worker
+    def plan(self, state: State, req: PendingRequest) -> Admit | Wait | Refuse:
+        cfg, P, w = self.cfg, self.cfg.page_tokens, req.worker
         ws = state.workers.get(w)
         if ws is None or not ws.alive:
-            return Refuse(request_id=ask.request_id, status=503, code="worker_unavailable",
+            return Refuse(request_id=req.request_id, status=503, code="worker_unavailable",
                           reason=f"worker {w} is not serving")
-        entry = self.sessions.get(ask.session) if ask.session else None
+        entry = self.sessions.get(req.session) if req.session else None
         if entry is not None and entry.busy is not None:
-            return Refuse(request_id=ask.request_id, status=409, code="session_busy",
-                          reason=f"session {ask.session!r} is generating for request {entry.busy}; "
+            return Refuse(request_id=req.request_id, status=409, code="session_busy",
+                          reason=f"session {req.session!r} is generating for request {entry.busy}; "
                                  "send the next turn when it has finished")
         held_keys: list[str] = []
         held_blocks: list[int] = []
@@ -174,16 +177,16 @@ class Scheduler:
                 held_blocks, held_keys = entry.blocks[:present], entry.keys[:present]
             moving = busy_blocks(state).get(entry.worker, set())
             if any(b in moving for b in entry.blocks):
-                return Wait(request_id=ask.request_id, reason=f"a move of session {ask.session!r} is in flight")
+                return Wait(request_id=req.request_id, reason=f"a move of session {req.session!r} is in flight")
         batch = self.max_seqs.get(w, 0)
         if batch and sum(1 for r in self.running.values() if r.worker == w) >= batch:
-            return Wait(request_id=ask.request_id, code="server_overloaded",
+            return Wait(request_id=req.request_id, code="server_overloaded",
                         reason=f"worker {w} is running {batch} sequences, the most it batches")
 
-        n = num_matching_pages(held_keys, ask.prompt_keys, ask.prompt_tokens, P)
+        n = num_matching_pages(held_keys, req.prompt_keys, req.prompt_tokens, P)
         wb = state.blocks.get(w, {})
         reused, restore = restore_plan(wb, held_blocks[:n])
-        decision = self._priced(ws, restore, len(reused), ask.prompt_tokens) if restore else None
+        decision = self._priced(ws, restore, len(reused), req.prompt_tokens) if restore else None
         if decision is not None and decision.choice == "recompute":
             reused, restore = [], {}
         n = len(reused)
@@ -192,15 +195,15 @@ class Scheduler:
         donor = None
         if n == 0 and cfg.share_prefixes:        # another session's pages: resident, or brought back first
             donor, found = find_shared_prefix(
-                self.sessions.values(), state, w, exclude=ask.session, prompt_keys=ask.prompt_keys,
-                prompt_tokens=ask.prompt_tokens, page_tokens=P, moving=busy_blocks(state).get(w, set()))
+                self.sessions.values(), state, w, exclude=req.session, prompt_keys=req.prompt_keys,
+                prompt_tokens=req.prompt_tokens, page_tokens=P, moving=busy_blocks(state).get(w, set()))
             shared, restore = restore_plan(wb, found)
             if restore:
-                decision = self._priced(ws, restore, len(shared), ask.prompt_tokens)
+                decision = self._priced(ws, restore, len(shared), req.prompt_tokens)
                 if decision.choice == "recompute":
                     shared, restore = [], {}
             donor = donor if shared else None
-        copied = bool(shared) and ask.session is not None
+        copied = bool(shared) and req.session is not None
 
         drop: dict[str, list[int]] = {}
         if entry is not None:
@@ -212,24 +215,24 @@ class Scheduler:
                     drop.setdefault(t, []).append(b)
             read = [b for b in drop.get("device", []) if b in self.busy_blocks().get(w, set())]
             if read:
-                return Wait(request_id=ask.request_id,
-                            reason=f"pages {read[:8]} of session {ask.session!r} are read by a running request")
+                return Wait(request_id=req.request_id,
+                            reason=f"pages {read[:8]} of session {req.session!r} are read by a running request")
 
-        total = pages_needed(ask.prompt_tokens, ask.max_tokens, P)
+        total = pages_needed(req.prompt_tokens, req.max_tokens, P)
         num_new = total - n - (0 if copied else len(shared))
         num_restore = sum(len(bl) for bl in restore.values())
-        asked = num_new + num_restore
+        needed = num_new + num_restore
         limit, free = self.device_room(state, w)
-        if asked > limit:
-            return Refuse(request_id=ask.request_id, status=503, code="insufficient_kv_capacity",
-                          reason=f"the sequence needs {asked} pages on the device; its limit is {limit} pages",
-                          asked_blocks=asked, available_blocks=free)
-        if asked > free:
-            short = asked - free
+        if needed > limit:
+            return Refuse(request_id=req.request_id, status=503, code="insufficient_kv_capacity",
+                          reason=f"the sequence needs {needed} pages on the device; its limit is {limit} pages",
+                          needed_blocks=needed, available_blocks=free)
+        if needed > free:
+            short = needed - free
             park: list[str] = []
             busy = busy_blocks(state).get(w, set())
             idle = sorted((e for e in self.sessions.values()
-                           if e.busy is None and e.session != ask.session and e.worker == w),
+                           if e.busy is None and e.session != req.session and e.worker == w),
                           key=lambda e: e.last_used_ns)
             for e in idle:
                 on_device = [b for b in e.blocks if b in wb and "device" in wb[b].tiers and b not in busy]
@@ -238,8 +241,8 @@ class Scheduler:
                     short -= len(on_device)
                     if short <= 0:
                         break
-            return Wait(request_id=ask.request_id, park=park, asked_blocks=asked, free_blocks=free,
-                        reason=f"needs {asked} device pages, {free} free")
+            return Wait(request_id=req.request_id, park=park, needed_blocks=needed, free_blocks=free,
+                        reason=f"needs {needed} device pages, {free} free")
 
         new_blocks = self.allocate_ids(state, w, num_new)
         if decision is not None:
@@ -247,7 +250,7 @@ class Scheduler:
         if shared:
             self.decisions["shared"] = self.decisions.get("shared", 0) + 1
         return Admit(
-            request_id=ask.request_id, session=ask.session, worker=w,
+            request_id=req.request_id, session=req.session, worker=w,
             blocks=reused + ([] if copied else shared) + new_blocks,
             num_cached_tokens=(n + len(shared)) * P, reused=reused, restore=restore, drop=drop, decision=decision,
             restored_tokens=num_restore * P, new_blocks=new_blocks, shared=shared, shared_from=donor, copied=copied,
@@ -354,6 +357,10 @@ class Scheduler:
         for s in gone:
             del self.sessions[s]
         return gone
+
+    def forget_session(self, session: str) -> None:
+        """The session's pages were all freed (deleted by hand): its next turn starts from nothing."""
+        self.sessions.pop(session, None)
 
     def forget_blocks(self, worker: int, blocks: set[int]) -> None:
         """Pages that no longer exist (freed by an operator, lost with a worker): cut every

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from residency.events.commands import TokenChoice, TokenLogprobs
-from residency.control.api.backend import (
+from residency.control.scheduler.port import (
     BackendError, BackendStats, Chunk, GenerateRequest, Health, ModelCard, SessionInfo, UnknownSession, Usage,
 )
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from residency.control.api import ApiConfig, create_app
-from residency.control.api.backend import BackendError
+from residency.control.scheduler.port import BackendError
 from tests.api.fake_backend import MODEL, FakeBackend
 
 ADMIN_KEY = "s3cret"

@@ -52,19 +52,19 @@ def test_a_request_tokenized_on_one_worker_runs_where_its_prefix_is(stack):
     s = stack(workers=2, device_blocks=160)
     svc = s.service
     a = s.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
-    assert a.status_code == 200 and svc.sched.sessions["a"].worker == 0
-    first = svc._choose_worker
+    assert a.status_code == 200 and svc.workers.sched.sessions["a"].worker == 0
+    first = svc.router.choose_worker
 
     def the_other(session):                     # worker 1 tokenizes (as if worker 0 were busier)
         return 1 if session != "a" else first(session)
-    svc._choose_worker = the_other
+    svc.router.choose_worker = the_other
     ask = [SYSTEM, {"role": "user", "content": "second question"}]
     lone = s.chat(ask, max_tokens=8).json()                     # outside a session
     b = s.chat(ask, session="b", max_tokens=8).json()           # a new session
     other = s.chat([{"role": "user", "content": "nothing like it"}], max_tokens=4).json()
     opening = len("<system>" + SYSTEM["content"] + "<user>") // P * P
     assert lone["usage"]["shared_tokens"] >= opening and b["usage"]["shared_tokens"] >= opening
-    assert svc.sched.sessions["b"].worker == 0
+    assert svc.workers.sched.sessions["b"].worker == 0
     assert other["usage"]["shared_tokens"] == 0
     metrics = s.client.get("/metrics").text
     assert 'residency_requests_routed_total{reason="prefix"} 2.0' in metrics, metrics
@@ -72,7 +72,7 @@ def test_a_request_tokenized_on_one_worker_runs_where_its_prefix_is(stack):
     # turned off with sharing: the same request stays where it was tokenized and computes it all
     off = stack(workers=2, device_blocks=160, share_prefixes=False)
     off.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
-    off.service._choose_worker = lambda session: 1
+    off.service.router.choose_worker = lambda session: 1
     ref = off.chat(ask, max_tokens=8).json()
     assert ref["usage"]["shared_tokens"] == 0
     assert lone["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"] \

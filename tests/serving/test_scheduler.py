@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from residency.control.fold import fold
-from residency.control.scheduler import CostModel, GenerateAsk, Scheduler, SchedulerConfig
+from residency.control.scheduler import CostModel, PendingRequest, Scheduler, SchedulerConfig
 from residency.control.scheduler.core import Admit, Refuse, Wait
 from residency.control.scheduler.prefix import num_matching_pages, pages_needed
 from residency.control.state import State
@@ -53,13 +53,13 @@ def sched(restore_policy="cost", **cost) -> Scheduler:
                      CostModel(**cost) if cost else CostModel())
 
 
-def ask(rid="r1", session=None, prompt=10, prompt_keys=None, max_tokens=6) -> GenerateAsk:
-    return GenerateAsk(request_id=rid, session=session, worker=0, prompt_tokens=prompt,
-                       prompt_keys=prompt_keys if prompt_keys is not None else keys("k", prompt // P),
-                       max_tokens=max_tokens)
+def pending(rid="r1", session=None, prompt=10, prompt_keys=None, max_tokens=6) -> PendingRequest:
+    return PendingRequest(request_id=rid, session=session, worker=0, prompt_tokens=prompt,
+                          prompt_keys=prompt_keys if prompt_keys is not None else keys("k", prompt // P),
+                          max_tokens=max_tokens)
 
 
-def run_turn(s: Scheduler, led: Ledger, a: GenerateAsk, completion: int) -> Admit:
+def run_turn(s: Scheduler, led: Ledger, a: PendingRequest, completion: int) -> Admit:
     """Admit, start, 'write' every new page the turn reaches, finish normally."""
     adm = s.plan(led.state, a)
     assert isinstance(adm, Admit), adm
@@ -91,7 +91,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 # ------------------------------------------------------------------ admission
 def test_a_new_request_gets_fresh_pages_for_prompt_and_completion():
     led, s = Ledger(), sched()
-    adm = s.plan(led.state, ask(prompt=10, max_tokens=6))
+    adm = s.plan(led.state, pending(prompt=10, max_tokens=6))
     assert isinstance(adm, Admit)
     assert adm.num_cached_tokens == 0 and adm.reused == [] and len(adm.blocks) == pages_needed(10, 6, P) == 4
 
@@ -99,17 +99,17 @@ def test_a_new_request_gets_fresh_pages_for_prompt_and_completion():
 def test_page_ids_never_reuse_ids_the_ledger_knows():
     led, s = Ledger(), sched()
     led.commit([0, 1, 7])
-    adm = s.plan(led.state, ask())
+    adm = s.plan(led.state, pending())
     assert min(adm.blocks) == 8
 
 
 def test_reservations_of_running_requests_count_against_the_device():
     led, s = Ledger(device_pages=10), sched()
-    a1 = s.plan(led.state, ask("r1", prompt=12, max_tokens=9))     # 20 positions: 5 pages
+    a1 = s.plan(led.state, pending("r1", prompt=12, max_tokens=9))     # 20 positions: 5 pages
     s.start(a1, 1)
     assert s.device_room(led.state, 0) == (10, 5)
-    w = s.plan(led.state, ask("r2", prompt=12, max_tokens=13))     # 24 positions: 6 pages > 5 free
-    assert isinstance(w, Wait) and (w.asked_blocks, w.free_blocks) == (6, 5)
+    w = s.plan(led.state, pending("r2", prompt=12, max_tokens=13))     # 24 positions: 6 pages > 5 free
+    assert isinstance(w, Wait) and (w.needed_blocks, w.free_blocks) == (6, 5)
     led.commit(a1.blocks[:2])                                       # committed pages move from reserved to used
     s.written("r1", a1.blocks[:2], ["", ""])
     assert s.device_room(led.state, 0) == (10, 5)
@@ -117,37 +117,37 @@ def test_reservations_of_running_requests_count_against_the_device():
 
 def test_a_request_larger_than_the_device_is_refused_with_the_numbers():
     led, s = Ledger(device_pages=3), sched()
-    r = s.plan(led.state, ask(prompt=10, max_tokens=6))
+    r = s.plan(led.state, pending(prompt=10, max_tokens=6))
     assert isinstance(r, Refuse) and r.status == 503 and r.code == "insufficient_kv_capacity"
-    assert (r.asked_blocks, r.available_blocks) == (4, 3)
+    assert (r.needed_blocks, r.available_blocks) == (4, 3)
 
 
 def test_waiting_for_room_names_the_idle_sessions_to_park_oldest_first():
     led, s = Ledger(device_pages=10), sched()
-    run_turn(s, led, ask("a1", session="old", prompt=8, max_tokens=8), completion=8)    # 15 positions: 4 pages
+    run_turn(s, led, pending("a1", session="old", prompt=8, max_tokens=8), completion=8)    # 15 positions: 4 pages
     s.sessions["old"].last_used_ns = 5
-    run_turn(s, led, ask("b1", session="new", prompt=8, prompt_keys=keys("n", 2), max_tokens=8), completion=8)
+    run_turn(s, led, pending("b1", session="new", prompt=8, prompt_keys=keys("n", 2), max_tokens=8), completion=8)
     s.sessions["new"].last_used_ns = 9
-    w = s.plan(led.state, ask("c1", prompt=8, prompt_keys=keys("c", 2), max_tokens=8))   # 4 pages, 2 free
+    w = s.plan(led.state, pending("c1", prompt=8, prompt_keys=keys("c", 2), max_tokens=8))   # 4 pages, 2 free
     assert isinstance(w, Wait) and w.park == ["old"]
 
 
 def test_a_busy_session_is_refused_409():
     led, s = Ledger(), sched()
-    a = s.plan(led.state, ask("r1", session="s"))
+    a = s.plan(led.state, pending("r1", session="s"))
     s.start(a, 1)
-    r = s.plan(led.state, ask("r2", session="s"))
+    r = s.plan(led.state, pending("r2", session="s"))
     assert isinstance(r, Refuse) and r.status == 409 and r.code == "session_busy"
 
 
 # ------------------------------------------------------------------ sessions and prefix reuse
 def test_the_next_turn_reuses_the_matching_full_pages_and_drops_the_rest():
     led, s = Ledger(), sched()
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=10, prompt_keys=keys("k", 2), max_tokens=8), completion=5)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=10, prompt_keys=keys("k", 2), max_tokens=8), completion=5)
     entry = s.sessions["s"]
     assert entry.blocks == t1.blocks[:4] and entry.keys[:2] == ["k0", "k1"] and entry.num_tokens == 14
     # turn 2 shares the first two pages (the prompt of turn 1), then diverges
-    t2 = s.plan(led.state, ask("t2", session="s", prompt=20, prompt_keys=["k0", "k1", "x2", "x3", "x4"], max_tokens=4))
+    t2 = s.plan(led.state, pending("t2", session="s", prompt=20, prompt_keys=["k0", "k1", "x2", "x3", "x4"], max_tokens=4))
     assert isinstance(t2, Admit)
     assert t2.reused == t1.blocks[:2] and t2.num_cached_tokens == 8 and t2.restore == {}
     assert t2.drop == {"device": t1.blocks[2:4]}
@@ -156,9 +156,9 @@ def test_the_next_turn_reuses_the_matching_full_pages_and_drops_the_rest():
 
 def test_a_parked_prefix_is_restored_when_cheaper_than_recompute():
     led, s = Ledger(), sched(host_to_device_bytes_per_s=1e9, prefill_tokens_per_s=100, fixed_restore_s=0.001)
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     led.move("park", "device", "host", t1.blocks[:3])
-    t2 = s.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
+    t2 = s.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     assert isinstance(t2, Admit) and t2.decision.choice == "restore"
     assert t2.restore == {"host": t1.blocks[:3]} and t2.restored_tokens == 12 == t2.num_cached_tokens
     assert s.decisions["restore"] == 1
@@ -166,9 +166,9 @@ def test_a_parked_prefix_is_restored_when_cheaper_than_recompute():
 
 def test_a_parked_prefix_is_recomputed_when_the_transfer_costs_more():
     led, s = Ledger(), sched(host_to_device_bytes_per_s=10.0, prefill_tokens_per_s=1e6)
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     led.move("park", "device", "host", t1.blocks[:3])
-    t2 = s.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
+    t2 = s.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     assert isinstance(t2, Admit) and t2.decision.choice == "recompute"
     assert t2.reused == [] and t2.num_cached_tokens == 0 and t2.restore == {}
     assert t2.drop == {"host": t1.blocks[:3]}
@@ -199,24 +199,24 @@ def test_measurements_move_the_cost_model():
 
 def test_restore_policy_overrides_the_price():
     led, s = Ledger(), sched(restore_policy="restore", host_to_device_bytes_per_s=1.0)
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     led.move("park", "device", "host", t1.blocks[:3])
-    t2 = s.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
+    t2 = s.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     assert t2.decision.choice == "restore" and "restore_policy=restore" in t2.decision.reason
 
 
 def test_a_session_with_a_move_in_flight_waits_for_its_outcome():
     led, s = Ledger(), sched()
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     led.move("park", "device", "host", t1.blocks[:3], ack=False)
-    w = s.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
+    w = s.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     assert isinstance(w, Wait) and "in flight" in w.reason
 
 
 def test_a_cancelled_turn_leaves_the_session_with_only_its_reused_prefix():
     led, s = Ledger(), sched()
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
-    t2 = s.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=8))
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    t2 = s.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=8))
     s.start(t2, 3)
     s.written("t2", t2.new_blocks[:1], ["k3"])
     s.finish("t2", "cancelled", 0, 4)
@@ -226,9 +226,9 @@ def test_a_cancelled_turn_leaves_the_session_with_only_its_reused_prefix():
 
 def test_a_failed_restore_recomputes_with_fresh_pages():
     led, s = Ledger(), sched(restore_policy="restore")
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     led.move("park", "device", "host", t1.blocks[:3])
-    t2 = s.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
+    t2 = s.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     s.start(t2, 3)
     again = s.recompute_instead(led.state, "t2")
     assert again.num_cached_tokens == 0 and not set(again.blocks) & set(t1.blocks)
@@ -237,19 +237,19 @@ def test_a_failed_restore_recomputes_with_fresh_pages():
 
 def test_sessions_are_rebuilt_from_the_ledger_after_a_restart():
     led, s = Ledger(), sched()
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=3)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=3)
     fresh = sched()
     fresh.rebuild(led.state)
     e = fresh.sessions["s"]
     assert e.blocks == s.sessions["s"].blocks and e.keys[:3] == ["k0", "k1", "k2"]
-    t2 = fresh.plan(led.state, ask("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
+    t2 = fresh.plan(led.state, pending("t2", session="s", prompt=16, prompt_keys=keys("k", 4), max_tokens=4))
     assert t2.reused == t1.blocks[:3]
 
 
 def test_sessions_that_hold_nothing_are_forgotten_after_a_while():
     led, s = Ledger(), sched()
-    t1 = run_turn(s, led, ask("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
-    run_turn(s, led, ask("t2", session="kept", prompt=8, prompt_keys=keys("q", 2), max_tokens=4), completion=1)
+    t1 = run_turn(s, led, pending("t1", session="s", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    run_turn(s, led, pending("t2", session="kept", prompt=8, prompt_keys=keys("q", 2), max_tokens=4), completion=1)
     assert s.prune(led.state, now_ns=10**12, idle_ns=10) == []
     led.add(ev.BlocksFreed(worker=0, tier="device", blocks=t1.blocks[:3], bytes=3 * BB, reason="t"))
     led.state.check_integrity()
@@ -260,17 +260,17 @@ def test_a_worker_running_as_many_sequences_as_it_batches_makes_the_next_wait():
     led, s = Ledger(device_pages=40), sched()
     s.set_max_seqs(0, 2)
     for rid in ("a", "b"):
-        adm = s.plan(led.state, ask(rid))
+        adm = s.plan(led.state, pending(rid))
         assert isinstance(adm, Admit)
         s.start(adm, now_ns=1)
-    w = s.plan(led.state, ask("c"))
+    w = s.plan(led.state, pending("c"))
     assert isinstance(w, Wait) and w.code == "server_overloaded" and w.park == []
     assert w.reason == "worker 0 is running 2 sequences, the most it batches"
     s.finish("a", "stop", 10, now_ns=2)
-    assert isinstance(s.plan(led.state, ask("c")), Admit)
+    assert isinstance(s.plan(led.state, pending("c")), Admit)
     s.set_max_seqs(0, 0)                  # a worker that does not say: no limit kept
     for rid in ("d", "e", "f"):
-        adm = s.plan(led.state, ask(rid))
+        adm = s.plan(led.state, pending(rid))
         assert isinstance(adm, Admit)
         s.start(adm, now_ns=3)
 
@@ -278,8 +278,8 @@ def test_a_worker_running_as_many_sequences_as_it_batches_makes_the_next_wait():
 # ------------------------------------------------------------------ prefixes shared across sessions
 def test_a_new_session_copies_another_sessions_resident_prefix_into_its_own_pages():
     led, s = Ledger(), sched()
-    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
-    b = s.plan(led.state, ask("b1", session="b", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
+    a = run_turn(s, led, pending("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    b = s.plan(led.state, pending("b1", session="b", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
     assert isinstance(b, Admit) and b.shared_from == "a" and b.shared == a.blocks[:2] and b.copied
     assert b.num_cached_tokens == 8 and b.reused == [] and b.restore == {}
     # its own pages: the copies first, then the rest of the sequence (17 positions: 5 pages)
@@ -292,8 +292,8 @@ def test_a_new_session_copies_another_sessions_resident_prefix_into_its_own_page
 
 def test_a_request_outside_a_session_reads_the_shared_pages_in_place():
     led, s = Ledger(), sched()
-    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
-    r = s.plan(led.state, ask("r1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
+    a = run_turn(s, led, pending("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    r = s.plan(led.state, pending("r1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
     assert isinstance(r, Admit) and not r.copied and r.shared == a.blocks[:2]
     assert r.blocks[:2] == a.blocks[:2] and len(r.new_blocks) == 3 and r.blocks[2:] == r.new_blocks
     limit, free = s.device_room(led.state, 0)
@@ -304,8 +304,8 @@ def test_a_request_outside_a_session_reads_the_shared_pages_in_place():
 def test_pages_in_a_move_are_not_shared_and_parked_ones_are_restored_first_or_recomputed():
     led = Ledger()
     s = sched(host_to_device_bytes_per_s=1e9, prefill_tokens_per_s=100, fixed_restore_s=0.001)
-    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
-    b_ask = ask("b1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4)
+    a = run_turn(s, led, pending("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    b_ask = pending("b1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4)
     mid = led.move("spill", "device", "host", a.blocks[1:2], ack=False)
     assert s.plan(led.state, b_ask).shared == a.blocks[:1], "a page in a move is not offered"
     led.add(ev.MoveAcked(move_id=mid, worker=0, bytes_moved=BB, bytes_freed_src=0, checksum_ok=True,
@@ -326,10 +326,10 @@ def test_pages_in_a_move_are_not_shared_and_parked_ones_are_restored_first_or_re
 
 def test_a_failed_restore_of_a_shared_prefix_recomputes_and_leaves_the_donor_its_pages():
     led, s = Ledger(), sched(restore_policy="restore")
-    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    a = run_turn(s, led, pending("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
     led.move("park", "device", "host", a.blocks[:3])
     for session, copied in ((None, False), ("b", True)):
-        r = s.plan(led.state, ask(f"r-{copied}", session=session, prompt=14, prompt_keys=["k0", "k1", "x2"],
+        r = s.plan(led.state, pending(f"r-{copied}", session=session, prompt=14, prompt_keys=["k0", "k1", "x2"],
                                   max_tokens=4))
         assert r.copied is copied and r.shared == a.blocks[:2] and r.restore == {"host": a.blocks[:2]}
         s.start(r, 3)
@@ -342,11 +342,11 @@ def test_a_failed_restore_of_a_shared_prefix_recomputes_and_leaves_the_donor_its
 
 def test_the_donor_waits_to_drop_pages_a_running_request_reads():
     led, s = Ledger(), sched()
-    a = run_turn(s, led, ask("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
-    r = s.plan(led.state, ask("r1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
+    a = run_turn(s, led, pending("a1", session="a", prompt=12, prompt_keys=keys("k", 3), max_tokens=4), completion=1)
+    r = s.plan(led.state, pending("r1", prompt=14, prompt_keys=["k0", "k1", "x2"], max_tokens=4))
     s.start(r, 3)
     # a's next turn diverges after its first page: its second page would be dropped while r reads it
-    nxt = ask("a2", session="a", prompt=14, prompt_keys=["k0", "y1", "y2"], max_tokens=4)
+    nxt = pending("a2", session="a", prompt=14, prompt_keys=["k0", "y1", "y2"], max_tokens=4)
     w = s.plan(led.state, nxt)
     assert isinstance(w, Wait) and f"pages [{a.blocks[1]}" in w.reason and "read by a running request" in w.reason
     s.finish("r1", "stop", 17, 4)

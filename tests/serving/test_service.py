@@ -94,7 +94,7 @@ class Stack:
         self.worker, self.thread = self.workers[0], self.threads[0]
         self.client = TestClient(self.app)
         deadline = time.monotonic() + 20
-        while len(self.service.ready) < workers:
+        while len(self.service.workers.ready) < workers:
             assert time.monotonic() < deadline, "a worker never said ServingReady"
             time.sleep(0.02)
 

@@ -61,7 +61,7 @@ def test_a_donor_read_by_a_running_request_is_not_deleted_or_parked_under_it(sta
 
     def reading() -> None:
         deadline = time.monotonic() + 10
-        while not any(r.shared for r in s.service.sched.running.values()):
+        while not any(r.shared for r in s.service.workers.sched.running.values()):
             assert time.monotonic() < deadline
             time.sleep(0.001)
 
@@ -72,7 +72,7 @@ def test_a_donor_read_by_a_running_request_is_not_deleted_or_parked_under_it(sta
     t.join()
     assert out["r"].status_code == 200 and out["r"].json()["usage"]["shared_tokens"] > 0
     # past the guard, the worker still refuses to free pages under a reader: the delete says so
-    monkeypatch.setattr(type(s.service), "_not_read", lambda *a: None)
+    monkeypatch.setattr(type(s.service.book), "_not_read", lambda *a: None)
     t = threading.Thread(target=lambda: s.chat([SYSTEM, {"role": "user", "content": "third"}], max_tokens=100))
     t.start()
     reading()

@@ -1,9 +1,11 @@
-"""What the HTTP API needs from the control process: the ``Backend`` protocol and its values.
+"""The port the serving scheduler serves: the ``Backend`` protocol and the values that cross it.
 
-The API validates, streams and counts; it decides nothing about memory. Everything else (render
-and tokenize the prompt, admit against the budget, reuse or restore a session's prefix, run the
-model, free blocks) happens behind ``Backend.submit``. The control process implements it
-(``control.scheduler.service``); unit tests of the API use a fake at the edge.
+The HTTP API (``control.api``) is its one caller: it validates, streams and counts, and decides
+nothing about memory. Everything else (render and tokenize the prompt, admit against the budget,
+reuse or restore a session's prefix, run the model, free blocks) happens behind
+``Backend.submit``. ``control.scheduler.service.ServingService`` implements it; the API's unit
+tests use a fake at the edge. It is declared here, beside its implementation, so the scheduler
+never imports the API.
 """
 from __future__ import annotations
 

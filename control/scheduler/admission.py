@@ -1,0 +1,229 @@
+"""From an accepted request to a ``Generate`` sent to its worker: tokenize, route, plan, wait for
+room, restore the prefix, run. Loop thread only.
+
+    begin ─► Tokenize ─► on_tokenized ─► route ─► admit ─► plan: Refuse ─► RequestRefused
+                                                              Wait   ─► waiting (parks asked for room),
+                                                                        admitted again when room appears
+                                                              Admit  ─► RequestAdmitted, release superseded
+                                                                        pages, restore the prefix ─► run
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import structlog
+
+from residency.control.policy.asks import busy_blocks
+from residency.control.scheduler.asker import TERMINAL, Asker
+from residency.control.scheduler.bridge import RequestState
+from residency.control.scheduler.core import Admit, PendingRequest, Refuse, Wait
+from residency.control.scheduler.port import BackendError
+from residency.control.scheduler.requests import RequestTable
+from residency.control.scheduler.retain import retained_session_for
+from residency.control.scheduler.router import Router
+from residency.control.scheduler.workers import ServingWorkers
+from residency.events import catalog as ev
+from residency.events.commands import AskAnswered, AskMove, Generate, Tokenize, Tokenized
+
+log = structlog.get_logger("control.serving")
+
+
+class Admission:
+    def __init__(self, proc, workers: ServingWorkers, requests: RequestTable, router: Router, asker: Asker, *,
+                 retain_fraction: float, max_waiting: int, wait_timeout_s: float, default_max_tokens: int | None,
+                 park_backoff_s: float = 2.0):
+        self.proc = proc
+        self.workers = workers
+        self.requests = requests
+        self.router = router
+        self.asker = asker
+        self.retain_fraction = retain_fraction
+        self.max_waiting = max_waiting
+        self.wait_timeout_ns = int(wait_timeout_s * 1e9)
+        self.default_max_tokens = default_max_tokens     # a chat that names no max_tokens; None: the context's rest
+        self.park_backoff_s = park_backoff_s
+        self._park_backoff: dict[str, int] = {}         # session -> no park asked before (ns)
+        self._retry_posted = False
+
+    def begin(self, r: RequestState) -> None:
+        if r.cancelled:
+            return
+        worker = self.router.choose_worker(r.req.session)
+        if self.workers.sched is None or worker is None:
+            r.reject(BackendError(503, "no worker is serving a model yet; retry shortly", type="server_error",
+                                  code="model_loading"))
+            return
+        r.worker, r.phase = worker, "tokenizing"
+        self.requests.add(r)
+        req = r.req
+        msg = Tokenize(request_id=r.request_id, messages=req.messages, prompt=req.prompt,
+                       prompt_token_ids=req.prompt_token_ids)
+        if not self.proc.send_to_worker(worker, msg):
+            self.requests.forget(r)
+            r.reject(BackendError(503, f"worker {worker} is unreachable", type="server_error",
+                                  code="worker_unavailable"))
+
+    def on_tokenized(self, link, msg: Tokenized) -> None:
+        r = self.requests.get(msg.request_id)
+        if r is None or r.phase != "tokenizing":
+            return
+        if r.cancelled:
+            self.requests.forget(r)
+            return
+        req = r.req
+        param = "messages" if req.kind == "chat" else "prompt"
+        if msg.error is not None:
+            code, _, detail = msg.error.partition(": ")
+            self.refuse(r, 400, code, detail or msg.error, param)
+            return
+        n, ctx = len(msg.token_ids), self.workers.ready[r.worker].max_context
+        if n >= ctx:
+            self.refuse(r, 400, "context_length_exceeded",
+                        f"this model's context window is {ctx} tokens; the prompt is {n} tokens", param)
+            return
+        if req.max_tokens_given:
+            max_tokens = req.sampling.max_tokens
+        else:
+            max_tokens = min(ctx - n, self.default_max_tokens or ctx)
+        if n + max_tokens > ctx:
+            self.refuse(r, 400, "context_length_exceeded",
+                        f"this model's context window is {ctx} tokens; the prompt ({n}) plus max_tokens "
+                        f"({max_tokens}) is {n + max_tokens}", "max_tokens")
+            return
+        r.token_ids, r.keys, r.max_tokens = list(msg.token_ids), list(msg.keys), max_tokens
+        self.router.route(r)
+        self.admit(r)
+
+    def admit(self, r: RequestState) -> None:
+        now = time.time_ns()
+        sched = self.workers.sched
+        if r.req.session is None and self.retain_fraction > 0:
+            r.session = retained_session_for(
+                sched.sessions.values(), self.proc.state, r.worker, request_id=r.request_id,
+                prompt_keys=r.keys, prompt_tokens=len(r.token_ids), page_tokens=sched.cfg.page_tokens,
+                moving=busy_blocks(self.proc.state).get(r.worker, set()))
+        pending = PendingRequest(request_id=r.request_id, session=r.session, worker=r.worker,
+                                 prompt_tokens=len(r.token_ids), prompt_keys=r.keys, max_tokens=r.max_tokens)
+        plan = sched.plan(self.proc.state, pending)
+        if isinstance(plan, Refuse):
+            self.refuse(r, plan.status, plan.code, plan.reason, "session_id" if plan.code == "session_busy" else None)
+            return
+        if isinstance(plan, Wait):
+            self._wait(r, plan, now)
+            return
+        self.requests.admitted(r)
+        self.proc.record(ev.RequestAdmitted(request_id=r.request_id, session=r.session,
+                                            prompt_tokens=len(r.token_ids), worker=r.worker,
+                                            routed_from=r.routed_from,
+                                            shared_tokens=len(plan.shared) * sched.cfg.page_tokens,
+                                            shared_from=plan.shared_from, shared_blocks=list(plan.shared),
+                                            copied=plan.copied), correlation=r.request_id)
+        sched.start(plan, now)
+        r.admit = plan
+        if plan.decision is not None:
+            log.info("prefix_decision", request_id=r.request_id, session=r.session, choice=plan.decision.choice,
+                     reason=plan.decision.reason)
+        self.asker.release(r.worker, plan.drop, "superseded")
+        if plan.restore:
+            r.phase = "restoring"
+            blocks = [b for bl in plan.restore.values() for b in bl]
+            owner = plan.shared_from if plan.shared else r.session     # a shared prefix stays its donor's
+            self.asker.ask(AskMove(ask_id=self.asker.new_id("restore"), kind="restore", worker=r.worker,
+                                   blocks=blocks, session=owner), "serving", lambda ans: self._restored(r, ans))
+        else:
+            self._run(r)
+
+    def _wait(self, r: RequestState, plan: Wait, now: int) -> None:
+        if r.phase != "waiting":
+            if len(self.requests.waiting) >= self.max_waiting:
+                self.refuse(r, 503, "server_overloaded", f"{len(self.requests.waiting)} requests are already waiting")
+                return
+            r.phase, r.wait_since_ns = "waiting", now
+            self.requests.wait(r)
+            log.info("request_waiting", request_id=r.request_id, reason=plan.reason, park=plan.park)
+        r.wait_code, r.wait_reason = plan.code, plan.reason
+        for s in plan.park:
+            if s not in r.parks_asked and self._park_backoff.get(s, 0) <= now:
+                r.parks_asked.add(s)
+                self.asker.ask(AskMove(ask_id=self.asker.new_id("park"), kind="park", worker=r.worker, session=s),
+                               "serving", lambda ans, r=r, s=s: self._parked_for(r, s, ans))
+
+    def _parked_for(self, r: RequestState, session: str, ans: AskAnswered) -> None:
+        """A park asked to make room answered. Refused (the host is full) or invalid: ask again
+        only after a backoff, never in a loop of refusals."""
+        if ans.error is not None or any(type(e) is not ev.MoveAcked for e in ans.events if type(e) in TERMINAL
+                                        or type(e) is ev.MoveRefused):
+            log.info("park_for_room_failed", request_id=r.request_id, session=session, error=ans.error,
+                     detail=ans.detail, events=[type(e).__name__ for e in ans.events])
+            r.parks_asked.discard(session)
+            self._park_backoff[session] = time.time_ns() + int(self.park_backoff_s * 1e9)
+
+    def _restored(self, r: RequestState, ans: AskAnswered) -> None:
+        acked = [e for e in ans.events if type(e) is ev.MoveAcked]
+        ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(e.checksum_ok for e in acked)
+        if r.cancelled:
+            self.end_unstarted(r)
+            return
+        if not ok:
+            why = ans.error or ", ".join(type(e).__name__ for e in ans.events) or "no answer"
+            log.warning("restore_failed_recomputing", request_id=r.request_id, session=r.session, why=why,
+                        detail=ans.detail)
+            admit = self.workers.sched.recompute_instead(self.proc.state, r.request_id)
+            self.asker.release(r.worker, admit.drop, "restore_failed")
+            r.admit = admit
+        self._run(r)
+
+    def _run(self, r: RequestState) -> None:
+        a: Admit = r.admit
+        if r.cancelled:
+            self.end_unstarted(r)
+            return
+        r.phase = "running"
+        sampling = msgspec.structs.replace(r.req.sampling, max_tokens=r.max_tokens)
+        cmd = Generate(request_id=r.request_id, session=r.session, token_ids=r.token_ids, block_ids=a.blocks,
+                       num_cached_tokens=a.num_cached_tokens, sampling=sampling,
+                       free_on_finish=r.session is None, copy_from=list(a.shared) if a.copied else [])
+        if not self.proc.send_to_worker(r.worker, cmd):
+            self.end_unstarted(r, reason="error")
+            r.reject(BackendError(503, f"worker {r.worker} is unreachable", type="server_error",
+                                  code="worker_unavailable"))
+            return
+        r.accept()
+
+    def end_unstarted(self, r: RequestState, reason: str | None = None) -> None:
+        """An admitted request that never reached the worker: finish it by the book."""
+        why = reason or r.cancelled or "cancelled"
+        self.proc.record(ev.RequestFinished(request_id=r.request_id, reason=why, completion_tokens=0),
+                         correlation=r.request_id)
+        self.workers.sched.finish(r.request_id, "cancelled", 0, time.time_ns())
+        self.requests.forget(r)
+        r.reject(BackendError(499, "the client went away", code="client_disconnected"))
+        self.retry_soon()
+
+    def refuse(self, r: RequestState, status: int, code: str, message: str, param: str | None = None) -> None:
+        self.proc.record(ev.RequestRefused(request_id=r.request_id, reason=f"{code}: {message}"),
+                         correlation=r.request_id)
+        self.requests.forget(r)
+        r.reject(BackendError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
+                              code=code, param=param))
+
+    # ------------------------------------------------------------------ waiting for room
+    def retry_soon(self) -> None:
+        """Room may have appeared (a move ended, pages were freed, a request finished): plan the
+        waiting requests again, once, after the handler that noticed it."""
+        if self.requests.waiting and not self._retry_posted:
+            self._retry_posted = True
+            self.proc.call(lambda _proc: self.retry_waiting())
+
+    def retry_waiting(self) -> None:
+        self._retry_posted = False
+        for r in list(self.requests.waiting):
+            if r.phase == "waiting" and not r.cancelled:
+                self.admit(r)
+
+    def expire_waits(self, now_ns: int) -> None:
+        """Refuse the requests that waited for room longer than ``wait_timeout_s``."""
+        for r in list(self.requests.waiting):
+            if now_ns - r.wait_since_ns > self.wait_timeout_ns:
+                self.refuse(r, 503, r.wait_code, f"waited {self.wait_timeout_ns // 10**9} s: {r.wait_reason}")

@@ -1,0 +1,103 @@
+"""Running requests: the tokens a worker generates, on to the API's stream, and their end
+(finished, cancelled, or lost with the worker), each recorded. Loop thread only.
+
+    TokensGenerated ─► BlocksCommitted (pages the step filled) ─► a chunk to the stream
+    the last one    ─► BlocksFreed (finished | disconnected | error) ─► RequestFinished ─► the last chunk
+"""
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from residency.control.scheduler.admission import Admission
+from residency.control.scheduler.core import Admit
+from residency.control.scheduler.port import BackendError, Chunk, Usage
+from residency.control.scheduler.requests import RequestTable
+from residency.control.scheduler.retain import is_retained
+from residency.control.scheduler.session_book import SessionBook
+from residency.control.scheduler.workers import ServingWorkers
+from residency.events import catalog as ev
+from residency.events.commands import CancelGenerate, TokensGenerated
+
+log = structlog.get_logger("control.serving")
+FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
+
+
+class GenerationStreams:
+    def __init__(self, proc, workers: ServingWorkers, requests: RequestTable, admission: Admission,
+                 book: SessionBook):
+        self.proc = proc
+        self.workers = workers
+        self.requests = requests
+        self.admission = admission
+        self.book = book
+
+    def on_tokens(self, link, msg: TokensGenerated) -> None:
+        r = self.requests.get(msg.request_id)
+        session = r.session if r is not None else None
+        sched = self.workers.sched
+        bb = self.proc.state.workers[link.worker].block_bytes
+        if msg.blocks_written:
+            self.proc.record(ev.BlocksCommitted(worker=link.worker, session=session, tier="device",
+                                                blocks=list(msg.blocks_written), keys=list(msg.keys_written),
+                                                bytes=len(msg.blocks_written) * bb), correlation=msg.request_id)
+            sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
+        if r is None:
+            # a request this process no longer tracks still had pages on the worker, which freed
+            # them: recorded, so the ledger's books match the worker's
+            if msg.blocks_freed:
+                self.proc.record(ev.BlocksFreed(worker=link.worker, tier="device", blocks=list(msg.blocks_freed),
+                                                bytes=msg.bytes_freed, reason="orphaned"), correlation=msg.request_id)
+            return
+        r.num_generated += len(msg.token_ids)
+        if msg.finish_reason is None:
+            if msg.token_ids or msg.text:
+                r.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs)))
+            return
+        reason = msg.finish_reason
+        why = (r.cancelled or "cancelled") if reason == "cancelled" else FREE_REASON.get(reason, reason)
+        if msg.blocks_freed:
+            self.proc.record(ev.BlocksFreed(worker=link.worker, tier="device", blocks=list(msg.blocks_freed),
+                                            bytes=msg.bytes_freed, reason=why), correlation=msg.request_id)
+        self.proc.record(ev.RequestFinished(request_id=r.request_id, reason=reason if reason != "cancelled" else why,
+                                            completion_tokens=r.num_generated), correlation=r.request_id)
+        a: Admit = r.admit
+        sched.finish(r.request_id, reason, len(r.token_ids) + max(0, r.num_generated - 1), time.time_ns())
+        self.requests.forget(r)
+        usage = Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated,
+                      cached_tokens=a.num_cached_tokens, restored_tokens=a.restored_tokens,
+                      computed_tokens=msg.num_computed_tokens,
+                      shared_tokens=len(a.shared) * sched.cfg.page_tokens)
+        r.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), finish_reason=reason, usage=usage,
+                     error=msg.error, logprobs=list(msg.logprobs)))
+        if is_retained(r.session):
+            self.book.evict_retained()
+        self.admission.retry_soon()
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        r = self.requests.get(request_id)
+        if r is None or r.cancelled:
+            return
+        r.cancelled = reason
+        if r.phase == "running":
+            self.proc.send_to_worker(r.worker, CancelGenerate(request_id=request_id, reason=reason))
+        elif r.phase in ("new", "tokenizing", "waiting"):
+            self.requests.forget(r)              # never admitted: nothing to record
+            r.reject(BackendError(499, "the client went away", code="client_disconnected"))
+        # restoring: the restore's answer sees it and ends the request (Admission)
+
+    def worker_lost(self, worker: int) -> None:
+        """End the requests the worker had: a running one with an error chunk (recorded), one
+        not yet admitted with a 503."""
+        for r in self.requests.on_worker(worker):
+            if r.phase == "running":
+                r.push(Chunk(text="", finish_reason="error", error=f"worker {worker} was lost",
+                             usage=Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated)))
+                self.proc.record(ev.RequestFinished(request_id=r.request_id, reason="error",
+                                                    completion_tokens=r.num_generated), correlation=r.request_id)
+                self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
+                self.requests.forget(r)
+            elif r.phase in ("tokenizing", "waiting"):
+                self.requests.forget(r)
+                r.reject(BackendError(503, f"worker {worker} was lost", type="server_error", code="worker_lost"))

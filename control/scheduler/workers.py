@@ -1,0 +1,70 @@
+"""The workers that serve a model, and the scheduler that plans for them.
+
+The scheduler's page size and context come from the first worker that says ``ServingReady``, so
+it is made then; until that, ``sched`` is None and requests are refused as "model loading". A
+worker whose pages are another size is not served (its page ids would mean other tokens).
+"""
+from __future__ import annotations
+
+import structlog
+
+from residency.control.scheduler.config import SchedulerConfig
+from residency.control.scheduler.core import Scheduler
+from residency.control.scheduler.cost import CostModel
+from residency.control.scheduler.port import ModelCard
+from residency.events.commands import ServingReady
+
+log = structlog.get_logger("control.serving")
+
+
+class ServingWorkers:
+    def __init__(self, proc, cost: CostModel, *, restore_policy: str, share_prefixes: bool):
+        self.proc = proc
+        self.cost = cost
+        self.restore_policy = restore_policy
+        self.share_prefixes = share_prefixes
+        self.ready: dict[int, ServingReady] = {}
+        self.sched: Scheduler | None = None
+
+    def on_ready(self, link, msg: ServingReady) -> None:
+        if self.sched is None:
+            self.sched = Scheduler(SchedulerConfig(page_tokens=msg.page_tokens, max_context=msg.max_context,
+                                                   restore_policy=self.restore_policy,
+                                                   share_prefixes=self.share_prefixes), self.cost,
+                                   allocate=self.proc.allocate_block_ids)
+            self.sched.rebuild(self.proc.state)
+        elif msg.page_tokens != self.sched.cfg.page_tokens:
+            log.error("worker_page_size_mismatch", worker=link.worker, page_tokens=msg.page_tokens,
+                      expected=self.sched.cfg.page_tokens)
+            return
+        self.ready[link.worker] = msg
+        self.sched.set_max_seqs(link.worker, msg.max_seqs)
+        log.info("serving_ready", worker=link.worker, model=msg.model, max_context=msg.max_context,
+                 device_blocks=msg.device_blocks, max_seqs=msg.max_seqs)
+
+    def alive(self) -> list[int]:
+        """Workers that said ``ServingReady`` and that the folded state still counts alive."""
+        return [w for w in self.ready if (ws := self.proc.state.workers.get(w)) is not None and ws.alive]
+
+    def models(self) -> list[ModelCard]:
+        """Read from the API thread: ``ready`` is copied before iterating, since the loop thread
+        may add or drop a worker meanwhile."""
+        seen: dict[str, ModelCard] = {}
+        for r in list(self.ready.values()):
+            seen.setdefault(r.model, ModelCard(id=r.model, max_context=r.max_context, created=0))
+        return list(seen.values())
+
+    def lost(self, worker: int) -> None:
+        """The worker is gone: nothing more is routed to it."""
+        self.ready.pop(worker, None)
+
+    def lost_pages(self, worker: int, kept: set[int]) -> None:
+        """Cut each session of a lost worker at its first page that did not survive on disk."""
+        if self.sched is None:
+            return
+        lost = {b for e in self.sched.sessions.values() if e.worker == worker for b in e.blocks} - kept
+        self.sched.forget_blocks(worker, lost)
+
+    def blocks_in_use(self) -> dict[int, set[int]]:
+        """Pages running requests read or write (the control process's policies leave them be)."""
+        return self.sched.busy_blocks() if self.sched is not None else {}
