@@ -1,4 +1,4 @@
-"""What both halves of the fold (control/fold.py, control/fold_serving.py) note with: an anomaly
+"""What the parts of the fold (control/fold.py, fold_moves.py, fold_serving.py) note with: an anomaly
 (an event the ledger recorded that the state cannot have had), and a worker looked up or noted
 missing. Part of the fold: deterministic, no I/O."""
 from __future__ import annotations
@@ -16,3 +16,7 @@ def worker_or_anomaly(s: State, worker: int, seq: int, what: str):
     if ws is None:
         anomaly(s, seq, f"{what} names unknown worker {worker}")
     return ws
+
+
+# what ``state.blocks.get(worker, NO_BLOCKS)`` gives for a worker with no blocks (never written to)
+NO_BLOCKS: dict = {}
