@@ -24,7 +24,7 @@ from typing import Callable
 from residency.events import catalog as ev
 from residency.events.envelope import Recorded
 from residency.control import fold_moves, fold_serving
-from residency.control.fold_base import NO_BLOCKS as _NO_BLOCKS, anomaly as _anomaly, worker_or_anomaly as _worker
+from residency.control.fold_base import anomaly as _anomaly, free_copies, worker_or_anomaly as _worker
 from residency.control.state import (
     BlockState,
     copy_set,
@@ -210,28 +210,7 @@ def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
 
 
 def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
-    ws = s.workers.get(e.worker)
-    if ws is None:
-        _anomaly(s, seq, f"BlocksFreed names unknown worker {e.worker}")
-        return
-    blocks = s.blocks.get(e.worker, _NO_BLOCKS)
-    get = blocks.get
-    tier, dropped = e.tier, 0
-    for bid in e.blocks:
-        b = get(bid)
-        if b is None or tier not in b.tiers:
-            _anomaly(s, seq, f"block {bid} has no copy on {tier} of worker {e.worker} to free")
-            continue
-        tiers = b.tiers
-        tiers.remove(tier)
-        dropped += 1
-        if not tiers:
-            del blocks[bid]
-    if s.copies is not None:                        # the copy index (a block not there: no change)
-        copy_set(s, e.worker, tier).difference_update(e.blocks)
-    account = ws.tiers[tier]
-    account.used_bytes -= dropped * ws.block_bytes
-    account.reclaimed_bytes += e.bytes
+    free_copies(s, e.worker, e.tier, e.blocks, e.bytes, seq, "BlocksFreed")
 
 
 def _state_checkpoint(s: State, e: ev.StateCheckpoint, seq: int) -> None:

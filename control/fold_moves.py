@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from residency.events import catalog as ev
-from residency.control.fold_base import NO_BLOCKS as _NO_BLOCKS, anomaly as _anomaly
+from residency.control.fold_base import NO_BLOCKS as _NO_BLOCKS, anomaly as _anomaly, free_copies
 from residency.control.state import MAX_REFUSALS_KEPT, MoveState, RefusalSummary, State, copy_set
 
 
@@ -150,6 +150,21 @@ def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
             _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
 
 
+def _copies_released(s: State, e: ev.CopiesReleased, seq: int) -> None:
+    """A release's answer. It settles the release as its ack would (on time, or late after a
+    stranding), then frees the copies with the bytes the worker measured: the very steps, in the
+    same order, that the two rows older ledgers recorded for it (an ack with nothing moved, then
+    ``BlocksFreed``) take, so both forms fold to the same state. The outcome keeps the ack's name
+    in ``outcomes``/``num_moves`` for that reason."""
+    if e.move_id in s.stranded:
+        _move_late_acked(s, ev.MoveLateAcked(move_id=e.move_id, worker=e.worker, bytes_moved=0, bytes_freed_src=0,
+                                             checksum_ok=True, started_ns=0, finished_ns=0), seq)
+    else:
+        _move_acked(s, ev.MoveAcked(move_id=e.move_id, worker=e.worker, bytes_moved=0, bytes_freed_src=0,
+                                    checksum_ok=True, started_ns=0, finished_ns=0), seq)
+    free_copies(s, e.worker, e.tier, e.blocks, e.bytes, seq, "CopiesReleased")
+
+
 def _move_refused(s: State, e: ev.MoveRefused, seq: int) -> None:
     s.num_refusals += 1
     s.refusals.append(RefusalSummary(
@@ -170,4 +185,5 @@ HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.MoveStranded: _move_stranded,
     ev.MoveLateAcked: _move_late_acked,
     ev.MoveAbandoned: _move_abandoned,
+    ev.CopiesReleased: _copies_released,
 }

@@ -186,6 +186,8 @@ def describe(seq: int, e) -> str:
         ids = f"{e.blocks[0]}..{e.blocks[-1]}" if e.blocks else "-"
         return (f"committed {len(e.blocks)} blocks ({ids}) on {e.tier} of worker {e.worker}, "
                 f"session {e.session or '-'}: {hb(e.bytes)} {at}")
+    if t == "CopiesReleased":
+        return f"released {len(e.blocks)} blocks on {e.tier} of worker {e.worker}: {hb(e.bytes)} freed ({e.move_id}) {at}"
     if t == "BlocksFreed":
         return f"freed {len(e.blocks)} blocks on {e.tier} of worker {e.worker}: {hb(e.bytes)} ({e.reason}) {at}"
     if t == "BudgetSet":

@@ -298,8 +298,9 @@ class ServingService(SessionOps, RoutingOps):
             self._park_backoff[session] = time.time_ns() + int(self.park_backoff_s * 1e9)
 
     def _restored(self, p: Pending, ans: AskAnswered) -> None:
-        acked = [e for e in ans.events if type(e) is ev.MoveAcked]
-        ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(e.checksum_ok for e in acked)
+        acked = [e for e in ans.events if type(e) is ev.MoveAcked or type(e) is ev.CopiesReleased]
+        ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(
+            type(e) is ev.CopiesReleased or e.checksum_ok for e in acked)      # a release checks no bytes
         if p.cancelled:
             self._end_unstarted(p)
             return
@@ -430,7 +431,7 @@ class ServingService(SessionOps, RoutingOps):
             self._kind_of[event.move_id] = event.kind
             if event.kind == "restore":
                 self._src_of[event.move_id] = event.src
-        elif t in TERMINAL:
+        elif t in TERMINAL or t is ev.CopiesReleased:
             kind = self._kind_of.get(event.move_id, "unknown")
             self.moves[(kind, t.__name__)] += 1
             if t is not ev.MoveStranded:

@@ -165,7 +165,7 @@ class SessionOps:
                              f"{getattr(failed, 'reason', '') or getattr(failed, 'error', '')}); "
                              f"{freed[0]} bytes were freed before it", type="server_error", code="release_failed"))
                     return
-                freed[0] += sum(e.bytes for e in ans.events if type(e) is ev.BlocksFreed)
+                freed[0] += sum(e.bytes for e in ans.events if type(e) is ev.CopiesReleased)
             if left:
                 t = left.pop()
                 self._ask(AskReleaseBlocks(ask_id=self._ask_id("delete"), worker=w, tier=t, blocks=by_tier[t],

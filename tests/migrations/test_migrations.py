@@ -79,8 +79,8 @@ def test_migrations_run_from_an_installed_copy_in_another_directory(tmp_path):
     migrate from a different working directory: nothing may depend on the repository root."""
     site = tmp_path / "site"
     for pkg in ("events", "ledger"):
-        shutil.copytree(REPO / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    mig = site / "migrations"
+        shutil.copytree(REPO / pkg, site / "residency" / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    mig = site / "residency" / "migrations"
     (mig / "versions").mkdir(parents=True)
     for pattern in ("*.py", "*.ini", "*.mako", "versions/*.py"):     # modules + [tool.setuptools.package-data]
         for f in (REPO / "migrations").glob(pattern):
@@ -88,7 +88,7 @@ def test_migrations_run_from_an_installed_copy_in_another_directory(tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     db = tmp_path / "installed.db"
-    code = ("from ledger import migrate, LedgerStore; import migrations; "
+    code = ("from residency.ledger import migrate, LedgerStore; import residency.migrations as migrations; "
             f"assert migrations.__file__.startswith({str(site)!r}), migrations.__file__; "
             f"migrate.upgrade('sqlite:///{db}'); print(migrate.current('sqlite:///{db}')); "
             f"LedgerStore.open('sqlite:///{db}').close()")
@@ -132,7 +132,7 @@ def test_0003_trades_the_session_and_move_indexes_for_the_two_view_lookups_and_b
     migrate.upgrade(url, "0003")
     assert new <= _indexes(url) and not old & _indexes(url)
     assert _audit(url) == before and before[0] and before[1]
-    with LedgerStore.open(url) as store:
+    with LedgerStore(_raw(url)) as store:                # 0003 is no longer head: open it as it is
         report = store.verify(workers=1)
         assert report.ok and report.num_events == 3000
     migrate.downgrade(url, "0002")
