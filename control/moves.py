@@ -7,7 +7,7 @@
         ◄──────────── MoveAcked | MoveFailed | MoveRejected   (idempotent by move_id)
         ──classify──► the terminal event, once; a duplicate is ignored; an ack for a stranded
                       move becomes MoveLateAcked; park/restore acks are followed by
-                      SessionParked / SessionRestored
+                      SessionParked / SessionRestored; a release's ack is CopiesReleased
 
 ``MoveBook`` holds what the control process knows about moves that the ledger does not: which
 requests are still waiting for their commit (not sent yet), which were sent, and who is waiting
