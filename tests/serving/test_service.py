@@ -318,7 +318,7 @@ def test_a_parked_prefix_is_recomputed_when_the_policy_says_so(stack):
     assert u["computed_tokens"] == u["prompt_tokens"]
     s.close()
     events, state = s.ledger()
-    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.tier == "host"]
+    freed = [e for e in events if type(e).__name__ == "CopiesReleased" and e.tier == "host"]
     assert freed, "the parked copies of the recomputed prefix are released"
     assert not [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "restore"]
 
