@@ -7,11 +7,11 @@ default; any other change bumps ``SCHEMA_VERSION`` and adds an upcaster in ``eve
 """
 from __future__ import annotations
 
-import array
-import sys
 from typing import ClassVar, Literal, Union
 
 import msgspec
+
+from residency.events.checksums import pack_checksums, unpack_checksums  # noqa: F401  (MoveAcked's packing)
 
 Tier = Literal["device", "host", "disk"]
 TIERS: tuple[str, ...] = ("device", "host", "disk")
@@ -169,27 +169,6 @@ class MoveAcked(Event):
 
     def checksum_list(self) -> list[int]:
         return unpack_checksums(self.checksums)
-
-
-def pack_checksums(values) -> bytes:
-    """Checksums in [0, 2^64) as MoveAcked carries them (ValueError names one out of range)."""
-    try:
-        a = array.array("Q", values)
-    except OverflowError as e:
-        raise ValueError(f"checksums must be in [0, 2^64): {e}") from None
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack_checksums(data: bytes) -> list[int]:
-    if len(data) % 8:
-        raise ValueError(f"packed checksums are 8 bytes each, got {len(data)} bytes")
-    a = array.array("Q")
-    a.frombytes(data)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
 
 
 class MoveFailed(Event):
