@@ -236,8 +236,8 @@ class LedgerStore:
 
         PostgreSQL gives every run as ``payload_runs`` does: its server builds such aggregates
         slower than it sends the rows (ORDER BY in each aggregate, a function call per row and
-        aggregate), and the rows come parsed by psycopg's C code (replay of 1M events on this
-        2-core VM: 390-420k events/s by rows, 280-310k packed).
+        aggregate), and the rows come parsed by psycopg's C code (a replay reads rows faster than
+        packed runs there; bench/replay.py measures both).
         """
         if not self._d.sqlite:
             return self.payload_runs(from_seq, to_seq, batch)
