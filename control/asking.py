@@ -1,7 +1,7 @@
 """Asks to the control process (the HTTP API and ``residency ctl`` over the ask socket) and their answers.
 
     AskMove          resolve ─► fund ─► MoveRequested per move, or MoveRefused with the arithmetic
-    AskReleaseBlocks a release: MoveRequested(src == dst), answered by BlocksFreed
+    AskReleaseBlocks a release: MoveRequested(src == dst), answered by CopiesReleased
     AskSetBudget     BudgetSet (checked first)
     AskCommitBlocks  block ids allocated here; CommitBlocks to the worker; BlocksCommitted on its answer
     AskStatus        the live state and health, at once

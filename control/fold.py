@@ -13,9 +13,9 @@ Residency changes only on acked bytes: a MoveRequested books bytes in flight tow
 destination; the copy appears there (and the source copy goes, unless kept) only when a
 MoveAcked or MoveLateAcked arrives.
 
-Here: workers, budgets, pinned memory, blocks and moves. The serving side's events (sessions,
-requests, steps, rebinds, weights arenas and flips) fold in control/fold_serving.py; the two
-helpers both use are in control/fold_base.py.
+Here: the loop, workers, budgets, pinned memory and blocks. Moves and their outcomes fold in
+control/fold_moves.py; the serving side's events (sessions, requests, steps, rebinds, weights
+arenas and flips) in control/fold_serving.py; the helpers they share are in control/fold_base.py.
 """
 from __future__ import annotations
 
@@ -23,14 +23,11 @@ from typing import Callable
 
 from residency.events import catalog as ev
 from residency.events.envelope import Recorded
-from residency.control import fold_serving
-from residency.control.fold_base import anomaly as _anomaly, worker_or_anomaly as _worker
+from residency.control import fold_moves, fold_serving
+from residency.control.fold_base import anomaly as _anomaly, free_copies, worker_or_anomaly as _worker
 from residency.control.state import (
-    MAX_REFUSALS_KEPT,
     BlockState,
     copy_set,
-    MoveState,
-    RefusalSummary,
     SessionState,
     State,
     new_worker,
@@ -93,78 +90,6 @@ def _add_copy(s: State, worker: int, block: int, tier: str, seq: int, session=No
     if s.copies is not None:
         copy_set(s, worker, tier).add(block)
     ws.tiers[tier].used_bytes += ws.block_bytes
-
-
-def _terminal(s: State, move_id: str, outcome: str, seq: int) -> MoveState | None:
-    outcomes = s.outcomes
-    if move_id in outcomes:
-        _anomaly(s, seq, f"move {move_id} got {outcome} after its terminal {outcomes[move_id]}")
-        return None
-    mv = s.inflight.pop(move_id, None)
-    if mv is None:
-        _anomaly(s, seq, f"{outcome} for move {move_id} that was never requested")
-        return None
-    outcomes[move_id] = outcome
-    num_moves = s.num_moves
-    num_moves[outcome] = num_moves.get(outcome, 0) + 1
-    ws = s.workers.get(mv.worker)
-    if ws is not None:
-        ws.tiers[mv.dst].inflight_in_bytes -= mv.bytes_planned
-    return mv
-
-
-def _apply_arrival(s: State, mv: MoveState, bytes_freed_src: int, checksum_ok: bool, seq: int) -> None:
-    """The worker reported the copy done: the destination holds it; the source is freed unless kept."""
-    ws = s.workers.get(mv.worker)
-    if ws is None:
-        return
-    blocks = mv.blocks
-    get = s.blocks.get(mv.worker, _NO_BLOCKS).get
-    src, dst, drop, to_device = mv.src, mv.dst, not mv.keep_source, mv.dst == "device"
-    # NOTE: the hot loop of every replay and of every big move's ack on the control loop (a 2 GiB
-    # move names 1024 blocks). A block whose one copy is on the source (an evict, a restore of an
-    # evicted block) ends with its one copy on the destination: rewriting that one-element list in
-    # place is what the general steps below do to it (append dst, remove src), without the list
-    # methods. Any other block takes the general steps. ``sole_src`` is None when the move keeps
-    # its source (or names one tier twice): then no list equals it and every block goes the
-    # general way. tests/control/test_fold.py compares both ways on random states.
-    sole_src = [src] if drop and src != dst else None
-    num_general = added = dropped = num_missing = 0
-    for b in map(get, blocks):
-        if b is None:
-            num_missing += 1
-            continue
-        tiers = b.tiers
-        if tiers == sole_src:
-            tiers[0] = dst
-        else:
-            num_general += 1
-            if dst not in tiers:
-                tiers.append(dst)
-                added += 1
-            if drop and src in tiers:
-                tiers.remove(src)
-                dropped += 1
-        if to_device and b.device_verified != checksum_ok:
-            b.device_verified = checksum_ok
-    if num_missing:     # named in block order; nothing above adds or removes a block
-        for bid in blocks:
-            if get(bid) is None:
-                _anomaly(s, seq, f"move {mv.move_id} acked for block {bid} that no longer exists")
-    num_sole = len(blocks) - num_missing - num_general
-    if s.copies is not None:                        # the copy index, in C: what the lists now say
-        present = blocks if not num_missing else [bid for bid in blocks if get(bid) is not None]
-        copy_set(s, mv.worker, dst).update(present)
-        if drop:
-            copy_set(s, mv.worker, src).difference_update(present)
-    accounts = ws.tiers
-    accounts[dst].used_bytes += (added + num_sole) * ws.block_bytes
-    src_account = accounts[src]
-    src_account.used_bytes -= (dropped + num_sole) * ws.block_bytes
-    src_account.reclaimed_bytes += bytes_freed_src
-
-
-_NO_BLOCKS: dict = {}
 
 
 # ---------------------------------------------------------------------- handlers
@@ -285,107 +210,7 @@ def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
 
 
 def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:
-    ws = s.workers.get(e.worker)
-    if ws is None:
-        _anomaly(s, seq, f"BlocksFreed names unknown worker {e.worker}")
-        return
-    blocks = s.blocks.get(e.worker, _NO_BLOCKS)
-    get = blocks.get
-    tier, dropped = e.tier, 0
-    for bid in e.blocks:
-        b = get(bid)
-        if b is None or tier not in b.tiers:
-            _anomaly(s, seq, f"block {bid} has no copy on {tier} of worker {e.worker} to free")
-            continue
-        tiers = b.tiers
-        tiers.remove(tier)
-        dropped += 1
-        if not tiers:
-            del blocks[bid]
-    if s.copies is not None:                        # the copy index (a block not there: no change)
-        copy_set(s, e.worker, tier).difference_update(e.blocks)
-    account = ws.tiers[tier]
-    account.used_bytes -= dropped * ws.block_bytes
-    account.reclaimed_bytes += e.bytes
-
-
-def _move_requested(s: State, e: ev.MoveRequested, seq: int) -> None:
-    move_id = e.move_id
-    ws = s.workers.get(e.worker)
-    if ws is None:
-        _anomaly(s, seq, f"MoveRequested names unknown worker {e.worker}")
-    inflight = s.inflight
-    if move_id in inflight or move_id in s.outcomes:
-        _anomaly(s, seq, f"move {move_id} requested twice")
-        return
-    # positional: MoveState's field order (the hot path of every replay)
-    inflight[move_id] = MoveState(move_id, e.kind, e.worker, e.src, e.dst, list(e.blocks), e.bytes_planned,
-                                  e.keep_source, e.deadline_ns, e.session, seq)
-    if ws is not None:
-        ws.tiers[e.dst].inflight_in_bytes += e.bytes_planned
-
-
-def _move_dispatched(s: State, e: ev.MoveDispatched, seq: int) -> None:
-    mv = s.inflight.get(e.move_id)
-    if mv is None:
-        _anomaly(s, seq, f"MoveDispatched for move {e.move_id} not in flight")
-    else:
-        mv.status = "dispatched"
-
-
-def _move_acked(s: State, e: ev.MoveAcked, seq: int) -> None:
-    mv = _terminal(s, e.move_id, "MoveAcked", seq)
-    if mv is not None:
-        _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
-
-
-def _move_failed(s: State, e: ev.MoveFailed, seq: int) -> None:
-    _terminal(s, e.move_id, "MoveFailed", seq)
-
-
-def _move_rejected(s: State, e: ev.MoveRejected, seq: int) -> None:
-    _terminal(s, e.move_id, "MoveRejected", seq)
-
-
-def _move_abandoned(s: State, e: ev.MoveAbandoned, seq: int) -> None:
-    _terminal(s, e.move_id, "MoveAbandoned", seq)
-
-
-def _move_stranded(s: State, e: ev.MoveStranded, seq: int) -> None:
-    mv = _terminal(s, e.move_id, "MoveStranded", seq)
-    if mv is None:
-        return
-    mv.status = "stranded"
-    s.stranded[e.move_id] = mv
-    ws = s.workers.get(mv.worker)
-    if ws is not None:
-        ws.tiers[mv.src].stranded_bytes += e.bytes_at_risk
-    # remember what was at risk so a late ack can re-account exactly that
-    mv.bytes_planned = e.bytes_at_risk
-
-
-def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
-    mv = s.stranded.pop(e.move_id, None)
-    if mv is None:
-        _anomaly(s, seq, f"MoveLateAcked for move {e.move_id} that is not stranded")
-        return
-    s.outcomes[e.move_id] = "MoveLateAcked"
-    s.num_moves["MoveLateAcked"] = s.num_moves.get("MoveLateAcked", 0) + 1
-    ws = s.workers.get(mv.worker)
-    if ws is not None:
-        ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
-        if ws.alive:
-            _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
-
-
-def _move_refused(s: State, e: ev.MoveRefused, seq: int) -> None:
-    s.num_refusals += 1
-    s.refusals.append(RefusalSummary(
-        seq=seq, ask=e.ask, worker=e.worker, tier=e.tier, asked_bytes=e.asked_bytes,
-        available_bytes=e.available_bytes, floor_bytes=e.floor_bytes, reason=e.reason,
-    ))
-    if len(s.refusals) > MAX_REFUSALS_KEPT:
-        del s.refusals[0]
+    free_copies(s, e.worker, e.tier, e.blocks, e.bytes, seq, "BlocksFreed")
 
 
 def _state_checkpoint(s: State, e: ev.StateCheckpoint, seq: int) -> None:
@@ -405,15 +230,7 @@ _HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.PinnedReleased: _pinned_released,
     ev.BlocksCommitted: _blocks_committed,
     ev.BlocksFreed: _blocks_freed,
-    ev.MoveRequested: _move_requested,
-    ev.MoveDispatched: _move_dispatched,
-    ev.MoveAcked: _move_acked,
-    ev.MoveFailed: _move_failed,
-    ev.MoveRejected: _move_rejected,
-    ev.MoveRefused: _move_refused,
-    ev.MoveStranded: _move_stranded,
-    ev.MoveLateAcked: _move_late_acked,
-    ev.MoveAbandoned: _move_abandoned,
     ev.StateCheckpoint: _state_checkpoint,
+    **fold_moves.HANDLERS,
     **fold_serving.HANDLERS,
 }

@@ -7,7 +7,7 @@
         ◄──────────── MoveAcked | MoveFailed | MoveRejected   (idempotent by move_id)
         ──classify──► the terminal event, once; a duplicate is ignored; an ack for a stranded
                       move becomes MoveLateAcked; park/restore acks are followed by
-                      SessionParked / SessionRestored
+                      SessionParked / SessionRestored; a release's ack is CopiesReleased
 
 ``MoveBook`` holds what the control process knows about moves that the ledger does not: which
 requests are still waiting for their commit (not sent yet), which were sent, and who is waiting
@@ -235,7 +235,7 @@ def command_for(req: ev.MoveRequested) -> ExecuteMove | ReleaseBlocks:
 
 def release_outcome(msg: BlocksReleased, now_ns: int) -> ev.MoveAcked:
     """A release's answer as the move outcome it settles, carrying the freed bytes the worker
-    measured (``settle_events`` moves them into the BlocksFreed that follows)."""
+    measured (``settle_events`` records it as CopiesReleased)."""
     return ev.MoveAcked(move_id=msg.release_id, worker=msg.worker, bytes_moved=0,
                         bytes_freed_src=msg.bytes_freed, checksum_ok=True, started_ns=now_ns, finished_ns=now_ns)
 
@@ -275,14 +275,12 @@ def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event
 def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
     """What to record for a move's outcome: the outcome itself, then the facts it implies.
 
-    A release's ack becomes ``MoveAcked(bytes_freed_src=0)`` + ``BlocksFreed(bytes=measured)``:
-    0 measured is recorded as 0 (an accounting); silence never gets here (the watchdog strands it).
+    A release's ack, on time or late, becomes ``CopiesReleased(bytes=measured)``: 0 measured is
+    recorded as 0 (an accounting); silence never gets here (the watchdog strands it).
     """
     if mv.src == mv.dst and type(event) in (ev.MoveAcked, ev.MoveLateAcked):
-        freed = event.bytes_freed_src
-        return [msgspec.structs.replace(event, bytes_freed_src=0),
-                ev.BlocksFreed(worker=mv.worker, tier=mv.src, blocks=list(mv.blocks), bytes=freed,
-                               reason="release")]      # the why is on the MoveRequested (causation)
+        return [ev.CopiesReleased(move_id=mv.move_id, worker=mv.worker, tier=mv.src, blocks=list(mv.blocks),
+                                  bytes=event.bytes_freed_src)]      # the why is on the MoveRequested (causation)
     return [event, *followups(mv, event, cfg)]
 
 

@@ -284,8 +284,24 @@ class Simulator:
         if not cands:
             return
         blocks = r.sample(cands, min(len(cands), r.randint(1, 6)))
+        reason = r.choice(["finished", "finished", "disconnected", "dropped", "release"])
+        if reason == "release":
+            yield from self._release(w, tier, blocks)
+            return
         yield self._emit(ev.BlocksFreed(worker=w, tier=tier, blocks=blocks, bytes=len(blocks) * self.block_bytes,
-                                        reason=r.choice(["finished", "finished", "disconnected", "dropped"])))
+                                        reason=reason))
+
+    def _release(self, w: int, tier: str, blocks: list[int]):
+        """Copies freed by the book, as the serving side frees superseded pages: requested write-ahead
+        like a move that copies nothing, answered by what the worker freed."""
+        self.next_move += 1
+        mid = f"m-{self.next_move}"
+        nbytes = len(blocks) * self.block_bytes
+        yield self._emit(ev.MoveRequested(move_id=mid, kind="evict", worker=w, src=tier, dst=tier, blocks=blocks,
+                                          bytes_planned=nbytes, keep_source=True, deadline_ns=self.now + 50_000_000,
+                                          reason="release:superseded"))
+        yield self._emit(ev.MoveDispatched(move_id=mid, worker=w), causation=mid)
+        yield self._emit(ev.CopiesReleased(move_id=mid, worker=w, tier=tier, blocks=blocks, bytes=nbytes), causation=mid)
 
     def _refusal(self, w: int):
         r = self.rng

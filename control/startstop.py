@@ -44,7 +44,8 @@ class StartStop:
         self.busy = moves.BusyIndex(self.state)
         # stranded moves their worker has answered for with a failure (or "never received"):
         # they will never land, so they hold neither blocks nor room. The ledger has no event for
-        # that answer (only MoveLateAcked resolves a stranding), so they stay listed stranded there.
+        # that answer (only a late ack or a release's CopiesReleased resolves a stranding), so they
+        # stay listed stranded there.
         self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
         self._links: dict[bytes, WorkerLink] = {}

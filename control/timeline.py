@@ -2,7 +2,7 @@
 
 One pass over the ledger. Moves are followed through their lifecycle: once a MoveRequested
 touches the subject, every later event naming that move_id (ack, failure, stranding, late ack,
-park) belongs to the timeline too.
+a release's CopiesReleased, park) belongs to the timeline too.
 """
 from __future__ import annotations
 

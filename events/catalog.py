@@ -7,11 +7,11 @@ default; any other change bumps ``SCHEMA_VERSION`` and adds an upcaster in ``eve
 """
 from __future__ import annotations
 
-import array
-import sys
 from typing import ClassVar, Literal, Union
 
 import msgspec
+
+from residency.events.checksums import pack_checksums, unpack_checksums  # noqa: F401  (MoveAcked's packing)
 
 Tier = Literal["device", "host", "disk"]
 TIERS: tuple[str, ...] = ("device", "host", "disk")
@@ -97,7 +97,8 @@ class BlocksCommitted(Event):
 
 
 class BlocksFreed(Event):
-    """Copies of blocks were released on one tier. Schema v2 added ``tier`` (v1 meant device)."""
+    """Copies of blocks were freed on one tier outside any move (a request finished, a client left,
+    a worker's copies were dropped). Schema v2 added ``tier`` (v1 meant device)."""
 
     SCHEMA_VERSION: ClassVar[int] = 2
     worker: int
@@ -109,6 +110,11 @@ class BlocksFreed(Event):
 
 # ---------------------------------------------------------------- moves
 class MoveRequested(Event):
+    """A move was asked for and funded; nothing has moved yet. A release (free copies on one tier,
+    copy nothing) is requested as ``src == dst`` with ``keep_source``: write-ahead like any move,
+    so a release its worker never answers is stranded (``MoveStranded(why="silent_release")``).
+    Its answer is ``CopiesReleased``."""
+
     move_id: str
     kind: MoveKind
     worker: int
@@ -122,6 +128,24 @@ class MoveRequested(Event):
     session: str | None = None
 
 
+class CopiesReleased(Event):
+    """A worker freed the copies a release asked for (a ``MoveRequested`` with ``src == dst``):
+    ``bytes`` as the worker measured them (0 measured is recorded as 0; silence is a stranding,
+    never 0). It settles the release: its terminal outcome, or after a ``MoveStranded`` its late
+    answer (as a ``MoveLateAcked`` is for a move).
+
+    Ledgers written before this event recorded the same answer as two rows, ``MoveAcked`` (or
+    ``MoveLateAcked``) with nothing moved or freed, then ``BlocksFreed(reason="release")``; the fold
+    and every reader give both forms the same meaning (no upcaster can merge two rows into one:
+    the rows' seqs are what checkpoints, causation and the hash chain name)."""
+
+    move_id: str                      # the release's id (``ReleaseBlocks.release_id``)
+    worker: int
+    tier: Tier
+    blocks: list[int]
+    bytes: int
+
+
 class MoveDispatched(Event):
     move_id: str
     worker: int
@@ -131,7 +155,7 @@ class MoveAcked(Event):
     """The worker's copy landed (and, into the device, matched). ``checksums``: each block's
     psum64 in the command's block order, packed as little-endian uint64 (8 bytes per block;
     ``checksum_list()`` unpacks). Schema v2 packed them; v1 stored a list of ints (a Python int
-    per block to build on every decode: ~0.1 ms per 1,024-block ack on the control loop)."""
+    per block to build on every decode, on the control loop, for every big move's ack)."""
 
     SCHEMA_VERSION: ClassVar[int] = 2
     move_id: str
@@ -145,27 +169,6 @@ class MoveAcked(Event):
 
     def checksum_list(self) -> list[int]:
         return unpack_checksums(self.checksums)
-
-
-def pack_checksums(values) -> bytes:
-    """Checksums in [0, 2^64) as MoveAcked carries them (ValueError names one out of range)."""
-    try:
-        a = array.array("Q", values)
-    except OverflowError as e:
-        raise ValueError(f"checksums must be in [0, 2^64): {e}") from None
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack_checksums(data: bytes) -> list[int]:
-    if len(data) % 8:
-        raise ValueError(f"packed checksums are 8 bytes each, got {len(data)} bytes")
-    a = array.array("Q")
-    a.frombytes(data)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
 
 
 class MoveFailed(Event):
@@ -369,7 +372,7 @@ AnyEvent = Union[
     BudgetSet, PinnedRegistered, PinnedReleased,
     BlocksCommitted, BlocksFreed,
     MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,
-    MoveStranded, MoveLateAcked, MoveAbandoned,
+    MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased,
     SessionParked, SessionRestored,
     RequestAdmitted, RequestRefused, RequestFinished,
     StepCompleted,
@@ -382,7 +385,8 @@ AnyEvent = Union[
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}
 
 # Terminal outcomes of a MoveRequested (MoveStranded is terminal but may be followed by
-# exactly one MoveLateAcked, which re-accounts the stranded bytes).
+# exactly one MoveLateAcked, which re-accounts the stranded bytes). A release's CopiesReleased is
+# its terminal outcome, or its late answer after a MoveStranded.
 TERMINAL_MOVE_EVENTS = ("MoveAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
 
 

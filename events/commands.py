@@ -153,6 +153,7 @@ from residency.events.catalog import (  # noqa: E402
     BlocksCommitted,
     BlocksFreed,
     BudgetSet,
+    CopiesReleased,
     MoveAbandoned,
     MoveLateAcked,
     MoveRefused,
@@ -215,7 +216,7 @@ class AskStatus(Message):
 
 AskOutcome = Union[
     MoveAcked, MoveFailed, MoveRejected, MoveRefused, MoveStranded, MoveLateAcked, MoveAbandoned,
-    BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored,
+    BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored, CopiesReleased,
 ]
 
 

@@ -3,6 +3,12 @@
 A payload is a msgpack array ``[type, field1, field2, ...]`` (see ``events.catalog``). An
 upcaster takes that list at version N and returns it at version N+1; they chain until the
 current ``SCHEMA_VERSION``.
+
+An upcaster rewrites one row. A change that turns two rows into one has none: a release's answer
+was an ack that moved nothing plus ``BlocksFreed(reason="release")`` and is now one
+``CopiesReleased``, and merging the old rows would renumber the seqs that checkpoints, causation
+and the hash chain name. The old rows stay what they were, true facts, and the fold and every
+reader give them the meaning of the new one (``tests/control/test_release_forms.py``).
 """
 from __future__ import annotations
 

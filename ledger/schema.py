@@ -53,11 +53,13 @@ events = Table(
 )
 Index("ix_events_producer_epoch_producer_seq", events.c.producer, events.c.epoch, events.c.producer_seq, unique=True)
 Index("ix_events_ts_ns", events.c.ts_ns)
-# The two move lookups of the audit views, and no more (migration 0003 says why).
+# The move lookups of the audit views, and no more (migrations 0003 and 0004 say why).
 Index("ix_events_move_requested", events.c.move_id,
       sqlite_where=text("type = 'MoveRequested'"), postgresql_where=text("type = 'MoveRequested'"))
 Index("ix_events_move_late_acked", events.c.move_id,
       sqlite_where=text("type = 'MoveLateAcked'"), postgresql_where=text("type = 'MoveLateAcked'"))
+Index("ix_events_copies_released", events.c.move_id,
+      sqlite_where=text("type = 'CopiesReleased'"), postgresql_where=text("type = 'CopiesReleased'"))
 
 snapshots = Table(
     "snapshots", metadata,

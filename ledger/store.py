@@ -121,8 +121,8 @@ class LedgerStore:
         ``payload_bytes``) insert a row of about that size after it, then roll back: nothing is
         written, nothing remembered changes, and the append path's code, its statement and the
         pages an append touches (the table's and its indexes' right edges, new overflow pages)
-        are back in the CPU's caches for the append that follows soon (after 40 ms of idle an
-        append of a 1024-block ack took ~0.24 ms on the 2-vCPU VM, ~0.04 ms back to back).
+        are back in the CPU's caches for the append that follows soon (after an idle wait, a
+        big ack's append is several times slower than the same append back to back).
         False (nothing done) when another thread is writing."""
         raw = self._raw
         if not raw.write_lock.acquire(blocking=False):
@@ -236,8 +236,8 @@ class LedgerStore:
 
         PostgreSQL gives every run as ``payload_runs`` does: its server builds such aggregates
         slower than it sends the rows (ORDER BY in each aggregate, a function call per row and
-        aggregate), and the rows come parsed by psycopg's C code (replay of 1M events on this
-        2-core VM: 390-420k events/s by rows, 280-310k packed).
+        aggregate), and the rows come parsed by psycopg's C code (a replay reads rows faster than
+        packed runs there; bench/replay.py measures both).
         """
         if not self._d.sqlite:
             return self.payload_runs(from_seq, to_seq, batch)

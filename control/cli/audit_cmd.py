@@ -21,13 +21,15 @@ GROUP_COLUMNS = {
 
 def register(sub) -> None:
     p = sub.add_parser("audit", help="reclaimed or stranded bytes: totals and the moves behind them")
-    p.add_argument("what", choices=["reclaimed", "stranded"])
+    p.add_argument("what", choices=["reclaimed", "stranded"],
+                   help="reclaimed: bytes freed as workers reported; stranded: bytes of moves nobody answered")
     add_db_arg(p)
-    p.add_argument("--by", choices=["tier", "worker", "session", "kind"], default="tier")
+    p.add_argument("--by", choices=["tier", "worker", "session", "kind"], default="tier",
+                   help="group the totals by (default tier; kind: the cause or the why)")
     p.add_argument("--since", metavar="TIME", help="ISO 8601 or ns since the epoch")
     p.add_argument("--until", metavar="TIME", help="ISO 8601 or ns since the epoch")
     p.add_argument("--limit", type=int, default=20, help="how many rows behind the totals to list (default 20)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)
 
 

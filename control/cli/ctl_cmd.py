@@ -63,36 +63,41 @@ def register(sub) -> None:
                         ("demote", "move host blocks to disk"), ("promote", "copy disk blocks to host")):
         v = verbs.add_parser(kind, help=help_)
         add_target_args(v)
-        v.add_argument("--worker", type=int, default=0)
+        v.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
         what = v.add_mutually_exclusive_group(required=True)
-        what.add_argument("--session")
+        what.add_argument("--session", help="every block of this session")
         what.add_argument("--blocks", type=parse_blocks, help="block ids: 1,2,5-9")
-        v.add_argument("--from", dest="src", choices=("device", "host", "disk"))
-        v.add_argument("--to", dest="dst", choices=("device", "host", "disk"))
+        v.add_argument("--from", dest="src", choices=("device", "host", "disk"),
+                       help="source tier (default: the verb's; restore: host, else disk)")
+        v.add_argument("--to", dest="dst", choices=("device", "host", "disk"),
+                       help="destination tier (default: the verb's)")
         keep = v.add_mutually_exclusive_group()
-        keep.add_argument("--keep-source", dest="keep", action="store_true", default=None)
-        keep.add_argument("--free-source", dest="keep", action="store_false")
+        keep.add_argument("--keep-source", dest="keep", action="store_true", default=None,
+                          help="keep the source copy (default: spill and promote keep it, the others free it)")
+        keep.add_argument("--free-source", dest="keep", action="store_false", help="free the source copy once the copy lands")
         v.set_defaults(func=run, kind=kind)
     b = verbs.add_parser("budget", help="set a tier's floor and ceiling")
     add_target_args(b)
-    b.add_argument("--worker", type=int, default=0)
-    b.add_argument("--tier", choices=("device", "host", "disk"), required=True)
-    b.add_argument("--floor", type=parse_size, default=0)
+    b.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
+    b.add_argument("--tier", choices=("device", "host", "disk"), required=True, help="the tier whose budget is set")
+    b.add_argument("--floor", type=parse_size, default=0, metavar="SIZE",
+                   help="headroom no move may take (the serving path's reserve), e.g. 256MiB (default 0)")
     b.add_argument("--ceiling", type=parse_size, default=0, help="0 = the tier's capacity")
     b.set_defaults(func=run, kind="budget")
     c = verbs.add_parser("commit", help="fill new blocks with seeded test bytes (demos, tests)")
     add_target_args(c)
-    c.add_argument("--worker", type=int, default=0)
+    c.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
     c.add_argument("--blocks", type=int, required=True, help="how many blocks")
-    c.add_argument("--session")
-    c.add_argument("--tier", choices=("device", "host", "disk"), default="device")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--session", help="the session that owns the new blocks (default: none)")
+    c.add_argument("--tier", choices=("device", "host", "disk"), default="device",
+                   help="where the blocks are written (default device)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the test bytes (default 0)")
     c.set_defaults(func=run, kind="commit")
     r = verbs.add_parser("release", help="free blocks' copies on one tier")
     add_target_args(r)
-    r.add_argument("--worker", type=int, default=0)
-    r.add_argument("--tier", choices=("device", "host", "disk"), required=True)
-    r.add_argument("--blocks", type=parse_blocks, required=True)
+    r.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
+    r.add_argument("--tier", choices=("device", "host", "disk"), required=True, help="the tier whose copies are freed")
+    r.add_argument("--blocks", type=parse_blocks, required=True, help="block ids: 1,2,5-9")
     r.set_defaults(func=run, kind="release")
 
 
@@ -181,6 +186,8 @@ def describe(seq: int, e) -> str:
         ids = f"{e.blocks[0]}..{e.blocks[-1]}" if e.blocks else "-"
         return (f"committed {len(e.blocks)} blocks ({ids}) on {e.tier} of worker {e.worker}, "
                 f"session {e.session or '-'}: {hb(e.bytes)} {at}")
+    if t == "CopiesReleased":
+        return f"released {len(e.blocks)} blocks on {e.tier} of worker {e.worker}: {hb(e.bytes)} freed ({e.move_id}) {at}"
     if t == "BlocksFreed":
         return f"freed {len(e.blocks)} blocks on {e.tier} of worker {e.worker}: {hb(e.bytes)} ({e.reason}) {at}"
     if t == "BudgetSet":

@@ -20,11 +20,11 @@ def register(sub) -> None:
     q.set_defaults(func=_current)
     q = lsub.add_parser("upgrade", help="upgrade the schema")
     add_db_arg(q)
-    q.add_argument("revision", nargs="?", default="head")
+    q.add_argument("revision", nargs="?", default="head", help="Alembic revision to upgrade to (default head)")
     q.set_defaults(func=_upgrade)
     q = lsub.add_parser("downgrade", help="downgrade the schema")
     add_db_arg(q)
-    q.add_argument("revision")
+    q.add_argument("revision", help="Alembic revision to downgrade to, e.g. 0002 or -1")
     q.set_defaults(func=_downgrade)
 
     q = lsub.add_parser("verify", help="check seqs, the hash chain, every payload, and the state checkpoints")
@@ -34,7 +34,7 @@ def register(sub) -> None:
 
     q = lsub.add_parser("export", help="write the ledger as JSON lines")
     add_db_arg(q)
-    q.add_argument("--format", choices=["jsonl"], default="jsonl")
+    q.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (JSON lines, one event a line)")
     q.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     q.set_defaults(func=_export)
 
@@ -45,7 +45,7 @@ def register(sub) -> None:
 
     q = lsub.add_parser("snapshot", help="save replay snapshots so `replay --at` starts near its target")
     add_db_arg(q)
-    q.add_argument("--every", type=int, default=100_000)
+    q.add_argument("--every", type=int, default=100_000, metavar="N", help="a snapshot every N events (default 100000)")
     q.set_defaults(func=_snapshot)
 
 

@@ -11,8 +11,8 @@ def register(sub) -> None:
     p = sub.add_parser("simulate", help="write a realistic simulated ledger (spills, parks, restores, faults, ...)")
     add_db_arg(p)
     p.add_argument("--events", type=int, required=True, metavar="N", help="number of events to write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same ledger (default 0)")
+    p.add_argument("--workers", type=int, default=2, help="number of simulated workers (default 2)")
     p.add_argument("--snapshot-every", type=int, default=100_000, metavar="N",
                    help="save a replay snapshot every N events (0: none)")
     p.set_defaults(func=run)

@@ -14,6 +14,7 @@ from typing import Callable
 from residency.events import (
     BlocksCommitted,
     BlocksFreed,
+    CopiesReleased,
     MoveAbandoned,
     MoveAcked,
     MoveFailed,
@@ -71,6 +72,7 @@ class Accounting:
             MoveRequested: self._requested,
             MoveAcked: self._acked,
             MoveLateAcked: self._late_acked,
+            CopiesReleased: self._released,
             MoveFailed: self._ended,
             MoveRejected: self._ended,
             MoveAbandoned: self._ended,
@@ -153,6 +155,20 @@ class Accounting:
         self.ended_stranding, self.ended = hit if hit is not None else (None, None)
         if hit is not None and rec.event.worker not in self.lost:
             self._arrive(hit[1].event, rec)
+
+    def _released(self, rec: Recorded) -> None:
+        """A release answered: settled like an ack (late when it was stranded), then its copies
+        freed; the steps the two rows of older ledgers (ack, then BlocksFreed) took."""
+        if rec.event.move_id in self.stranded:
+            self._late_acked(rec)
+        else:
+            self._acked(rec)
+            self.ended_stranding = None
+        self._freed(rec)
+
+    def is_late(self) -> bool:
+        """Whether the release or ack just handled ended a stranding (``ended_stranding``)."""
+        return self.ended_stranding is not None
 
     def _ended(self, rec: Recorded) -> None:
         self.ended = self.inflight.pop(rec.event.move_id, None)

@@ -52,9 +52,6 @@ class _Episodes:
     def all(self):
         return [*self.done, *self.open.items()]
 
-    def all(self):
-        return [*self.done, *self.open.items()]
-
 
 class PinnedOverBudget:
     name = "pinned_over_budget"

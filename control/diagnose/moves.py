@@ -8,6 +8,7 @@ names the requests and sessions blocked on it and the moves queued after it on t
 from __future__ import annotations
 
 from residency.events import (
+    CopiesReleased,
     MoveAbandoned,
     MoveAcked,
     MoveFailed,
@@ -71,6 +72,7 @@ class OverdueMoves:
             MoveRejected: self._terminal,
             MoveAbandoned: self._terminal,
             MoveLateAcked: self._late_acked,
+            CopiesReleased: self._released,
         }
 
     def _terminal(self, rec: Recorded) -> None:
@@ -84,6 +86,9 @@ class OverdueMoves:
             self.unstranded.add(req.worker, req.deadline_ns, ts, [req_rec.envelope.seq, rec.envelope.seq],
                                 req.bytes_planned, late, req.move_id)
 
+    def _released(self, rec: Recorded) -> None:
+        (self._late_acked if self.acct.is_late() else self._terminal)(rec)
+
     def _late_acked(self, rec: Recorded) -> None:
         req_rec, stranding = self.acct.ended, self.acct.ended_stranding
         if req_rec is None or stranding is None:
@@ -92,7 +97,7 @@ class OverdueMoves:
         ts = rec.envelope.ts_ns
         self.late_acked.add(req.worker, req.deadline_ns, ts,
                             [req_rec.envelope.seq, stranding.envelope.seq, rec.envelope.seq],
-                            rec.event.bytes_moved, ts - req.deadline_ns, req.move_id)
+                            getattr(rec.event, "bytes_moved", 0), ts - req.deadline_ns, req.move_id)   # a release moves 0
 
     def _waiters(self, req_rec: Recorded) -> list[Recorded]:
         """Requests waiting on this move: same session, or linked by correlation or causation."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from residency.events import (
     BlocksCommitted,
     BlocksFreed,
+    CopiesReleased,
     MoveAcked,
     MoveLateAcked,
     Recorded,
@@ -46,6 +47,7 @@ class Stall:
             StepCompleted: self._progress,
             MoveAcked: self._progress,
             MoveLateAcked: self._progress,
+            CopiesReleased: self._progress,
             RequestAdmitted: self._admitted,
             RequestFinished: self._left,
             RequestRefused: self._left,
@@ -138,6 +140,7 @@ class Hole:
             BlocksCommitted: self._blocks_committed,
             MoveAcked: self._move_acked,
             MoveLateAcked: self._move_acked,
+            CopiesReleased: self._released,
             RequestFinished: self._left,
             RequestRefused: self._left,
             WorkerLost: self._lost,
@@ -200,6 +203,12 @@ class Hole:
             self._claimed(rec, req.worker)
         elif req.src == "device" and not req.keep_source:
             self._freed(rec, req.worker, rec.event.bytes_freed_src)
+
+    def _released(self, rec: Recorded) -> None:
+        ev: CopiesReleased = rec.event           # settled as an ack, then its copies freed
+        self._move_acked(rec)
+        if ev.tier == "device":
+            self._freed(rec, ev.worker, ev.bytes)
 
     def _left(self, rec: Recorded) -> None:
         if not self.acct.waiting:

@@ -10,6 +10,7 @@ every move gets exactly one.
 from __future__ import annotations
 
 from residency.events import (
+    CopiesReleased,
     MoveAbandoned,
     MoveAcked,
     MoveFailed,
@@ -45,6 +46,7 @@ class WorkerSilence:
             MoveFailed: self._alive,
             MoveRejected: self._alive,
             MoveLateAcked: self._late_acked,
+            CopiesReleased: self._late_acked,     # a release answered (on time: the same as alive)
             WorkerJoined: self._joined,
             WorkerLost: self._lost,
             MoveStranded: self._stranded,

@@ -1,13 +1,13 @@
 """What a policy, an operator or the API asks for, before the budget authority sees it. Pure.
 
 An ``Ask`` is one move on one worker: blocks, source, destination, whether the source copy stays.
-A *release* (free copies on one tier, nothing copied) is an ask with ``src == dst``. The catalog has
-no release kind, so it is recorded as a move that copies nothing and keeps what it has,
-``MoveRequested(kind="evict", src=T, dst=T, keep_source=True, reason="release:...")``, and its
-answer as ``MoveAcked(bytes_moved=0, bytes_freed_src=0)`` followed by ``BlocksFreed`` with the
-bytes the worker measured (``control.moves.settle_events``). That keeps write-ahead for releases,
+A *release* (free copies on one tier, nothing copied) is an ask with ``src == dst``. It is
+requested as a move that copies nothing and keeps what it has,
+``MoveRequested(kind="evict", src=T, dst=T, keep_source=True, reason="release:...")``, and answered
+by its own fact, ``CopiesReleased`` with the bytes the worker measured
+(``control.moves.settle_events``). Requesting it as a move keeps write-ahead for releases and
 makes "a release whose worker never answered" a ``MoveStranded(why="silent_release")`` like any
-other move, and puts the freed bytes where every reader of the ledger already sums them.
+other move.
 """
 from __future__ import annotations
 

@@ -53,8 +53,10 @@ class Recency:
             _stamp(self.used, event.worker, event.blocks, ts_ns)
             if event.session is not None:
                 self.session_active[event.session] = ts_ns
-        elif t is ev.MoveAcked or t is ev.MoveLateAcked:
-            mv = (state.inflight if t is ev.MoveAcked else state.stranded).get(event.move_id)
+        elif t is ev.MoveAcked or t is ev.MoveLateAcked or t is ev.CopiesReleased:
+            mv = (state.stranded if t is ev.MoveLateAcked else state.inflight).get(event.move_id)
+            if mv is None and t is ev.CopiesReleased:       # a release answered after its stranding
+                mv = state.stranded.get(event.move_id)
             if mv is None:
                 return
             _stamp(self.moved, mv.worker, mv.blocks, ts_ns)

@@ -2,7 +2,8 @@
 
 Series are kept as change points (``array('q')`` of ts and values: compact, appended in C) and
 binned once at the end (``control.report.bins``). Audit totals follow the design's definitions:
-reclaimed bytes come from acks (``bytes_freed_src``) and ``BlocksFreed``, never from plans;
+reclaimed bytes come from acks (``bytes_freed_src``), ``BlocksFreed`` and ``CopiesReleased``, never
+from plans;
 stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late ack, plus the bytes that
 were only on a lost worker.
 """
@@ -13,6 +14,7 @@ from array import array
 from residency.events import (
     BlocksFreed,
     BudgetSet,
+    CopiesReleased,
     MoveAbandoned,
     MoveAcked,
     MoveFailed,
@@ -92,6 +94,7 @@ class ReportCollector:
             MoveStranded: self._stranded,
             WorkerLost: self._lost,
             BlocksFreed: self._freed,
+            CopiesReleased: self._released,
             MoveRefused: self._move_refused,
             RequestRefused: self._request_refused,
             RequestAdmitted: self._waiting,
@@ -124,8 +127,8 @@ class ReportCollector:
         self.num_moves[ev.kind] = self.num_moves.get(ev.kind, 0) + 1
         self._inflight_changed(rec.envelope.ts_ns, ev.bytes_planned)
 
-    def _ended(self, rec: Recorded) -> None:
-        self.outcomes[rec.event.__class__.__name__].ts.append(rec.envelope.ts_ns)
+    def _ended(self, rec: Recorded, outcome: str | None = None) -> None:
+        self.outcomes[outcome or rec.event.__class__.__name__].ts.append(rec.envelope.ts_ns)
         req = self.acct.ended
         if req is not None:
             self._inflight_changed(rec.envelope.ts_ns, -req.event.bytes_planned)
@@ -165,6 +168,18 @@ class ReportCollector:
 
     def _freed(self, rec: Recorded) -> None:
         self._reclaim(rec.event.tier, rec.event.reason, rec.event.bytes)
+
+    def _released(self, rec: Recorded) -> None:
+        """A release answered: plotted as the ack it settles (late after a stranding), as older
+        ledgers recorded it; its bytes reclaimed with the cause "release"."""
+        ev: CopiesReleased = rec.event
+        if self.acct.is_late():
+            stranding = self.acct.ended_stranding
+            self.outcomes["MoveLateAcked"].ts.append(rec.envelope.ts_ns)
+            self._stranded_changed(rec.envelope.ts_ns, stranding.event.why, -stranding.event.bytes_at_risk)
+        else:
+            self._ended(rec, "MoveAcked")
+        self._reclaim(ev.tier, "release", ev.bytes)
 
     def _move_refused(self, rec: Recorded) -> None:
         key = f"move refused: {rec.event.tier}"

@@ -190,7 +190,7 @@ def render_page(d: Diagnosis, col: ReportCollector, source: str, t0: int, t1: in
 
 def _assemble(d: Diagnosis, col: ReportCollector, source: str, sections: list[str]) -> str:
     sev = {s: sum(1 for f in d.findings if f.severity == s) for s in ("critical", "warning", "info")}
-    acked = col.counts.get("MoveAcked", 0) + col.counts.get("MoveLateAcked", 0)
+    acked = col.counts.get("MoveAcked", 0) + col.counts.get("MoveLateAcked", 0) + col.counts.get("CopiesReleased", 0)
     num_moves = sum(col.num_moves.values())
     stranded_now = sum(col.stranded_by_why.values())
     span = (d.last_ts_ns or 0) - (d.first_ts_ns or 0)

@@ -180,7 +180,7 @@ class ServingService:
     def _on_recorded(self, seq: int, event: ev.Event) -> None:
         self.serving_stats.observe(event)
         t = type(event)
-        if t in TERMINAL or t is ev.BlocksFreed:       # room may have appeared for a waiting request
+        if t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased:   # room may have appeared for a waiting request
             self.admission.retry_soon()
         elif t is ev.WorkerLost:
             self.workers.lost(event.worker)

@@ -177,7 +177,7 @@ class SessionBook:
                              f"{getattr(failed, 'reason', '') or getattr(failed, 'error', '')}); "
                              f"{freed[0]} bytes were freed before it", type="server_error", code="release_failed"))
                     return
-                freed[0] += sum(e.bytes for e in ans.events if type(e) is ev.BlocksFreed)
+                freed[0] += sum(e.bytes for e in ans.events if type(e) is ev.CopiesReleased)
             if left:
                 t = left.pop()
                 self.asker.ask(AskReleaseBlocks(ask_id=self.asker.new_id("delete"), worker=w, tier=t,

@@ -37,7 +37,7 @@ class ServingStats:
             self._kind_of[event.move_id] = event.kind
             if event.kind == "restore":
                 self._src_of[event.move_id] = event.src
-        elif t in TERMINAL:
+        elif t in TERMINAL or t is ev.CopiesReleased:
             kind = self._kind_of.get(event.move_id, "unknown")
             self.moves[(kind, t.__name__)] += 1
             if t is not ev.MoveStranded:        # a stranded move may still end: keep what it was

@@ -233,7 +233,7 @@ def test_fold_run_over_a_gapless_run_equals_fold_all():
 
 # ---------------------------------------------------------------------- fast paths vs their references
 def _apply_arrival_ref(s: State, mv, bytes_freed_src: int, checksum_ok: bool, seq: int) -> None:
-    """control.fold._apply_arrival before its sole-copy fast path: every block the general way."""
+    """control.fold_moves._apply_arrival before its sole-copy fast path: every block the general way."""
     from residency.control.fold_base import anomaly as _anomaly
 
     ws = s.workers.get(mv.worker)
@@ -316,7 +316,7 @@ def test_an_ack_folds_the_same_with_and_without_the_sole_copy_fast_path(state, d
     """Every block kind at once: sole copies on the source (the fast path), copies on other tiers too,
     copies already on the destination, no copy anywhere, missing blocks, a block named twice, a
     kept source, a move naming one tier twice, a failed checksum toward the device."""
-    from residency.control.fold import _apply_arrival
+    from residency.control.fold_moves import _apply_arrival
     from residency.control.state import MoveState
 
     known = list(state.blocks[0]) or [0]

@@ -73,6 +73,8 @@ def check_ledger(store, *, allow_inflight: bool = False) -> State:
         t = type(e).__name__
         if t == "MoveRequested":
             requested.add(e.move_id)
+        elif t == "CopiesReleased":                      # a release's answer: its ack, or its late ack
+            terminals[e.move_id].append("MoveLateAcked" if e.move_id in stranded_at else "MoveAcked")
         elif t in TERMINAL or t == "MoveLateAcked":
             terminals[e.move_id].append(t)
             if t == "MoveStranded":

@@ -81,4 +81,4 @@ def test_serve_ctl_status_and_a_clean_stop_on_sigterm(tmp_path, short_dir):
         last = [type(r.event).__name__ for r in store.read()][-3:]
     assert last[-1] == "ServerStopped" and not state.server_up
     assert not state.blocks.get(0) and state.tier(0, "device").used_bytes == 0    # freed by the book
-    assert "BlocksFreed" in last
+    assert "CopiesReleased" in last

@@ -140,11 +140,11 @@ def test_a_release_that_never_answers_is_stranded_not_zero(make_control, fake_wo
     state = check_ledger(store)
     assert state.tier(0, "device").stranded_bytes == 3 * fw.block_bytes
     assert state.tier(0, "device").reclaimed_bytes == 0           # silence is not "0 freed"
-    assert not events_of(store, ev.BlocksFreed)
+    assert not events_of(store, ev.CopiesReleased)
     # the answer comes after all: re-accounted, and what was freed is what the worker measured
     fw.send(BlocksReleased(release_id=cmd.release_id, worker=0, tier="device", blocks=blocks,
                            bytes_freed=3 * fw.block_bytes))
-    wait_for(lambda: events_of(store, ev.BlocksFreed), what="late release")
+    wait_for(lambda: events_of(store, ev.CopiesReleased), what="late release")
     state = check_ledger(store)
     assert state.stranded_bytes_total() == 0 and state.tier(0, "device").used_bytes == 0
     assert state.tier(0, "device").reclaimed_bytes == 3 * fw.block_bytes
@@ -157,8 +157,8 @@ def test_a_release_answered_with_zero_is_an_accounting(make_control, fake_worker
     cmd = fw.expect(ReleaseBlocks)
     fw.send(BlocksReleased(release_id=cmd.release_id, worker=0, tier="device", blocks=blocks, bytes_freed=0))
     ans = fut.result(5)
-    assert [type(e).__name__ for e in ans.events] == ["MoveAcked", "BlocksFreed"]
-    assert ans.events[1].bytes == 0
+    assert [type(e).__name__ for e in ans.events] == ["CopiesReleased"]
+    assert ans.events[0].bytes == 0 and ans.events[0].move_id == cmd.release_id
     state = check_ledger(store)
     assert state.tier(0, "device").stranded_bytes == 0 and state.tier(0, "device").reclaimed_bytes == 0
     assert state.tier(0, "device").used_bytes == 0       # the copies are gone; 0 bytes were reported freed

@@ -111,10 +111,13 @@ def test_ten_thousand_moves_with_random_faults_keep_every_invariant(make_control
         worker.wait(10)
     state = check_ledger(store)
     counts = collections.Counter(type(r.event).__name__ for r in store.read())
+    stranded_ids = {r.event.move_id for r in store.read() if type(r.event) is ev.MoveStranded}
+    late_releases = sum(1 for r in store.read() if type(r.event) is ev.CopiesReleased and r.event.move_id in stranded_ids)
     assert counts["MoveRequested"] >= NUM_MOVES
-    assert counts["MoveStranded"] > 0 and counts["MoveLateAcked"] == counts["MoveStranded"] - len(never_landed)
+    assert counts["MoveStranded"] > 0
+    assert counts["MoveLateAcked"] + late_releases == counts["MoveStranded"] - len(never_landed)
     assert set(state.stranded) == never_landed
     assert counts["StateCheckpoint"] >= 5
-    zero = [r.event for r in store.read() if type(r.event) is ev.BlocksFreed and r.event.bytes == 0]
+    zero = [r.event for r in store.read() if type(r.event) is ev.CopiesReleased and r.event.bytes == 0]
     assert zero, "no release reported 0 (the fault should have fired)"
     print(dict(counts), dict(answers))

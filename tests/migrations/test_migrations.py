@@ -132,7 +132,7 @@ def test_0003_trades_the_session_and_move_indexes_for_the_two_view_lookups_and_b
     migrate.upgrade(url, "0003")
     assert new <= _indexes(url) and not old & _indexes(url)
     assert _audit(url) == before and before[0] and before[1]
-    with LedgerStore.open(url) as store:
+    with LedgerStore(_raw(url)) as store:                # 0003 is no longer head: open it as it is
         report = store.verify(workers=1)
         assert report.ok and report.num_events == 3000
     migrate.downgrade(url, "0002")
@@ -160,3 +160,29 @@ def test_the_audit_views_look_moves_up_by_index_on_sqlite(tmp_path):
     assert "SEARCH r USING INDEX ix_events_move_requested" in plans["residency_reclaimed"]
     assert "SEARCH r USING INDEX ix_events_move_requested" in plans["residency_stranded"]
     assert "SEARCH l USING INDEX ix_events_move_late_acked" in plans["residency_stranded"]
+
+
+def test_0004_the_audit_views_read_copies_released_and_old_ledgers_answer_as_before(url):
+    """A ledger whose releases are the two rows of before (ack, BlocksFreed) answers the same
+    after 0004; one with CopiesReleased rows gets its release bytes and resolved strandings only
+    from 0004 on; going back down restores the 0002 views."""
+    from tests.control.test_release_forms import BB, _write
+
+    migrate.upgrade(url, "0003")
+    with LedgerStore(_raw(url)) as store:
+        _write(store, "old")
+    before = _audit(url)
+    migrate.upgrade(url, "0004")
+    assert _audit(url) == before and "ix_events_copies_released" in _indexes(url)
+    with LedgerStore.open(url) as store:
+        _write(store, "new", epoch=2, prefix="new-")
+    reclaimed, stranded = _audit(url)
+    new_rows = [r for r in reclaimed if r[4] == "release" and r[6] is not None]   # (seq, ts, worker, tier,
+    #                                                                   cause, session, move_id, bytes)
+    assert sum(r[7] for r in new_rows) == 5 * BB            # the CopiesReleased rows, cause 'release'
+    assert sorted(r[5] for r in stranded) == ["new-r4", "r4"]     # r3 answered late: resolved in both forms
+    migrate.downgrade(url, "0003")
+    assert "ix_events_copies_released" not in _indexes(url)
+    reclaimed, stranded = _audit(url)
+    assert not [r for r in reclaimed if r[6] is not None and r[4] == "release"]
+    assert sorted(r[5] for r in stranded) == ["new-r3", "new-r4", "r4"]    # 0002 knew only MoveLateAcked

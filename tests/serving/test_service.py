@@ -265,7 +265,7 @@ def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and again["usage"]["restored_tokens"] == 0
     s.close()
     events, state = s.ledger()
-    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.reason == "release" and e.tier == "disk"]
+    freed = [e for e in events if type(e).__name__ == "CopiesReleased" and e.tier == "disk"]
     assert sum(e.bytes for e in freed) == held["bytes"]
     asked = [e for e in events if type(e).__name__ == "MoveRequested" and "session gone deleted" in e.reason]
     assert asked and all(e.src == e.dst for e in asked)
@@ -318,7 +318,7 @@ def test_a_parked_prefix_is_recomputed_when_the_policy_says_so(stack):
     assert u["computed_tokens"] == u["prompt_tokens"]
     s.close()
     events, state = s.ledger()
-    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.tier == "host"]
+    freed = [e for e in events if type(e).__name__ == "CopiesReleased" and e.tier == "host"]
     assert freed, "the parked copies of the recomputed prefix are released"
     assert not [e for e in events if type(e).__name__ == "MoveRequested" and e.kind == "restore"]
 

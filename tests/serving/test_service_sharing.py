@@ -136,5 +136,5 @@ def test_retained_prefixes_past_their_budget_are_evicted_by_the_book(stack):
     events, state = s.ledger()
     asked = [e for e in events if type(e).__name__ == "MoveRequested" and "retained prefix" in e.reason]
     assert asked and all(e.src == e.dst == "device" for e in asked) and f"~{r['id']}" in asked[0].reason
-    freed = [e for e in events if type(e).__name__ == "BlocksFreed" and e.reason == "release"]
+    freed = [e for e in events if type(e).__name__ == "CopiesReleased"]
     assert sum(e.bytes for e in freed) > 0 and not state.blocks.get(0)

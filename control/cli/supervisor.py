@@ -1,0 +1,142 @@
+"""The worker processes of `residency serve`: how many, on which device, and a supervisor that
+starts the ones the control process is missing and tells it when one exits."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import structlog
+
+from residency.control.cli.main import UserError
+
+log = structlog.get_logger("control.serve")
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use, without importing torch (seconds) in the control process."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def plan_workers(args) -> list[str]:
+    """The device of each worker, in worker order."""
+    gpus = visible_gpus() if args.device in ("auto", "cuda") else 0
+    if args.device == "cuda" and gpus == 0:
+        raise UserError("--device cuda: no GPU is visible to this process")
+    n = args.workers or max(gpus, 1)
+    if gpus and args.device != "cpu":
+        return [f"cuda:{i % gpus}" for i in range(n)]
+    return ["cpu"] * n
+
+
+class WorkerChild:
+    __slots__ = ("worker", "epoch", "popen", "started", "joined")
+
+    def __init__(self, worker: int, epoch: int, popen: subprocess.Popen):
+        self.worker, self.epoch, self.popen, self.started = worker, epoch, popen, time.monotonic()
+        self.joined = False
+
+
+class Supervisor:
+    """Starts the workers the control process is missing; reports the exit of each one it started.
+
+    A worker that does not join within ``join_timeout_s`` is killed and started again; a worker
+    restarted ``max_restarts`` times within ``window_s`` is left down (logged: a crash loop is not
+    hidden behind restarts).
+    """
+
+    def __init__(self, proc, argv_for, run_dir: Path, join_timeout_s: float = 120.0, max_restarts: int = 5,
+                 window_s: float = 60.0):
+        self.proc = proc
+        self.argv_for = argv_for
+        self.run_dir = run_dir
+        self.join_timeout_s = join_timeout_s
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.children: dict[int, WorkerChild] = {}
+        self.starts: dict[int, list[float]] = {}
+        self.gave_up: set[int] = set()
+
+    def tick(self) -> None:
+        for w, child in list(self.children.items()):
+            rc = child.popen.poll()
+            if rc is not None:
+                del self.children[w]
+                log.warning("worker_exited", worker=w, epoch=child.epoch, returncode=rc)
+                self.proc.worker_exited(w, child.epoch, rc)
+        missing = self.proc.call(lambda p: p.missing_workers()).result(timeout=10)
+        for w, child in self.children.items():
+            child.joined = child.joined or w not in missing
+        now = time.monotonic()
+        for w in missing:
+            child = self.children.get(w)
+            if child is not None:
+                if now - child.started > self.join_timeout_s:
+                    log.warning("worker_never_joined", worker=w, epoch=child.epoch, seconds=round(now - child.started))
+                    child.popen.kill()
+                continue
+            recent = [t for t in self.starts.get(w, []) if now - t < self.window_s]
+            if len(recent) >= self.max_restarts:
+                if w not in self.gave_up:
+                    self.gave_up.add(w)
+                    log.error("worker_restart_limit", worker=w, restarts=len(recent), window_s=self.window_s)
+                continue
+            self.start(w)
+
+    def start(self, w: int) -> None:
+        epoch = time.time_ns() // 1000
+        popen = subprocess.Popen(self.argv_for(w, epoch), start_new_session=True, stdin=subprocess.DEVNULL)
+        self.children[w] = WorkerChild(w, epoch, popen)
+        self.starts.setdefault(w, []).append(time.monotonic())
+        log.info("worker_starting", worker=w, epoch=epoch, pid=popen.pid)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """After the control process told the workers to stop: wait for them, then make sure.
+        A worker still starting never heard the Shutdown: it is terminated at once."""
+        for c in self.children.values():
+            if not c.joined and c.popen.poll() is None:
+                c.popen.terminate()
+        pids = {c.popen.pid for c in self.children.values()}
+        for pid_file in self.run_dir.glob("worker-*.pid"):     # workers adopted after a crash
+            try:
+                pids.add(int(pid_file.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            for pid in list(pids):
+                if sig is not None:
+                    try:
+                        os.kill(pid, sig)
+                        log.warning("worker_signalled", pid=pid, signal=sig.name)
+                    except ProcessLookupError:
+                        pass
+            while pids and time.monotonic() < deadline:
+                for c in self.children.values():
+                    c.popen.poll()
+                pids = {pid for pid in pids if _alive(pid)}
+                time.sleep(0.05)
+            if not pids:
+                return
+            deadline = time.monotonic() + 3.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a child of ours that exited is a zombie until reaped
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
