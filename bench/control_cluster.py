@@ -59,14 +59,15 @@ class Cluster:
                             command_ahead_min_bytes=ahead_min_bytes if ahead else 0, start_ahead=early, warm_writer=warm,
                             wake_lane_on_ask=wake, keep_awake=keep_awake, keep_awake_min_bytes=ahead_min_bytes)
         self.proc = ControlProc(self.store, cfg).start()
-        argv = [sys.executable, "-m", "residency.dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
-                "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
+        if not (lane and early_ack):
+            raise ValueError("the worker always has its lane and acks early: no-lane and late-ack are gone")
+        # the worker always says MoveNearlyDone and heeds CommandAhead (``nearly_done`` no longer
+        # changes it); a nocopy worker is the bench's own (bench/nocopy_worker.py)
+        prog = [str(ROOT / "bench" / "nocopy_worker.py")] if engine == "nocopy" else ["-m", "residency.dataplane.proc"]
+        argv = [sys.executable, *prog, "--worker", "0", "--control", cfg.worker_endpoint,
+                "--run-dir", str(self.dir), "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
-                "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else []) + (
-                    [] if lane else ["--no-lane"]) + (["--cpu", str(cpus[1])] if cpus[1] is not None else []) + (
-                    ["--nearly-done"] if nearly_done else ["--no-nearly-done"]) + (
-                    ["--awake-for-commands"] if ahead else ["--no-awake-for-commands"]) + (
-                    ["--start-ahead"] if early else ["--no-start-ahead"]) + ([] if early_ack else ["--no-early-ack"])
+                "--no-disk-fsync", "--model", "none"] + (["--cpu", str(cpus[1])] if cpus[1] is not None else [])
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -99,5 +100,5 @@ class Cluster:
 
 
 def layout_bytes(spec: str) -> int:
-    from residency.dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from residency.dataplane.build import layout_block_bytes, parse_layout  # noqa: PLC0415
     return layout_block_bytes(parse_layout(spec))

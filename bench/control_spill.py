@@ -252,7 +252,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
 
     from residency.dataplane.engine import Engine  # noqa: PLC0415
     from residency.dataplane.pools import KVLayout  # noqa: PLC0415
-    from residency.dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from residency.dataplane.build import layout_block_bytes, parse_layout  # noqa: PLC0415
     from residency.events.commands import CommitBlocks, ExecuteMove  # noqa: PLC0415
 
     if device == "cpu":

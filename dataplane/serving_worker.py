@@ -20,7 +20,8 @@ import re
 
 import structlog
 
-from residency.dataplane.worker import WorkerCore, WorkerFaults
+from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.worker import WorkerCore
 from residency.events import catalog as ev
 from residency.events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
 
