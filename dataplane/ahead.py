@@ -33,12 +33,14 @@ class AheadWatch:
         self.give_way = give_way        # the thread is pinned beside its ZMQ I/O thread (affinity.poll_until)
         self.awake_until = 0            # monotonic ns: poll awake until then
         self.hold_until = 0             # monotonic ns: an early-started move is abandoned then
+        self.hint_read_ns = 0           # wall ns: the CommandAhead that began it was read
 
-    def on_hint(self, hint: CommandAhead) -> None:
+    def on_hint(self, hint: CommandAhead, read_ns: int = 0) -> None:
         now = time.monotonic_ns()
         self.awake_until = now + min(AWAKE_MAX_US, hint.within_us) * 1000
         if hint.command is not None and self.core.ahead is None and self.core.start_ahead(hint.command):
             self.hold_until = now + AHEAD_HOLD_MS * MS
+            self.hint_read_ns = read_ns
 
     def command_came(self) -> None:
         self.awake_until = 0

@@ -38,6 +38,12 @@ from residency.events.commands import CommandAhead, ErrorReply, ExecuteMove, Lan
 
 log = structlog.get_logger("dataplane.device_thread")
 IDLE_POLL_MS = 100
+# A bench's instrument (bench/worker.py --report-timings): after a move or a release run from
+# the lane, ``after_move(cmd, marks)`` gives the messages to send after its outcome. The marks
+# are wall-clock ns, named as MoveTimed's fields: received (read off the socket), queued (claimed,
+# about to run), engine_start / engine_end (the run; an early start's begin), sent (its outcome
+# handed to ZMQ), ahead (the CommandAhead that began it was read; 0: none).
+AfterMove = Callable[[object, dict[str, int]], list]
 _SAY_HELLO = object()       # a job: send LaneHello (after each Hello, so a restarted control learns the lane)
 
 
@@ -47,14 +53,15 @@ class DeviceThread:
 
     def __init__(self, *, core: WorkerCore, record: WorkerRecord, faults: WorkerFaults, ctx: zmq.Context,
                  endpoint: str, worker: int, epoch: int, cpu: int | None,
-                 hand_back: Callable[[object, list], None]):
+                 hand_back: Callable[[object, list], None], after_move: AfterMove | None = None):
         self.core, self.record, self.faults = core, record, faults
+        self.after_move = after_move
         self.ctx, self.endpoint, self.worker, self.epoch, self.cpu = ctx, endpoint, worker, epoch, cpu
         self.hand_back = hand_back
         self.ahead = AheadWatch(core, give_way=cpu is not None)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name="device", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="device", daemon=True)
         self.log = log.bind(worker=worker, epoch=epoch)
 
     # ------------------------------------------------------------------ called by the I/O thread
@@ -81,7 +88,7 @@ class DeviceThread:
             pass      # full: it wakes anyway
 
     # ------------------------------------------------------------------ the device thread
-    def _run(self) -> None:
+    def _loop(self) -> None:
         pin_this_thread(self.cpu)
         lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
         out = Outbox(lane, self.record, self.faults)
@@ -141,6 +148,7 @@ class DeviceThread:
         """Up to 64 commands off the lane (fewer if a job was handed over meanwhile); True: any."""
         ran = False
         for _ in range(64):
+            recv_ns = time.time_ns()
             try:
                 cmd = lane.recv()
             except zmq.Again:
@@ -150,17 +158,17 @@ class DeviceThread:
                 out.send(ErrorReply(error=e.name, detail=e.detail))
                 continue
             ran = True
-            self.on_command(out, cmd)
+            self.on_command(out, cmd, recv_ns)
             if not self._jobs.empty():
                 break
         return ran
 
-    def on_command(self, out: Outbox, cmd) -> None:
+    def on_command(self, out: Outbox, cmd, recv_ns: int = 0) -> None:
         """One command off the lane: a hint, a move or release (claimed in the record first), or
         any command with a handler; its replies leave through ``out``."""
         t = type(cmd)
         if t is CommandAhead:
-            self.ahead.on_hint(cmd)
+            self.ahead.on_hint(cmd, recv_ns)
             return
         self.ahead.command_came()
         if t is ExecuteMove or t is ReleaseBlocks:
@@ -178,18 +186,24 @@ class DeviceThread:
                 return
             if verdict == self.record.RUNNING:
                 return
+            if self.after_move is not None:
+                self._timed(out, cmd, recv_ns)
+                return
         elif t is ErrorReply:     # e.g. unknown_worker from a restarted control: the I/O thread says Hello
             self.log.info("control_error_on_lane", error=cmd.error, detail=cmd.detail)
             return
         elif t not in self.core.handlers:
             out.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the device thread"))
             return
-        if t is ExecuteMove:
-            self._execute(out, cmd)
-        else:
-            out.deliver(cmd, run_guarded(cmd, self.core.run))
+        out.deliver(cmd, *self._run_command(out, cmd))
 
-    def _execute(self, out: Outbox, cmd: ExecuteMove) -> None:
+    def _run_command(self, out: Outbox, cmd) -> tuple[list, object]:
+        """Run a command: its replies, and the outcome among them already sent (or None)."""
+        if type(cmd) is ExecuteMove:
+            return self._execute(out, cmd)
+        return run_guarded(cmd, self.core.run), None
+
+    def _execute(self, out: Outbox, cmd: ExecuteMove) -> tuple[list, object]:
         """Run a move; its outcome leaves the moment the mover has it (``on_outcome``, called
         before the mover's bookkeeping after the move), the rest when the mover returns."""
         mover = self.core.engine
@@ -214,4 +228,16 @@ class DeviceThread:
                 mover.on_outcome = None
         if not counted:
             self.faults.move_executed(cmd.move_id)
-        out.deliver(cmd, replies, early[0] if early else None)
+        return replies, early[0] if early else None
+
+    def _timed(self, out: Outbox, cmd, recv_ns: int) -> None:
+        """A move or release run as ``on_command`` runs it, its marks then given to ``after_move``."""
+        begun = self.core.ahead is not None and self.core.ahead == cmd
+        marks = {"received_ns": recv_ns, "ahead_ns": self.ahead.hint_read_ns if begun else 0}
+        marks["queued_ns"] = t0 = time.time_ns()
+        replies, early = self._run_command(out, cmd)
+        marks.update(engine_start_ns=self.core.ahead_ns if begun else t0, engine_end_ns=time.time_ns())
+        out.deliver(cmd, replies, early)
+        marks["sent_ns"] = out.sent_ns
+        for msg in self.after_move(cmd, marks):
+            out.send(msg)

@@ -37,6 +37,7 @@ class Outbox:
         self._delayed: list[tuple[int, int, bytes]] = []     # (due monotonic ns, n, payload)
         self._held: tuple[bytes, int] | None = None           # a reordered outcome and when it must go
         self._n = 0
+        self.sent_ns = 0          # wall ns: the last outcome was handed to ZMQ (a bench's mark)
 
     def send(self, msg) -> None:
         self.link.send(msg)
@@ -82,6 +83,7 @@ class Outbox:
 
     def _send_outcome(self, payload: bytes) -> None:
         f = self.faults
+        self.sent_ns = time.time_ns()
         if not f.enabled:
             self.link.send_bytes(payload)
             return

@@ -30,7 +30,7 @@ import structlog
 
 from residency.dataplane import affinity
 from residency.dataplane.build import build_core
-from residency.dataplane.device_thread import DeviceThread
+from residency.dataplane.device_thread import AfterMove, DeviceThread
 from residency.dataplane.faults import WorkerFaults
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
@@ -46,7 +46,7 @@ class WorkerProc:
 
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
-                 cpu: int | None = None):
+                 cpu: int | None = None, after_move: AfterMove | None = None):
         self.core, self.faults = core, faults
         self.log = log.bind(worker=worker, epoch=epoch)
         # the device thread and the ZMQ I/O thread on one CPU (dataplane/affinity.py); None: unplaced
@@ -54,7 +54,7 @@ class WorkerProc:
         record = WorkerRecord(worker)
         mailbox = Mailbox()
         self.device = DeviceThread(core=core, record=record, faults=faults, ctx=ctx, endpoint=endpoint, worker=worker,
-                                   epoch=epoch, cpu=cpu, hand_back=mailbox.put)
+                                   epoch=epoch, cpu=cpu, hand_back=mailbox.put, after_move=after_move)
         self.side = SideThreads(core.side_handlers, run_guarded, mailbox.put)
         self.io = IOThread(worker=worker, epoch=epoch, device=device, block_bytes=block_bytes, ctx=ctx,
                            endpoint=endpoint, core=core, record=record, faults=faults, device_thread=self.device,
@@ -117,8 +117,10 @@ def arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None,
-         build: Callable[[argparse.Namespace, WorkerFaults], tuple[WorkerCore, int]] = build_core) -> int:
-    """Run a worker; ``build(args, faults)`` makes its core and block size (benches pass their own)."""
+         build: Callable[[argparse.Namespace, WorkerFaults], tuple[WorkerCore, int]] = build_core,
+         after_move: AfterMove | None = None) -> int:
+    """Run a worker; ``build(args, faults)`` makes its core and block size. A bench's worker
+    (bench/worker.py) passes its own ``build`` and ``after_move`` (dataplane/device_thread.py)."""
     args = arg_parser().parse_args(argv)
     configure_worker_logging()
     epoch = args.epoch or time.time_ns() // 1000
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None,
     gc.freeze()
     proc = WorkerProc(worker=args.worker, epoch=epoch, endpoint=args.control, core=core, device=args.device,
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
-                      orphan_exit_s=args.orphan_exit_s, cpu=args.cpu)
+                      orphan_exit_s=args.orphan_exit_s, cpu=args.cpu, after_move=after_move)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:

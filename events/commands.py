@@ -198,18 +198,15 @@ class MoveNearlyDone(Message):
 
 
 class MoveTimed(Message):
-    """NOTE: no worker sends this any more (timing reports were a bench experiment, deleted with
-    the worker's ``--report-timings``); it stays only until the control's handler goes at the
-    merge (control/lifecycle.py ``_on_timed``, its entry in control/proc.py's dispatch, and the
-    two MoveTimed tests of tests/control_plane/test_latency.py), then it goes with them.
-
-    Where a move's time went inside the worker, sent right after the move's outcome. Wall-clock ns
-    (``time.time_ns``, the clock of ``MoveAcked.started_ns``/``finished_ns``). Never recorded.
+    """Where a move's time went inside the worker, sent right after the move's outcome by the
+    benches' worker (bench/worker.py --report-timings); the control records it in its move traces.
+    Wall-clock ns (``time.time_ns``, the clock of ``MoveAcked.started_ns``/``finished_ns``). A
+    measurement, never recorded in the ledger.
 
         received_ns         the command read off the socket (before decoding)
-        queued_ns           decoded and checked, handed to the engine thread
-        engine_start_ns     the engine thread took it
-        engine_end_ns       the engine returned the outcome
+        queued_ns           decoded and checked, about to run on the device thread
+        engine_start_ns     the mover began it
+        engine_end_ns       the mover returned the outcome
         sent_ns             the outcome encoded and handed to ZMQ
         ahead_ns            (an early start) when the CommandAhead carrying the command was read:
                             received_ns is then the command's arrival, after engine_start_ns

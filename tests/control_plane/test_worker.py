@@ -156,6 +156,33 @@ def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombs
         ctl.sock.close(0)
 
 
+def test_the_benches_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order(short_dir, tmp_path):
+    """bench/worker.py --report-timings: a MoveTimed after each move's outcome on the lane, its
+    marks in the order they happened."""
+    from residency.events.commands import MoveTimed
+    endpoint = f"ipc://{short_dir}/w.sock"
+    ctl = Control(endpoint, use_lane=True)
+    w = spawn(worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"], tmp_path / "worker.log")
+    try:
+        ctl.expect(Hello)
+        ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))
+        ctl.expect(BlocksWritten)
+        t0 = time.time_ns()
+        ctl.send(ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=[1, 2], keep_source=False,
+                             deadline_ns=0))
+        ack = ctl.expect(ev.MoveAcked)
+        timed = ctl.expect(MoveTimed)
+        marks = [t0, timed.received_ns, timed.queued_ns, timed.engine_start_ns, ack.started_ns, ack.finished_ns,
+                 timed.engine_end_ns, timed.sent_ns, time.time_ns()]
+        assert timed.move_id == "m-1" and timed.ahead_ns == 0 and marks == sorted(marks), marks
+        assert ctl.senders[MoveTimed] == {b"w0.lane"}
+        ctl.send(Shutdown(reason="test"))
+        assert w.wait(10) == 0
+    finally:
+        w.kill()
+        ctl.sock.close(0)
+
+
 def test_a_worker_whose_control_never_comes_back_says_hello_again_then_exits(short_dir, tmp_path):
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint)

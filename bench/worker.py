@@ -1,13 +1,18 @@
-"""A worker process whose mover keeps block tables and moves no bytes: the control plane measured
-alone (bench/control.py --engines nocopy), and the worker's socket side tested without torch.
+"""The benches' worker process: the product worker (``python -m residency.dataplane.proc``, all
+its options) with two instruments of the benches.
 
-    python bench/nocopy_worker.py --worker N --control ipc://... --run-dir DIR [worker options]
+    python bench/worker.py [--nocopy] [--report-timings] --worker N --control ipc://... --run-dir DIR ...
 
-It takes the product worker's options (``python -m residency.dataplane.proc``) and runs the same
-process around a ``NoCopyMover`` instead of the tier mover. Never for serving.
+    --nocopy          a ``NoCopyMover`` instead of the tier mover: it keeps block tables and moves
+                      no bytes (the control plane measured alone, bench/control.py --engines
+                      nocopy; the worker's socket side tested without torch). Never for serving.
+    --report-timings  after each move's (or release's) outcome on the lane, a ``MoveTimed`` with
+                      where its time went in the worker; the control records it in its move
+                      traces (``ControlConfig.trace_moves``) for bench/control_spill.py's breakdown.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -15,7 +20,9 @@ from residency.dataplane.build import layout_block_bytes, parse_layout
 from residency.dataplane.proc import main
 from residency.dataplane.worker import WorkerCore
 from residency.events import catalog as ev
-from residency.events.commands import BlocksReleased, BlocksWritten, CommitBlocks, ExecuteMove, ReleaseBlocks
+from residency.events.commands import (
+    BlocksReleased, BlocksWritten, CommitBlocks, ExecuteMove, MoveTimed, ReleaseBlocks,
+)
 
 Outcome = ev.MoveAcked | ev.MoveFailed | ev.MoveRejected
 
@@ -114,5 +121,26 @@ def build_nocopy_core(args, faults) -> tuple[WorkerCore, int]:
     return WorkerCore(mover, args.worker, faults, expected_errors=(NoCopyError,)), block_bytes
 
 
+def report_timings(worker: int):
+    """``dataplane.proc.main``'s ``after_move``: a MoveTimed after each outcome."""
+    def after_move(cmd, marks: dict[str, int]) -> list:
+        ref = getattr(cmd, "move_id", None) or cmd.release_id
+        return [MoveTimed(move_id=ref, worker=worker, **marks)]
+    return after_move
+
+
+def run(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--nocopy", action="store_true")
+    p.add_argument("--report-timings", action="store_true")
+    p.add_argument("--worker", type=int, default=0)
+    mine, _ = p.parse_known_args(argv)
+    rest = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--nocopy", "--report-timings")]
+    kw = {"build": build_nocopy_core} if mine.nocopy else {}
+    if mine.report_timings:
+        kw["after_move"] = report_timings(mine.worker)
+    return main(rest, **kw)
+
+
 if __name__ == "__main__":
-    sys.exit(main(build=build_nocopy_core))
+    sys.exit(run())
