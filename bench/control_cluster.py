@@ -50,6 +50,8 @@ class Cluster:
                  cpus: tuple[int | None, int | None] = (None, None), nearly_done: bool = False,
                  ahead: bool = False, early: bool = False, warm: bool = False, wake: bool = False,
                  keep_awake: bool = False, ahead_min_bytes: int = 64 << 20, early_ack: bool = True):
+        if not (lane and early_ack):
+            raise ValueError("the worker always has its lane and acks early: no-lane and late-ack are gone")
         self.dir = Path(tempfile.mkdtemp(prefix="rcb-", dir="/tmp"))
         self.store = LedgerStore.open(url, create=True)
         cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=[0], release_on_stop=False,
@@ -59,14 +61,13 @@ class Cluster:
                             command_ahead_min_bytes=ahead_min_bytes if ahead else 0, start_ahead=early, warm_writer=warm,
                             wake_lane_on_ask=wake, keep_awake=keep_awake, keep_awake_min_bytes=ahead_min_bytes)
         self.proc = ControlProc(self.store, cfg).start()
-        argv = [sys.executable, "-m", "residency.dataplane.proc", "--worker", "0", "--control", cfg.worker_endpoint,
-                "--run-dir", str(self.dir), "--engine", engine, "--device", device, "--kv-layout", layout,
+        # the worker always says MoveNearlyDone and heeds CommandAhead (``nearly_done`` no longer
+        # changes it); the benches' worker (bench/worker.py) moves no bytes with --nocopy
+        argv = [sys.executable, str(ROOT / "bench" / "worker.py"), "--worker", "0", "--control", cfg.worker_endpoint,
+                "--run-dir", str(self.dir), "--device", device, "--kv-layout", layout,
                 "--device-blocks", str(device_blocks), "--host-bytes", str(host_bytes), "--disk-bytes", "0",
-                "--no-disk-fsync", "--model", "none"] + (["--report-timings"] if traced else []) + (
-                    [] if lane else ["--no-lane"]) + (["--cpu", str(cpus[1])] if cpus[1] is not None else []) + (
-                    ["--nearly-done"] if nearly_done else ["--no-nearly-done"]) + (
-                    ["--awake-for-commands"] if ahead else ["--no-awake-for-commands"]) + (
-                    ["--start-ahead"] if early else ["--no-start-ahead"]) + ([] if early_ack else ["--no-early-ack"])
+                "--no-disk-fsync", "--model", "none"] + (["--cpu", str(cpus[1])] if cpus[1] is not None else []) + (
+                    ["--nocopy"] if engine == "nocopy" else []) + (["--report-timings"] if traced else [])
         if device == "cpu":
             argv += ["--torch-threads", "1"]
         self.worker = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -99,5 +100,5 @@ class Cluster:
 
 
 def layout_bytes(spec: str) -> int:
-    from residency.dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from residency.dataplane.build import layout_block_bytes, parse_layout  # noqa: PLC0415
     return layout_block_bytes(parse_layout(spec))

@@ -198,7 +198,7 @@ def under_dma_load(fn, seconds: float = 120.0):
 
 
 # Ways through the control process the spill is measured (each its own worker and ledger):
-#   lane      the worker's engine lane (dataplane/lane.py); no-lane: without it
+#   lane      the worker's lane (dataplane/device_thread.py; always on: no-lane is gone)
 #   nearly    the worker's MoveNearlyDone before the last chunk; the control polls awake for the ack
 #   ahead     the control's CommandAhead before the MoveRequested commits; the lane polls awake
 #   early     ... and the hint carries the command: the worker begins the copies meanwhile (an
@@ -207,8 +207,6 @@ def under_dma_load(fn, seconds: float = 120.0):
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
 #   awake     (an experiment) the same spinners kept spinning through the whole variant (runs
 #             35-53 measured it with the bench's own always-spinning ones: 35/36 with yields)
-#   late-ack  (an A/B) the worker sends the outcome after its engine settled the move (--no-early-ack),
-#             not as soon as the engine has it (the default)
 #   keepawake the control keeps every CPU from halting while a big move is in flight and 1 s after
 #             (control/keep_awake.py: SCHED_IDLE spinners, asleep between bursts)
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
@@ -223,13 +221,13 @@ def _variant(name: str) -> dict:
 
 
 VARIANTS = {n: _variant(n) for n in (
-    "lane", "no-lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early", "lane+nearly+ahead+early+warm",
+    "lane", "lane+nearly", "lane+nearly+ahead", "lane+nearly+ahead+early", "lane+nearly+ahead+early+warm",
     "lane+nearly+ahead+early+warm+wake", "lane+nearly+ahead+early+warm+wake+keepawake",
     "lane+nearly+ahead+early+warm+wake+keepawake+pinned")}
 
 
-PARTS = {"lane", "no-lane", "nearly", "ahead", "early", "warm", "wake", "awake", "keepawake", "pinned", "pin-control",
-         "pin-worker", "late-ack"}
+PARTS = {"lane", "nearly", "ahead", "early", "warm", "wake", "awake", "keepawake", "pinned", "pin-control",
+         "pin-worker"}
 
 
 def variant_of(name: str) -> dict:
@@ -252,7 +250,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
 
     from residency.dataplane.engine import Engine  # noqa: PLC0415
     from residency.dataplane.pools import KVLayout  # noqa: PLC0415
-    from residency.dataplane.proc import layout_block_bytes, parse_layout  # noqa: PLC0415
+    from residency.dataplane.build import layout_block_bytes, parse_layout  # noqa: PLC0415
     from residency.events.commands import CommitBlocks, ExecuteMove  # noqa: PLC0415
 
     if device == "cpu":

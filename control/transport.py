@@ -4,7 +4,7 @@ Two sockets, both ZMQ ROUTER, both carrying msgspec structs from ``events`` only
 
     workers  ROUTER  bound at ipc://<run_dir>/w.sock (or a configured tcp://)
              frames in:  [identity, payload]          identity = b"w<N>" set by the worker's DEALER
-             decodes:    events.commands.AnyReply     (Hello, Pong, acks, reports, ...)
+             decodes:    events.commands.FromWorker   (Hello, Pong, acks, reports, ...)
     asks     ROUTER  bound at ipc://<run_dir>/ctl.sock (local only)
              frames in:  [identity, b"", payload]     from a REQ client (``residency status|ctl``)
              decodes:    events.commands.AnyAsk
@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from residency.events.codec import encode_message
-from residency.events.commands import AnyAsk, AnyAskReply, AnyMessage, AnyReply, ErrorReply, Message
+from residency.events.commands import AnyAsk, AnyAskReply, AnyMessage, ErrorReply, FromWorker, Message
 
 # The errors a peer can provoke, by the name carried in ``ErrorReply.error``.
 MALFORMED = "malformed_message"            # bytes that are not one msgpack message
@@ -160,7 +160,7 @@ class WorkerRouter:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.bind(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(AnyReply)
+        self._decoder = msgspec.msgpack.Decoder(FromWorker)
 
     def recv(self) -> tuple[bytes, Any]:
         """One message, non-blocking (``zmq.Again`` when none). Raises a TransportError for bad input."""

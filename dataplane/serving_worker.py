@@ -1,9 +1,9 @@
-"""A worker that serves a model: the model decides the KV layout, the engine's device pool holds it.
+"""A worker that serves a model: the model decides the KV layout, the tier mover's device pool holds it.
 
 ``python -m residency.dataplane.proc ... --model PATH|embedded`` builds its core here instead of from
 ``--kv-layout``: the layout (layers, kv heads, head dim, dtype) comes from the model, so the pages
 the Engine parks and restores are exactly the pages the model writes. The serving loop joins the
-worker's engine thread:
+worker's device thread:
 
     commands  Generate, CancelGenerate            ─► ServingLoop.handle
     side      Tokenize (the worker's side threads) ─► ServingLoop.handle, beside the steps
@@ -20,7 +20,8 @@ import re
 
 import structlog
 
-from residency.dataplane.worker import WorkerCore, WorkerFaults
+from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.worker import WorkerCore
 from residency.events import catalog as ev
 from residency.events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
 

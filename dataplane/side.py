@@ -1,53 +1,64 @@
-"""The worker's side threads: commands that read no engine state, run beside the engine thread
-(``WorkerProc``'s mixin).
+"""The worker's side threads: commands that read no mover or model state, run beside the device
+thread.
 
 Tokenizing is the one today (``WorkerCore.side_handlers``, filled by serving_worker.attach): a
 prompt is rendered, encoded and given its content keys without touching the pool, and a long one
-takes a while (1.3 MB of text: ~0.5 s on this VM's CPUs). On the engine thread it held every running
-sequence's next step for that long; here the engine keeps stepping, as the tokenizer lets go of the
-GIL while it encodes a long text (``Tokenizer.encode``).
+takes a while (a long text can take half a second). On the device thread it held every running
+sequence's next step for that long; here the device thread keeps stepping, as the tokenizer lets
+go of the GIL while it encodes a long text (``Tokenizer.encode``).
 
-    I/O thread    a side command arrives (the control sends it to the Hello socket, never the lane)
-                  ─► the side queue
+    I/O thread    a side command arrives (the control sends it to the Hello socket, never to the
+                  device thread's socket) ─► ``SideThreads.put``
     side threads  ``SIDE_THREADS`` of them take commands in arrival order; each runs one ─► its
-                  replies go to the I/O thread, which sends them (a long one holds up one thread:
-                  the next prompt is tokenized by another meanwhile)
+                  replies go to ``hand_back`` (the I/O thread sends them; a long one holds up one
+                  thread: the next prompt is tokenized by another meanwhile)
 
-A handler that raises is answered with an ``ErrorReply`` naming the command (``_run_core``); the
-thread goes on.
+A handler that raises is answered with an ``ErrorReply`` naming the command (``run_guarded``);
+the thread goes on.
 """
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
+from typing import Any
 
 SIDE_THREADS = 2
 
 
 class SideThreads:
-    """The side threads of a WorkerProc (its ``core``, ``_run_core`` and ``_hand_back``)."""
+    """Threads that run the side handlers; their replies go to ``hand_back(cmd, replies)``."""
 
-    def _start_side(self) -> list[threading.Thread]:
-        self._side_jobs: queue.SimpleQueue = queue.SimpleQueue()
-        if not self.core.side_handlers:
-            return []
-        threads = [threading.Thread(target=self._side_loop, name=f"side-{i}", daemon=True) for i in range(SIDE_THREADS)]
-        for t in threads:
+    def __init__(self, handlers: dict[type, Callable[[Any], list]],
+                 run_guarded: Callable[[Any, Callable[[Any], list]], list],
+                 hand_back: Callable[[Any, list], None]):
+        self.handlers, self.run_guarded, self.hand_back = handlers, run_guarded, hand_back
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        if not self.handlers:
+            return
+        self._threads = [threading.Thread(target=self._loop, name=f"side-{i}", daemon=True)
+                         for i in range(SIDE_THREADS)]
+        for t in self._threads:
             t.start()
-        return threads
 
-    def _to_side(self, cmd) -> None:
-        self._side_jobs.put(cmd)
+    def takes(self, cmd_type: type) -> bool:
+        return cmd_type in self.handlers
 
-    def _stop_side(self, threads: list[threading.Thread]) -> None:
-        for _ in threads:
-            self._side_jobs.put(None)
-        for t in threads:
+    def put(self, cmd) -> None:
+        self._jobs.put(cmd)
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
             t.join(timeout=5)
 
-    def _side_loop(self) -> None:
+    def _loop(self) -> None:
         while True:
-            cmd = self._side_jobs.get()
+            cmd = self._jobs.get()
             if cmd is None:
                 return
-            self._hand_back(cmd, self._run_core(cmd, self.core.side_handlers[type(cmd)]), None)
+            self.hand_back(cmd, self.run_guarded(cmd, self.handlers[type(cmd)]))

@@ -1,11 +1,11 @@
-"""The worker's socket to the control process: one DEALER, msgspec structs only (no pickle).
+"""A worker's sockets to the control process: DEALERs, msgspec structs only (no pickle).
 
     DEALER  identity b"w<N>", connected to the control's ROUTER (ipc:// by default, tcp:// if asked)
-            frames in:  [payload]          decodes: events.commands.AnyCommand
-            frames out: [payload]          any reply (Hello, Pong, acks, reports, ...)
-    DEALER  identity b"w<N>.lane" (the engine lane, owned by the worker's engine thread; optional):
-            the engine's commands in, their replies out, so neither waits for a hand-over between
-            the worker's two threads. Announced in Hello.lane; used by the control after LaneHello.
+            frames in:  [payload]          decodes: events.commands.ToWorker
+            frames out: [payload]          events.commands.FromWorker (Hello, Pong, acks, reports, ...)
+    DEALER  identity b"w<N>.lane" (the lane, owned by the worker's device thread): the device's
+            commands in, their replies out, so neither waits for a hand-over between the worker's
+            threads. Announced in Hello.lane; used by the control after LaneHello.
 
 Input that does not decode raises a ``WorkerTransportError`` naming what it is; the worker answers
 it with an ``ErrorReply`` and goes on. The error names are the protocol's (the control process
@@ -13,17 +13,13 @@ uses the same strings); they are repeated here because dataplane never imports c
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import zmq
 
 from residency.events.codec import encode_message
-from residency.events.commands import AnyCommand, AnyMessage, ErrorReply
-
-# What the control process may send a worker: its commands, and a named error (e.g.
-# ``unknown_worker`` after a control restart, which the worker answers with Hello).
-FROM_CONTROL = Union[tuple(AnyCommand.__args__) + (ErrorReply,)]
+from residency.events.commands import AnyMessage, ToWorker
 
 MALFORMED = "malformed_message"
 UNKNOWN_TYPE = "unknown_message_type"
@@ -35,7 +31,7 @@ class WorkerTransportError(Exception):
     """Root of the worker transport's errors.
 
     NOTE: not a ``DataPlaneError``: that tree lives in ``dataplane.pools``, which imports torch, and
-    the socket side of a worker (and the no-copy engine of the benchmarks) must start without it.
+    the socket side of a worker (and the benchmarks' no-copy worker) must start without it.
     """
 
     name = "transport_error"
@@ -71,7 +67,7 @@ def lane_identity_of(worker: int) -> bytes:
 
 class ControlLink:
     """DEALER to the control process. Not thread-safe: one thread owns it (the worker's I/O thread;
-    the engine thread owns the lane, ``lane=True``)."""
+    the device thread owns the lane, ``lane=True``)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, worker: int, lane: bool = False):
         self.endpoint = endpoint
@@ -84,7 +80,7 @@ class ControlLink:
         self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         self.sock.connect(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(FROM_CONTROL)
+        self._decoder = msgspec.msgpack.Decoder(ToWorker)
 
     def recv(self) -> Any:
         """One command, non-blocking (``zmq.Again`` when none); a WorkerTransportError if it is bad."""

@@ -53,8 +53,6 @@ def register(sub) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where workers run: auto (default) one per visible GPU, else one on the CPU")
     p.add_argument("--worker-endpoint", help="tcp://HOST:PORT for the workers' socket (default: ipc in the run dir)")
-    p.add_argument("--engine", choices=("real", "nocopy"), default="real",
-                   help="nocopy: workers keep block tables only (control-plane benchmarks); never for serving")
     p.add_argument("--kv-layout", default="30,16,3,64,bfloat16",
                    help="num_layers,page_tokens,num_kv_heads,head_dim,dtype of one KV block")
     p.add_argument("--device-blocks", type=int, default=1024, help="blocks in each worker's device pool")
@@ -115,7 +113,7 @@ def _serving_args(p) -> None:
 
 
 def _serving(args) -> bool:
-    return args.engine == "real" and args.model not in (None, "", "none")
+    return args.model not in (None, "", "none")
 
 
 # ---------------------------------------------------------------------- run
@@ -188,7 +186,7 @@ def run(args) -> int:
     def argv_for(w: int, epoch: int) -> list[str]:
         return [sys.executable, "-m", "residency.dataplane.proc", "--worker", str(w), "--epoch", str(epoch),
                 "--control", cfg.worker_endpoint, "--run-dir", str(run_dir), "--device", devices[w],
-                "--engine", args.engine, "--kv-layout", args.kv_layout, "--device-blocks", str(args.device_blocks),
+                "--kv-layout", args.kv_layout, "--device-blocks", str(args.device_blocks),
                 "--host-bytes", str(args.host_bytes), "--disk-bytes", str(args.disk_bytes),
                 "--disk-fsync" if args.disk_fsync else "--no-disk-fsync", "--orphan-exit-s", str(args.orphan_exit_s),
                 "--keep-disk" if args.keep_disk else "--no-keep-disk", *_worker_serving_argv(args)]

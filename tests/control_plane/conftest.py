@@ -30,7 +30,7 @@ from residency.control.fold import fold
 from residency.control.state import State, check_integrity, state_hash
 from residency.events import catalog as ev
 from residency.events.codec import encode_message
-from residency.events.commands import AnyCommand, Hello, Ping, Pong
+from residency.events.commands import Hello, Ping, Pong, ToWorker
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = set(ev.TERMINAL_MOVE_EVENTS)
@@ -173,7 +173,7 @@ def make_control(short_dir):
 class FakeWorker:
     """A DEALER the test drives: it answers Pings by itself and hands every other command over."""
 
-    _decoder = msgspec.msgpack.Decoder(AnyCommand)
+    _decoder = msgspec.msgpack.Decoder(ToWorker)
 
     def __init__(self, endpoint: str, worker: int = 0, epoch: int = 1, block_bytes: int = 4096,
                  tiers: dict[str, int] | None = None, identity: bytes | None = None):
@@ -277,8 +277,10 @@ def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier:
 def worker_argv(worker: int, endpoint: str, run_dir: Path, *, engine: str = "real", faults: str = "",
                 epoch: int = 0, device_blocks: int = 256, host_blocks: int = 512, disk_blocks: int = 1024,
                 layout: str = SMALL_LAYOUT, block_bytes: int = SMALL_BLOCK) -> list[str]:
-    argv = [sys.executable, "-m", "residency.dataplane.proc", "--worker", str(worker), "--control", endpoint,
-            "--run-dir", str(run_dir), "--engine", engine, "--kv-layout", layout,
+    # engine="nocopy": the benches' worker with a mover that moves no bytes (no torch)
+    prog = [str(REPO / "bench" / "worker.py"), "--nocopy"] if engine == "nocopy" else ["-m", "residency.dataplane.proc"]
+    argv = [sys.executable, *prog, "--worker", str(worker), "--control", endpoint,
+            "--run-dir", str(run_dir), "--kv-layout", layout,
             "--device-blocks", str(device_blocks), "--host-bytes", str(host_blocks * block_bytes),
             "--disk-bytes", str(disk_blocks * block_bytes), "--no-disk-fsync", "--torch-threads", "1",
             "--orphan-exit-s", "20"]

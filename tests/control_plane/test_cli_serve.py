@@ -32,7 +32,7 @@ def cli(*args, run_dir, url) -> subprocess.CompletedProcess:
 
 def test_serve_ctl_status_and_a_clean_stop_on_sigterm(tmp_path, short_dir):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    serve = spawn(serve_argv(url, short_dir, engine="nocopy"), tmp_path / "serve.log",
+    serve = spawn(serve_argv(url, short_dir), tmp_path / "serve.log",
                   env={"RESIDENCY_LOG_FORMAT": "console"})
     client = AskClient(ask_endpoint(short_dir), timeout_s=5)
 

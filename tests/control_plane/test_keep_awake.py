@@ -140,7 +140,7 @@ def test_residency_serve_keep_awake_on_starts_a_spinner_per_cpu_and_stops_them_w
     import signal
 
     from tests.control_plane.test_worker_kill import serve_argv
-    serve = spawn(serve_argv(f"sqlite:///{tmp_path / 'l.db'}", short_dir, engine="nocopy", keep_awake="on"),
+    serve = spawn(serve_argv(f"sqlite:///{tmp_path / 'l.db'}", short_dir, keep_awake="on"),
                   tmp_path / "serve.log")
     try:
         spinners = wait_for(lambda: len(s := _spinners_of(serve.pid)) == len(os.sched_getaffinity(0)) and s,

@@ -13,12 +13,13 @@ import msgspec
 import pytest
 import zmq
 
-from residency.dataplane.worker import WorkerFaults, WorkerRecord
+from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.worker import WorkerRecord
 from residency.events import catalog as ev
 from residency.events.codec import encode_message
 from residency.events.commands import (
-    AnyReply, BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, LaneHello,
-    MoveNearlyDone, MovesReport, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+    BlocksReleased, BlocksWritten, CommandFailed, CommitBlocks, ErrorReply, ExecuteMove, Hello, LaneHello,
+    FromWorker, MoveNearlyDone, MovesReport, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
 )
 
 from tests.control_plane.conftest import REPO, spawn, worker_argv  # noqa: E402
@@ -54,7 +55,7 @@ class Control:
     the engine's commands go to its lane (as the control process does); else all to the worker's
     Hello socket (a control that ignores the lane)."""
 
-    _decoder = msgspec.msgpack.Decoder(AnyReply)
+    _decoder = msgspec.msgpack.Decoder(FromWorker)
     TO_IO_THREAD = (Ping, QueryMoves, Shutdown)
 
     def __init__(self, endpoint: str, use_lane: bool = False):
@@ -78,12 +79,13 @@ class Control:
             self.identity = identity
         return msg
 
-    def expect(self, t, timeout: float = 10.0):
+    def expect(self, t, timeout: float = 10.0, skip: tuple = ()):
+        """The next ``t``; before it only Hello, Pong, LaneHello (and the types in ``skip``)."""
         while True:
             m = self.recv(timeout)
             if type(m) is t:
                 return m
-            assert type(m) in (Hello, Pong, LaneHello), m
+            assert type(m) in (Hello, Pong, LaneHello, *skip), m
 
     def send(self, msg) -> None:
         to_lane = self.use_lane and type(msg) not in self.TO_IO_THREAD
@@ -96,11 +98,11 @@ class Control:
         self.sock.send_multipart([self.identity, *frames])
 
 
-LANE_MODES = pytest.mark.parametrize("mode", ["lane", "lane ignored", "no lane"])
+LANE_MODES = pytest.mark.parametrize("mode", ["lane", "lane ignored"])
 
 
 def _spawn_for(mode: str, argv: list[str], log_path: Path):
-    return spawn(argv + (["--no-lane"] if mode == "no lane" else []), log_path)
+    return spawn(argv, log_path)
 
 
 @LANE_MODES
@@ -111,7 +113,7 @@ def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombs
     try:
         hello = ctl.expect(Hello)
         assert (hello.worker, hello.block_bytes) == (0, 16384) and ctl.identity == b"w0"
-        assert hello.lane == (None if mode == "no lane" else "w0.lane")
+        assert hello.lane == "w0.lane"
         for frames, name in (((b"\x00garbage",), "malformed_message"), ((b"\x92\xa5Bogus\x01",), "unknown_message_type"),
                              ((encode_message(Pong(worker=0, nonce=1, ts_ns=1)),), "unexpected_message"),
                              ((b"a", b"b"), "malformed_message")):
@@ -148,19 +150,19 @@ def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombs
         engine_side = {b"w0.lane"} if mode == "lane" else {b"w0"}
         assert ctl.senders[ev.MoveAcked] == ctl.senders[BlocksWritten] == ctl.senders[CommandFailed] == engine_side
         assert ctl.senders[Pong] == ctl.senders[MovesReport] == ctl.senders[Hello] == {b"w0"}
-        assert (LaneHello in ctl.senders) == (mode != "no lane")
+        assert LaneHello in ctl.senders
     finally:
         w.kill()
         ctl.sock.close(0)
 
 
-@LANE_MODES
-def test_a_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order(short_dir, tmp_path, mode):
+def test_the_benches_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order(short_dir, tmp_path):
+    """bench/worker.py --report-timings: a MoveTimed after each move's outcome on the lane, its
+    marks in the order they happened."""
     from residency.events.commands import MoveTimed
     endpoint = f"ipc://{short_dir}/w.sock"
-    ctl = Control(endpoint, use_lane=mode == "lane")
-    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"],
-                   tmp_path / "worker.log")
+    ctl = Control(endpoint, use_lane=True)
+    w = spawn(worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"], tmp_path / "worker.log")
     try:
         ctl.expect(Hello)
         ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))
@@ -172,7 +174,8 @@ def test_a_worker_asked_for_timings_follows_each_outcome_with_its_marks_in_order
         timed = ctl.expect(MoveTimed)
         marks = [t0, timed.received_ns, timed.queued_ns, timed.engine_start_ns, ack.started_ns, ack.finished_ns,
                  timed.engine_end_ns, timed.sent_ns, time.time_ns()]
-        assert timed.move_id == "m-1" and marks == sorted(marks), marks
+        assert timed.move_id == "m-1" and timed.ahead_ns == 0 and marks == sorted(marks), marks
+        assert ctl.senders[MoveTimed] == {b"w0.lane"}
         ctl.send(Shutdown(reason="test"))
         assert w.wait(10) == 0
     finally:
@@ -225,15 +228,13 @@ def _real_lane_worker(short_dir, tmp_path, extra: list[str], blocks: int):
     return ctl, w
 
 
-@pytest.mark.parametrize("nearly", [True, False], ids=["nearly-done", "no-nearly-done"])
 def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_thread_where_told(
-        short_dir, tmp_path, nearly):
-    """A real engine on the lane: a move of several pipeline chunks (64 blocks each) is preceded by
-    MoveNearlyDone with its last chunk's bytes (unless --no-nearly-done); a move of one chunk is
-    not. With --cpu C the worker's ZMQ I/O thread runs on C alone."""
+        short_dir, tmp_path):
+    """A real mover on the lane: a move of several pipeline chunks (64 blocks each) is preceded by
+    MoveNearlyDone with its last chunk's bytes; a move of one chunk is not. With --cpu C the
+    worker's ZMQ I/O thread runs on C alone."""
     cpu = max(os.sched_getaffinity(0))
-    ctl, w = _real_lane_worker(short_dir, tmp_path, ["--cpu", str(cpu)] + ([] if nearly else ["--no-nearly-done"]),
-                               blocks=200)
+    ctl, w = _real_lane_worker(short_dir, tmp_path, ["--cpu", str(cpu)], blocks=200)
     try:
         ctl.send(ExecuteMove(move_id="m-big", kind="evict", src="device", dst="host", blocks=list(range(100)),
                              keep_source=False, deadline_ns=0))
@@ -241,12 +242,9 @@ def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_
         while not got or type(got[-1]) is not ev.MoveAcked:
             got.append(ctl.recv())
         got = [m for m in got if type(m) not in (Pong, Hello, LaneHello)]
-        if nearly:
-            assert [type(m) for m in got] == [MoveNearlyDone, ev.MoveAcked]
-            assert got[0].move_id == "m-big" and got[0].bytes_left == (100 - 64) * 16384
-            assert ctl.senders[MoveNearlyDone] == {b"w0.lane"}
-        else:
-            assert [type(m) for m in got] == [ev.MoveAcked]
+        assert [type(m) for m in got] == [MoveNearlyDone, ev.MoveAcked]
+        assert got[0].move_id == "m-big" and got[0].bytes_left == (100 - 64) * 16384
+        assert ctl.senders[MoveNearlyDone] == {b"w0.lane"}
         ctl.send(ExecuteMove(move_id="m-small", kind="evict", src="device", dst="host", blocks=[150, 151],
                              keep_source=False, deadline_ns=0))
         assert ctl.expect(ev.MoveAcked).move_id == "m-small"
@@ -254,7 +252,6 @@ def test_a_lane_worker_says_nearly_done_before_a_big_moves_ack_and_runs_its_zmq_
         assert zmq_threads and all(cpus == {cpu} for cpus in zmq_threads.values()), zmq_threads
         ctl.send(Shutdown(reason="test"))
         assert w.wait(10) == 0
-        assert MoveNearlyDone not in ctl.senders or nearly
     finally:
         w.kill()
         ctl.sock.close(0)
@@ -300,33 +297,76 @@ def test_no_pickle_crosses_any_socket():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early-ack", "no-early-ack"])
-def test_a_lane_worker_sends_a_moves_ack_once_before_the_engine_settles_it(short_dir, tmp_path, early):
-    """With --early-ack (the default) the lane sends a real engine's outcome as soon as the engine
-    has it: its MoveTimed says the ack left before the engine call returned. Either way the ack is
-    sent once, a repeated command gets the same ack again, and QueryMoves reports it."""
-    from residency.events.commands import MoveTimed
-    ctl, w = _real_lane_worker(short_dir, tmp_path, ["--report-timings", "--no-nearly-done"] + (
-        [] if early else ["--no-early-ack"]), blocks=100)
+class _Link:
+    """A lane stand-in: what was sent, decoded."""
+
+    def __init__(self):
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def send_bytes(self, payload: bytes) -> None:
+        from residency.events.codec import decode_message
+        self.sent.append(decode_message(payload))
+
+
+class _SettlingMover:
+    """A mover that has a move's outcome (``on_outcome``), then settles it before returning."""
+
+    on_outcome = None
+
+    def __init__(self, link: _Link):
+        self.link, self.sent_before_return = link, None
+
+    def execute(self, cmd: ExecuteMove):
+        ack = ev.MoveAcked(move_id=cmd.move_id, worker=0, bytes_moved=1, bytes_freed_src=1, checksum_ok=True,
+                           started_ns=1, finished_ns=2)
+        self.on_outcome(ack)
+        self.sent_before_return = list(self.link.sent)      # the mover's bookkeeping would run here
+        return ack
+
+
+@pytest.mark.parametrize("faults", ["", "duplicate_ack=1", "drop_ack=1"])
+def test_a_moves_outcome_leaves_before_the_mover_settles_it_once_and_through_the_fault_hooks(faults):
+    """The device thread sends a move's outcome the moment the mover has it, before the mover's
+    bookkeeping after it; the rest of the command's replies do not send it again; and the reply
+    fault hooks act on that one path (twice with duplicate_ack, never with drop_ack)."""
+    from residency.dataplane.device_thread import DeviceThread
+    from residency.dataplane.outbox import Outbox
+    from residency.dataplane.worker import WorkerCore
+    link = _Link()
+    mover = _SettlingMover(link)
+    f, rec = WorkerFaults(faults), WorkerRecord(0)
+    dev = DeviceThread(core=WorkerCore(mover, 0, f), record=rec, faults=f, ctx=zmq.Context.instance(),
+                       endpoint="inproc://unused", worker=0, epoch=1, cpu=None, hand_back=lambda *a: None)
+    cmd = ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=[1], keep_source=False,
+                      deadline_ns=0)
+    dev.on_command(Outbox(link, rec, f), cmd)
+    acks = [m for m in link.sent if type(m) is ev.MoveAcked]
+    assert len(acks) == {"": 1, "duplicate_ack=1": 2, "drop_ack=1": 0}[faults], link.sent
+    assert mover.sent_before_return == link.sent, "the ack went after the mover returned"
+    assert rec.report(["m-1"]).outcomes[0].move_id == "m-1"        # recorded, whatever the hooks did to it
+    assert mover.on_outcome is None
+
+
+def test_a_lane_worker_sends_a_moves_ack_once_and_the_same_ack_again_for_a_repeated_command(short_dir, tmp_path):
+    """A real mover on the lane: a move's ack is sent once, a repeated command gets the same ack
+    again, QueryMoves reports it, and a restore of those blocks verifies what the move wrote."""
+    ctl, w = _real_lane_worker(short_dir, tmp_path, [], blocks=100)
     try:
         cmd = ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=list(range(100)),
                           keep_source=False, deadline_ns=0)
         ctl.send(cmd)
-        ack = ctl.expect(ev.MoveAcked)
-        timed = ctl.expect(MoveTimed)
+        ack = ctl.expect(ev.MoveAcked, skip=(MoveNearlyDone,))
         assert ack.move_id == "m-1" and ack.bytes_moved == 100 * 16384 and len(ack.checksums) == 8 * 100
-        assert ack.finished_ns <= timed.sent_ns
-        if early:
-            assert timed.sent_ns < timed.engine_end_ns, "the ack went after the engine call returned"
-        else:
-            assert timed.sent_ns >= timed.engine_end_ns
         ctl.send(cmd)                                    # the same command again: the same answer
         assert ctl.expect(ev.MoveAcked) == ack
         ctl.send(QueryMoves(move_ids=["m-1"]))
         assert ctl.expect(MovesReport).outcomes == [ack]
         ctl.send(ExecuteMove(move_id="m-2", kind="restore", src="host", dst="device", blocks=list(range(100)),
                              keep_source=False, deadline_ns=0))
-        back = ctl.expect(ev.MoveAcked)
+        back = ctl.expect(ev.MoveAcked, skip=(MoveNearlyDone,))
         assert back.move_id == "m-2" and back.checksums == ack.checksums
         ctl.send(Shutdown(reason="test"))
         assert w.wait(10) == 0

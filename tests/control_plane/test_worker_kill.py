@@ -22,12 +22,11 @@ from tests.control_plane.conftest import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def serve_argv(url: str, run_dir, engine: str = "real", **extra) -> list[str]:
+def serve_argv(url: str, run_dir, **extra) -> list[str]:
     argv = [*RESIDENCY, "serve", "--ledger", url, "--run-dir", str(run_dir),
             "--kv-layout", SMALL_LAYOUT, "--device-blocks", "1024", "--host-bytes", str(2048 * SMALL_BLOCK),
             "--disk-bytes", str(2048 * SMALL_BLOCK), "--no-disk-fsync", "--no-policies", "--port", "0",
-            "--heartbeat-lost-s", "3", "--orphan-exit-s", "20", "--move-deadline-s", "30", "--model", "none",
-            "--engine", engine]
+            "--heartbeat-lost-s", "3", "--orphan-exit-s", "20", "--move-deadline-s", "30", "--model", "none"]
     for k, v in extra.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv

@@ -1,0 +1,82 @@
+"""Fault hooks for the fault tests, off unless named (``--faults`` or RESIDENCY_WORKER_FAULTS).
+
+They act on the one path the product runs: a move's outcome, sent early or late, from either
+socket, leaves through an ``Outbox`` (dataplane/outbox.py), which holds, drops, repeats or
+reorders it; the device thread calls ``move_executed`` once per move it ran, right before that
+move's outcome is handed to an outbox.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import structlog
+
+log = structlog.get_logger("dataplane.faults")
+
+
+class WorkerFaults:
+    """The hooks, parsed from a spec such as ``drop_ack=0.1,seed=3``:
+
+        drop_ack=P           a move's outcome is never sent (the watchdog strands it; a re-query
+                             brings it back as a late ack)
+        delay_ack=P:MS       an outcome is held MS ms before it is sent
+        duplicate_ack=P      an outcome is sent twice
+        reorder_ack=P        an outcome is held back and sent after the next one
+        silent_release=P     a release is carried out and never answered
+        zero_release=P       a release is answered with bytes_freed=0
+        crash_after_moves=N  SIGKILL self right after executing the Nth move, before its ack
+        exec_delay_ms=MS     every move pauses MS ms half-way (after the mover's submit, before its
+                             wait), so a test can kill the worker in the middle of a move
+        seed=S               the random source of the probabilities above
+    """
+
+    PROBABILITIES = ("drop_ack", "duplicate_ack", "reorder_ack", "silent_release", "zero_release")
+
+    def __init__(self, spec: str = ""):
+        self.p: dict[str, float] = {}
+        self.delay_p, self.delay_ms = 0.0, 0.0
+        self.crash_after_moves = 0
+        self.exec_delay_ms = 0.0
+        seed = 0
+        for part in filter(None, (x.strip() for x in spec.split(","))):
+            name, _, value = part.partition("=")
+            if name in self.PROBABILITIES:
+                self.p[name] = float(value)
+            elif name == "delay_ack":
+                p, _, ms = value.partition(":")
+                self.delay_p, self.delay_ms = float(p), float(ms or 100)
+            elif name == "crash_after_moves":
+                self.crash_after_moves = int(value)
+            elif name == "exec_delay_ms":
+                self.exec_delay_ms = float(value)
+            elif name == "seed":
+                seed = int(value)
+            else:
+                raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
+        self.rng = random.Random(seed)
+        self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms)
+        self.counts: dict[str, int] = {}
+        self.num_moves = 0
+
+    def roll(self, name: str) -> bool:
+        p = self.p.get(name, 0.0)
+        hit = p > 0 and self.rng.random() < p
+        if hit:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return hit
+
+    def roll_delay_s(self) -> float:
+        if self.delay_p > 0 and self.rng.random() < self.delay_p:
+            self.counts["delay_ack"] = self.counts.get("delay_ack", 0) + 1
+            return self.delay_ms / 1000
+        return 0.0
+
+    def move_executed(self, move_id: str) -> None:
+        """A move ran and its outcome is about to leave: ``crash_after_moves`` kills the process
+        here, so the control never hears of the Nth move (device thread only)."""
+        self.num_moves += 1
+        if self.crash_after_moves and self.num_moves == self.crash_after_moves:
+            log.warning("fault_injected_crash", fault="crash_after_moves", n=self.num_moves, move_id=move_id)
+            os.kill(os.getpid(), signal.SIGKILL)
