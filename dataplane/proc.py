@@ -394,7 +394,7 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         return WorkerCore(NoCopyEngine(block_bytes, caps, args.worker, args.device), args.worker, faults), block_bytes
     import torch  # noqa: PLC0415 - only the real engine needs it (and its seconds of import)
 
-    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.mover import Mover  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
@@ -402,8 +402,8 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         torch.set_num_threads(args.torch_threads)
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     kv = KVLayout(*layout[:4], dtype=layout[4])
-    pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
-    engine = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
+    pinned = Mover.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
+    engine = Mover(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
                     disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
     return WorkerCore(engine, args.worker, faults, expected_errors=(DataPlaneError,)), kv.block_bytes
 

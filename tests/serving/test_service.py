@@ -23,7 +23,7 @@ from residency.control.moves import MoveConfig
 from residency.control.policy import PolicyConfig
 from residency.control.proc import ControlConfig, ControlProc
 from residency.control.scheduler.service import ServingService
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.model import ModelConfig, block_content_keys, random_model
 from residency.dataplane.pools import DataPlaneError, KVLayout
 from residency.dataplane.proc import WorkerProc
@@ -80,8 +80,8 @@ class Stack:
         host = host_blocks * kv.block_bytes
         self.workers, self.threads = [], []
         for w in range(workers):             # one model, one worker thread each (as one process per GPU)
-            engine = Engine(kv, device_blocks, host, self.dir / f"disk{w}",
-                            Engine.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
+            engine = Mover(kv, device_blocks, host, self.dir / f"disk{w}",
+                           Mover.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
             core = WorkerCore(engine, w, WorkerFaults(), expected_errors=(DataPlaneError,))
             loop = ServingLoop(worker=w, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(),
                                device_pool=engine.device_pool, model_id="tiny", model_digest=model.kv_digest,

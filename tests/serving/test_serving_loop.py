@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.model import block_content_keys, generate, load_model
 from residency.dataplane.model import SamplingParams as ModelSampling
 from residency.dataplane.pools import KVLayout
@@ -35,8 +35,8 @@ def make_loop(model, tmp_path, name: str, device_blocks: int = 96):
     c = model.config
     kv = KVLayout(c.num_layers, P, c.num_kv_heads, c.head_dim, dtype=torch.float32)
     host = 64 * kv.block_bytes
-    engine = Engine(kv, device_blocks, host, tmp_path / name, Engine.pinned_bytes_needed(kv, device_blocks, host),
-                    "cpu", fsync=False)
+    engine = Mover(kv, device_blocks, host, tmp_path / name, Mover.pinned_bytes_needed(kv, device_blocks, host),
+                   "cpu", fsync=False)
     loop = ServingLoop(worker=0, runner=model.runner, tokenizer=model.tokenizer, device_pool=engine.device_pool,
                        model_id="smol", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
     return engine, loop
@@ -164,7 +164,7 @@ def test_continuous_batching_lets_a_request_join_running_decodes(model, tmp_path
     assert len(tokens_of(out, "a")) == 5 and len(tokens_of(out, "b")) == 5
 
 
-def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: bool) -> list[list[int]]:
+def converse(loop: ServingLoop, engine: Mover, turns: list[str], move_between: bool) -> list[list[int]]:
     """A greedy multi-turn chat as the control process would drive it: reuse the session's full
     pages; between turns optionally park them to host, demote to disk and restore them."""
     messages: list[ChatTurn] = []
