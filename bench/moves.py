@@ -1,6 +1,6 @@
 """Block moves between the device pool and pinned host memory, against the link's ceiling.
 
-    python bench/moves.py                      # H200: 1024 blocks x 2 MiB (32 layers x K/V x 32 KiB)
+    python bench/moves.py                      # 1024 blocks x 2 MiB (32 layers x K/V x 32 KiB)
     python bench/moves.py --quick              # tiny sizes, any host (checks the script runs)
     python bench/moves.py --out results.json
 
@@ -120,7 +120,7 @@ class Bench:
         r["ceiling_h2d_GBps"] = self.bytes / statistics.median(h2d) / GB
         r["ceiling_bidir_GBps"] = 2 * self.bytes / statistics.median(both) / GB
         # What this host's link allows "both at once" to reach over one direction: the bare
-        # bidirectional copy over the mean bare one-way copy (1.52x to 1.84x over 27 runs on lent hosts),
+        # bidirectional copy over the mean bare one-way copy (it varies from host to host),
         # from the medians, and per round (``_paired``: the median of the rounds' own ratios).
         r["hardware_both_vs_one_direction"] = round(
             r["ceiling_bidir_GBps"] / ((r["ceiling_d2h_GBps"] + r["ceiling_h2d_GBps"]) / 2), 4)

@@ -1,8 +1,7 @@
 """Why "both at once" (a spill and a restore together) stays below the bidirectional ceiling.
 
-bench/moves.py measures it (1.61x one direction on the H200, 90.5% of the bidirectional ceiling)
-and its bidir_probe showed that even the bare staged copy path, without any bookkeeping, gets only
-~88% both ways while plain copies get ~98%. This probe takes that apart on the same mover and
+bench/moves.py measures it, and its bidir_probe compares the bare staged copy path, without any
+bookkeeping, with plain copies both ways (bench/RESULTS.md has the figures). This probe takes that apart on the same mover and
 blocks (1024 scattered 2 MiB blocks each way), aggregate GB/s, median of --reps, rounds interleaved:
 
     copy paths   plain copies on the mover's / default-priority streams, the host pool as the
