@@ -248,7 +248,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
     once per variant (the headline figures are the default variant's; all are under "variants")."""
     import torch  # noqa: PLC0415
 
-    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.mover import Mover  # noqa: PLC0415
     from residency.dataplane.pools import KVLayout  # noqa: PLC0415
     from residency.dataplane.build import layout_block_bytes, parse_layout  # noqa: PLC0415
     from residency.events.commands import CommitBlocks, ExecuteMove  # noqa: PLC0415
@@ -263,7 +263,7 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
     d = tempfile.mkdtemp(prefix="rcb-", dir="/tmp")
     out: dict = {"bytes": n * bb, "blocks": n, "block_bytes": bb}
     try:
-        eng = Engine(kv, n + 8, host_bytes, d, Engine.pinned_bytes_needed(kv, n + 8, host_bytes), device,
+        eng = Mover(kv, n + 8, host_bytes, d, Mover.pinned_bytes_needed(kv, n + 8, host_bytes), device,
                      disk_bytes=0, fsync=False)
         eng.commit_blocks(CommitBlocks(request_id="c", session=None, tier="device", blocks=list(range(n)), seed=1))
         times = []

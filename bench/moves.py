@@ -1,6 +1,6 @@
 """Block moves between the device pool and pinned host memory, against the link's ceiling.
 
-    python bench/moves.py                      # H200: 1024 blocks x 2 MiB (32 layers x K/V x 32 KiB)
+    python bench/moves.py                      # 1024 blocks x 2 MiB (32 layers x K/V x 32 KiB)
     python bench/moves.py --quick              # tiny sizes, any host (checks the script runs)
     python bench/moves.py --out results.json
 
@@ -8,17 +8,17 @@ Measured in one run (medians over --reps; every figure in GB/s = 1e9 B/s and as 
 ceiling measured in the same run, JSON keys ``*_fraction_of_ceiling``):
   ceiling           one contiguous pinned copy of the same bytes (cudaMemcpyAsync), each direction,
                     and both directions at once on two streams
-  spill             Engine.execute(evict device->host) of 1024 scattered blocks, checksums included
-  restore           Engine.execute(restore host->device) of the same, verified before visible
+  spill             Mover.execute(evict device->host) of 1024 scattered blocks, checksums included
+  restore           Mover.execute(restore host->device) of the same, verified before visible
   both              a spill and a restore in flight together (submit_many, wait, wait; and
                     submit, submit, wait, wait)
-  copy modes        the engine's "kernel" (Triton gather/scatter straight to/from pinned host),
-                    "dma" (one cudaMemcpyAsync per 2 MiB block) and "staged" (gather/scatter via a
-                    device staging buffer, then one DMA per 64 MiB chunk) paths, each measured;
-                    the headline figures use the best mode per direction
+  copy modes        the mover's "dma" (one DMA per 2 MiB block) and "staged" (gather/scatter via
+                    a device staging buffer, then one DMA per 64 MiB chunk) paths and the bench's
+                    "kernel" (Triton gather/scatter straight to/from pinned host; moves_variants.py),
+                    each measured; the headline figures use the mover's mode per direction
   baselines         per-chunk memcpy (32 KiB pages one by one, the layer-first way) and per-block memcpy
-  checksum cost     engine spill vs engine spill with hashing switched off (``no_checksums``);
-                    and the engine without hashing vs the bare copy path (bookkeeping, launches)
+  checksum cost     mover spill vs mover spill with hashing switched off (``no_checksums``);
+                    and the mover without hashing vs the bare copy path (bookkeeping, launches)
   phases            where a move's wall time goes on the host clock: validate, begin (enqueue),
                     wait (until the copies are seen complete), commit
   latency           one-block spill and restore, p50/p99 over --latency-iters
@@ -36,18 +36,19 @@ import statistics
 import sys
 import tempfile
 import time
-
+from functools import partial
 
 import torch  # noqa: E402
 
-from residency.dataplane.engine import Engine  # noqa: E402
-from residency.dataplane.moves.copy import Copier  # noqa: E402
+from residency.dataplane.moves.dma import RawDma, TorchDma  # noqa: E402
+from residency.dataplane.mover import Mover, copy_modes_for  # noqa: E402
 from residency.dataplane.pools import KVLayout  # noqa: E402
 from residency.events.catalog import MoveAcked  # noqa: E402
 from residency.events.commands import CommitBlocks, ExecuteMove  # noqa: E402
 from residency.kernels.checksum import block_checksums  # noqa: E402
 from moves_parts import GB, both_over_one, no_checksums, phases, probe_bidir, sync, timed  # noqa: E402,F401
 from moves_report import TARGETS, device_name, git_commit, table, triton_version  # noqa: E402,F401
+from moves_variants import BenchCopier, Lanes  # noqa: E402
 
 
 
@@ -63,15 +64,14 @@ class Bench:
         self.rng = random.Random(args.seed)
         self.res: dict = {"errors": {}}
         host_bytes = 2 * self.n * self.layout.block_bytes
-        need = Engine.pinned_bytes_needed(self.layout, 2 * self.n, host_bytes)
+        need = Mover.pinned_bytes_needed(self.layout, 2 * self.n, host_bytes)
         self.tmp = tempfile.TemporaryDirectory()
+        # The mover's copier, plus the bench's "kernel" mode and DMA lanes (one unless asked).
+        self.lanes = Lanes(getattr(args, "dma_lanes", None) or 1)
         # The ceiling's two host buffers are pinned through the same budget as everything else.
-        self.e = Engine(self.layout, 2 * self.n, host_bytes, self.tmp.name, need + 2 * self.bytes + 8192,
-                        device=str(self.dev), fsync=False, pipeline_blocks=args.pipeline_blocks,
-                        raw_dma=not getattr(args, "torch_dma", False),
-                        batch_dma=not getattr(args, "no_batch_dma", False),
-                        settle_beside=not getattr(args, "no_settle_beside", False),
-                        **({"dma_lanes": args.dma_lanes} if getattr(args, "dma_lanes", None) else {}))
+        self.e = Mover(self.layout, 2 * self.n, host_bytes, self.tmp.name, need + 2 * self.bytes + 8192,
+                       device=str(self.dev), fsync=False, pipeline_blocks=args.pipeline_blocks,
+                       dma=self.dma_variant(args), copier=partial(BenchCopier, lanes=self.lanes))
         words = self.layout.block_words
         self.h_a = self.e.pinned.alloc("bench-ceiling-a", (self.n, words), torch.int32)
         self.h_b = self.e.pinned.alloc("bench-ceiling-b", (self.n, words), torch.int32)
@@ -120,12 +120,21 @@ class Bench:
         r["ceiling_h2d_GBps"] = self.bytes / statistics.median(h2d) / GB
         r["ceiling_bidir_GBps"] = 2 * self.bytes / statistics.median(both) / GB
         # What this host's link allows "both at once" to reach over one direction: the bare
-        # bidirectional copy over the mean bare one-way copy (1.52x to 1.84x over 27 runs on lent hosts),
+        # bidirectional copy over the mean bare one-way copy (it varies from host to host),
         # from the medians, and per round (``_paired``: the median of the rounds' own ratios).
         r["hardware_both_vs_one_direction"] = round(
             r["ceiling_bidir_GBps"] / ((r["ceiling_d2h_GBps"] + r["ceiling_h2d_GBps"]) / 2), 4)
         r["hardware_both_vs_one_direction_paired"] = round(statistics.median(
             both_over_one(b, o, i) for b, o, i in zip(both, d2h, h2d)), 4)
+
+    @staticmethod
+    def dma_variant(args):
+        """The DMA issuer asked for: None (the mover's own), torch's copies, or one call per run."""
+        if getattr(args, "torch_dma", False):
+            return TorchDma()
+        if getattr(args, "no_batch_dma", False) and torch.cuda.is_available() and not getattr(args, "cpu", False):
+            return RawDma.load(batch=False)
+        return None
 
     def engine_modes(self):
         """Per copy mode: spill (evict A) and restore (A back), with and without checksums, and the
@@ -135,7 +144,7 @@ class Bench:
         warm = self.A[:8]
         gib = self.bytes / 2**30
         for mode in ("kernel", "dma", "staged"):
-            self.e.ctx.copy_modes.update(d2h=mode, h2d=mode)
+            self.e.ctx.copy_modes.update(d2h=mode, h2d=mode)        # the mover's copier is BenchCopier
             self.run(self.mv("evict", "device", "host", warm))             # compile, warm caches
             self.run(self.mv("restore", "host", "device", warm))
             t = {k: [] for k in ("spill", "restore", "cpu_s", "cpu_r", "copy_d2h", "copy_h2d",
@@ -169,13 +178,13 @@ class Bench:
                 m[k + "_fraction_of_ceiling"] = self.frac(m[k + "_GBps"], r["ceiling_d2h_GBps"])
             for k in ("restore", "copy_only_h2d", "restore_no_checksum"):
                 m[k + "_fraction_of_ceiling"] = self.frac(m[k + "_GBps"], r["ceiling_h2d_GBps"])
-            # what the checksum costs a spill, and what the rest of the engine costs on top of the copy
+            # what the checksum costs a spill, and what the rest of the mover costs on top of the copy
             m["spill_checksum_cost_fraction"] = round(1 - m["spill_GBps"] / m["spill_no_checksum_GBps"], 4)
             m["spill_engine_overhead_fraction"] = round(1 - m["spill_no_checksum_GBps"] / m["copy_only_d2h_GBps"], 4)
             r["modes"][mode] = m
 
     def copy_only(self, direction: str) -> float:
-        """The engine's copy path for the same scattered blocks, with no checksum and no bookkeeping.
+        """The mover's copy path for the same scattered blocks, with no checksum and no bookkeeping.
 
         d2h runs while the host pool is empty (writes its first slots); h2d runs while A is on the
         host (reads A's host rows in slot order, writes the device slots A's restore will reserve).
@@ -191,7 +200,7 @@ class Bench:
             dst, dst_slots = dp.words, sorted(dp.table._free)[: len(self.A)]
 
         def go():
-            copier = Copier(ctx, direction, src, src_slots, dst, dst_slots)
+            copier = ctx.copier(ctx, direction, src, src_slots, dst, dst_slots)
             copier.enqueue(0, len(src_slots))
             copier.done().synchronize()
         return timed(self.dev, go)
@@ -213,7 +222,7 @@ class Bench:
         return timed(d, go)
 
     def both_at_once(self, d2h: str, h2d: str, together: bool = True, bare: bool = False) -> tuple[float, float]:
-        """Spill B while A is restored, aggregate GB/s: both begun by Engine.submit_many (each
+        """Spill B while A is restored, aggregate GB/s: both begun by Mover.submit_many (each
         reaches the link before either does its bookkeeping) or, ``together=False``, by two
         submits one after the other; then wait for both. Also returns the median over the rounds
         of each round's rate over its own one-way moves (``both_over_one``)."""
@@ -352,10 +361,9 @@ class Bench:
     # ------------------------------------------------------------ driver
     def main(self):
         r = self.res
-        from residency.dataplane.engine import default_copy_modes
-
-        defaults = default_copy_modes(self.e.ctx.dma)    # what this engine uses when none is named
-        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults, dma_issuer=self.e.ctx.dma.name, dma_lanes=self.e.streams.dma_lanes, settle_beside=self.e.settle_beside,
+        defaults = copy_modes_for(self.e.ctx.dma)    # what the mover uses with this issuer
+        r.update(date=time.strftime("%Y-%m-%d"), git_commit=git_commit(), engine_default_copy_modes=defaults,
+                 dma_issuer=self.e.ctx.dma.name, dma_lanes=self.lanes.count,
                  dma_batch_refused=getattr(self.e.ctx.dma, "batch_refused", None), device=device_name(self.dev),
                  torch=torch.__version__, triton=triton_version(), blocks=self.n, bytes=self.bytes,
                  layout=dict(num_layers=self.layout.num_layers, page_tokens=self.layout.page_tokens,
@@ -378,7 +386,7 @@ class Bench:
         if modes:
             for mode in list(modes):
                 self.section(f"both_{mode}", lambda m=mode: self.both(modes[m], m, m))
-            # Headline figures: the engine's default mode per direction, what a user gets (the
+            # Headline figures: the mover's mode per direction, what a user gets (the
             # fastest per direction in this run is recorded beside it; a 0.1% win of another mode
             # in one run is noise, and mixing modes changes "both at once").
             r["fastest_modes"] = {"d2h": max(modes, key=lambda m: modes[m]["spill_GBps"]),
@@ -426,7 +434,7 @@ class Bench:
 
 def gpu_bench(name: str, args, why: str = "") -> tuple[Bench, dict] | None:
     """What the GPU-only benches (moves_trace, moves_probe) share: warnings-only logs, the GPU
-    check, this bench's engine and blocks, and the JSON header. None (after saying why) without a GPU."""
+    check, this bench's mover and blocks, and the JSON header. None (after saying why) without a GPU."""
     import logging
 
     import structlog
@@ -456,15 +464,15 @@ def main(argv=None):
     p.add_argument("--latency-iters", type=int, default=200)
     p.add_argument("--chunk-blocks", type=int, default=128, help="blocks in the per-chunk memcpy baseline")
     p.add_argument("--pipeline-blocks", type=int, default=64,
-                   help="the engine's blocks per pipelined chunk (staging buffer rows; default as the engine's)")
+                   help="the mover's blocks per pipelined chunk (staging buffer rows; default as the mover's)")
     p.add_argument("--matmuls", type=int, default=30)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--torch-dma", action="store_true",
-                   help="issue the engine's DMAs through torch's copy_ instead of cudaMemcpyAsync (for comparison)")
+                   help="issue the mover's DMAs through torch's copy_ instead of cudaMemcpyAsync (for comparison)")
     p.add_argument("--no-batch-dma", action="store_true",
                    help="one cudaMemcpyAsync per run instead of a cudaMemcpyBatchAsync per call (for comparison)")
-    p.add_argument("--dma-lanes", type=int, default=None, help="copy streams per direction for the dma mode (default: the engine's)")
-    p.add_argument("--no-settle-beside", action="store_true", help="settle moves only when waited for (Engine.settle_beside off)")
+    p.add_argument("--dma-lanes", type=int, default=None,
+                   help="copy streams per direction for the dma mode (default 1, as the mover)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, measures nothing")
     p.add_argument("--out", default=None)

@@ -1,24 +1,25 @@
 """Does spreading a move's 2 MiB DMAs over several copy streams ("lanes") close the gap between
 "both at once" and the bare bidirectional copy?
 
-The engine's both-at-once reaches 0.91-0.99 of a bare 2 GiB copy each way (bench/results,
-moves-2026-12-05-h200-run4..7), and one-way restores lose more than spills (scattered device
-rows on one side, 2 MiB DMAs). A copy engine that ends one DMA before it starts the next leaves
+The mover's both-at-once stays a little short of a bare 2 GiB copy each way, and one-way
+restores lose more than spills (scattered device rows on one side, 2 MiB DMAs). A copy engine that ends one DMA before it starts the next leaves
 the link idle for the read latency at every boundary; two streams per direction let two copy
-engines overlap those boundaries. No engine, no bookkeeping: pinned host rows (from the engine's
-budget authority) and device rows, the engine's DMA issuer (cudaMemcpyBatchAsync where there is
-one), a batch per 64 blocks as the engine issues them. Rounds interleave every variant:
+engines overlap those boundaries. No mover, no bookkeeping: pinned host rows (from the mover's
+budget authority) and device rows, the mover's DMA issuer (cudaMemcpyBatchAsync where there is
+one), a batch per 64 blocks as the mover issues them. Rounds interleave every variant:
 
     whole        one 2 GiB copy per direction (the ceiling)
     runs_L       1024 contiguous 2 MiB DMAs per direction, batches alternating over L streams
-    scattered_L  the same with the device rows at random over a 3x larger pool (the engine's case)
+    scattered_L  the same with the device rows at random over a 3x larger pool (the mover's case)
 
 Each: d2h alone, h2d alone, both at once; GB/s medians and both over the mean one-way rate.
 
-Then the engine itself (bench/moves.py's blocks and engine, made with the most lanes asked for),
+Then the mover itself (bench/moves.py's blocks and mover, made with the most lanes asked for),
 per round, per copy modes (--engine-modes) and lane count: a spill of A, a spill of B with a restore of A by submit_many, a
 restore of B, and the bare copy both ways; "both over one" per round as bench/moves.py's
 ``_paired`` figure, and both at once over the bare copy both ways of the same round.
+The mover itself has one stream per direction; the lanes here are the bench's own
+(moves_variants.py: ``Lanes``, ``BenchCopier``).
 
     python3 bench/moves_lanes.py [--out lanes.json] [--reps 7] [--lanes 1,2,4] [--engine-reps 9]
                                  [--engine-modes dma/dma,dma/staged,staged/staged]
@@ -43,7 +44,7 @@ from moves_report import device_name, git_commit  # noqa: E402
 
 GB = 1e9
 ROW_WORDS = (2 << 20) // 4          # one 2 MiB block as int32 words
-BATCH = 64                          # blocks per batch, as the engine's pipeline_blocks
+BATCH = 64                          # blocks per batch, as the mover's pipeline_blocks
 
 
 def main(argv=None) -> int:
@@ -51,15 +52,15 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--lanes", default="1,2,4")
-    p.add_argument("--engine-reps", type=int, default=9, help="engine rounds per lane count (0: none)")
+    p.add_argument("--engine-reps", type=int, default=9, help="mover rounds per lane count (0: none)")
     p.add_argument("--engine-modes", default="dma/dma,dma/staged,staged/staged",
-                   help="copy modes d2h/h2d the engine part compares")
-    p.add_argument("--quick", action="store_true", help="the engine part only, tiny, on the CPU: checks the script")
+                   help="copy modes d2h/h2d the mover part compares")
+    p.add_argument("--quick", action="store_true", help="the mover part only, tiny, on the CPU: checks the script")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     lanes = [int(x) for x in a.lanes.split(",")]
     if a.quick:
-        print(json.dumps(engine_lanes(lanes, 2, a.engine_modes.split(","), quick=True)["variants"].keys().__repr__()))
+        print(json.dumps(mover_lanes(lanes, 2, a.engine_modes.split(","), quick=True)["variants"].keys().__repr__()))
         return 0
     if not torch.cuda.is_available():
         print("moves_lanes: needs a GPU (--quick checks the script on the CPU)")
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     res = copies(a, lanes)               # its buffers are gone when it returns
     torch.cuda.empty_cache()
     if a.engine_reps:
-        res["engine"] = engine_lanes(lanes, a.engine_reps, a.engine_modes.split(","))
+        res["mover"] = mover_lanes(lanes, a.engine_reps, a.engine_modes.split(","))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
@@ -147,7 +148,7 @@ def copies(a, lanes: list[int]) -> dict:
     return res
 
 
-def engine_variants(lanes: list[int], modes: list[str]) -> list[tuple[str, str, int]]:
+def mover_variants(lanes: list[int], modes: list[str]) -> list[tuple[str, str, int]]:
     """(d2h mode, h2d mode, lanes) to run: lanes only matter where a direction is "dma"."""
     out = []
     for m in modes:
@@ -157,8 +158,8 @@ def engine_variants(lanes: list[int], modes: list[str]) -> list[tuple[str, str, 
     return out
 
 
-def engine_lanes(lanes: list[int], reps: int, modes: list[str], quick: bool = False) -> dict:
-    """The engine per (copy modes, lanes), rounds interleaved (see the module's docstring)."""
+def mover_lanes(lanes: list[int], reps: int, modes: list[str], quick: bool = False) -> dict:
+    """The mover per (copy modes, lanes), rounds interleaved (see the module's docstring)."""
     import logging
 
     import structlog
@@ -174,14 +175,14 @@ def engine_lanes(lanes: list[int], reps: int, modes: list[str], quick: bool = Fa
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     b = mb.Bench(args)
     e = b.e
-    variants = engine_variants(lanes, modes)
+    variants = mover_variants(lanes, modes)
     name = {v: f"{v[0]}/{v[1]} x{v[2]}" for v in variants}
     out: dict = {"engine_default_copy_modes": dict(e.ctx.copy_modes), "variants": {}}
     rounds = {v: {"spill": [], "restore": [], "both": [], "bare_both": []} for v in variants}
 
     def use(v):
         e.ctx.copy_modes.update(d2h=v[0], h2d=v[1])
-        e.streams.dma_lanes = v[2]
+        b.lanes.count = v[2]
 
     try:
         for v in variants:                   # warm-up: every variant once
@@ -203,7 +204,7 @@ def engine_lanes(lanes: list[int], reps: int, modes: list[str], quick: bool = Fa
                 r["restore"].append(b.run(b.mv("restore", "host", "device", b.B))[1])
                 r["bare_both"].append(b.bare_both())
         e.check_integrity()
-        print(f"\n{'engine':<18}{'spill GB/s':>11}{'restore GB/s':>13}{'both GB/s':>11}{'both/one':>10}"
+        print(f"\n{'mover':<18}{'spill GB/s':>11}{'restore GB/s':>13}{'both GB/s':>11}{'both/one':>10}"
               f"{'of bare both':>14}")
         for v, r in rounds.items():
             paired = [both_over_one(w, s, i) for w, s, i in zip(r["both"], r["spill"], r["restore"])]

@@ -28,7 +28,7 @@ def timed(dev, fn) -> float:
 
 
 def phases(marks: dict) -> dict:
-    """Host-clock phase durations (µs) of one move from Engine.last_phases."""
+    """Host-clock phase durations (µs) of one move from Mover.last_phases."""
     order = ["submitted", "validated", "enqueued", "landed", "settled"]
     names = ["validate", "begin", "wait", "commit"]
     out = {n: (marks[b] - marks[a]) / 1e3 for n, a, b in zip(names, order, order[1:]) if a in marks and b in marks}
@@ -99,12 +99,12 @@ class no_checksums:
 
 def probe_bidir(b) -> None:
     """Where does "both at once" lose against the bidirectional ceiling? The same 2 GiB each
-    way through ever more of the engine's machinery, aggregate GB/s:
+    way through ever more of the mover's machinery, aggregate GB/s:
 
       plain_default_streams   one copy per direction on two fresh default-priority streams
-      plain_engine_streams    the same on the engine's (high-priority) d2h / h2d streams
+      plain_engine_streams    the same on the mover's (high-priority) d2h / h2d streams
       chunked_64MiB           32 copies of 64 MiB per direction, engine streams
-      copy_path_<mode>        the engine's Copier both ways (gather/scatter + DMA), no bookkeeping
+      copy_path_<mode>        the mover's Copier both ways (gather/scatter + DMA), no bookkeeping
     """
     d = b.dev
     if d.type != "cuda":

@@ -1,18 +1,17 @@
 """Why "both at once" (a spill and a restore together) stays below the bidirectional ceiling.
 
-bench/moves.py measures it (1.61x one direction on the H200, 90.5% of the bidirectional ceiling)
-and its bidir_probe showed that even the bare staged copy path, without any bookkeeping, gets only
-~88% both ways while plain copies get ~98%. This probe takes that apart on the same engine and
+bench/moves.py measures it, and its bidir_probe compares the bare staged copy path, without any
+bookkeeping, with plain copies both ways (bench/RESULTS.md has the figures). This probe takes that apart on the same mover and
 blocks (1024 scattered 2 MiB blocks each way), aggregate GB/s, median of --reps, rounds interleaved:
 
-    copy paths   plain copies on the engine's / default-priority streams, the host pool as the
+    copy paths   plain copies on the mover's / default-priority streams, the host pool as the
                  host side, staged in one direction only, staged both ways with staging buffers of
                  16..128 blocks, staged both ways with chunks interleaved, with default-priority streams
-    host         cProfile of Engine.submit for a 2 GiB spill and restore: where begin's host time goes
+    host         cProfile of Mover.submit for a 2 GiB spill and restore: where begin's host time goes
     one_block    cProfile over 100 one-block spills and restores: where a small move's host time goes
-    both         the engine's spill+restore wall, and when each move's first chunk was enqueued:
+    both         the mover's spill+restore wall, and when each move's first chunk was enqueued:
                  two submits, and submit_many with first chunks of 1, 2, 3 pipeline chunks
-    both_dma     the same through submit_many, the engine's DMAs issued through torch vs
+    both_dma     the same through submit_many, the mover's DMAs issued through torch vs
                  cudaMemcpyAsync (dataplane/moves/dma.py)
     dma_issue    host µs to enqueue 64 scattered block DMAs, torch vs cudaMemcpyAsync
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import moves as mb  # noqa: E402  (bench/moves.py: the same engine set-up)
+import moves as mb  # noqa: E402  (bench/moves.py: the same mover set-up)
 from residency.dataplane.moves import Copier, DeviceStaging  # noqa: E402
 from residency.dataplane.moves.copy import coalesce  # noqa: E402
 
@@ -220,21 +219,21 @@ def one_block_profile(b: mb.Bench, iters: int = 100) -> dict:
 
 
 def both(b: mb.Bench, reps: int) -> dict:
-    """The engine's spill+restore, submitted one after the other and through submit_many with
-    first chunks 1, 2 and 3 pipeline chunks long (``submit_many_x<k>``; the engine's default is
-    ``dataplane.engine.FIRST_CHUNKS_TOGETHER``), and x2 without the first move's longer first step
+    """The mover's spill+restore, submitted one after the other and through submit_many with
+    first chunks 1, 2 and 3 pipeline chunks long (``submit_many_x<k>``; the mover's default is
+    ``dataplane.mover.FIRST_CHUNKS_TOGETHER``), and x2 without the first move's longer first step
     (``FIRST_LEAD_BLOCKS``; ``_nolead``), two interleaved rounds."""
-    import residency.dataplane.engine as engine_mod
+    import residency.dataplane.mover as mover_mod
 
     res = {}
     hows = ("sequential", "submit_many_x1", "submit_many_x2", "submit_many_x3", "submit_many_x2_nolead")
     for how in hows + hows:
-        k = engine_mod.FIRST_CHUNKS_TOGETHER if how == "sequential" else int(how.split("_x")[1][0])
-        lead = 0 if how.endswith("nolead") else engine_mod.FIRST_LEAD_BLOCKS
-        with swapped(engine_mod, FIRST_CHUNKS_TOGETHER=k, FIRST_LEAD_BLOCKS=lead):
+        k = mover_mod.FIRST_CHUNKS_TOGETHER if how == "sequential" else int(how.split("_x")[1][0])
+        lead = 0 if how.endswith("nolead") else mover_mod.FIRST_LEAD_BLOCKS
+        with swapped(mover_mod, FIRST_CHUNKS_TOGETHER=k, FIRST_LEAD_BLOCKS=lead):
             _add_round(res, how, b, *_both_reps(b, reps, how == "sequential"))
-    res["engine_default_first_chunks"] = engine_mod.FIRST_CHUNKS_TOGETHER
-    res["engine_default_first_lead_blocks"] = engine_mod.FIRST_LEAD_BLOCKS
+    res["engine_default_first_chunks"] = mover_mod.FIRST_CHUNKS_TOGETHER
+    res["engine_default_first_lead_blocks"] = mover_mod.FIRST_LEAD_BLOCKS
     return res
 
 
@@ -315,7 +314,7 @@ def _issuers() -> dict:
 
 
 def both_dma(b: mb.Bench, reps: int) -> dict:
-    """Spill+restore through submit_many (the engine's default first chunks) with the engine's
+    """Spill+restore through submit_many (the mover's default first chunks) with the mover's
     DMAs issued each way of ``_issuers`` (torch, one cudaMemcpyAsync per run, one batch per call),
     two interleaved rounds each."""
     issuers = _issuers()

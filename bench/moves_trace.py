@@ -1,13 +1,13 @@
 """Where a 2 GiB move's time goes, on the device's own clock: torch.profiler around single moves.
 
-bench/moves.py says how fast a move is; this says why. It runs the same engine and blocks as
+bench/moves.py says how fast a move is; this says why. It runs the same mover and blocks as
 bench/moves.py (1024 scattered 2 MiB blocks), warms up, then profiles one of each:
 
-    spill            evict A device -> host (checksums; copy modes: --copy-modes, default the engine's)
+    spill            evict A device -> host (checksums; copy modes: --copy-modes, default the mover's)
     restore          restore A host -> device (verified)
     restore_nohash   the same without hashing (bench/moves.py's no_checksums)
     both             spill B and restore A submitted one after the other (two submits)
-    both_many        the same through Engine.submit_many (first chunks in turn, by slices)
+    both_many        the same through Mover.submit_many (first chunks in turn, by slices)
     bare_both        no engine: one contiguous 2 GiB copy each way, each on its own stream, at once
                      (which direction the link itself favours when both run)
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 
-import moves as mb  # noqa: E402  (bench/moves.py: the same engine set-up)
+import moves as mb  # noqa: E402  (bench/moves.py: the same mover set-up)
 
 
 def _args(argv) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def _args(argv) -> argparse.Namespace:
                    help="list every device event and CUDA call in each move's last this many ms")
     p.add_argument("--only", default=None, help="comma-separated moves to trace (default: all)")
     p.add_argument("--copy-modes", default="default",
-                   help="the engine's copy mode for both directions, or 'default' (the engine's own)")
+                   help="the mover's copy mode for both directions, or 'default' (the mover's own)")
     a = p.parse_args(argv)
     # the fields bench/moves.py's Bench reads
     a.layers, a.page_tokens, a.kv_heads, a.head_dim = 32, 16, 8, 128

@@ -1,8 +1,8 @@
-"""What a worker's engine warm-up buys: the first moves of a fresh process, with and without it.
+"""What a worker's warm-up of its mover buys: the first moves of a fresh process, with and without it.
 
 Each round starts a fresh Python process (kernels compile, or load from Triton's disk cache, once
-per process), builds an engine of 2 MiB blocks (the moves bench's layout), optionally runs
-``Engine.warm_up()`` (what ``python -m residency.dataplane.proc`` does on a GPU before its Hello), then
+per process), builds a mover of 2 MiB blocks (the moves bench's layout), optionally runs
+``Mover.warm_up()`` (what ``python -m residency.dataplane.proc`` does on a GPU before its Hello), then
 times its first 1-block spill and restore and its first 128-block spill. Rounds alternate
 cold / warmed, --rounds of each. Prints a table; writes bench/results/warm-up-<date>-<device>.json.
 
@@ -25,7 +25,7 @@ from commit import git_commit  # noqa: E402  (bench/commit.py)
 CHILD = r"""
 import json, sys, tempfile, time
 import torch
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.pools import KVLayout
 from residency.events.commands import CommitBlocks, ExecuteMove
 
@@ -33,8 +33,8 @@ device, warm = sys.argv[1], sys.argv[2] == "1"
 kv = KVLayout(32, 16, 8, 128, dtype="bfloat16")
 n = 512
 d = tempfile.mkdtemp()
-e = Engine(kv, n, n * kv.block_bytes, d, Engine.pinned_bytes_needed(kv, n, n * kv.block_bytes), device,
-           disk_bytes=0, fsync=False)
+e = Mover(kv, n, n * kv.block_bytes, d, Mover.pinned_bytes_needed(kv, n, n * kv.block_bytes), device,
+          disk_bytes=0, fsync=False)
 e.commit_blocks(CommitBlocks(request_id="c", session=None, tier="device", blocks=list(range(200)), seed=1))
 out = {"warm_up_s": None}
 if warm:

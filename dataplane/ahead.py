@@ -61,7 +61,7 @@ class AheadWatch:
         if now >= self.hold_until:
             self.core.drop_ahead(f"its command did not come within {AHEAD_HOLD_MS} ms")
             return dict(poller.poll(0))
-        pump = getattr(self.core.engine, "pump", None)
+        pump = getattr(self.core.mover, "pump", None)
         if pump is not None and pump():
             return dict(poller.poll(0))
         if self.awake_until:

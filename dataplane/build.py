@@ -28,7 +28,7 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         return build_serving_core(args, faults)
     import torch  # noqa: PLC0415 - seconds of import, only once the worker knows it needs it
 
-    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.mover import Mover  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
@@ -37,7 +37,7 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         torch.set_num_threads(args.torch_threads)
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     kv = KVLayout(*layout[:4], dtype=layout[4])
-    pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
-    mover = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
-                   disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+    pinned = Mover.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
+    mover = Mover(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
+                  disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
     return WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,)), kv.block_bytes

@@ -92,7 +92,7 @@ class DeviceThread:
         pin_this_thread(self.cpu)
         lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
         out = Outbox(lane, self.record, self.faults)
-        move_ctx = getattr(self.core.engine, "ctx", None)      # a real mover's (a bench mover has none)
+        move_ctx = getattr(self.core.mover, "ctx", None)      # a real mover's (a bench mover has none)
         if move_ctx is not None:
             move_ctx.on_nearly_done = lambda mid, left, eta_us: lane.send(
                 MoveNearlyDone(move_id=mid, worker=self.worker, bytes_left=left, eta_us=eta_us))
@@ -206,7 +206,7 @@ class DeviceThread:
     def _execute(self, out: Outbox, cmd: ExecuteMove) -> tuple[list, object]:
         """Run a move; its outcome leaves the moment the mover has it (``on_outcome``, called
         before the mover's bookkeeping after the move), the rest when the mover returns."""
-        mover = self.core.engine
+        mover = self.core.mover
         early: list = []          # the outcome sent early
         counted: list = []        # move_executed was called (once per move)
 

@@ -107,7 +107,7 @@ class IOThread:
     def hello(self) -> None:
         self._last_hello_ns = time.monotonic_ns()
         self.link.send(Hello(worker=self.worker, epoch=self.epoch, device=self.device,
-                             tiers=dict(self.core.engine.capacities()), block_bytes=self.block_bytes,
+                             tiers=dict(self.core.mover.capacities()), block_bytes=self.block_bytes,
                              lane=lane_identity_of(self.worker).decode(), disk_blocks=list(self.core.unclaimed_disk)))
         for msg in self.core.hello_extras():     # e.g. ServingReady: the control learns the model again
             self.link.send(msg)

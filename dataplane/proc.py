@@ -77,9 +77,9 @@ class WorkerProc:
             self.side.stop()
             self.io.send_handed_back()
             try:
-                self.core.engine.close()
+                self.core.mover.close()
             except Exception as e:  # noqa: BLE001 - logged once, the process is ending anyway
-                self.log.warning("engine_close_failed", error=repr(e))
+                self.log.warning("mover_close_failed", error=repr(e))
             self.io.close()
             self.log.info("worker_stopped", reason=self.io.stop_reason, faults=self.faults.counts)
         return 0
@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None,
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     core, block_bytes = build(args, faults)
     warm = args.warm_up if args.warm_up is not None else args.device.startswith("cuda")
-    if warm and hasattr(core.engine, "warm_up"):     # before Hello: the first move pays no kernel compile
-        did = core.engine.warm_up()
-        log.info("engine_warmed_up", worker=args.worker, blocks=did["blocks"], ms=round(1e3 * did["seconds"], 1))
+    if warm and hasattr(core.mover, "warm_up"):     # before Hello: the first move pays no kernel compile
+        did = core.mover.warm_up()
+        log.info("mover_warmed_up", worker=args.worker, blocks=did["blocks"], ms=round(1e3 * did["seconds"], 1))
     # NOTE: what exists now (torch, the mover, its pools and tables) lives as long as this process:
     # frozen out of the collector, a full collection scans only what came after (with torch
     # imported, a full collection of everything is a long pause between a command and its ack).

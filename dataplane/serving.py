@@ -1,4 +1,4 @@
-"""The inference loop of a worker: continuous batching over the Engine's device pool.
+"""The inference loop of a worker: continuous batching over the Mover's device pool.
 
     handle(Tokenize)        ─► Tokenized (ids + content keys of the full pages)
     handle(Generate)        a sequence joins: its reused pages must be resident and verified
@@ -8,7 +8,7 @@
                             ─► TokensGenerated per sequence (with the pages the step filled),
                                StepCompleted (the ledger's compact step record)
 
-The model reads and writes the same tensor the Engine moves (``engine.device_pool.tensor``):
+The model reads and writes the same tensor the Mover moves (``mover.device_pool.tensor``):
 a page parked, spilled to disk and restored is, byte for byte, the page the model wrote.
 
 Pages of a sequence (``Generate.block_ids``) are logical ids chosen by the control process; a

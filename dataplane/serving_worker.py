@@ -2,7 +2,7 @@
 
 ``python -m residency.dataplane.proc ... --model PATH|embedded`` builds its core here instead of from
 ``--kv-layout``: the layout (layers, kv heads, head dim, dtype) comes from the model, so the pages
-the Engine parks and restores are exactly the pages the model writes. The serving loop joins the
+the Mover parks and restores are exactly the pages the model writes. The serving loop joins the
 worker's device thread:
 
     commands  Generate, CancelGenerate            ─► ServingLoop.handle
@@ -53,7 +53,7 @@ def model_id_for(path: str | None) -> str:
 def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
 
-    from residency.dataplane.engine import Engine  # noqa: PLC0415
+    from residency.dataplane.mover import Mover  # noqa: PLC0415
     from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
@@ -69,12 +69,12 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
-    pinned = Engine.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
-    engine = Engine(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
+    pinned = Mover.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
+    mover = Mover(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
                     disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
-    core = WorkerCore(engine, args.worker, faults, expected_errors=(DataPlaneError,))
+    core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
-                       device_pool=engine.device_pool, model_id=args.served_model_name or model_id_for(args.model),
+                       device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
                        max_step_tokens=args.max_step_tokens)
     attach(core, loop, kv.block_bytes)

@@ -55,11 +55,11 @@ def step_guarded(step: Callable[[], list]) -> list:
 
 
 class WorkerCore:
-    """Runs commands against the mover (``engine``). Device thread only."""
+    """Runs commands against the mover (``mover``). Device thread only."""
 
-    def __init__(self, engine, worker: int, faults: WorkerFaults | None = None,
+    def __init__(self, mover, worker: int, faults: WorkerFaults | None = None,
                  expected_errors: tuple[type[BaseException], ...] = ()):
-        self.engine = engine
+        self.mover = mover
         # the mover's "no" (no room, not resident, busy): answered as CommandFailed, named
         self.expected_errors = expected_errors
         self.worker = worker
@@ -68,9 +68,9 @@ class WorkerCore:
             ExecuteMove: self.execute, CommitBlocks: self.commit, ReleaseBlocks: self.release,
             QueryInventory: self.inventory, ClaimDisk: self.claim_disk,
         }
-        # files of an earlier incarnation the engine found on its disk and verified (--keep-disk),
+        # files of an earlier incarnation the mover found on its disk and verified (--keep-disk),
         # offered in Hello until the control's ClaimDisk says which to keep
-        report = getattr(engine, "disk_report", None)
+        report = getattr(mover, "disk_report", None)
         self.unclaimed_disk: list[int] = sorted(report.indexed) if report is not None else []
         if report is not None and (report.indexed or report.quarantined):
             log.info("disk_rebuilt", worker=worker, found=len(report.indexed), quarantined=report.quarantined,
@@ -79,7 +79,7 @@ class WorkerCore:
         # waits (has_work, step -> replies), and the messages that follow every Hello.
         self.background: tuple[Callable[[], bool], Callable[[], list]] | None = None
         self.hello_extras: Callable[[], list] = lambda: []
-        # commands that read no engine state (Tokenize): a worker process runs them on its side
+        # commands that read no mover state (Tokenize): a worker process runs them on its side
         # threads (dataplane/side.py), so a long one never holds up the device thread's steps
         self.side_handlers: dict[type, Callable[[Any], list]] = {}
         # an early-started move (``start_ahead``): its command, and when it began (wall ns)
@@ -91,7 +91,7 @@ class WorkerCore:
         self.handlers[msg_type] = handler
 
     def register_side(self, msg_type: type, handler: Callable[[Any], list]) -> None:
-        """A command type that touches no engine state, run on the worker's side threads (and on the
+        """A command type that touches no mover state, run on the worker's side threads (and on the
         device thread should it arrive there)."""
         self.side_handlers[msg_type] = handler
         self.handlers[msg_type] = handler
@@ -106,8 +106,8 @@ class WorkerCore:
         """Begin the copies of a command that has not come yet (it rode on a CommandAhead; its
         MoveRequested is committing). Nothing is visible before the command itself comes and
         ``execute`` finishes the move; until then at most one move is begun this way. True: begun
-        (the engine can, the route is device <-> host, and the move would not be refused)."""
-        begin = getattr(self.engine, "begin_ahead", None)
+        (the mover can, the route is device <-> host, and the move would not be refused)."""
+        begin = getattr(self.mover, "begin_ahead", None)
         t0 = time.time_ns()
         if self.ahead is not None or begin is None or not begin(cmd):
             return False
@@ -116,10 +116,10 @@ class WorkerCore:
 
     def drop_ahead(self, why: str) -> None:
         """The early-started move's command did not come (or something else came first): its copies
-        are waited for and its reservations undone; nothing was ever visible (``Engine.abandon``)."""
+        are waited for and its reservations undone; nothing was ever visible (``Mover.abandon``)."""
         if self.ahead is not None:
             cmd, self.ahead = self.ahead, None
-            self.engine.abandon(cmd.move_id, why)
+            self.mover.abandon(cmd.move_id, why)
 
     def execute(self, cmd: ExecuteMove) -> list:
         ahead = self.ahead is not None and self.ahead == cmd
@@ -129,27 +129,27 @@ class WorkerCore:
         if ahead:                             # begun on its CommandAhead: finish it now
             if self.faults.exec_delay_ms:
                 time.sleep(self.faults.exec_delay_ms / 1000)
-            outcome = self.engine.wait(cmd.move_id)
-        elif self.faults.exec_delay_ms and hasattr(self.engine, "submit"):
+            outcome = self.mover.wait(cmd.move_id)
+        elif self.faults.exec_delay_ms and hasattr(self.mover, "submit"):
             # the pause falls in the middle of the move: destination reserved, copies begun, not committed
-            ticket = self.engine.submit(cmd)
+            ticket = self.mover.submit(cmd)
             time.sleep(self.faults.exec_delay_ms / 1000)
-            outcome = self.engine.wait(ticket)
+            outcome = self.mover.wait(ticket)
         else:
             if self.faults.exec_delay_ms:
                 time.sleep(self.faults.exec_delay_ms / 1000)
-            outcome = self.engine.execute(cmd)
+            outcome = self.mover.execute(cmd)
         return [outcome]
 
     def commit(self, cmd: CommitBlocks) -> list:
         try:
-            return [self.engine.commit_blocks(cmd)]
+            return [self.mover.commit_blocks(cmd)]
         except self.expected_errors as e:
             return [CommandFailed(worker=self.worker, ref=cmd.request_id, error=type(e).__name__, detail=str(e))]
 
     def inventory(self, cmd: QueryInventory) -> list:
-        blocks = {t: sorted(self.engine.pool(t).blocks()) for t in ("device", "host", "disk")}
-        return [Inventory(worker=self.worker, nonce=cmd.nonce, blocks=blocks, used_bytes=dict(self.engine.usage()))]
+        blocks = {t: sorted(self.mover.pool(t).blocks()) for t in ("device", "host", "disk")}
+        return [Inventory(worker=self.worker, nonce=cmd.nonce, blocks=blocks, used_bytes=dict(self.mover.usage()))]
 
     def claim_disk(self, cmd: ClaimDisk) -> list:
         """Keep the offered files the ledger still has; delete the others (never any file made
@@ -157,7 +157,7 @@ class WorkerCore:
         keep = set(cmd.keep)
         found = set(self.unclaimed_disk)
         drop = sorted(found - keep)
-        freed = self.engine.disk_tier.free(drop) if drop else 0
+        freed = self.mover.disk_tier.free(drop) if drop else 0
         self.unclaimed_disk = []
         if drop:
             log.info("disk_files_dropped", worker=self.worker, blocks=len(drop), bytes=freed)
@@ -165,7 +165,7 @@ class WorkerCore:
 
     def release(self, cmd: ReleaseBlocks) -> list:
         try:
-            return [self.engine.release(cmd)]
+            return [self.mover.release(cmd)]
         except self.expected_errors as e:
             return [CommandFailed(worker=self.worker, ref=cmd.release_id, error=type(e).__name__, detail=str(e))]
 

@@ -4,8 +4,8 @@ A move runs in two halves so that moves in opposite directions overlap:
 
     begin()   reserve destination slots, enqueue copies and checksums on the copy streams;
               returns at once on a GPU. A route may enqueue only its first chunks here and
-              leave the rest in ``pending``, one chunk per ``advance()``: the engine then
-              advances every move in flight in turn (``Engine.pump``), so a spill and a restore
+              leave the rest in ``pending``, one chunk per ``advance()``: the mover then
+              advances every move in flight in turn (``Mover.pump``), so a spill and a restore
               submitted one after the other both reach the link within a chunk's enqueue time,
               instead of the second waiting for the whole of the first's enqueue.
     finish()  wait for this move's events, verify, then commit: publish the destination copy,
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from residency.dataplane.moves.copy import Copier
 from residency.dataplane.moves.dma import RawDma, TorchDma
 from residency.dataplane.moves.indexes import IndexUploader, Landed, SumsLanding
 from residency.dataplane.moves.plan import MovePlan
@@ -53,14 +54,16 @@ class MoveContext:
     landing: SumsLanding                   # where checksums come home (pinned, read by kernel stores)
     ring: StagingRing
     staging: DeviceStaging                 # device buffers of the "staged" copy mode
-    copy_modes: dict[str, str]             # "d2h"/"h2d" -> "kernel" | "dma" | "staged"
+    copy_modes: dict[str, str]             # "d2h"/"h2d" -> "dma" | "staged" (moves/copy.py)
     pipeline_blocks: int                   # blocks per pipelined chunk (copy+hash, staging buffer)
     clock: Callable[[], int]
     # told (move_id, bytes still to cross, their estimated time in us) when a move of several
-    # chunks has all but its last across (the engine lane sends MoveNearlyDone); None: nobody listens
+    # chunks has all but its last across (the worker sends MoveNearlyDone); None: nobody listens
     on_nearly_done: Callable[[str, int, int], None] | None = None
     # how runs of rows are copied by DMA (moves/dma.py): the CUDA runtime straight, or torch
     dma: TorchDma | RawDma = field(default_factory=TorchDma)
+    # what copies a device<->host move's blocks: Copier, or a bench's variant of it
+    copier: Callable[..., Copier] = Copier
 
 
 class InFlight:
@@ -84,7 +87,7 @@ class InFlight:
         # chunks before it: once all are enqueued, after every chunk but the last (None: not yet,
         # or a route that cannot tell).
         self.nearly = None
-        self.ahead = False       # begun before its command came (Engine.begin_ahead) and not yet waited for
+        self.ahead = False       # begun before its command came (Mover.begin_ahead) and not yet waited for
 
     def device_done(self) -> bool:
         """Whether everything this move enqueued on the device has finished, so ``finish()``
@@ -121,19 +124,19 @@ class InFlight:
 
     # ------------------------------------------------------------ protocol
     def begin(self) -> None:
-        """Enqueue work. May raise; the engine then calls abort()."""
+        """Enqueue work. May raise; the mover then calls abort()."""
 
     def start(self) -> None:
         """The part of begin that gets the link going; ``prepare`` does the rest. Routes that can
         (device<->host) claim their slots and enqueue a first chunk here, so moves submitted
-        together (``Engine.submit_many``) all reach the link before any of them does its
+        together (``Mover.submit_many``) all reach the link before any of them does its
         bookkeeping. By default the whole of begin."""
         self.begin()
 
     def start_in_slices(self, slice_blocks: int, first_chunks: int = 1, lead_blocks: int = 0):
         """``start`` as a generator, one step per ``slice_blocks`` blocks of a first chunk of
         ``first_chunks`` pipeline chunks, the first step ``lead_blocks`` long when that is more
-        (``Engine.submit_many`` steps the moves in turn). By default all of start in one step."""
+        (``Mover.submit_many`` steps the moves in turn). By default all of start in one step."""
         self.start()
         return
         yield
@@ -172,8 +175,7 @@ class InFlight:
         """Order ``streams`` after the work already queued on the caller's compute stream."""
         s = self.ctx.streams
         for stream in streams:
-            for lane in s.with_lanes(stream):       # a copy stream's other dma lanes too
-                s.wait_stream(lane, self.compute)
+            s.wait_stream(stream, self.compute)
 
     def drain(self) -> None:
         s = self.ctx.streams

@@ -1,13 +1,9 @@
-"""The three ways a move copies whole blocks between the device pool and the pinned host pool.
+"""The two ways a move copies whole blocks between the device pool and the pinned host pool.
 
-    "kernel"  one Triton launch per chunk: ``gather_blocks`` stores device rows straight into the
-              pinned host pool (spill), ``scatter_blocks`` loads pinned host rows straight into
-              device slots (restore). SMs drive PCIe; no staging; ~no host CPU per block.
-    "dma"     one cudaMemcpyAsync per run of slots consecutive on both sides (a block-first block
-              is one contiguous span, so a run is ≥ block_bytes = 2 MiB for real models). Uses no
-              SMs; a few µs of host CPU and a small gap on the link per run. Successive enqueues
-              go round the direction's lanes (``CopyStreams.lanes``), so two copy engines can
-              hide each other's gaps; ``done()`` joins the direction's lanes.
+    "dma"     one DMA per run of slots consecutive on both sides (a block-first block is one
+              contiguous span, so a run is >= block_bytes = 2 MiB for real models). Uses no SMs;
+              a few µs of host CPU per run, or one call per chunk where the runtime issues a
+              chunk's DMAs in one batch (moves/dma.py).
     "staged"  gather the chunk's scattered device rows into a device staging buffer at HBM speed
               (or scatter out of it), and DMA the staging buffer to/from the host in runs as long
               as the host slots allow: a fresh host pool hands out consecutive slots, and
@@ -19,19 +15,18 @@
     staged restore: h2d:        DMA c0 ─► e0  DMA c1 ─► e1 ...
                     stage_h2d:  (wait e0) scatter c0 ─► (wait e1) scatter c1 ─► ...
 
-All are enqueued on copy streams and complete in stream order. The engine picks one per
-direction (``Engine(copy_modes=...)``, default measured by bench/moves.py). On CPU they run
-synchronously (kernels through their torch references, or Triton's interpreter under
-TRITON_INTERPRET=1), so every mode is exercised in CI.
+Both are enqueued on copy streams and complete in stream order. A move's first chunk always goes
+by "dma" (no index upload before the link starts); the rest by the mode the mover chose for its
+DMA issuer (``mover.copy_modes_for``). On CPU they run synchronously, so both are exercised in CI.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from residency.kernels.gather import gather_blocks, gather_blocks_trusted
-from residency.kernels.scatter import scatter_blocks, scatter_blocks_trusted
+from residency.kernels.gather import gather_blocks_trusted
+from residency.kernels.scatter import scatter_blocks_trusted
 
-COPY_MODES = ("kernel", "dma", "staged")
+COPY_MODES = ("dma", "staged")
 
 
 def coalesce(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -64,49 +59,30 @@ class Copier:
         self.src_words, self.dst_words = src_words, dst_words
         self.src_slots, self.dst_slots = list(src_slots), list(dst_slots)
         self.mode = mode or ctx.copy_modes[direction]
-        self.dev_idx = None          # the kernels' slot indices, uploaded by the first enqueue
-        # "dma": enqueue k goes on lane k % len(lanes); the first lane is self.stream
-        self.lanes = s.lanes(direction) if self.mode == "dma" else [self.stream]
-        self.turn = 0
+        if self.mode not in COPY_MODES:
+            raise ValueError(f"copy mode {self.mode!r} is not one of {COPY_MODES}")
+        self.dev_idx = None          # the staging kernels' device slot indices, uploaded by the first enqueue
 
     def _upload(self) -> None:
         # Not in __init__: a move whose blocks all went in its first chunk (plain DMAs) builds the
         # copier of its remaining chunks and never enqueues one; the upload would be a wasted launch.
-        ctx, direction = self.ctx, self.direction
-        if self.mode == "kernel":
-            self.dev_idx = ctx.indexes[direction].upload(self.stream, self.src_slots, self.dst_slots)
-        else:
-            dev_slots = self.src_slots if direction == "d2h" else self.dst_slots
-            self.dev_idx = ctx.indexes[direction].upload(self.stage, dev_slots)[0]
+        dev_slots = self.src_slots if self.direction == "d2h" else self.dst_slots
+        self.dev_idx = self.ctx.indexes[self.direction].upload(self.stage, dev_slots)[0]
 
     def enqueue(self, lo: int, hi: int) -> None:
-        if self.dev_idx is None and self.mode != "dma":
-            self._upload()
         if self.mode == "dma":
-            lane = self.lanes[self.turn % len(self.lanes)]
-            self.turn += 1
-            self._dma(lane, self.src_words, self.src_slots[lo:hi], self.dst_words, self.dst_slots[lo:hi])
-        elif self.mode == "kernel":
-            si, di = self.dev_idx[0][lo:hi], self.dev_idx[1][lo:hi]
-            with self.ctx.streams.on(self.stream):
-                if self.direction == "d2h":
-                    gather_blocks(self.src_words, si, self.dst_words, out_rows=di)
-                else:
-                    scatter_blocks(self.src_words, self.dst_words, di, src_rows=si)
-        else:
-            step = self.ctx.staging.rows
-            for a in range(lo, hi, step):
-                self._staged(a, min(hi, a + step))
+            self._dma(self.stream, self.src_words, self.src_slots[lo:hi], self.dst_words, self.dst_slots[lo:hi])
+            return
+        if self.dev_idx is None:
+            self._upload()
+        step = self.ctx.staging.rows
+        for a in range(lo, hi, step):
+            self._staged(a, min(hi, a + step))
 
     def done(self, spin: bool = False):
-        s = self.ctx.streams
+        """An event after everything this direction's streams have queued so far for the move."""
         last = self.stage if (self.mode == "staged" and self.direction == "h2d") else self.stream
-        # Every lane of the direction, not only this copier's: a move's first chunk (its own
-        # copier) may have gone on lanes its later chunks did not use.
-        lanes = s.lanes(self.direction)
-        if len(lanes) > 1:
-            s.join(last, lanes)
-        return s.mark(last, spin)
+        return self.ctx.streams.mark(last, spin)
 
     def _dma(self, stream, src_words, src_slots, dst_words, dst_slots) -> None:
         with self.ctx.streams.on(stream):
@@ -118,7 +94,7 @@ class Copier:
         rows = list(range(b - a))
         if self.direction == "d2h":
             s.wait_event(self.stage, st.free["d2h"][i])          # the DMA out of buf has finished
-            with s.on(self.stage):                                # the engine's own tables: no re-checks
+            with s.on(self.stage):                                # the mover's own tables: no re-checks
                 gather_blocks_trusted(self.src_words, self.dev_idx[a:b], buf)
             s.wait_event(self.stream, s.mark(self.stage))
             self._dma(self.stream, buf, rows, self.dst_words, self.dst_slots[a:b])

@@ -30,7 +30,6 @@ host-slot order, so host runs are long):
 from __future__ import annotations
 
 from residency.dataplane.moves.base import Hasher, InFlight
-from residency.dataplane.moves.copy import Copier
 from residency.dataplane.pools.errors import ChecksumMismatch
 from residency.events.catalog import pack_checksums
 
@@ -38,12 +37,12 @@ from residency.events.catalog import pack_checksums
 def first_chunk_blocks(ctx, n: int, chunks: int = 1) -> int:
     """Blocks of a move's first chunk, copied by plain DMAs the moment its slots are claimed:
     ``chunks`` pipelined chunks (64 blocks of 2 MiB cross in ~2.4 ms), long enough to hide the
-    rest of the move's bookkeeping behind it (two when two moves share the engine thread: each
-    link must stay busy through both moves' bookkeeping, ~1.5-2.3 ms each on the H200 host)."""
+    rest of the move's bookkeeping behind it (two when two moves share the mover's thread: each
+    link must stay busy through both moves' bookkeeping, ~2 ms each)."""
     return min(n, max(1, ctx.pipeline_blocks) * max(1, chunks))
 
 
-# Chunks a move enqueues inside begin(); the rest wait in ``pending`` for Engine.pump / finish.
+# Chunks a move enqueues inside begin(); the rest wait in ``pending`` for Mover.pump / finish.
 # Two chunks keep the link busy (~2.4 ms at 55 GB/s for 64 MiB chunks) while the caller goes on.
 PRIME_CHUNKS = 2
 
@@ -52,7 +51,7 @@ class _LinkFirst(InFlight):
     """begin = start (claim slots, first chunk by plain DMAs) + prepare (maps, indices, chunks).
 
     ``start_in_slices`` is start as a generator, for moves submitted together: it claims and
-    enqueues the first slice, then one more slice per step, so the engine can hand the links
+    enqueues the first slice, then one more slice per step, so the mover can hand the links
     their first bytes in turn (a spill's 64 scattered DMAs take ~0.65 ms to enqueue: the other
     direction should not wait for all of them)."""
 
@@ -101,7 +100,7 @@ class SpillToHost(_LinkFirst):
         # The bytes we read were written by work queued on the compute stream.
         self.after_compute(s.hash, s.d2h, s.stage_d2h)
         # By plain DMAs (one per 2 MiB block): no index upload and no kernel launch before the link starts.
-        return Copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0],
+        return c.copier(c, "d2h", c.device.words, c.device.slots_of(ids[:n0]), c.host.words, self.claimed[:n0],
                       mode="dma")
 
     def prepare(self, prime: int) -> None:
@@ -114,7 +113,7 @@ class SpillToHost(_LinkFirst):
 
     def _chunks(self, n0: int):
         c = self.ctx
-        copier = Copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
+        copier = c.copier(c, "d2h", c.device.words, self.dslots, c.host.words, self.hslots)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
         self.nearly = copier.done()
         self.last_chunk = n0
@@ -160,7 +159,7 @@ class SpillToHost(_LinkFirst):
             self.hslots = None
             return self.acked(self.free_source(), sums)
         # Apply the commit while the last chunk crosses. Nothing can look at the tables before
-        # this returns (the engine is one thread), and it returns only after the bytes landed;
+        # this returns (the mover is one thread), and it returns only after the bytes landed;
         # if the wait fails, both tables are put back exactly and abort() cancels the reservation.
         packed = pack_checksums(sums)            # the ack's, ready before the bytes are
         c.host.table.publish_checked(self.ids)
@@ -204,7 +203,7 @@ class RestoreFromHost(_LinkFirst):
         self.after_compute(s.h2d, s.stage_h2d)
         self.n0, self.order, self.src, self.hsrc = n0, order, src, hslots
         # By plain DMAs (host runs coalesced): no index upload and no kernel launch before the link starts.
-        return Copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0], mode="dma")
+        return c.copier(c, "h2d", c.host.words, src[:n0], c.device.words, self.claimed[:n0], mode="dma")
 
     def first_enqueued(self, first) -> None:
         self.first_done = first.done()
@@ -226,7 +225,7 @@ class RestoreFromHost(_LinkFirst):
 
     def _chunks(self, src_slots, dst_slots, n0: int, first_done):
         c = self.ctx
-        copier = Copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
+        copier = c.copier(c, "h2d", c.host.words, src_slots, c.device.words, dst_slots)
         step, n = max(1, c.pipeline_blocks), len(self.ids)
         self.hasher = None
         done = first_done

@@ -13,10 +13,9 @@ mode are runs of whole rows (a run: rows consecutive on both sides) copied by on
               both tensors' bounds before it is issued: a raw pointer has no bounds of its own.
 
 Why it matters: a spill's scattered source is one run per block, and the host time to issue a
-move's first chunk is time the link may sit idle (a spill's and a restore's first chunks took
-4.3-7.0 ms to enqueue through torch on an H200 host and 3.0-4.4 ms this way, while they take ~5.5 ms
-to cross; 64 scattered 2 MiB DMAs 940 vs 526 µs: bench/results/moves-probe-2026-12-04-h200-run4.json).
-``bench/moves.py --torch-dma`` measures the engine with the torch path for comparison.
+move's first chunk is time the link may sit idle: through torch, enqueuing a first chunk takes
+about as long as its bytes take to cross; this way, about half as long.
+``bench/moves.py --torch-dma`` measures the mover with the torch path for comparison.
 
 Where the runtime has ``cudaMemcpyBatchAsync`` (CUDA 12.8 on), RawDma issues all the runs of one
 call in one batch (one call into the runtime instead of one per run; the batch goes in stream
@@ -27,8 +26,8 @@ device scratch memory; where that check fails, the runs go one ``cudaMemcpyAsync
 ``batch_refused`` says why.
 
 What torch's copy_ does beyond the copy and this skips: recording an event for memory that came
-from torch's caching host allocator. Every host buffer here is the engine's own registered memory
-(``PinnedBudget``), whose reuse the engine orders by its own events.
+from torch's caching host allocator. Every host buffer here is the mover's own registered memory
+(``PinnedBudget``), whose reuse the mover orders by its own events.
 """
 from __future__ import annotations
 
@@ -89,9 +88,8 @@ class RawDma:
             return None
         # Already mapped: the same handle, the same runtime instance. PyDLL, not CDLL: the call
         # keeps the GIL, as torch's copy_ does; it only queues a copy (a few µs), so there is
-        # nothing to gain from handing the GIL to the worker's other threads once per DMA. (On one
-        # H200 host, bench/control.py's 2 GiB spill through a worker: control overhead p50
-        # 0.435/0.468 ms with CDLL, 0.421/0.503 with PyDLL, alternating: no difference seen.)
+        # nothing to gain from handing the GIL to the worker's other threads once per DMA (a
+        # spill through a worker showed the same control overhead either way).
         lib = ctypes.PyDLL(path)
         memcpy = lib.cudaMemcpyAsync
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -146,7 +144,7 @@ class RawDma:
 
     def _check_batch(self) -> str | None:
         """Scattered rows through the batch and back, device to device on a side stream (no host
-        memory: nothing pinned outside the engine's budget); None when they land where they
+        memory: nothing pinned outside the mover's budget); None when they land where they
         should, else why not."""
         try:
             g = torch.Generator().manual_seed(0x5EED)
@@ -228,11 +226,11 @@ def _mapped_cudart(maps: str | None = None, cuda_version: str | None = None) -> 
     return paths[0]
 
 
-def dma_issuer(device: torch.device, raw: bool = True, batch: bool = True) -> TorchDma | RawDma:
-    """RawDma on a GPU when the runtime can be found and ``raw`` (issuing a call's runs in one
-    batch where the runtime can and ``batch``); TorchDma otherwise."""
-    if device.type == "cuda" and raw:
-        found = RawDma.load(batch)
+def dma_issuer(device: torch.device) -> TorchDma | RawDma:
+    """RawDma on a GPU when the runtime can be found (issuing a call's runs in one batch where
+    the runtime can); TorchDma otherwise (the CPU path, static builds)."""
+    if device.type == "cuda":
+        found = RawDma.load()
         if found is not None:
             return found
     return TorchDma()

@@ -25,7 +25,7 @@ class SumsLanding:
     kernel on the small stream (SM stores over PCIe: no copy engine, so it never waits behind a
     move's chunks), after the event ``after``; ``Landed.read()`` waits for it and returns them as
     ints in [0, 2^64). A move may land several parts at once at different offsets (the head of a
-    restore while its last chunk crosses, and its tail). Used only from the engine's thread, and
+    restore while its last chunk crosses, and its tail). Used only from the mover's thread, and
     read back before the move returns, so one row serves every move.
     """
 
@@ -77,7 +77,7 @@ class IndexUploader:
         self.buffer = budget.alloc(owner, (2, capacity), torch.int64)
         # The halves as numpy arrays over the same pinned bytes: a list of ints is written into
         # them by numpy's assignment (one C loop), not by a torch tensor built and then copied
-        # through torch's indexing (~15 µs more host time per list on the H200's host).
+        # through torch's indexing (~15 µs more host time per list).
         self._rows = self.buffer.tensor.numpy()
         self._events = [Done(), Done()]
         self._turn = 0

@@ -13,14 +13,6 @@ NOTE (vllm#45704): a restore's blocks become visible only after the host has wai
 event recorded after its last copy and its checksums matched; the compute stream is then also
 made to wait on that event, so no kernel can read a restored page before its bytes landed.
 
-Lanes: the "dma" copy mode may spread a move's chunks over several streams per direction
-(``dma_lanes``; the first lane is d2h / h2d itself). A copy engine finishes one DMA before it
-starts the next, so a stream of 2 MiB DMAs idles the link for a read latency at every boundary;
-two streams let two copy engines overlap those boundaries (bench/moves_lanes.py measures it).
-Every lane waits on the compute stream as its first lane does, and a move's ``done()`` joins
-its lanes back into the first one, so everything after it (checksums, the next chunk's waits,
-the move's completion event) sees all of them.
-
 Completion events are created with ``blocking=True``: a waiting host thread sleeps instead of
 spinning, so host CPU time per GiB moved measures work, not polling.
 On CPU every operation runs synchronously; ``Done`` stands in for an event.
@@ -43,13 +35,9 @@ class Done:
 
 
 class CopyStreams:
-    def __init__(self, device: torch.device, lanes: int = 1):
-        if lanes < 1:
-            raise ValueError(f"dma lanes must be >= 1, got {lanes}")
+    def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.max_lanes = lanes          # streams made per direction
-        self.dma_lanes = lanes          # of which the "dma" copy mode uses this many (<= max_lanes)
         if self.cuda:
             # Copy and staging streams get the highest priority: their kernels are short, and
             # the block scheduler then runs them ahead of queued compute or hashing blocks, so
@@ -64,35 +52,12 @@ class CopyStreams:
             # never as DMAs: a DMA would queue on a copy engine behind a move's 64 MiB chunks.
             self.small = torch.cuda.Stream(device, priority=hi)
             self.zero_index = torch.zeros(1, dtype=torch.int64, device=device)
-            self._lanes = {"d2h": [self.d2h] + [torch.cuda.Stream(device, priority=hi) for _ in range(lanes - 1)],
-                           "h2d": [self.h2d] + [torch.cuda.Stream(device, priority=hi) for _ in range(lanes - 1)]}
         else:
             self.d2h = self.h2d = self.hash = self.stage_d2h = self.stage_h2d = self.small = None
             self.zero_index = torch.zeros(1, dtype=torch.int64)
-            self._lanes = {"d2h": [None], "h2d": [None]}
 
     def all(self) -> tuple:
-        extra = tuple(self._lanes["d2h"][1:] + self._lanes["h2d"][1:]) if self.cuda else ()
-        return (self.d2h, self.h2d, self.hash, self.stage_d2h, self.stage_h2d, self.small) + extra
-
-    def lanes(self, direction: str) -> list:
-        """The streams the "dma" copy mode spreads a move's chunks over, first lane first."""
-        lanes = self._lanes[direction]
-        return lanes[: max(1, min(self.dma_lanes, len(lanes)))]
-
-    def with_lanes(self, stream) -> list:
-        """``stream`` and, when it is a direction's first lane, the other lanes of that direction."""
-        for lanes in self._lanes.values():
-            if self.cuda and stream is lanes[0]:
-                return lanes
-        return [stream]
-
-    def join(self, stream, others) -> None:
-        """Make ``stream`` wait for the work queued so far on each of ``others``."""
-        if self.cuda:
-            for other in others:
-                if other is not stream:
-                    stream.wait_stream(other)
+        return (self.d2h, self.h2d, self.hash, self.stage_d2h, self.stage_h2d, self.small)
 
     def compute_stream(self):
         """The caller's current stream (the model's compute stream), or None on CPU."""

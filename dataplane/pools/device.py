@@ -9,7 +9,7 @@ is not READY, so ``slot_of`` refuses it (``BlockNotReady``) until its copy compl
 device and its checksum matched.
 
 On a CPU-only host the same class holds the tensor in RAM: identical semantics, so everything
-above it (moves, engine, tests) runs unchanged in CI.
+above it (moves, mover, tests) runs unchanged in CI.
 """
 from __future__ import annotations
 

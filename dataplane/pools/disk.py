@@ -347,7 +347,7 @@ def _fsync_dir(path: str) -> None:
 
 def worker_disk_dir(run_dir: str | os.PathLike, worker: int, keep: bool) -> Path:
     """A worker process's disk tier directory: emptied for a new incarnation unless ``keep`` (the
-    worker's ``--keep-disk``: the engine then rebuilds its index from the files, verifying each,
+    worker's ``--keep-disk``: the mover then rebuilds its index from the files, verifying each,
     and the worker's Hello offers them to the control, whose ClaimDisk says which to keep)."""
     path = Path(run_dir) / f"disk-{worker}"
     if not keep:

@@ -1,14 +1,14 @@
 """The data plane's one exception tree.
 
-Everything a pool, a move executor or the engine raises derives from ``DataPlaneError``. An
+Everything a pool, a move executor or the mover raises derives from ``DataPlaneError``. An
 expected "no" (no room, not resident, over the pinned budget) carries its numbers as
-attributes and in its message; the engine turns those into ``MoveRejected`` values.
+attributes and in its message; the mover turns those into ``MoveRejected`` values.
 """
 from __future__ import annotations
 
 
 class DataPlaneError(Exception):
-    """Root of every error raised by dataplane.pools, dataplane.moves and dataplane.engine."""
+    """Root of every error raised by dataplane.pools, dataplane.moves and dataplane.mover."""
 
 
 class LayoutError(DataPlaneError):

@@ -13,8 +13,8 @@
 Why block-first makes both consumers fast:
   * moves: a block is ONE contiguous span of ``block_bytes``, so moving n scattered blocks is n
     long unit-stride copies (one gather kernel, or n DMAs of ≥ 2 MiB each for real models) instead
-    of n × num_layers × 2 small ones (a layer-first layout copies 32 KiB pages one by one: 1.56 GB/s
-    measured on the H200 against 55 GB/s for large copies);
+    of n × num_layers × 2 small ones (a layer-first layout copies 32 KiB pages one by one, a
+    small fraction of what large copies reach);
   * attention for layer l reads ``pool[block_ids, l, 0|1]``: each page it touches is a contiguous
     ``page_tokens·kv_heads·head_dim`` run (e.g. 16·8·128·2 B = 32 KiB), which is as good for HBM
     reads as a layer-first layout; only the stride between a block's pages differs.

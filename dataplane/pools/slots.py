@@ -171,7 +171,7 @@ class SlotTable:
     # A move that must start its copy at once splits ``reserve`` in two: ``claim`` takes the slots
     # off the free list (a slice: the copy can target them now), ``record_reserved`` writes the
     # per-block maps while the first bytes cross. Nothing else touches the table in between (the
-    # engine's one thread); ``unclaim`` gives claimed slots back if the move fails first.
+    # mover's one thread); ``unclaim`` gives claimed slots back if the move fails first.
     def claim(self, n: int) -> list[int]:
         """The n lowest free slots, taken but not yet assigned to blocks. Raises NoRoom."""
         refused = self.room_for(n)
@@ -226,7 +226,7 @@ class SlotTable:
 
     # ------------------------------------------------------------ checked-ahead commits
     # A move checks its commit while its copy is still crossing the link, then applies it the
-    # moment the bytes land, without checking again: the engine runs on one thread, so nothing
+    # moment the bytes land, without checking again: the mover runs on one thread, so nothing
     # can touch the table in between. Each ``*_checked`` call requires its ``can_*`` to have
     # returned True with no mutation since. A move may even apply them while its last chunk is
     # still crossing (no other code runs before it returns, and it returns only after landing);

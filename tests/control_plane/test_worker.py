@@ -1,6 +1,6 @@
 """The worker process's side of the protocol: its fault hooks, its record of what it did, bad input,
-idempotent commands, tombstones, orphan exit. The socket side runs a no-copy engine here (no torch);
-the real engine is exercised by the kill, crash and random-fault tests."""
+idempotent commands, tombstones, orphan exit. The socket side runs a no-copy mover here (no torch);
+the real mover is exercised by the kill, crash and random-fault tests."""
 from __future__ import annotations
 
 import os
@@ -52,7 +52,7 @@ def test_an_id_reported_unknown_becomes_a_tombstone_and_is_never_run():
 
 class Control:
     """A ROUTER standing in for the control process. ``use_lane``: once the worker's LaneHello came,
-    the engine's commands go to its lane (as the control process does); else all to the worker's
+    the mover's commands go to its lane (as the control process does); else all to the worker's
     Hello socket (a control that ignores the lane)."""
 
     _decoder = msgspec.msgpack.Decoder(FromWorker)
@@ -109,7 +109,7 @@ def _spawn_for(mode: str, argv: list[str], log_path: Path):
 def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombstones(short_dir, tmp_path, mode):
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=mode == "lane")
-    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
+    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, mover="nocopy"), tmp_path / "worker.log")
     try:
         hello = ctl.expect(Hello)
         assert (hello.worker, hello.block_bytes) == (0, 16384) and ctl.identity == b"w0"
@@ -146,7 +146,7 @@ def test_a_worker_answers_bad_input_by_name_runs_commands_once_and_honours_tombs
         assert failed.ref == "m-3" and "not resident" in failed.detail
         ctl.send(Shutdown(reason="test"))
         assert w.wait(10) == 0
-        # the engine's replies came back the way its commands went; everything else from the I/O thread
+        # the mover's replies came back the way its commands went; everything else from the I/O thread
         engine_side = {b"w0.lane"} if mode == "lane" else {b"w0"}
         assert ctl.senders[ev.MoveAcked] == ctl.senders[BlocksWritten] == ctl.senders[CommandFailed] == engine_side
         assert ctl.senders[Pong] == ctl.senders[MovesReport] == ctl.senders[Hello] == {b"w0"}
@@ -162,7 +162,7 @@ def test_the_benches_worker_asked_for_timings_follows_each_outcome_with_its_mark
     from residency.events.commands import MoveTimed
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=True)
-    w = spawn(worker_argv(0, endpoint, short_dir, engine="nocopy") + ["--report-timings"], tmp_path / "worker.log")
+    w = spawn(worker_argv(0, endpoint, short_dir, mover="nocopy") + ["--report-timings"], tmp_path / "worker.log")
     try:
         ctl.expect(Hello)
         ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))
@@ -186,7 +186,7 @@ def test_the_benches_worker_asked_for_timings_follows_each_outcome_with_its_mark
 def test_a_worker_whose_control_never_comes_back_says_hello_again_then_exits(short_dir, tmp_path):
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint)
-    argv = worker_argv(0, endpoint, short_dir, engine="nocopy")
+    argv = worker_argv(0, endpoint, short_dir, mover="nocopy")
     argv[argv.index("--orphan-exit-s") + 1] = "1.5"
     w = spawn(argv + ["--control-silent-s", "0.3"], tmp_path / "worker.log")
     try:
@@ -213,7 +213,7 @@ def _threads_of(pid: int, comm: str) -> dict[int, set[int]]:
 
 
 def _real_lane_worker(short_dir, tmp_path, extra: list[str], blocks: int):
-    """A worker with a real engine whose lane is up, ``blocks`` blocks committed on its device."""
+    """A worker with a real mover whose lane is up, ``blocks`` blocks committed on its device."""
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=True)
     w = spawn(worker_argv(0, endpoint, short_dir, device_blocks=256) + extra, tmp_path / "worker.log")
@@ -264,7 +264,7 @@ def test_a_command_ahead_is_a_silent_hint_on_either_socket(short_dir, tmp_path, 
     from residency.events.commands import CommandAhead
     endpoint = f"ipc://{short_dir}/w.sock"
     ctl = Control(endpoint, use_lane=mode == "lane")
-    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, engine="nocopy"), tmp_path / "worker.log")
+    w = _spawn_for(mode, worker_argv(0, endpoint, short_dir, mover="nocopy"), tmp_path / "worker.log")
     try:
         ctl.expect(Hello)
         ctl.send(CommitBlocks(request_id="c", session="s", tier="device", blocks=[1, 2], seed=0))

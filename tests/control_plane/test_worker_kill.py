@@ -1,5 +1,5 @@
 """kill -9 a worker in the middle of a large spill, and in the middle of a restore (real processes:
-`residency serve`, its worker, the real engine). The ledger names what the dead worker took with it,
+`residency serve`, its worker, the real mover). The ledger names what the dead worker took with it,
 the supervisor starts a new one, and replay checks the invariants."""
 from __future__ import annotations
 

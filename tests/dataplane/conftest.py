@@ -1,16 +1,16 @@
 import pytest
 
-from tests.dataplane.helpers_dataplane import ENGINE_DEVICES, make_engine
+from tests.dataplane.helpers_dataplane import MOVER_DEVICES, make_mover
 
 
-@pytest.fixture(params=ENGINE_DEVICES)
-def engine_device(request):
+@pytest.fixture(params=MOVER_DEVICES)
+def mover_device(request):
     return request.param
 
 
 @pytest.fixture
-def engine(tmp_path, engine_device):
-    e = make_engine(tmp_path / "disk", device=engine_device)
+def mover(tmp_path, mover_device):
+    e = make_mover(tmp_path / "disk", device=mover_device)
     yield e
     e.check_integrity()
     e.close()

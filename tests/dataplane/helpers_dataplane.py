@@ -1,22 +1,29 @@
-"""Small engines and commands for the data-plane tests (irregular layout, random bytes)."""
+"""Small movers and commands for the data-plane tests (irregular layout, random bytes)."""
 from __future__ import annotations
 
 import torch
 
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
+from residency.dataplane.moves.dma import TorchDma
 from residency.dataplane.pools import KVLayout
 from residency.events.commands import CommitBlocks, ExecuteMove, ReleaseBlocks
 
 # 3 layers x K/V x 5 tokens x 2 heads x 6 dims, bf16: 720 bytes = 180 words per block.
 LAYOUT = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.bfloat16)
-ENGINE_DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
+MOVER_DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 
 
-def make_engine(disk_dir, device="cpu", device_blocks=12, host_blocks=10, disk_blocks=16, layout=LAYOUT,
-                budget_slack=0, **kw) -> Engine:
+class BatchedTorchDma(TorchDma):
+    """Torch's copies, said to go in batches: a mover given it copies by plain DMAs ("dma"), the
+    path a GPU with cudaMemcpyBatchAsync takes, here on any device."""
+    batched = True
+
+
+def make_mover(disk_dir, device="cpu", device_blocks=12, host_blocks=10, disk_blocks=16, layout=LAYOUT,
+                budget_slack=0, **kw) -> Mover:
     host_bytes = host_blocks * layout.block_bytes
-    need = Engine.pinned_bytes_needed(layout, device_blocks, host_bytes, kw.get("staging_blocks", 4))
-    return Engine(layout, device_blocks, host_bytes, disk_dir, need + budget_slack, device=device,
+    need = Mover.pinned_bytes_needed(layout, device_blocks, host_bytes)
+    return Mover(layout, device_blocks, host_bytes, disk_dir, need + budget_slack, device=device,
                   disk_bytes=None if disk_blocks is None else disk_blocks * layout.block_bytes,
                   fsync=False, **kw)
 
@@ -32,38 +39,38 @@ def move(kind, src, dst, blocks, keep_source=None, move_id=None, deadline_ns=0) 
                        keep_source=keep_source, deadline_ns=deadline_ns)
 
 
-def commit(engine, tier, blocks, seed=None) -> dict[int, torch.Tensor]:
+def commit(mover, tier, blocks, seed=None) -> dict[int, torch.Tensor]:
     """Commit blocks with random bytes; returns block -> its words (on CPU) for later comparison."""
     seed = seed if seed is not None else int(torch.randint(0, 1 << 62, (1,)))
-    engine.commit_blocks(CommitBlocks(request_id=f"c{seed}", session=None, tier=tier, blocks=list(blocks), seed=seed))
-    return {b: words_of(engine, tier, b) for b in blocks}
+    mover.commit_blocks(CommitBlocks(request_id=f"c{seed}", session=None, tier=tier, blocks=list(blocks), seed=seed))
+    return {b: words_of(mover, tier, b) for b in blocks}
 
 
-def release(engine, tier, blocks, release_id="r"):
-    return engine.release(ReleaseBlocks(release_id=release_id, tier=tier, blocks=list(blocks)))
+def release(mover, tier, blocks, release_id="r"):
+    return mover.release(ReleaseBlocks(release_id=release_id, tier=tier, blocks=list(blocks)))
 
 
-def words_of(engine, tier, block) -> torch.Tensor:
+def words_of(mover, tier, block) -> torch.Tensor:
     """The bytes of one copy as int32 words on the CPU."""
     if tier == "device":
-        return engine.device_pool.words[engine.device_pool.slot_of(block)].cpu().clone()
+        return mover.device_pool.words[mover.device_pool.slot_of(block)].cpu().clone()
     if tier == "host":
-        return engine.host_pool.words[engine.host_pool.slot_of(block)].clone()
-    buf = torch.empty(engine.layout.block_words, dtype=torch.int32)
-    engine.disk_tier.read_into(block, buf)
+        return mover.host_pool.words[mover.host_pool.slot_of(block)].clone()
+    buf = torch.empty(mover.layout.block_words, dtype=torch.int32)
+    mover.disk_tier.read_into(block, buf)
     return buf
 
 
-def snapshot(engine):
+def snapshot(mover):
     """Everything a failed or rejected move must leave unchanged (bookkeeping and resident bytes)."""
     out = {}
     for tier in ("device", "host"):
-        t = engine.pool(tier).table
+        t = mover.pool(tier).table
         out[tier] = (dict(t._slot), sorted(t._free), dict(t._refs), set(t._reserved))
-        out[tier + "-bytes"] = {b: words_of(engine, tier, b) for b in t.ready_blocks()}
-    out["host-checksums"] = dict(engine.host_pool._checksums)
-    out["disk"] = (dict(engine.disk_tier._index), dict(engine.disk_tier._reserved))
-    out["usage"] = engine.usage()
+        out[tier + "-bytes"] = {b: words_of(mover, tier, b) for b in t.ready_blocks()}
+    out["host-checksums"] = dict(mover.host_pool._checksums)
+    out["disk"] = (dict(mover.disk_tier._index), dict(mover.disk_tier._reserved))
+    out["usage"] = mover.usage()
     return out
 
 

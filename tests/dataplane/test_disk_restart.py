@@ -6,15 +6,15 @@ import torch
 from residency.dataplane.pools import KVLayout
 from residency.dataplane.pools.disk import HEADER_BYTES
 from residency.events.catalog import MoveAcked
-from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, words_of
+from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_mover, move, words_of
 
 
-def test_a_new_engine_on_the_same_directory_finds_and_restores_every_block(tmp_path, engine_device):
-    with make_engine(tmp_path, device=engine_device) as first:
+def test_a_new_mover_on_the_same_directory_finds_and_restores_every_block(tmp_path, mover_device):
+    with make_mover(tmp_path, device=mover_device) as first:
         data = commit(first, "device", [3, 14, 15, 92])
         first.execute(move("evict", "device", "disk", [3, 14, 15, 92]))
         sums = {b: first.disk_tier.checksum_of(b) for b in data}
-    with make_engine(tmp_path, device=engine_device) as second:
+    with make_mover(tmp_path, device=mover_device) as second:
         assert sorted(second.disk_report.indexed) == [3, 14, 15, 92]
         assert second.disk_report.quarantined == []
         assert {b: second.disk_tier.checksum_of(b) for b in data} == sums
@@ -26,7 +26,7 @@ def test_a_new_engine_on_the_same_directory_finds_and_restores_every_block(tmp_p
 
 
 def test_restart_quarantines_bad_files_and_drops_temporaries(tmp_path):
-    with make_engine(tmp_path) as first:
+    with make_mover(tmp_path) as first:
         commit(first, "device", [1, 2, 3, 4])
         first.execute(move("evict", "device", "disk", [1, 2, 3, 4]))
         d = first.disk_tier
@@ -38,7 +38,7 @@ def test_restart_quarantines_bad_files_and_drops_temporaries(tmp_path):
         os.truncate(d.path_of(3), HEADER_BYTES + 5)     # torn file
         with open(os.path.join(d.directory, ".block-9.kv.tmp"), "wb") as f:   # never published
             f.write(b"half a block")
-    with make_engine(tmp_path) as second:
+    with make_mover(tmp_path) as second:
         rep = second.disk_report
         assert sorted(rep.indexed) == [1, 4]
         reasons = dict(rep.quarantined)
@@ -55,19 +55,19 @@ def test_the_quarantine_keeps_only_its_newest_files(tmp_path, monkeypatch):
     monkeypatch.setattr(disk, "QUARANTINE_KEEP", 3)
     other = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.float16)
     for round_ in range(3):           # each restart under another layout quarantines two files
-        with make_engine(tmp_path, layout=other if round_ % 2 == 0 else LAYOUT) as e:
+        with make_mover(tmp_path, layout=other if round_ % 2 == 0 else LAYOUT) as e:
             commit(e, "disk", [10 * round_ + 1, 10 * round_ + 2])
-    with make_engine(tmp_path, layout=other) as last:
+    with make_mover(tmp_path, layout=other) as last:
         names = os.listdir(os.path.join(last.disk_tier.directory, "quarantine"))
     # rounds 1 and 2 quarantined 1, 2 then 11, 12; the oldest (1) went
     assert sorted(n.split("-", 1)[1] for n in names) == ["block-11.kv", "block-12.kv", "block-2.kv"]
 
 
 def test_files_of_another_layout_are_not_loaded(tmp_path):
-    with make_engine(tmp_path) as first:
+    with make_mover(tmp_path) as first:
         commit(first, "disk", [5])
     other = KVLayout(num_layers=3, page_tokens=5, num_kv_heads=2, head_dim=6, dtype=torch.float16)
-    with make_engine(tmp_path, layout=other) as second:
+    with make_mover(tmp_path, layout=other) as second:
         assert second.disk_report.indexed == []
         assert "another layout" in dict(second.disk_report.quarantined)["block-5.kv"]
 
@@ -75,10 +75,10 @@ def test_files_of_another_layout_are_not_loaded(tmp_path):
 def test_a_worker_offers_the_files_it_found_and_deletes_those_the_control_does_not_claim(tmp_path):
     from residency.dataplane.worker import WorkerCore
     from residency.events.commands import ClaimDisk, DiskClaimed
-    with make_engine(tmp_path) as first:
+    with make_mover(tmp_path) as first:
         data = commit(first, "device", [3, 4, 5])
         first.execute(move("evict", "device", "disk", [3, 4, 5]))
-    with make_engine(tmp_path) as second:
+    with make_mover(tmp_path) as second:
         core = WorkerCore(second, 0)
         assert core.unclaimed_disk == [3, 4, 5]
         out = core.run(ClaimDisk(keep=[4, 99]))        # 99: the ledger's, but no file: not kept

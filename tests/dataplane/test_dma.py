@@ -153,14 +153,14 @@ def test_a_batch_that_fails_its_check_is_not_used_and_the_reason_is_kept():
     assert dma.batch_refused == "runtime 12060 has no cudaMemcpyBatchAsync"
 
 
-def test_cpu_engines_issue_through_torch():
+def test_cpu_movers_issue_through_torch():
     assert isinstance(dma_issuer(torch.device("cpu")), TorchDma)
 
 
 @gpu
 @pytest.mark.parametrize("batch", [True, False], ids=["batch", "one-by-one"])
 def test_on_a_gpu_the_raw_path_moves_scattered_rows_both_ways(batch):
-    dma = dma_issuer(torch.device("cuda"), batch=batch)
+    dma = RawDma.load(batch=batch)
     assert isinstance(dma, RawDma), "the CUDA runtime torch loaded was not found in /proc/self/maps"
     dev = _rows(64, 4096, 11).cuda()
     host = torch.empty((64, 4096), dtype=torch.int32).pin_memory()
@@ -199,28 +199,30 @@ def test_on_a_gpu_the_batch_is_used_where_the_runtime_has_it():
         assert dma.name == "cudaMemcpyAsync" and "no cudaMemcpyBatchAsync" in dma.batch_refused
 
 
-def test_the_engine_copies_by_plain_dmas_only_where_they_go_in_batches():
-    from residency.dataplane.engine import default_copy_modes
+def test_the_mover_copies_by_plain_dmas_only_where_they_go_in_batches():
+    from residency.dataplane.mover import copy_modes_for
 
-    assert default_copy_modes(_memmove_issuer(batched=True)) == {"d2h": "dma", "h2d": "dma"}
-    assert default_copy_modes(_memmove_issuer()) == {"d2h": "staged", "h2d": "staged"}
-    assert default_copy_modes(TorchDma()) == {"d2h": "staged", "h2d": "staged"}
+    assert copy_modes_for(_memmove_issuer(batched=True)) == {"d2h": "dma", "h2d": "dma"}
+    assert copy_modes_for(_memmove_issuer()) == {"d2h": "staged", "h2d": "staged"}
+    assert copy_modes_for(TorchDma()) == {"d2h": "staged", "h2d": "staged"}
 
 
-def test_an_engine_uses_the_default_of_its_issuer_unless_told(tmp_path):
-    from tests.dataplane.helpers_dataplane import make_engine
+def test_a_movers_copy_mode_follows_its_issuer(tmp_path):
+    from tests.dataplane.helpers_dataplane import BatchedTorchDma, make_mover
 
-    with make_engine(tmp_path) as e:                              # CPU: torch copies, staged
+    with make_mover(tmp_path) as e:                              # CPU: torch copies, staged
         assert e.ctx.copy_modes == {"d2h": "staged", "h2d": "staged"}
-    with make_engine(tmp_path / "b", copy_modes={"h2d": "kernel"}) as e:
-        assert e.ctx.copy_modes == {"d2h": "staged", "h2d": "kernel"}
+    with make_mover(tmp_path / "b", dma=BatchedTorchDma()) as e:
+        assert e.ctx.copy_modes == {"d2h": "dma", "h2d": "dma"}
+    with make_mover(tmp_path / "c", dma=_memmove_issuer(batched=True)) as e:
+        assert e.ctx.copy_modes == {"d2h": "dma", "h2d": "dma"}
 
 
 @gpu
-def test_on_a_gpu_with_batches_the_engine_copies_by_plain_dmas(tmp_path):
-    from tests.dataplane.helpers_dataplane import make_engine
+def test_on_a_gpu_with_batches_the_mover_copies_by_plain_dmas(tmp_path):
+    from tests.dataplane.helpers_dataplane import make_mover
 
-    with make_engine(tmp_path, device="cuda") as e:
+    with make_mover(tmp_path, device="cuda") as e:
         batched = e.ctx.dma.batched
         assert batched == (e.ctx.dma.name == "cudaMemcpyBatchAsync")
         assert e.ctx.copy_modes == ({"d2h": "dma", "h2d": "dma"} if batched else {"d2h": "staged", "h2d": "staged"})

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import residency.dataplane.pools.budget as budget_mod
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.pools import PinnedBudget, PinnedBudgetExceeded
 from tests.dataplane.helpers_dataplane import LAYOUT
 
@@ -46,28 +46,28 @@ def test_cpu_hosts_say_their_host_memory_is_not_pinned():
     assert not buf.pinned and "pin_memory is unavailable" in buf.how
 
 
-def test_an_engine_over_its_pinned_budget_is_refused_with_the_arithmetic(tmp_path):
+def test_a_mover_over_its_pinned_budget_is_refused_with_the_arithmetic(tmp_path):
     host_bytes = 8 * LAYOUT.block_bytes
-    need = Engine.pinned_bytes_needed(LAYOUT, 6, host_bytes)
-    with Engine(LAYOUT, 6, host_bytes, tmp_path, need, fsync=False) as e:
+    need = Mover.pinned_bytes_needed(LAYOUT, 6, host_bytes)
+    with Mover(LAYOUT, 6, host_bytes, tmp_path, need, fsync=False) as e:
         assert e.pinned.in_use_bytes == need == e.pinned.limit_bytes
         e.check_integrity()
     assert e.pinned.in_use_bytes == 0                         # close gave every grant back
     with pytest.raises(PinnedBudgetExceeded) as err:
-        Engine(LAYOUT, 6, host_bytes, tmp_path, need - 1, fsync=False)
+        Mover(LAYOUT, 6, host_bytes, tmp_path, need - 1, fsync=False)
     assert err.value.available_bytes == err.value.asked_bytes - 1
     assert f"limit {need - 1}" in str(err.value)
 
 
 def test_the_host_pool_alone_over_budget_is_named(tmp_path):
     with pytest.raises(PinnedBudgetExceeded, match="refuses host-pool: asked 8192 bytes, available 4096"):
-        Engine(LAYOUT, 6, 10 * LAYOUT.block_bytes, tmp_path, 4096, fsync=False)
+        Mover(LAYOUT, 6, 10 * LAYOUT.block_bytes, tmp_path, 4096, fsync=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
-def test_gpu_engines_really_pin_their_host_memory(tmp_path):
-    from tests.dataplane.helpers_dataplane import make_engine
+def test_gpu_movers_really_pin_their_host_memory(tmp_path):
+    from tests.dataplane.helpers_dataplane import make_mover
 
-    with make_engine(tmp_path, device="cuda:0") as e:
+    with make_mover(tmp_path, device="cuda:0") as e:
         assert e.host_pool.pinned and e.host_pool.words.is_pinned() and e.ring.rows.is_pinned()
         assert all(g.bytes > 0 for g in e.pinned.grants())

@@ -1,7 +1,7 @@
 """The serving stack without SmolLM2: a tiny random Llama behind the real pieces.
 
     TestClient ─► create_app ─► ServingService ─► ControlProc (ledger) ─ZMQ─► WorkerProc (thread)
-                                                                          WorkerCore + Engine + ServingLoop
+                                                                          WorkerCore + Mover + ServingLoop
 
 Everything but the model and the tokenizer is what ``residency serve`` runs, so admission waits,
 parks of idle sessions, refusals, busy sessions and restore-or-recompute are exercised in seconds.
@@ -23,7 +23,7 @@ from residency.control.moves import MoveConfig
 from residency.control.policy import PolicyConfig
 from residency.control.proc import ControlConfig, ControlProc
 from residency.control.scheduler.service import ServingService
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.model import ModelConfig, block_content_keys, random_model
 from residency.dataplane.pools import DataPlaneError, KVLayout
 from residency.dataplane.proc import WorkerProc
@@ -80,11 +80,11 @@ class Stack:
         host = host_blocks * kv.block_bytes
         self.workers, self.threads = [], []
         for w in range(workers):             # one model, one worker thread each (as one process per GPU)
-            engine = Engine(kv, device_blocks, host, self.dir / f"disk{w}",
-                            Engine.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
-            core = WorkerCore(engine, w, WorkerFaults(), expected_errors=(DataPlaneError,))
+            mover = Mover(kv, device_blocks, host, self.dir / f"disk{w}",
+                           Mover.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
+            core = WorkerCore(mover, w, WorkerFaults(), expected_errors=(DataPlaneError,))
             loop = ServingLoop(worker=w, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(),
-                               device_pool=engine.device_pool, model_id="tiny", model_digest=model.kv_digest,
+                               device_pool=mover.device_pool, model_id="tiny", model_digest=model.kv_digest,
                                page_tokens=P, keys_fn=block_content_keys, max_seqs=max_seqs)
             attach(core, loop, kv.block_bytes)
             self.workers.append(WorkerProc(worker=w, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",

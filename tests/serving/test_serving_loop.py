@@ -1,6 +1,6 @@
 """The worker's inference loop with the real SmolLM2, in process: no sockets, no control plane.
 
-The pages the model writes are the Engine's pages: parking them to host, demoting them to disk and
+The pages the model writes are the Mover's pages: parking them to host, demoting them to disk and
 restoring them (checksum-verified) between turns must give the same greedy tokens as a
 conversation whose pages never moved.
 """
@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.model import block_content_keys, generate, load_model
 from residency.dataplane.model import SamplingParams as ModelSampling
 from residency.dataplane.pools import KVLayout
@@ -35,11 +35,11 @@ def make_loop(model, tmp_path, name: str, device_blocks: int = 96):
     c = model.config
     kv = KVLayout(c.num_layers, P, c.num_kv_heads, c.head_dim, dtype=torch.float32)
     host = 64 * kv.block_bytes
-    engine = Engine(kv, device_blocks, host, tmp_path / name, Engine.pinned_bytes_needed(kv, device_blocks, host),
-                    "cpu", fsync=False)
-    loop = ServingLoop(worker=0, runner=model.runner, tokenizer=model.tokenizer, device_pool=engine.device_pool,
+    mover = Mover(kv, device_blocks, host, tmp_path / name, Mover.pinned_bytes_needed(kv, device_blocks, host),
+                   "cpu", fsync=False)
+    loop = ServingLoop(worker=0, runner=model.runner, tokenizer=model.tokenizer, device_pool=mover.device_pool,
                        model_id="smol", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
-    return engine, loop
+    return mover, loop
 
 
 def run(loop: ServingLoop, *cmds) -> list:
@@ -86,7 +86,7 @@ def test_greedy_output_matches_the_model_packages_reference(model, tmp_path):
 
 
 def test_pages_are_reported_with_their_keys_and_freed_when_asked(model, tmp_path):
-    engine, loop = make_loop(model, tmp_path, "b")
+    mover, loop = make_loop(model, tmp_path, "b")
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     bl = pages(-(-(len(ids) + 7) // P))
     out = run(loop, Generate(request_id="r", session=None, token_ids=ids, block_ids=bl, num_cached_tokens=0,
@@ -98,7 +98,7 @@ def test_pages_are_reported_with_their_keys_and_freed_when_asked(model, tmp_path
     full = (len(ids) + len(fed) - 1) // P
     assert written == bl[:len(written)] and keys[:full] == block_content_keys(ids + fed, P, model.kv_digest)[:full]
     assert last.finish_reason == "length" and last.blocks_freed == written
-    assert last.bytes_freed == len(written) * engine.layout.block_bytes and engine.device_pool.used_bytes == 0
+    assert last.bytes_freed == len(written) * mover.layout.block_bytes and mover.device_pool.used_bytes == 0
     assert last.blocks_unused == bl[len(written):]
 
 
@@ -116,13 +116,13 @@ def test_a_stop_string_ends_the_text_before_it(model, tmp_path):
 
 
 def test_a_cancelled_sequence_frees_its_new_pages_and_keeps_the_reused_ones(model, tmp_path):
-    engine, loop = make_loop(model, tmp_path, "d")
+    mover, loop = make_loop(model, tmp_path, "d")
     ids = model.tokenizer.encode("Residency keeps the pages of a conversation between turns. " * 3)
     bl = pages(-(-(len(ids) + 40) // P))
     out = run(loop, Generate(request_id="r1", session="s", token_ids=ids, block_ids=bl, num_cached_tokens=0,
                              sampling=greedy(2, ignore_eos=True)))
     kept = [b for o in out if isinstance(o, TokensGenerated) for b in o.blocks_written]
-    assert final(out, "r1").blocks_freed == [] and engine.device_pool.used_bytes == len(kept) * engine.layout.block_bytes
+    assert final(out, "r1").blocks_freed == [] and mover.device_pool.used_bytes == len(kept) * mover.layout.block_bytes
     reused = (len(ids) // P) * P
     more = ids + model.tokenizer.encode(" And then some more text follows.")
     bl2 = bl[:reused // P] + pages(-(-(len(more) + 40) // P) - reused // P)
@@ -135,7 +135,7 @@ def test_a_cancelled_sequence_frees_its_new_pages_and_keeps_the_reused_ones(mode
     last = final(out, "r2")
     assert last.finish_reason == "cancelled" and not loop.has_work()
     assert set(last.blocks_freed) == set(bl2[reused // P:]) - set(last.blocks_unused)
-    assert all(engine.device_pool.has(b) for b in bl[:reused // P])
+    assert all(mover.device_pool.has(b) for b in bl[:reused // P])
 
 
 def test_a_generate_naming_pages_that_are_not_resident_is_refused_not_run(model, tmp_path):
@@ -164,7 +164,7 @@ def test_continuous_batching_lets_a_request_join_running_decodes(model, tmp_path
     assert len(tokens_of(out, "a")) == 5 and len(tokens_of(out, "b")) == 5
 
 
-def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: bool) -> list[list[int]]:
+def converse(loop: ServingLoop, mover: Mover, turns: list[str], move_between: bool) -> list[list[int]]:
     """A greedy multi-turn chat as the control process would drive it: reuse the session's full
     pages; between turns optionally park them to host, demote to disk and restore them."""
     messages: list[ChatTurn] = []
@@ -181,11 +181,11 @@ def converse(loop: ServingLoop, engine: Engine, turns: list[str], move_between: 
         if move_between and reuse:
             for i, (kind, src, dst) in enumerate((("park", "device", "host"), ("demote", "host", "disk"),
                                                   ("restore", "disk", "device"))):
-                ack = engine.execute(ExecuteMove(move_id=f"m{n}-{i}", kind=kind, src=src, dst=dst,
+                ack = mover.execute(ExecuteMove(move_id=f"m{n}-{i}", kind=kind, src=src, dst=dst,
                                                  blocks=held[:reuse], keep_source=False, deadline_ns=1 << 62))
                 assert isinstance(ack, MoveAcked) and ack.checksum_ok, ack
         if held[reuse:]:
-            engine.device_pool.free(held[reuse:])
+            mover.device_pool.free(held[reuse:])
         bl = held[:reuse] + pages(-(-(len(tk.token_ids) + 7) // P) - reuse)
         out = run(loop, Generate(request_id=f"r{n}", session="s", token_ids=tk.token_ids, block_ids=bl,
                                  num_cached_tokens=reuse * P, sampling=greedy(8)))
@@ -216,9 +216,9 @@ def test_the_worker_refuses_to_move_or_free_pages_a_running_sequence_uses(model,
     from residency.events.catalog import MoveRejected
     from residency.events.commands import CommandFailed, ReleaseBlocks
 
-    engine, loop = make_loop(model, tmp_path, "g")
-    core = WorkerCore(engine, 0, expected_errors=(DataPlaneError,))
-    attach(core, loop, engine.layout.block_bytes)
+    mover, loop = make_loop(model, tmp_path, "g")
+    core = WorkerCore(mover, 0, expected_errors=(DataPlaneError,))
+    attach(core, loop, mover.layout.block_bytes)
     ids = model.tokenizer.encode("Pages under a running sequence stay where they are. " * 3)
     bl = pages(-(-(len(ids) + 40) // P))
     core.run(Generate(request_id="r", session="s", token_ids=ids, block_ids=bl, num_cached_tokens=0,
@@ -315,7 +315,7 @@ def test_no_logprobs_unless_asked_none_for_the_end_of_turn_and_too_many_refused(
 
 
 def test_a_prefix_shared_from_another_session_gives_the_tokens_of_computing_it(model, tmp_path):
-    engine, loop = make_loop(model, tmp_path, "share")
+    mover, loop = make_loop(model, tmp_path, "share")
     system = "You are a careful assistant. Answer in one short sentence, and never invent facts. " * 2
     a_ids = model.tokenizer.encode(system + "What is the capital of France?")
     b_ids = model.tokenizer.encode(system + "What is the capital of Spain?")
@@ -326,7 +326,7 @@ def test_a_prefix_shared_from_another_session_gives_the_tokens_of_computing_it(m
     run(loop, Generate(request_id="a", session="a", token_ids=a_ids, block_ids=a_bl, num_cached_tokens=0,
                        sampling=greedy(8, ignore_eos=True)))
     donor = a_bl[:k]
-    before = engine.device_pool.words[engine.device_pool.slots_of(donor)].clone()
+    before = mover.device_pool.words[mover.device_pool.slots_of(donor)].clone()
     n_b = -(-(len(b_ids) + 12) // P)
 
     scratch = pages(n_b)                       # computed from nothing, freed after
@@ -339,7 +339,7 @@ def test_a_prefix_shared_from_another_session_gives_the_tokens_of_computing_it(m
                              num_cached_tokens=k * P, sampling=greedy(12), free_on_finish=True))
     last = final(out, "read")
     assert tokens_of(out, "read") == want and last.num_computed_tokens == len(b_ids) - k * P
-    assert not set(last.blocks_freed) & set(donor) and all(engine.device_pool.has(b) for b in donor)
+    assert not set(last.blocks_freed) & set(donor) and all(mover.device_pool.has(b) for b in donor)
 
     own = pages(n_b)                           # a session's turn: copied into its own first pages
     gen = Generate(request_id="copy", session="b", token_ids=b_ids, block_ids=own, num_cached_tokens=k * P,
@@ -354,18 +354,18 @@ def test_a_prefix_shared_from_another_session_gives_the_tokens_of_computing_it(m
     written_keys = [x for o in out if isinstance(o, TokensGenerated) for x in o.keys_written]
     assert tokens_of(out, "copy") == want and last.num_computed_tokens == len(b_ids) - k * P
     assert written[:k] == own[:k] and written_keys[:k] == keys_b[:k], "the copies are reported as its pages"
-    assert last.blocks_freed == [] and all(engine.device_pool.has(b) for b in own[:k])
-    assert torch.equal(engine.device_pool.words[engine.device_pool.slots_of(own[:k])], before)
-    assert torch.equal(engine.device_pool.words[engine.device_pool.slots_of(donor)], before), "the source is unchanged"
+    assert last.blocks_freed == [] and all(mover.device_pool.has(b) for b in own[:k])
+    assert torch.equal(mover.device_pool.words[mover.device_pool.slots_of(own[:k])], before)
+    assert torch.equal(mover.device_pool.words[mover.device_pool.slots_of(donor)], before), "the source is unchanged"
 
 
 def test_a_cancelled_copy_frees_its_copies_and_a_bad_copy_is_refused(model, tmp_path):
-    engine, loop = make_loop(model, tmp_path, "copyfree")
+    mover, loop = make_loop(model, tmp_path, "copyfree")
     ids = model.tokenizer.encode("Pages copied from one session to another are the new one's own. " * 5)
     a_bl = pages(-(-(len(ids) + 2) // P))
     run(loop, Generate(request_id="a", session="a", token_ids=ids, block_ids=a_bl, num_cached_tokens=0,
                        sampling=greedy(2, ignore_eos=True)))
-    used = engine.device_pool.used_bytes
+    used = mover.device_pool.used_bytes
     k = len(ids) // P - 1
     assert k >= 3
     own = pages(-(-(len(ids) + 30) // P))
@@ -373,11 +373,11 @@ def test_a_cancelled_copy_frees_its_copies_and_a_bad_copy_is_refused(model, tmp_
                          sampling=greedy(30, ignore_eos=True), copy_from=a_bl[:k]))
     loop.step()
     last = final(loop.handle(CancelGenerate(request_id="b", reason="test")), "b")
-    assert set(own[:k]) <= set(last.blocks_freed) and engine.device_pool.used_bytes == used
+    assert set(own[:k]) <= set(last.blocks_freed) and mover.device_pool.used_bytes == used
     assert not loop.holding(a_bl)
     wrong = loop.handle(Generate(request_id="c", session="c", token_ids=ids, block_ids=pages(len(own)),
                                  num_cached_tokens=k * P, sampling=greedy(4), copy_from=a_bl[:k - 1]))
     assert final(wrong, "c").finish_reason == "error" and "copy_from names" in final(wrong, "c").error
     gone = loop.handle(Generate(request_id="d", session="d", token_ids=ids, block_ids=pages(len(own)),
                                 num_cached_tokens=k * P, sampling=greedy(4), copy_from=pages(k)))
-    assert "pages to copy not usable" in final(gone, "d").error and engine.device_pool.used_bytes == used
+    assert "pages to copy not usable" in final(gone, "d").error and mover.device_pool.used_bytes == used

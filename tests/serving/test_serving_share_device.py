@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from residency.dataplane.engine import Engine
+from residency.dataplane.mover import Mover
 from residency.dataplane.model import ModelConfig, block_content_keys, random_model
 from residency.dataplane.pools import KVLayout
 from residency.dataplane.serving import ServingLoop
@@ -41,9 +41,9 @@ def test_reading_a_shared_prefix_in_place_and_copying_it_give_the_same_tokens(de
     model = random_model(CFG, device, torch.float32, seed=int.from_bytes(random.randbytes(2), "little"))
     kv = KVLayout(CFG.num_layers, P, CFG.num_kv_heads, CFG.head_dim, dtype=torch.float32)
     blocks, host = 128, 16 * kv.block_bytes
-    engine = Engine(kv, blocks, host, tmp_path / "disk", Engine.pinned_bytes_needed(kv, blocks, host), device,
-                    fsync=False)
-    loop = ServingLoop(worker=0, runner=model.runner, tokenizer=ByteTokenizer(), device_pool=engine.device_pool,
+    mover = Mover(kv, blocks, host, tmp_path / "disk", Mover.pinned_bytes_needed(kv, blocks, host), device,
+                   fsync=False)
+    loop = ServingLoop(worker=0, runner=model.runner, tokenizer=ByteTokenizer(), device_pool=mover.device_pool,
                        model_id="tiny", model_digest=model.kv_digest, page_tokens=P, keys_fn=block_content_keys)
     rng = random.Random()
     system = [rng.randrange(1, 257) for _ in range(8 * P + 3)]
@@ -54,7 +54,7 @@ def test_reading_a_shared_prefix_in_place_and_copying_it_give_the_same_tokens(de
                                      num_cached_tokens=0, sampling=greedy)))
     k = len(system) // P
     donor = a_pages[:k]
-    pool = engine.device_pool
+    pool = mover.device_pool
     before = pool.words[pool.slots_of(donor)].clone()
     n = -(-(len(b_ids) + 10) // P)
     read = drain(loop, loop.handle(Generate(request_id="read", session=None, token_ids=b_ids,

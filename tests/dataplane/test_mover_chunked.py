@@ -5,14 +5,14 @@ import torch
 
 import residency.dataplane.moves.copy as copy_mod
 from residency.events.catalog import MoveAcked, MoveFailed
-from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, move, snapshot, words_of
+from tests.dataplane.helpers_dataplane import assert_same, commit, make_mover, move, snapshot, words_of
 
 
 @pytest.fixture
-def chunky(tmp_path, engine_device):
+def chunky(tmp_path, mover_device):
     # 3 blocks per chunk: a 10-block move is a first chunk of 3 blocks (by plain DMAs, the link
     # starts at once), then chunks of 3, 3, 1: submit enqueues the first and two more, 1 is left.
-    e = make_engine(tmp_path / "disk", device=engine_device, device_blocks=24, host_blocks=24, pipeline_blocks=3)
+    e = make_mover(tmp_path / "disk", device=mover_device, device_blocks=24, host_blocks=24, pipeline_blocks=3)
     yield e
     e.check_integrity()
     e.close()
@@ -61,14 +61,14 @@ def test_spill_and_restore_submitted_together_advance_in_turn_and_land_intact(ch
 def test_moves_submitted_together_reach_the_link_in_turn_then_advance_in_turn(chunky, monkeypatch, slice_blocks, pairs):
     """First chunks two pipeline chunks long (6 blocks: one slice of 8, or 6 slices of 1), a slice of
     each move in turn; then the two chunks left of each (3 blocks and 1), in turn."""
-    import residency.dataplane.engine as engine_mod
+    import residency.dataplane.mover as mover_mod
 
     e = chunky
-    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", slice_blocks)
-    monkeypatch.setattr(engine_mod, "FIRST_LEAD_BLOCKS", 0)          # no longer first step (below)
+    monkeypatch.setattr(mover_mod, "FIRST_SLICE_BLOCKS", slice_blocks)
+    monkeypatch.setattr(mover_mod, "FIRST_LEAD_BLOCKS", 0)          # no longer first step (below)
     data, log, cmds = _spill_and_restore(e, monkeypatch)
     t_out, t_in = e.submit_many(cmds)
-    assert engine_mod.FIRST_CHUNKS_TOGETHER == 2
+    assert mover_mod.FIRST_CHUNKS_TOGETHER == 2
     assert log == ["d2h", "h2d"] * pairs, log
     a, b = e.wait(t_in), e.wait(t_out)
     assert isinstance(a, MoveAcked) and isinstance(b, MoveAcked), (a, b)
@@ -78,11 +78,11 @@ def test_moves_submitted_together_reach_the_link_in_turn_then_advance_in_turn(ch
 def test_the_first_move_submitted_together_leads_with_a_longer_first_step(chunky, monkeypatch):
     """The spill's link gets FIRST_LEAD_BLOCKS blocks before the restore is admitted (validated,
     slots claimed), so it stays busy meanwhile; then slices of each in turn, and both land."""
-    import residency.dataplane.engine as engine_mod
+    import residency.dataplane.mover as mover_mod
 
     e = chunky
-    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
-    monkeypatch.setattr(engine_mod, "FIRST_LEAD_BLOCKS", 4)
+    monkeypatch.setattr(mover_mod, "FIRST_SLICE_BLOCKS", 1)
+    monkeypatch.setattr(mover_mod, "FIRST_LEAD_BLOCKS", 4)
     data = commit(e, "device", OUT_IDS + IN_IDS)
     assert isinstance(e.execute(move("evict", "device", "host", IN_IDS)), MoveAcked)
     real_enqueue, real_admit, log = copy_mod.Copier.enqueue, e._admit, []
@@ -99,10 +99,10 @@ def test_the_first_move_submitted_together_leads_with_a_longer_first_step(chunky
 
 
 def test_a_move_failing_half_way_through_its_first_chunk_fails_alone(chunky, monkeypatch):
-    import residency.dataplane.engine as engine_mod
+    import residency.dataplane.mover as mover_mod
 
     e = chunky
-    monkeypatch.setattr(engine_mod, "FIRST_SLICE_BLOCKS", 1)
+    monkeypatch.setattr(mover_mod, "FIRST_SLICE_BLOCKS", 1)
     data, log, cmds = _spill_and_restore(e, monkeypatch)
     real, calls = copy_mod.Copier.enqueue, []
 
@@ -280,7 +280,7 @@ def test_a_move_that_fails_after_claiming_its_slots_gives_them_back(chunky, monk
 
 
 def test_warm_up_runs_every_move_path_and_leaves_nothing_behind(chunky, monkeypatch):
-    """Engine.warm_up (run by a GPU worker before its Hello): a 1-block spill and restore and one
+    """Mover.warm_up (run by a GPU worker before its Hello): a 1-block spill and restore and one
     a pipeline chunk longer than the first chunk, on scratch ids, then freed. The pools, checksums
     and bytes of the blocks already there are as before; a block can be committed under any id."""
     e = chunky
@@ -302,7 +302,7 @@ def test_warm_up_runs_every_move_path_and_leaves_nothing_behind(chunky, monkeypa
 
 
 def test_a_move_of_several_chunks_says_nearly_done_once_before_its_last_chunk_lands(chunky):
-    """The engine lane's MoveNearlyDone comes from ``MoveContext.on_nearly_done``: called once per
+    """The worker's MoveNearlyDone comes from ``MoveContext.on_nearly_done``: called once per
     move of several chunks, with the bytes of its last chunk, after the others crossed and before
     the move's bytes are seen landed; never for a move of one chunk; a hook that raises changes
     nothing about the move."""

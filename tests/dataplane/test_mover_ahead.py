@@ -4,22 +4,22 @@ import torch
 
 from residency.dataplane.worker import WorkerCore
 from residency.events.catalog import MoveAcked, MoveFailed
-from tests.dataplane.helpers_dataplane import assert_same, commit, make_engine, move, snapshot, words_of
+from tests.dataplane.helpers_dataplane import assert_same, commit, make_mover, move, snapshot, words_of
 
 
-def visible(engine):
+def visible(mover):
     """What anyone but the move itself can see: which blocks are ready where, their bytes and
     checksums. (A begun move holds reserved slots, counted in ``usage`` as any move's in flight;
     the worker reports usage only in an Inventory, and that command drops an early start first.)"""
-    snap = snapshot(engine)
+    snap = snapshot(mover)
     for k in ("device", "host", "usage"):
         snap.pop(k)
     return snap
 
 
-def test_a_move_begun_ahead_is_invisible_until_waited_for_then_acks_as_a_plain_move(tmp_path, engine_device):
-    twin = make_engine(tmp_path / "a", device=engine_device)
-    ahead = make_engine(tmp_path / "b", device=engine_device)
+def test_a_move_begun_ahead_is_invisible_until_waited_for_then_acks_as_a_plain_move(tmp_path, mover_device):
+    twin = make_mover(tmp_path / "a", device=mover_device)
+    ahead = make_mover(tmp_path / "b", device=mover_device)
     try:
         for e in (twin, ahead):
             data = commit(e, "device", [4, 9, 2, 7], seed=77)
@@ -48,70 +48,70 @@ def test_a_move_begun_ahead_is_invisible_until_waited_for_then_acks_as_a_plain_m
         ahead.close()
 
 
-def test_an_abandoned_early_start_leaves_the_pools_exactly_as_before_and_the_command_still_runs(engine):
-    commit(engine, "device", [1, 2, 3, 5])
-    commit(engine, "host", [8])
-    before = snapshot(engine)                           # slot tables and reservations included
+def test_an_abandoned_early_start_leaves_the_pools_exactly_as_before_and_the_command_still_runs(mover):
+    commit(mover, "device", [1, 2, 3, 5])
+    commit(mover, "host", [8])
+    before = snapshot(mover)                           # slot tables and reservations included
     cmd = move("evict", "device", "host", [3, 1, 5])
-    assert engine.begin_ahead(cmd)
-    engine.abandon(cmd.move_id, "test")
-    assert_same(snapshot(engine), before)
-    assert engine.outcome_of(cmd.move_id) is None       # nothing recorded: the command runs as new
-    assert isinstance(engine.execute(cmd), MoveAcked)
-    engine.abandon("m-never-begun", "test")             # a no-op
+    assert mover.begin_ahead(cmd)
+    mover.abandon(cmd.move_id, "test")
+    assert_same(snapshot(mover), before)
+    assert mover.outcome_of(cmd.move_id) is None       # nothing recorded: the command runs as new
+    assert isinstance(mover.execute(cmd), MoveAcked)
+    mover.abandon("m-never-begun", "test")             # a no-op
 
 
-def test_only_device_host_moves_that_would_not_be_refused_begin_ahead_and_a_refusal_is_not_recorded(engine):
-    commit(engine, "device", [1, 2])
-    assert not engine.begin_ahead(move("evict", "device", "disk", [1]))         # writes files: waits
+def test_only_device_host_moves_that_would_not_be_refused_begin_ahead_and_a_refusal_is_not_recorded(mover):
+    commit(mover, "device", [1, 2])
+    assert not mover.begin_ahead(move("evict", "device", "disk", [1]))         # writes files: waits
     unknown = move("evict", "device", "host", [1, 99])
-    assert not engine.begin_ahead(unknown)
-    assert engine.outcome_of(unknown.move_id) is None
-    assert engine.execute(unknown).__class__.__name__ == "MoveRejected"        # the command answers
+    assert not mover.begin_ahead(unknown)
+    assert mover.outcome_of(unknown.move_id) is None
+    assert mover.execute(unknown).__class__.__name__ == "MoveRejected"        # the command answers
     done = move("spill", "device", "host", [2])
-    engine.execute(done)
-    assert not engine.begin_ahead(done)                                          # a known id never again
+    mover.execute(done)
+    assert not mover.begin_ahead(done)                                          # a known id never again
     first = move("spill", "device", "host", [1])
-    assert engine.begin_ahead(first)
-    assert not engine.begin_ahead(move("evict", "device", "host", [1]))          # busy in the first
-    engine.abandon(first.move_id, "test")
+    assert mover.begin_ahead(first)
+    assert not mover.begin_ahead(move("evict", "device", "host", [1]))          # busy in the first
+    mover.abandon(first.move_id, "test")
 
 
 def test_the_worker_core_finishes_its_early_start_only_for_the_same_command_and_drops_it_for_any_other(tmp_path):
-    engine = make_engine(tmp_path / "d")
-    core = WorkerCore(engine, 0)
+    mover = make_mover(tmp_path / "d")
+    core = WorkerCore(mover, 0)
     try:
-        commit(engine, "device", [1, 2, 3, 4])
+        commit(mover, "device", [1, 2, 3, 4])
         a = move("evict", "device", "host", [1, 2], move_id="m-a")
         assert core.start_ahead(a) and core.ahead == a and core.ahead_ns > 0
         assert not core.start_ahead(move("evict", "device", "host", [3], move_id="m-b"))   # one at a time
         other = move("spill", "device", "host", [3], move_id="m-c")
         assert isinstance(core.run(other)[0], MoveAcked)                # another command first: a dropped
-        assert core.ahead is None and engine.outcome_of("m-a") is None
-        assert engine.host_pool.has(3) and not engine.host_pool.has(1) and engine.device_pool.has(1)
+        assert core.ahead is None and mover.outcome_of("m-a") is None
+        assert mover.host_pool.has(3) and not mover.host_pool.has(1) and mover.device_pool.has(1)
         assert core.start_ahead(a)
         changed = move("evict", "device", "host", [1, 4], move_id="m-a")      # same id, other blocks
         ack = core.run(changed)[0]
-        assert isinstance(ack, MoveAcked) and engine.device_pool.has(2) and not engine.device_pool.has(4)
+        assert isinstance(ack, MoveAcked) and mover.device_pool.has(2) and not mover.device_pool.has(4)
         b = move("evict", "device", "host", [2], move_id="m-d")
         assert core.start_ahead(b)
         ack = core.run(b)[0]
-        assert isinstance(ack, MoveAcked) and ack.move_id == "m-d" and not engine.device_pool.has(2)
+        assert isinstance(ack, MoveAcked) and ack.move_id == "m-d" and not mover.device_pool.has(2)
         assert core.ahead is None
         assert not core.start_ahead(b)                                   # done: a second hint begins nothing
         core.drop_ahead("nothing to drop")
-        engine.check_integrity()
+        mover.check_integrity()
     finally:
-        engine.close()
+        mover.close()
 
 
-def test_a_corrupted_host_copy_fails_an_early_restore_naming_the_block_and_leaves_the_pools(engine):
-    commit(engine, "device", [3, 6])
-    engine.execute(move("evict", "device", "host", [3, 6]))
-    engine.host_pool.words[engine.host_pool.slot_of(6)][5] ^= 1 << 9
-    before = snapshot(engine)
+def test_a_corrupted_host_copy_fails_an_early_restore_naming_the_block_and_leaves_the_pools(mover):
+    commit(mover, "device", [3, 6])
+    mover.execute(move("evict", "device", "host", [3, 6]))
+    mover.host_pool.words[mover.host_pool.slot_of(6)][5] ^= 1 << 9
+    before = snapshot(mover)
     cmd = move("restore", "host", "device", [3, 6])
-    assert engine.begin_ahead(cmd)
-    out = engine.wait(cmd.move_id)
+    assert mover.begin_ahead(cmd)
+    out = mover.wait(cmd.move_id)
     assert isinstance(out, MoveFailed) and "6" in out.error, out
-    assert_same(snapshot(engine), before)
+    assert_same(snapshot(mover), before)

@@ -4,34 +4,34 @@ import pytest
 import torch
 
 from residency.events.catalog import MoveAcked
-from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, release, words_of
+from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_mover, move, release, words_of
 
 BB = LAYOUT.block_bytes
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def test_a_spill_and_a_restore_in_flight_together_both_land(engine):
-    data = commit(engine, "device", [1, 2, 3, 4, 5, 6])
-    engine.execute(move("evict", "device", "host", [4, 5, 6]))
-    out_t = engine.submit(move("evict", "device", "host", [1, 2, 3]))
-    in_t = engine.submit(move("restore", "host", "device", [6, 4, 5]))
-    engine.check_integrity()                                 # mid-flight invariants hold too
-    assert isinstance(engine.wait(in_t), MoveAcked) and isinstance(engine.wait(out_t), MoveAcked)
+def test_a_spill_and_a_restore_in_flight_together_both_land(mover):
+    data = commit(mover, "device", [1, 2, 3, 4, 5, 6])
+    mover.execute(move("evict", "device", "host", [4, 5, 6]))
+    out_t = mover.submit(move("evict", "device", "host", [1, 2, 3]))
+    in_t = mover.submit(move("restore", "host", "device", [6, 4, 5]))
+    mover.check_integrity()                                 # mid-flight invariants hold too
+    assert isinstance(mover.wait(in_t), MoveAcked) and isinstance(mover.wait(out_t), MoveAcked)
     for b in (4, 5, 6):
-        assert torch.equal(words_of(engine, "device", b), data[b])
+        assert torch.equal(words_of(mover, "device", b), data[b])
     for b in (1, 2, 3):
-        assert torch.equal(words_of(engine, "host", b), data[b])
+        assert torch.equal(words_of(mover, "host", b), data[b])
 
 
-def test_waiting_twice_or_on_a_settled_move_returns_the_same_outcome(engine):
-    commit(engine, "device", [1])
-    t = engine.submit(move("spill", "device", "host", [1]))
-    first = engine.wait(t)
-    assert engine.wait(t) is first and engine.wait(t.move_id) is first
+def test_waiting_twice_or_on_a_settled_move_returns_the_same_outcome(mover):
+    commit(mover, "device", [1])
+    t = mover.submit(move("spill", "device", "host", [1]))
+    first = mover.wait(t)
+    assert mover.wait(t) is first and mover.wait(t.move_id) is first
 
 
-def test_close_settles_moves_still_in_flight(tmp_path, engine_device):
-    e = make_engine(tmp_path, device=engine_device)
+def test_close_settles_moves_still_in_flight(tmp_path, mover_device):
+    e = make_mover(tmp_path, device=mover_device)
     commit(e, "device", [1])
     t = e.submit(move("evict", "device", "host", [1]))
     e.close()
@@ -40,7 +40,7 @@ def test_close_settles_moves_still_in_flight(tmp_path, engine_device):
 
 @gpu
 def test_a_spill_reads_what_the_compute_stream_wrote_before_it(tmp_path):
-    with make_engine(tmp_path, device="cuda:0") as e:
+    with make_mover(tmp_path, device="cuda:0") as e:
         commit(e, "device", [1])
         slot = e.device_pool.slot_of(1)
         torch.cuda._sleep(200_000_000)                      # the compute stream is busy ...
@@ -52,7 +52,7 @@ def test_a_spill_reads_what_the_compute_stream_wrote_before_it(tmp_path):
 
 @gpu
 def test_a_restore_is_acked_only_after_its_copy_landed(tmp_path):
-    with make_engine(tmp_path, device="cuda:0") as e:
+    with make_mover(tmp_path, device="cuda:0") as e:
         data = commit(e, "device", [1, 2])
         e.execute(move("evict", "device", "host", [1, 2]))
         with torch.cuda.stream(e.streams.h2d):
@@ -67,7 +67,7 @@ def test_a_restore_is_acked_only_after_its_copy_landed(tmp_path):
 
 @gpu
 def test_a_restore_waits_for_readers_of_the_slots_it_overwrites(tmp_path):
-    with make_engine(tmp_path, device="cuda:0", device_blocks=2) as e:
+    with make_mover(tmp_path, device="cuda:0", device_blocks=2) as e:
         commit(e, "device", [1])
         commit(e, "host", [2])
         slot = e.device_pool.slot_of(1)

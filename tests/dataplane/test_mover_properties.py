@@ -1,4 +1,4 @@
-"""Random command sequences: after every step the engine's invariants hold, its residency equals a
+"""Random command sequences: after every step the mover's invariants hold, its residency equals a
 simple model's, every outcome is the one the model predicts, and every copy keeps its bytes."""
 import tempfile
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from residency.dataplane.moves.plan import FREES_SOURCE, ROUTES
 from residency.dataplane.pools import DataPlaneError
 from residency.events.catalog import MoveAcked, MoveRejected
-from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_engine, move, release, words_of
+from tests.dataplane.helpers_dataplane import LAYOUT, commit, make_mover, move, release, words_of
 
 TIERS = ("device", "host", "disk")
 CAP = {"device": 6, "host": 5, "disk": 6}
@@ -42,7 +42,7 @@ def draw_step(data, where):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_command_sequences_keep_every_invariant(draw):
-    with tempfile.TemporaryDirectory() as d, make_engine(
+    with tempfile.TemporaryDirectory() as d, make_mover(
             d, device_blocks=CAP["device"], host_blocks=CAP["host"], disk_blocks=CAP["disk"]) as e:
         where: dict[int, set[str]] = {}
         data: dict[int, torch.Tensor] = {}

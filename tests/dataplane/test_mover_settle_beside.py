@@ -1,18 +1,18 @@
-"""Moves in flight together are settled as their bytes land: waiting for one move, the engine
-settles the others whose device work is over (Engine._settle_landed_beside), never one whose
+"""Moves in flight together are settled as their bytes land: waiting for one move, the mover
+settles the others whose device work is over (Mover._settle_landed_beside), never one whose
 bytes are still crossing, never an early start, and never ahead of a small move."""
 import pytest
 import torch
 
 from residency.events.catalog import MoveAcked
-from tests.dataplane.helpers_dataplane import commit, make_engine, move, words_of
+from tests.dataplane.helpers_dataplane import commit, make_mover, move, words_of
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 N = 13           # blocks per move: several chunks of 4
 
 
-def _engine(tmp_path, device="cpu"):
-    return make_engine(tmp_path, device=device, device_blocks=2 * N + 4, host_blocks=2 * N + 4, pipeline_blocks=4)
+def _mover(tmp_path, device="cpu"):
+    return make_mover(tmp_path, device=device, device_blocks=2 * N + 4, host_blocks=2 * N + 4, pipeline_blocks=4)
 
 
 def _pair(e):
@@ -32,7 +32,7 @@ def _check_bytes(e, out_ids, in_ids, data):
 
 
 def test_waiting_for_one_move_settles_the_other_that_has_landed(tmp_path):
-    with _engine(tmp_path) as e:
+    with _mover(tmp_path) as e:
         out_ids, in_ids, data = _pair(e)
         t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids[::-1]),
                                      move("restore", "host", "device", in_ids)])
@@ -45,7 +45,7 @@ def test_waiting_for_one_move_settles_the_other_that_has_landed(tmp_path):
 
 
 def test_a_move_of_one_chunk_does_not_wait_behind_the_others(tmp_path):
-    with _engine(tmp_path) as e:
+    with _mover(tmp_path) as e:
         out_ids, in_ids, data = _pair(e)
         t_out = e.submit(move("evict", "device", "host", out_ids))
         t_in = e.submit(move("restore", "host", "device", in_ids[:4]))      # one chunk
@@ -59,7 +59,7 @@ def test_a_move_of_one_chunk_does_not_wait_behind_the_others(tmp_path):
 
 def test_moves_started_together_in_one_chunk_each_are_each_left_to_their_own_wait(tmp_path):
     # submit_many gives each move a first chunk of two pipeline chunks: 6 blocks go in one
-    with _engine(tmp_path) as e:
+    with _mover(tmp_path) as e:
         out_ids, in_ids, data = _pair(e)
         t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
                                      move("restore", "host", "device", in_ids[:6])])
@@ -72,7 +72,7 @@ def test_moves_started_together_in_one_chunk_each_are_each_left_to_their_own_wai
 
 
 def test_an_early_start_is_never_settled_beside_another_move(tmp_path):
-    with _engine(tmp_path) as e:
+    with _mover(tmp_path) as e:
         out_ids, in_ids, data = _pair(e)
         assert e.begin_ahead(move("evict", "device", "host", out_ids, move_id="m-ahead"))
         assert isinstance(e.execute(move("restore", "host", "device", in_ids)), MoveAcked)
@@ -83,7 +83,7 @@ def test_an_early_start_is_never_settled_beside_another_move(tmp_path):
 
 
 def test_a_move_that_cannot_say_whether_it_landed_is_left_to_its_own_wait(tmp_path):
-    with _engine(tmp_path) as e:
+    with _mover(tmp_path) as e:
         out_ids, in_ids, data = _pair(e)
         t_out, t_in = e.submit_many([move("evict", "device", "host", out_ids),
                                      move("restore", "host", "device", in_ids)])
@@ -112,7 +112,7 @@ def _held_pair(e, held):
 
 @gpu
 def test_on_the_gpu_a_landed_spill_is_settled_while_the_restore_still_crosses(tmp_path):
-    with _engine(tmp_path, "cuda:0") as e:
+    with _mover(tmp_path, "cuda:0") as e:
         out_ids, in_ids, data, t_out, ack_in = _held_pair(e, e.streams.h2d)      # the restore waits
         ack_out = e.outcome_of(t_out.move_id)
         assert isinstance(ack_out, MoveAcked) and ack_out.finished_ns < ack_in.finished_ns
@@ -121,7 +121,7 @@ def test_on_the_gpu_a_landed_spill_is_settled_while_the_restore_still_crosses(tm
 
 @gpu
 def test_on_the_gpu_a_spill_still_crossing_is_left_to_its_own_wait(tmp_path):
-    with _engine(tmp_path, "cuda:0") as e:
+    with _mover(tmp_path, "cuda:0") as e:
         out_ids, in_ids, data, t_out, ack_in = _held_pair(e, e.streams.d2h)      # the spill waits
         assert e.outcome_of(t_out.move_id) is None
         ack_out = e.wait(t_out)
