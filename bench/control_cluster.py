@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from residency.control.moves import MoveConfig  # noqa: E402
 from residency.control.policy import PolicyConfig  # noqa: E402
 from residency.control.proc import ControlConfig, ControlProc  # noqa: E402
-from residency.events.commands import AskCommitBlocks  # noqa: E402
+from residency.events.asks import AskCommitBlocks  # noqa: E402
 from residency.ledger import LedgerStore  # noqa: E402
 
 import commit  # noqa: E402  (bench/commit.py)

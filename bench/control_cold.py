@@ -28,7 +28,7 @@ from control_cluster import BIG_LAYOUT, Cluster, git_commit, layout_bytes, write
 from residency.events import Envelope  # noqa: E402
 from residency.events import catalog as ev  # noqa: E402
 from residency.events.codec import encode_message  # noqa: E402
-from residency.events.commands import AskMove  # noqa: E402
+from residency.events.asks import AskMove  # noqa: E402
 from residency.ledger import LedgerStore  # noqa: E402
 
 IDLE_S = 0.040

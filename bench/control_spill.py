@@ -11,7 +11,7 @@ import time
 
 from control_cluster import BIG_LAYOUT, ROOT, Cluster, layout_bytes, pct
 from residency.events import affinity
-from residency.events.commands import AskMove
+from residency.events.asks import AskMove
 
 # Where a move's time goes, in order: (name, from mark, to mark). Marks are wall-clock ns: the
 # bench's own (submit, returned), the control's (control.proc.MoveTraces), the worker's (MoveTimed,

@@ -20,9 +20,9 @@ import zmq
 import structlog
 
 from residency.events import catalog as ev
-from residency.events.commands import (
-    AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, BlocksWritten, CommandFailed,
-    CommitBlocks, StatusReport,
+from residency.events.commands import BlocksWritten, CommandFailed, CommitBlocks
+from residency.events.asks import (
+    AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, StatusReport,
 )
 from residency.control import budget, moves
 from residency.control.errors import ControlError, LedgerDiverged

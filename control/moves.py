@@ -22,7 +22,8 @@ from collections.abc import Callable
 import msgspec
 
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
+from residency.events.commands import BlocksReleased, ExecuteMove, ReleaseBlocks
+from residency.events.asks import AskMove
 from residency.control.budget import Refusal, can_fund
 from residency.control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
 from residency.control.policy.restore import plan_restore

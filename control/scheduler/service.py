@@ -40,10 +40,8 @@ from residency.control.scheduler.retain import is_retained, retained_session_for
 from residency.control.scheduler.service_stats import collect_stats
 from residency.control.policy.asks import busy_blocks
 from residency.events import catalog as ev
-from residency.events.commands import (
-    AskAnswered, AskMove, CancelGenerate, Generate, ServingReady, Tokenize, Tokenized,
-    TokensGenerated,
-)
+from residency.events.commands import CancelGenerate, Generate, ServingReady, Tokenize, Tokenized, TokensGenerated
+from residency.events.asks import AskAnswered, AskMove
 
 log = structlog.get_logger("control.serving")
 TERMINAL = (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, ev.MoveStranded, ev.MoveAbandoned, ev.MoveLateAcked)

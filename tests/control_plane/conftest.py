@@ -260,7 +260,8 @@ def joined(proc, worker: int = 0) -> bool:
 
 def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier: str = "device") -> list[int]:
     """Commit n blocks through the control process, the fake worker answering the CommitBlocks."""
-    from residency.events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
+    from residency.events.commands import BlocksWritten, CommitBlocks
+    from residency.events.asks import AskCommitBlocks
 
     fut = proc.submit(AskCommitBlocks(ask_id="commit", worker=fw.worker, session=session, tier=tier, num_blocks=n))
     cmd = fw.expect(CommitBlocks)

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, AskSetBudget, AskStatus, ExecuteMove
+from residency.events.commands import ExecuteMove
+from residency.events.asks import AskMove, AskSetBudget, AskStatus
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402

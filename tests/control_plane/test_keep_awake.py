@@ -7,7 +7,7 @@ import os
 import time
 
 from residency.events import catalog as ev
-from residency.events.commands import AskCommitBlocks, AskMove
+from residency.events.asks import AskCommitBlocks, AskMove
 
 from residency.control.keep_awake import KeepAwake
 from tests.control_plane.conftest import check_ledger, gated_cluster, spawn, wait_for

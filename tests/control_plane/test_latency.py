@@ -14,7 +14,8 @@ import pytest
 
 from residency.events import affinity
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, ErrorReply, ExecuteMove, Hello, Ping
+from residency.events.commands import ErrorReply, ExecuteMove, Hello, Ping
+from residency.events.asks import AskMove
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
@@ -80,7 +81,8 @@ def _lane_control(sqlite_url, short_dir, fake_worker, **over):
 
 
 def _commit_on_lane(proc, lane, n):
-    from residency.events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
+    from residency.events.commands import BlocksWritten, CommitBlocks
+    from residency.events.asks import AskCommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=n))
     cmd = lane.expect(CommitBlocks)
     lane.send(BlocksWritten(request_id=cmd.request_id, worker=0, tier="device", blocks=cmd.blocks,
@@ -272,7 +274,7 @@ def test_the_engines_commands_wait_for_the_lane_then_go_there_and_its_acks_count
         main.send(Hello(worker=0, epoch=main.epoch, device="cpu", tiers=main.tiers, block_bytes=main.block_bytes,
                         lane="w0.lane"))
         wait_for(lambda: joined(proc), what="worker joined")
-        from residency.events.commands import AskCommitBlocks
+        from residency.events.asks import AskCommitBlocks
         fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=4))
         if not lane_first:
             assert lane.quiet(0.3) == [] and main.quiet(0.1) == []   # held: the lane is not known up yet
@@ -410,7 +412,7 @@ def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_th
     fw = fake_worker()
     fw.send(H(worker=0, epoch=fw.epoch, device="cpu", tiers=fw.tiers, block_bytes=fw.block_bytes, lane="w0.lane"))
     wait_for(lambda: joined(proc), what="worker joined")
-    from residency.events.commands import AskCommitBlocks
+    from residency.events.asks import AskCommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=2))
     t0 = time.monotonic()
     cmd = fw.expect(CommitBlocks, timeout=5)              # held, then sent here once the lane is given up

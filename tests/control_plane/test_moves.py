@@ -9,7 +9,8 @@ from residency.control import moves, recovery, watchdog
 from residency.control.moves import MoveConfig
 from residency.control.policy.asks import release
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, MovesReport, ReleaseBlocks
+from residency.events.commands import MovesReport, ReleaseBlocks
+from residency.events.asks import AskMove
 
 from tests.control_plane.test_policies import BB, Book  # noqa: E402  (shared builder)
 

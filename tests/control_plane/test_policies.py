@@ -10,7 +10,7 @@ from residency.control.policy.asks import busy_blocks
 from residency.control.policy.recency import Recency
 from residency.control.state import State
 from residency.events import catalog as ev
-from residency.events.commands import AskMove
+from residency.events.asks import AskMove
 from residency.events.envelope import Envelope, Recorded
 
 BB = 1 << 20       # 1 MiB blocks

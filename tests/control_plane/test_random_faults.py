@@ -12,7 +12,8 @@ import pytest
 
 from residency.control.moves import MoveConfig
 from residency.events import catalog as ev
-from residency.events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, Inventory, QueryInventory
+from residency.events.commands import Inventory, QueryInventory
+from residency.events.asks import AskCommitBlocks, AskMove, AskReleaseBlocks
 
 from tests.control_plane.conftest import (  # noqa: E402
     SMALL_BLOCK, check_ledger, joined, spawn, wait_for, worker_argv,
