@@ -77,9 +77,9 @@ class Asks:
             if type(msg) is AskMove:
                 self._ask_move(msg, f"{asker}:{msg.kind}", waiter)
             elif type(msg) is AskReleaseBlocks:
-                ask = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason)
-                moves.validate(self.state, ask, self.busy.by_worker)
-                self._request(ask, waiter)
+                proposal = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason)
+                moves.validate(self.state, proposal, self.busy.by_worker)
+                self._request(proposal, waiter)
             elif type(msg) is AskSetBudget:
                 problem = budget.check_budget(self.state, msg.worker, msg.tier, msg.floor_bytes, msg.ceiling_bytes)
                 if problem:
@@ -105,15 +105,15 @@ class Asks:
     def _ask_move(self, msg: AskMove, asker: str, waiter: moves.AskWaiter) -> None:
         if self.cfg.wake_lane_on_ask and msg.blocks and msg.kind != "release" and not self._host_kept_awake():
             self._wake_lane(msg.worker, len(msg.blocks))
-        asks = moves.resolve(self.state, msg, asker, self.busy.by_worker)
-        refusal = moves.fund(self.state, asks, self.reserved_bytes())
+        proposals = moves.resolve(self.state, msg, asker, self.busy.by_worker)
+        refusal = moves.fund(self.state, proposals, self.reserved_bytes())
         if refusal is not None:
             e = refusal.event(asker, msg.session)
             log.info("move_refused", asker=asker, worker=refusal.worker, tier=refusal.tier,
                      asked_bytes=refusal.asked_bytes, available_bytes=refusal.available_bytes)
             waiter.events.append((self._record(e, correlation=msg.session, causation=msg.ask_id or None), e))
             return
-        for a in asks:
+        for a in proposals:
             self._request(a, waiter)
 
     def _ask_commit(self, msg: AskCommitBlocks, waiter: moves.AskWaiter) -> None:

@@ -31,17 +31,17 @@ S = 1_000_000_000
 class MoveLifecycle:
     """Moves from request to outcome (a part of ControlProc; loop thread only)."""
 
-    def _request(self, ask, waiter: moves.AskWaiter | None) -> str:
+    def _request(self, proposal, waiter: moves.AskWaiter | None) -> str:
         self._num_moves += 1
         mid = moves.move_id(self.epoch, self._num_moves)
-        req = moves.requested(self.state, ask, mid, time.time_ns(), self.cfg.moves)
-        if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not ask.is_release:
+        req = moves.requested(self.state, proposal, mid, time.time_ns(), self.cfg.moves)
+        if 0 < self.cfg.command_ahead_min_bytes <= req.bytes_planned and not proposal.is_release:
             self._command_ahead(req)
-        if self._keep_awake is not None and not ask.is_release:
+        if self._keep_awake is not None and not proposal.is_release:
             self._stay_awake(req.bytes_planned, mid)     # after the hint: its wake-ups cost ~0.05 ms
-        seq = self._record(req, correlation=ask.session, causation=ask.asker)
+        seq = self._record(req, correlation=proposal.session, causation=proposal.origin)
         self.book.requested(seq, req, waiter)
-        self.busy.add(ask.worker, ask.blocks)
+        self.busy.add(proposal.worker, proposal.blocks)
         if self.traces.keep:
             self.traces.mark(mid, "asked", self._ask_ns)
             self.traces.mark(mid, "requested")
@@ -226,7 +226,7 @@ class MoveLifecycle:
             self._settle(e.move_id, e)
 
     def _requery(self, now: int) -> None:
-        """Ask workers about their stranded moves: a dropped ack comes back as MoveLateAcked."""
+        """Query workers about their stranded moves: a dropped ack comes back as MoveLateAcked."""
         stranded: dict[int, list[str]] = {}
         for mid, mv in self.state.stranded.items():
             if mid not in self.answered_stranded:
@@ -248,16 +248,16 @@ class MoveLifecycle:
             cfg = msgspec.structs.replace(cfg, park=False)
         elif cfg.park:
             self._next_park = mono + S
-        for ask in plan(self.state, self.recency, now, cfg, self.memo, busy):
+        for proposal in plan(self.state, self.recency, now, cfg, self.memo, busy):
             try:
-                moves.validate(self.state, ask, busy)
+                moves.validate(self.state, proposal, busy)
             except moves.InvalidAsk:
                 continue
-            refusal = moves.fund(self.state, [ask], self.reserved_bytes())
+            refusal = moves.fund(self.state, [proposal], self.reserved_bytes())
             if refusal is not None:
-                self.memo.note(ask, refusal.available_bytes, now)
-                log.info("move_refused", asker=ask.asker, worker=ask.worker, tier=refusal.tier,
+                self.memo.note(proposal, refusal.available_bytes, now)
+                log.info("move_refused", asker=proposal.origin, worker=proposal.worker, tier=refusal.tier,
                          asked_bytes=refusal.asked_bytes, available_bytes=refusal.available_bytes)
-                self._record(refusal.event(ask.asker, ask.session), correlation=ask.session)
+                self._record(refusal.event(proposal.origin, proposal.session), correlation=proposal.session)
                 continue
-            self._request(ask, None)
+            self._request(proposal, None)

@@ -38,7 +38,7 @@ from residency.control.scheduler.service_routing import RoutingOps
 from residency.control.scheduler.service_sessions import SessionOps
 from residency.control.scheduler.retain import is_retained, retained_session_for
 from residency.control.scheduler.service_stats import collect_stats
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.events import catalog as ev
 from residency.events.commands import CancelGenerate, Generate, ServingReady, Tokenize, Tokenized, TokensGenerated
 from residency.events.asks import AskAnswered, AskMove

@@ -12,7 +12,7 @@ import collections
 
 import structlog
 
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.control.scheduler import routing
 from residency.control.scheduler.sharing import find_shared_prefix
 

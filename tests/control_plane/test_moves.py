@@ -7,7 +7,7 @@ import pytest
 
 from residency.control import moves, recovery, watchdog
 from residency.control.moves import MoveConfig
-from residency.control.policy.asks import release
+from residency.control.policy.proposals import release
 from residency.events import catalog as ev
 from residency.events.commands import MovesReport, ReleaseBlocks
 from residency.events.asks import AskMove
@@ -109,7 +109,7 @@ def test_invalid_asks_are_named_and_record_nothing():
 def _resolve_ref(state, msg, asker, busy):
     """The plain version of ``moves.resolve`` for named blocks (one list per check, every ask
     validated in full): the single-pass resolve must say exactly what this says."""
-    from residency.control.policy.asks import KIND_DEFAULTS, split_for_destination
+    from residency.control.policy.proposals import KIND_DEFAULTS, split_for_destination
     src0, dst0, keep0 = KIND_DEFAULTS[msg.kind]
     src, dst = msg.src or src0, msg.dst or dst0
     keep = keep0 if msg.keep_source is None else msg.keep_source

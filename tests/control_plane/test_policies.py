@@ -6,7 +6,7 @@ import pytest
 from residency.control import budget, moves
 from residency.control.fold import fold
 from residency.control.policy import PolicyConfig, RefusalMemo, plan
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.control.policy.recency import Recency
 from residency.control.state import State
 from residency.events import catalog as ev
