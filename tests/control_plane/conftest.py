@@ -255,7 +255,7 @@ def fake_worker(short_dir):
 
 
 def joined(proc, worker: int = 0) -> bool:
-    return proc.call(lambda p: worker in p._by_worker).result(5)
+    return proc.call(lambda p: worker in p.workers.by_worker).result(5)
 
 
 def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier: str = "device") -> list[int]:

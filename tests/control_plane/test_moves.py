@@ -222,7 +222,7 @@ def test_a_report_settles_what_the_worker_did_and_abandons_what_it_never_saw():
         b.move(mid, "evict", "device", "host", [blk], 1, ack=False)
     b.add(ev.MoveStranded(move_id="was-stranded", worker=0, bytes_at_risk=BB, why="deadline"))
     book = moves.MoveBook()
-    asked = recovery.asked_of(b.state, 0, book)
+    asked = recovery.to_query(b.state, 0, book)
     assert sorted(asked) == ["done", "never", "running", "was-stranded"]
     report = MovesReport(worker=0, outcomes=[_acked("done"), _acked("was-stranded")], unknown=["never"])
     out = {e.move_id: (v, type(e).__name__) for v, e in recovery.reconcile(b.state, 0, report, asked)}
