@@ -75,7 +75,7 @@ class ControlProc:
         # Blocks the serving path is using right now (worker -> ids): policies never move them.
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
         self._ctx = ctx or zmq.Context.instance()
-        self._writer_factory = writer_factory or self._default_writer
+        self._writer_factory = writer_factory       # a test's (gated) writer, or the group-commit writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
@@ -217,9 +217,6 @@ class ControlProc:
     def missing_workers(self) -> list[int]:
         return self.workers.missing_workers()
 
-    def status_report(self, ask_id: str = "", include_state: bool = True):
-        return self.asks.status_report(ask_id, include_state)
-
     # ================================================================== the loop
     def _run(self) -> None:
         try:
@@ -268,7 +265,7 @@ class ControlProc:
         """Replay the ledger, then compose the parts around what it gave."""
         rec = recover(self.store)
         self.state, self.recency, self.epoch = rec.state, rec.recency, rec.epoch
-        self._writer = self._writer_factory(self.store)
+        self._writer = (self._writer_factory or self._default_writer)(self.store)
         parts = Parts(self.store, self.cfg, rec, self._writer, self._router, self._ask_server, self.traces,
                       self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
                       lambda: self._stop_reason is not None, self.health)
@@ -400,13 +397,6 @@ class ControlProc:
         elif due == "quiet":
             nxt["quiet"] = now + MS
 
-    # ================================================================== for tests owned elsewhere
-    @property
-    def _by_worker(self) -> dict[int, WorkerLink]:
-        """(tests/control_plane/test_protocol.py reads it) the joined workers' links."""
-        return self.workers.by_worker
-
-    @property
-    def _awake(self) -> dict[str, int]:
-        """(tests/control_plane/test_awake.py reads it) moves the loop polls awake for."""
-        return self.awake.until_by_move
+    # ================================================================== read by tests owned elsewhere
+    _by_worker = property(lambda self: self.workers.by_worker)      # test_protocol.py: the joined workers
+    _awake = property(lambda self: self.awake.until_by_move)        # test_awake.py: moves polled awake for
