@@ -65,8 +65,9 @@ __all__ = ["ControlConfig", "ControlProc", "Health", "ControlError", "LedgerDive
 
 
 class ControlProc:
-    def __init__(self, store, config: ControlConfig, writer_factory: Callable | None = None,
-                 ctx: zmq.Context | None = None):
+    def __init__(self, store, config: ControlConfig, ctx: zmq.Context | None = None):
+        """``ctx``: the ZMQ context for the control's sockets (the process's shared one if None;
+        bench/placement.py hands it one whose I/O thread is placed on a CPU)."""
         self.store = store
         self.cfg = config
         self.faults = ControlFaults(config.faults or os.environ.get("RESIDENCY_CONTROL_FAULTS", ""))
@@ -75,7 +76,6 @@ class ControlProc:
         # Blocks the serving path is using right now (worker -> ids): policies never move them.
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
         self._ctx = ctx or zmq.Context.instance()
-        self._writer_factory = writer_factory       # a test's (gated) writer, or the group-commit writer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
@@ -265,7 +265,7 @@ class ControlProc:
         """Replay the ledger, then compose the parts around what it gave."""
         rec = recover(self.store)
         self.state, self.recency, self.epoch = rec.state, rec.recency, rec.epoch
-        self._writer = (self._writer_factory or self._default_writer)(self.store)
+        self._writer = self._default_writer(self.store)
         parts = Parts(self.store, self.cfg, rec, self._writer, self._router, self._ask_server, self.traces,
                       self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
                       lambda: self._stop_reason is not None, self.health)
