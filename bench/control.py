@@ -44,7 +44,7 @@ from control_cluster import BIG_LAYOUT, SMALL_LAYOUT, Cluster, git_commit, layou
 from control_spill import (  # noqa: E402
     VARIANTS, cpu_spinner, default_variant, dma_hog, spill, spill_control_only, under_dma_load,
 )
-from residency.events.commands import AskMove  # noqa: E402
+from residency.events.asks import AskMove  # noqa: E402
 from residency.control.logconfig import configure_logging  # noqa: E402
 
 

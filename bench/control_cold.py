@@ -28,7 +28,7 @@ from control_cluster import BIG_LAYOUT, Cluster, git_commit, layout_bytes, write
 from residency.events import Envelope  # noqa: E402
 from residency.events import catalog as ev  # noqa: E402
 from residency.events.codec import encode_message  # noqa: E402
-from residency.events.commands import AskMove  # noqa: E402
+from residency.events.asks import AskMove  # noqa: E402
 from residency.ledger import LedgerStore  # noqa: E402
 
 IDLE_S = 0.040
@@ -60,15 +60,16 @@ def request_steps(reps: int) -> dict[str, float]:
 
         def steps(p) -> dict[str, float]:
             def resolve():
-                return moves.resolve(p.state, msg, "bench", p.busy.by_worker)
-            asks = resolve()
-            req = moves.requested(p.state, asks[0], "m-cold", time.time_ns(), p.cfg.moves)
+                return moves.resolve(p.state, msg, "bench", p.moves.busy.by_worker)
+            proposals = resolve()
+            req = moves.requested(p.state, proposals[0], "m-cold", time.time_ns(), p.cfg.moves)
             cmd = moves.command_for(req)
             return {
                 "resolve": _median_us(resolve, reps * 5),
                 "resolve_after_idle": _median_us(resolve, reps, IDLE_S),
-                "fund": _median_us(lambda: moves.fund(p.state, asks, p.reserved_bytes()), reps * 5),
-                "requested": _median_us(lambda: moves.requested(p.state, asks[0], "m-cold", time.time_ns(), p.cfg.moves),
+                "fund": _median_us(lambda: moves.fund(p.state, proposals, p.moves.reserved_bytes()), reps * 5),
+                "requested": _median_us(lambda: moves.requested(p.state, proposals[0], "m-cold", time.time_ns(),
+                                                                p.cfg.moves),
                                         reps * 5),
                 "command_for": _median_us(lambda: moves.command_for(req), reps * 5),
                 "encode_command": _median_us(lambda: encode_message(cmd), reps * 5),

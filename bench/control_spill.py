@@ -9,9 +9,9 @@ import sys
 import tempfile
 import time
 
+import placement
 from control_cluster import BIG_LAYOUT, ROOT, Cluster, layout_bytes, pct
-from residency.events import affinity
-from residency.events.commands import AskMove
+from residency.events.asks import AskMove
 
 # Where a move's time goes, in order: (name, from mark, to mark). Marks are wall-clock ns: the
 # bench's own (submit, returned), the control's (control.proc.MoveTraces), the worker's (MoveTimed,
@@ -201,16 +201,19 @@ def under_dma_load(fn, seconds: float = 120.0):
 #   lane      the worker's lane (dataplane/device_thread.py; always on: no-lane is gone)
 #   nearly    the worker's MoveNearlyDone before the last chunk; the control polls awake for the ack
 #   ahead     the control's CommandAhead before the MoveRequested commits; the lane polls awake
-#   early     ... and the hint carries the command: the worker begins the copies meanwhile (an
-#             early start; nothing is visible before the command comes)
+#             (the hint always carries a device <-> host copy's command)
+#   early     ... and the worker begins the copies on it meanwhile (its --start-ahead: an early
+#             start; nothing is visible before the command comes)
 #   warm      on MoveNearlyDone the control also warms the ledger's write path for the ack's commit
 #   wake      an ask for a big copy wakes the worker's lane before the control resolves it
+#             (warm and wake are what the control always does now: the names stay so that every
+#             variant named in bench/results/ still parses; without them, they are on all the same)
 #   awake     (an experiment) the same spinners kept spinning through the whole variant (runs
 #             35-53 measured it with the bench's own always-spinning ones: 35/36 with yields)
 #   keepawake the control keeps every CPU from halting while a big move is in flight and 1 s after
 #             (control/keep_awake.py: SCHED_IDLE spinners, asleep between bursts)
 #   pin-worker / pin-control / pinned   the worker's engine thread / the control's loop thread /
-#             both, each with its ZMQ I/O thread, on a CPU of its own (events/affinity.py)
+#             both, each with its ZMQ I/O thread, on a CPU of its own (bench/placement.py)
 # name -> {lane, nearly, ahead, early, pin_control, pin_worker}
 def _variant(name: str) -> dict:
     parts = set(name.split("+"))
@@ -307,12 +310,12 @@ def spill(url: str, device: str, spill_bytes: int, reps: int = 3, variants: list
 def through_control(url: str, device: str, n: int, host_bytes: int, reps: int, in_process_s: float,
                     var: dict) -> dict:
     bb = layout_bytes(BIG_LAYOUT)
-    control_cpu, (worker_cpu,) = affinity.plan(1)
+    control_cpu, (worker_cpu,) = placement.plan(1)
     cpus = (control_cpu if var["pin_control"] else None, worker_cpu if var["pin_worker"] else None)
     out: dict = {**var, "cpus": list(cpus)}
     c = Cluster(url, "real", device, BIG_LAYOUT, n + 8, host_bytes, traced=True, lane=var["lane"], cpus=cpus,
-                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], warm=var["warm"], wake=var["wake"],
-                keep_awake=var["keepawake"], ahead_min_bytes=min(64 << 20, n * bb), early_ack=var["early_ack"])
+                nearly_done=var["nearly"], ahead=var["ahead"], early=var["early"], keep_awake=var["keepawake"],
+                ahead_min_bytes=min(64 << 20, n * bb), early_ack=var["early_ack"])
     spinners = idle_spinners() if var.get("awake") else None
     try:
         blocks = c.commit(n)

@@ -32,8 +32,8 @@ class Refusal(msgspec.Struct, frozen=True, kw_only=True):
     inflight_bytes: int
     reason: str
 
-    def event(self, ask: str, session: str | None = None) -> ev.MoveRefused:
-        return ev.MoveRefused(ask=ask, worker=self.worker, tier=self.tier, asked_bytes=self.asked_bytes,
+    def event(self, origin: str, session: str | None = None) -> ev.MoveRefused:
+        return ev.MoveRefused(ask=origin, worker=self.worker, tier=self.tier, asked_bytes=self.asked_bytes,
                               available_bytes=self.available_bytes, floor_bytes=self.floor_bytes,
                               reason=self.reason, session=session)
 

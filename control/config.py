@@ -1,5 +1,6 @@
 """The control process's settings (``ControlConfig``) and what its health check answers (``Health``).
-Every setting has its reason beside it; ``residency serve`` builds one from its flags."""
+Every setting has its reason beside it; ``residency serve`` builds one from its flags. The last
+few (test hooks) exist for the tests and benches: ``residency serve`` leaves them as they are."""
 from __future__ import annotations
 
 import msgspec
@@ -29,45 +30,35 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     snapshot_every_events: int = 100_000
     commit_max_batch: int = 1000
     commit_max_delay_s: float = 0.0       # 0: commit at once; batches form while a commit runs
-    commit_inline: bool = True            # commit on the loop thread when no commit is in flight
     max_queue: int = 100_000
     durability: str = "normal"
     stall_after_s: float = 1.0            # health: a loop or a commit stuck this long is unhealthy
     shutdown_grace_s: float = 2.0
-    release_on_stop: bool = True          # a clean stop frees every copy by the book
-    # ... but for the disk copies: they stay in the ledger and on the worker's disk, and the next
-    # incarnation keeps those it finds and verifies (WorkerLost.kept_on_disk); `residency serve` on
-    keep_disk: bool = False               # with --keep-disk (its default)
+    # a clean stop frees every copy by the book, but for the disk copies with keep_disk: they stay
+    # in the ledger and on the worker's disk, and the next incarnation keeps those it finds and
+    # verifies (WorkerLost.kept_on_disk); `residency serve` on with --keep-disk (its default)
+    keep_disk: bool = False
     config_digest: str = ""
-    faults: str = ""                      # ControlFaults spec; off unless set (tests only)
-    trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (bench)
-    gc_freeze: bool = True                # after recovery, freeze what exists out of the collector (until stop)
     # after answering a thread of this process before an ack's fold, the loop steps off the GIL
-    # this long so that thread can take its answer first (0: not at all); see Asks._answer_off_loop
-    answer_yield_us: int = 50
-    answer_yield_min_blocks: int = 32     # ... only before the fold of a move this big
-    # the CPU of the loop thread and of its ZMQ I/O thread (None: the kernel's choice); see
-    # events/affinity.py. Off by default (measured slower for a big spill; README).
-    cpu: int | None = None
+    # so that thread can take its answer first, when the fold is of at least this many blocks
+    # (control/answers.py)
+    answer_yield_min_blocks: int = 32
     # on a worker's MoveNearlyDone, poll without sleeping until that move's outcome comes, at most
     # this long (its bytes_left at 10 GB/s, capped here); 0: sleep in the poll as always
     ack_spin_max_us: int = 3000
     # ... and first warm the ledger's write path (a transaction opened and rolled back), so the
-    # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer)
-    warm_writer: bool = True
-    warm_lead_us: int = 1000              # ... this long before the worker's estimate of the ack (the warm-up
-                                          # itself takes 0.1-0.3 ms on an idle H200 host)
+    # ack's commit does not pay for the caches the idle wait cost (LedgerStore.warm_writer), this
+    # long before the worker's estimate of the ack (about what the warm-up itself takes)
+    warm_lead_us: int = 1000
     # a copy of at least this many bytes: its worker's lane hears CommandAhead before the
-    # MoveRequested commits and polls awake for the command (0: never)
+    # MoveRequested commits and polls awake for the command (0: never). An ask naming that many
+    # bytes of blocks wakes the lane before it is resolved (not while keep_awake's spinners spin:
+    # then a woken thread runs at once), and (device <-> host copies) the hint carries the
+    # command, so the worker may begin its copies while the MoveRequested commits (an early
+    # start: nothing is visible on the worker before the command itself comes; see
+    # events.commands.CommandAhead)
     command_ahead_min_bytes: int = 64 << 20
-    command_ahead_us: int = 2000          # ... for at most this long
-    # ... and an ask naming that many bytes of blocks wakes the lane before it is resolved (not
-    # while keep_awake's spinners spin: then a woken thread runs at once)
-    wake_lane_on_ask: bool = True
-    # ... and (device <-> host copies) the hint carries the command, so the worker may begin its
-    # copies while the MoveRequested commits (an early start: nothing is visible on the worker
-    # before the command itself comes; see events.commands.CommandAhead)
-    start_ahead: bool = True
+    command_ahead_us: int = 2000          # ... polling awake for at most this long
     # while a move of at least ``keep_awake_min_bytes`` is in flight, a SCHED_IDLE spinner on
     # every CPU keeps the host's vCPUs from halting (control/keep_awake.py); off by default, on for
     # ``residency serve`` on a GPU host
@@ -76,6 +67,14 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     keep_awake_linger_s: float = 1.0      # ... and this long after the last one is settled
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    # ---- test hooks (tests and benches set these; `residency serve` never does)
+    # False: a stop leaves every copy where it is (tests that stop many controls skip the releases)
+    release_on_stop: bool = True
+    # False: every commit goes through the group-commit writer's thread, never inline on the loop
+    # (the path a commit under load takes; tests drive it with this)
+    commit_inline: bool = True
+    faults: str = ""                      # ControlFaults spec: injected crashes (control/probes.py)
+    trace_moves: int = 0                  # keep wall-clock phase marks of the last N moves (MoveTraces)
 
 
 class Health(msgspec.Struct, kw_only=True):

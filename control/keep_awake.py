@@ -1,10 +1,10 @@
 """Keep the host's CPUs from halting while big moves come and go.
 
-On the H200 guests a thread woken on a halted vCPU takes 0.05-0.15 ms to run, and a move through
-the control process wakes one at every hop (the ask, the command, the ack, the answer: each a ZMQ
-I/O thread and the thread that reads it). Kept from halting, the same hops cost a third to a half
-(bench/zmq_wake.py; bench/control.py, spill part ``awake``). The guests have no cpuidle driver
-to tune, so this does what a guest's ``idle=poll`` would, but only while it pays:
+On a virtual machine's guest a thread woken on a halted vCPU takes a while to run, and a move
+through the control process wakes one at every hop (the ask, the command, the ack, the answer:
+each a ZMQ I/O thread and the thread that reads it). Kept from halting, the same hops cost a third
+to a half (bench/zmq_wake.py; bench/control.py; bench/RESULTS.md). Such guests have no cpuidle
+driver to tune, so this does what a guest's ``idle=poll`` would, but only while it pays:
 
 One spinner process per CPU, pinned to it, at ``SCHED_IDLE`` (any other thread that becomes
 runnable there preempts it at once: it takes no time from anybody, it only keeps the vCPU
@@ -17,7 +17,9 @@ end-of-file once its window is over and exits; the memory is a file unlinked as 
 spinners have it.
 
 Threads that poll awake while spinners run must not ``sched_yield``: that hands their CPU to the
-spinner for a whole slice (``events.affinity.poll_until`` yields only on a pinned thread).
+spinner for a whole slice (``control.awake_poll.poll_until`` never yields).
+
+``AwakeWhileMoving`` opens the window while a big move is in flight (the control's part of it).
 """
 from __future__ import annotations
 
@@ -121,3 +123,37 @@ class KeepAwake:
                 gone.append(p)
         if gone:
             self._procs = [p for p in self._procs if p not in gone]
+
+
+class AwakeWhileMoving:
+    """Keeps the host awake (``spinners``) while a move of at least ``min_bytes`` is in flight,
+    and ``linger_s`` after the last one is settled."""
+
+    def __init__(self, spinners: KeepAwake, min_bytes: int, linger_s: float):
+        self.spinners = spinners
+        self.min_bytes = min_bytes
+        self.linger_s = linger_s
+        self.moving: set[str] = set()       # big moves in flight that keep the host awake
+
+    def requested(self, move_id: str, nbytes: int) -> None:
+        """Move ``move_id`` of ``nbytes`` is requested: if big, keep the host's CPUs from halting
+        until it is settled, at most its bytes at 10 GB/s + 50 ms."""
+        if nbytes >= self.min_bytes:
+            self.moving.add(move_id)
+            self.spinners.until(time.monotonic_ns() + int((nbytes / 10e9 + 0.05) * 1e9))
+
+    def settled(self, move_id: str) -> None:
+        """Once no big move is left, the CPUs may halt after the linger (the next big move of a
+        burst then finds them awake, and its ask is not slowed by waking them)."""
+        if self.moving:
+            self.moving.discard(move_id)
+            if not self.moving:
+                self.spinners.end_at(time.monotonic_ns() + int(self.linger_s * 1e9))
+
+    @property
+    def awake(self) -> bool:
+        """The spinners are spinning (a window open): a woken thread then runs at once."""
+        return self.spinners.awake_until > time.monotonic_ns()
+
+    def stop(self) -> None:
+        self.spinners.stop()

@@ -1,7 +1,8 @@
-"""The control process's side of its workers: links, Hello and adoption, heartbeats, loss.
+"""The worker registry: the control process's side of its workers -- links, Hello and adoption,
+heartbeats, loss, and every message on the worker socket.
 
     Hello (new incarnation)  ─► WorkerJoined, then QueryMoves for what it may have done for us
-    Hello (same incarnation) ─► adopted after a control restart (no event), asked again
+    Hello (same incarnation) ─► adopted after a control restart (no event), queried again
     silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
     a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
     Hello.lane (the worker's engine lane) ─► the engine's commands wait for the lane's LaneHello,
@@ -10,14 +11,16 @@
                    no LaneHello within lane_wait_s ─► the lane is given up: held and later commands
                    go to the Hello socket (the worker's I/O thread hands them to its engine in order)
 
-``WorkerLinks`` is a part of ``ControlProc`` (control/proc.py), run on its loop thread. It reads and
-sets the loop's fields made by ``StartStop._recover``: ``state``, ``roster``, ``book``, ``busy``,
-``_links``, ``_by_worker``, ``_adopting``, ``_unsent``, ``_router``, ``metrics``, ``cfg``.
+A worker's other messages go to the handler registered for their type (``handlers``: the move
+dispatcher's outcomes, the ask handler's commits, the serving path's tokens). A lost worker's
+moves are settled by the move dispatcher (``settle``); a joined one gets the commands that
+waited for it (``on_joined``). Loop thread only.
 """
 from __future__ import annotations
 
+import collections
 import time
-from typing import Any, Callable, Collection
+from typing import Callable, Collection
 
 import structlog
 import zmq
@@ -28,10 +31,14 @@ from residency.events.commands import (
 )
 from residency.ledger.errors import LedgerError
 from residency.control import recovery, watchdog
+from residency.control.config import ControlConfig
 from residency.control.errors import ControlError, LedgerDiverged
+from residency.control.moves import BusyIndex, MoveBook
+from residency.control.recorder import Recorder
+from residency.control.state import State
 from residency.control.transport import (
-    UNKNOWN_WORKER, WORKER_LOST, WORKER_MISMATCH, TransportError, WorkerUnreachable, parse_worker_identity,
-    worker_identity,
+    UNKNOWN_WORKER, WORKER_LOST, WORKER_MISMATCH, TransportError, WorkerRouter, WorkerUnreachable,
+    parse_worker_identity, worker_identity,
 )
 
 log = structlog.get_logger("control.links")
@@ -43,16 +50,16 @@ TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply, Tokenize)
 
 class WorkerLink:
     """One joined worker incarnation as the loop knows it: its socket identity, when it was last
-    heard, and the move ids it has been asked about (QueryMoves) and not yet answered for."""
+    heard, and the move ids it has been queried about (QueryMoves) and not yet answered for."""
 
-    __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "asked", "last_query_ns", "device",
+    __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "queried", "last_query_ns", "device",
                  "lane", "lane_up", "held", "lane_by_ns")
 
     def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int, lane: bytes | None = None):
         self.worker, self.identity, self.epoch, self.device = worker, identity, epoch, device
         self.last_heard_ns = now_ns
         self.missed = False
-        self.asked: set[str] = set()
+        self.queried: set[str] = set()
         self.last_query_ns = 0
         self.lane = lane              # the engine lane's identity, or None (everything to ``identity``)
         self.lane_up = False          # its LaneHello came: commands may go there
@@ -60,10 +67,53 @@ class WorkerLink:
         self.lane_by_ns = 0           # when the lane must be up (monotonic), or it is given up
 
 
-class WorkerLinks:
-    """Worker links and their messages (a part of ControlProc; loop thread only)."""
+class WorkerRegistry:
+    """The joined workers, by socket identity and by worker number (loop thread only)."""
 
-    def _send(self, link: WorkerLink, msg) -> bool:
+    def __init__(self, cfg: ControlConfig, state: State, roster: dict[int, int], router: WorkerRouter,
+                 recorder: Recorder, book: MoveBook, busy: BusyIndex, metrics: collections.Counter,
+                 handlers: dict[type, Callable], crashed: bool, settle: Callable[[str, ev.Event], None],
+                 on_joined: Callable[[int], None]):
+        self.cfg = cfg
+        self.state = state
+        self.roster = roster                   # worker -> epoch of its last WorkerJoined
+        self.router = router
+        self.recorder = recorder
+        self.book = book
+        self.busy = busy
+        self.metrics = metrics
+        self.handlers = handlers
+        self.settle = settle
+        self.on_joined = on_joined
+        self.by_worker: dict[int, WorkerLink] = {}
+        self.last_recv_ns = 0                  # wall clock of the last read off the socket (traces)
+        self._links: dict[bytes, WorkerLink] = {}
+        self._lanes: dict[bytes, WorkerLink] = {}        # engine lane identity -> its worker's link
+        self._early_lanes: dict[bytes, int] = {}         # LaneHellos ahead of their Hello: identity -> epoch
+        self._unhandled_logged: set[type] = set()
+        self._stopped_cleanly = not crashed    # the last incarnation recorded ServerStopped
+        now = time.monotonic_ns()
+        # Workers the ledger says are serving: after a crash they get a grace to come back.
+        alive = [w for w, ws in state.workers.items() if ws.alive]
+        self._adopting: dict[int, int] = {w: now + int(cfg.adopt_grace_s * S) for w in alive} if crashed else {}
+        self._replacing: dict[int, int] = {}   # worker -> until when its disk copies wait
+
+    @property
+    def adopting(self) -> Collection[int]:
+        """Workers the ledger says were serving before a crash, still within their grace."""
+        return self._adopting.keys()
+
+    @property
+    def num_links(self) -> int:
+        return len(self._links)
+
+    def missing_workers(self) -> list[int]:
+        """Expected workers with no live link and no grace pending: the supervisor starts these."""
+        expected = self.cfg.expected_workers or []
+        return [w for w in expected if w not in self.by_worker and w not in self._adopting]
+
+    # ------------------------------------------------------------------ sending
+    def send(self, link: WorkerLink, msg) -> bool:
         identity = link.identity
         if link.lane is not None and type(msg) not in TO_IO_THREAD:
             if not link.lane_up:      # in order, once its LaneHello proves the lane connected
@@ -71,7 +121,7 @@ class WorkerLinks:
                 return True
             identity = link.lane
         try:
-            self._router.send(identity, msg)
+            self.router.send(identity, msg)
             return True
         except WorkerUnreachable as e:
             self.metrics["send_unreachable"] += 1
@@ -79,19 +129,32 @@ class WorkerLinks:
             return False
 
     def send_to_worker(self, worker: int, msg) -> bool:
-        """Send any command to a joined worker (loop thread only; ``call`` from elsewhere)."""
-        link = self._by_worker.get(worker)
-        return link is not None and self._send(link, msg)
+        """Send any command to a joined worker."""
+        link = self.by_worker.get(worker)
+        return link is not None and self.send(link, msg)
 
-    def on_worker_message(self, msg_type: type, handler: Callable[[WorkerLink, Any], None]) -> None:
-        """Route a worker message type (e.g. the serving path's TokensGenerated) to ``handler``,
-        called on the loop thread. Register before ``start``."""
-        self._handlers[msg_type] = handler
+    def shutdown_all(self, reason: str) -> None:
+        for link in list(self._links.values()):
+            self.send(link, Shutdown(reason=reason))
 
-    def _recv_worker(self) -> bool:
-        self._recv_ns = time.time_ns()
+    def query(self, link: WorkerLink, move_ids: list[str]) -> None:
+        if move_ids:
+            link.queried.update(move_ids)
+            link.last_query_ns = time.monotonic_ns()
+            self.send(link, QueryMoves(move_ids=move_ids))
+
+    def _reply_error(self, identity: bytes, err: ErrorReply) -> None:
         try:
-            identity, msg = self._router.recv()
+            self.router.send(identity, err)
+        except WorkerUnreachable:
+            pass
+
+    # ------------------------------------------------------------------ receiving
+    def recv(self) -> bool:
+        """Read and handle one message; False when none is waiting."""
+        self.last_recv_ns = time.time_ns()
+        try:
+            identity, msg = self.router.recv()
         except zmq.Again:
             return False
         except TransportError as e:
@@ -121,7 +184,7 @@ class WorkerLinks:
             self._reply_error(identity, ErrorReply(error=WORKER_MISMATCH,
                                                    detail=f"message names worker {claimed}, sender is {link.worker}"))
             return True
-        handler = self._handlers.get(type(msg))
+        handler = self.handlers.get(type(msg))
         if handler is None:
             if type(msg) not in self._unhandled_logged:
                 self._unhandled_logged.add(type(msg))
@@ -136,27 +199,19 @@ class WorkerLinks:
             log.exception("worker_message_handler_failed", type=type(msg).__name__, worker=link.worker)
         return True
 
-    def _reply_error(self, identity: bytes, err: ErrorReply) -> None:
-        try:
-            self._router.send(identity, err)
-        except WorkerUnreachable:
-            pass
-
+    # ------------------------------------------------------------------ the engine lane
     def _on_lane_hello(self, link: WorkerLink | None, identity: bytes, msg: LaneHello) -> None:
         if link is None or link.lane != identity or link.epoch != msg.epoch:
             # before its Hello (two connections, no order between them), or a stale incarnation's
             self._early_lanes[identity] = msg.epoch
             return
         link.last_heard_ns = time.monotonic_ns()
-        self._lane_up(link)
-
-    def _lane_up(self, link: WorkerLink) -> None:
         if not link.lane_up:
             link.lane_up = True
             log.info("worker_lane_up", worker=link.worker, held=len(link.held))
         held, link.held = link.held, []
-        for msg in held:
-            self._send(link, msg)
+        for m in held:
+            self.send(link, m)
 
     def _give_up_lane(self, link: WorkerLink) -> None:
         """No LaneHello in time: everything for this incarnation goes to its Hello socket (one
@@ -168,13 +223,14 @@ class WorkerLinks:
             del self._lanes[link.lane]
         link.lane = None
         held, link.held = link.held, []
-        for msg in held:
-            self._send(link, msg)
+        for m in held:
+            self.send(link, m)
 
-    def _on_hello(self, link: WorkerLink, msg: Hello) -> None:
-        if msg.epoch == link.epoch:      # the worker thought we restarted; ask again what it knows
+    # ------------------------------------------------------------------ Hello and adoption
+    def on_hello(self, link: WorkerLink, msg: Hello) -> None:
+        if msg.epoch == link.epoch:      # the worker thought we restarted; query it again
             self._claim_disk(link, msg)
-            self._query(link, recovery.asked_of(self.state, link.worker, self.book))
+            self.query(link, recovery.to_query(self.state, link.worker, self.book))
             return
         self._on_hello_new(link.identity, msg)
 
@@ -189,13 +245,13 @@ class WorkerLinks:
             self._reply_error(identity, ErrorReply(error=UNKNOWN_WORKER, detail=f"worker {w} is not expected here"))
             return
         ws = self.state.workers.get(w)
-        old = self._by_worker.get(w)
+        old = self.by_worker.get(w)
         found = msg.disk_blocks if self.cfg.keep_disk else ()
         if old is not None and old.epoch != msg.epoch:
-            self._lose(w, f"replaced by a new incarnation (epoch {msg.epoch})", found)
+            self.lose(w, f"replaced by a new incarnation (epoch {msg.epoch})", found)
         elif ws is not None and ws.alive and self.roster.get(w) != msg.epoch and self._has_history(w):
             why = "stopped with the server" if self._stopped_cleanly else "not back after the control restart"
-            self._lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found)
+            self.lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found)
         ws = self.state.workers.get(w)
         if ws is not None and not ws.alive and self.roster.get(w) == msg.epoch:
             # NOTE: the ledger already wrote this incarnation off (its blocks are counted lost);
@@ -203,13 +259,13 @@ class WorkerLinks:
             log.warning("lost_worker_returned", worker=w, epoch=msg.epoch)
             self._reply_error(identity, ErrorReply(error=WORKER_LOST, detail=f"worker {w} epoch {msg.epoch} was recorded lost"))
             try:
-                self._router.send(identity, Shutdown(reason="recorded lost; a new incarnation replaces it"))
+                self.router.send(identity, Shutdown(reason="recorded lost; a new incarnation replaces it"))
             except WorkerUnreachable:
                 pass
             return
         lane = msg.lane.encode() if msg.lane else None
         link = WorkerLink(w, identity, msg.epoch, msg.device, now, lane)
-        self._links[identity] = self._by_worker[w] = link
+        self._links[identity] = self.by_worker[w] = link
         if lane is not None:
             link.lane_by_ns = now + int(self.cfg.lane_wait_s * S)
             self._lanes[lane] = link
@@ -220,15 +276,15 @@ class WorkerLinks:
         if adopted:
             log.info("worker_adopted", worker=w, epoch=msg.epoch)
         else:
-            self._record(ev.WorkerJoined(worker=w, device=msg.device, tiers=dict(msg.tiers), block_bytes=msg.block_bytes),
-                         causation=recovery.join_causation(w, msg.epoch))
+            self.recorder.record(ev.WorkerJoined(worker=w, device=msg.device, tiers=dict(msg.tiers),
+                                                 block_bytes=msg.block_bytes),
+                                 causation=recovery.join_causation(w, msg.epoch))
             self.roster[w] = msg.epoch
             log.info("worker_joined", worker=w, epoch=msg.epoch, device=msg.device, tiers=msg.tiers,
                      block_bytes=msg.block_bytes)
         self._claim_disk(link, msg)
-        self._query(link, recovery.asked_of(self.state, w, self.book))
-        for req in self._unsent.pop(w, []):
-            self._dispatch(req)
+        self.query(link, recovery.to_query(self.state, w, self.book))
+        self.on_joined(w)
 
     def _claim_disk(self, link: WorkerLink, msg: Hello) -> None:
         """Files an incarnation found on its disk at start and still offers: keep those the ledger
@@ -236,19 +292,13 @@ class WorkerLinks:
         offers none, so a repeated claim (a Hello sent again) deletes nothing."""
         if msg.disk_blocks:
             wb = self.state.blocks.get(link.worker, {})
-            self._send(link, ClaimDisk(keep=sorted(b for b in msg.disk_blocks if b in wb and "disk" in wb[b].tiers)))
+            self.send(link, ClaimDisk(keep=sorted(b for b in msg.disk_blocks if b in wb and "disk" in wb[b].tiers)))
 
     def _has_history(self, w: int) -> bool:
         return bool(self.state.blocks.get(w)) or any(
             m.worker == w for m in (*self.state.inflight.values(), *self.state.stranded.values()))
 
-    def _query(self, link: WorkerLink, move_ids: list[str]) -> None:
-        if move_ids:
-            link.asked.update(move_ids)
-            link.last_query_ns = time.monotonic_ns()
-            self._send(link, QueryMoves(move_ids=move_ids))
-
-    def _on_disk_claimed(self, link: WorkerLink, msg: DiskClaimed) -> None:
+    def on_disk_claimed(self, link: WorkerLink, msg: DiskClaimed) -> None:
         """Files the ledger never had (or no longer has) on that disk, deleted by the worker: not
         in any account, so no event; counted and logged."""
         self.metrics["disk_files_dropped"] += len(msg.dropped)
@@ -256,17 +306,18 @@ class WorkerLinks:
         log.info("disk_claimed", worker=link.worker, kept=len(msg.kept), dropped=len(msg.dropped),
                  bytes_dropped=msg.bytes_dropped)
 
-    def _on_pong(self, link: WorkerLink, msg: Pong) -> None:
+    def on_pong(self, link: WorkerLink, msg: Pong) -> None:
         self.metrics["pongs"] += 1
 
-    def _on_worker_error(self, link: WorkerLink, msg: ErrorReply) -> None:
+    def on_worker_error(self, link: WorkerLink, msg: ErrorReply) -> None:
         self.metrics[f"worker_error_{msg.error}"] += 1
         log.warning("worker_error", worker=link.worker, error=msg.error, detail=msg.detail)
 
-    def _heartbeats(self, now: int) -> None:
+    # ------------------------------------------------------------------ heartbeats and loss
+    def heartbeats(self, now: int) -> None:
         ping = Ping(nonce=now & 0x7FFFFFFF, ts_ns=time.time_ns())
         for link in list(self._links.values()):
-            self._send(link, ping)
+            self.send(link, ping)
             if link.lane is not None and not link.lane_up and now > link.lane_by_ns:
                 self._give_up_lane(link)
         for w, until in list(self._adopting.items()):
@@ -278,27 +329,32 @@ class WorkerLinks:
                     self._replacing[w] = now + int(self.cfg.replace_wait_s * S)
                     log.warning("worker_awaiting_replacement", worker=w, why=why, wait_s=self.cfg.replace_wait_s)
                 else:
-                    self._lose(w, why)
+                    self.lose(w, why)
             else:   # a surviving worker answers a ping; we answer unknown_worker; it says Hello again
                 try:
-                    self._router.send(worker_identity(w), ping)
+                    self.router.send(worker_identity(w), ping)
                 except WorkerUnreachable:
                     pass
         for w, until in list(self._replacing.items()):
             if now > until:
-                self._lose(w, f"no new incarnation within {self.cfg.replace_wait_s} s of the control restart")
+                self.lose(w, f"no new incarnation within {self.cfg.replace_wait_s} s of the control restart")
         heard = {link.worker: link.last_heard_ns for link in self._links.values()}
         missed, lost = watchdog.silence(heard, now, int(self.cfg.heartbeat_missed_s * S), int(self.cfg.worker_lost_s * S),
                                         {lk.worker for lk in self._links.values() if lk.missed})
         for e in missed:
-            self._by_worker[e.worker].missed = True
+            self.by_worker[e.worker].missed = True
             log.warning("worker_heartbeat_missed", worker=e.worker, silent_ms=e.silent_ms)
-            self._record(e)
+            self.recorder.record(e)
         for w, silent_ms in lost:
-            self._lose(w, f"heartbeat silent {silent_ms} ms")
+            self.lose(w, f"heartbeat silent {silent_ms} ms")
 
-    def _lose(self, worker: int, reason: str, found_on_disk: Collection[int] = ()) -> None:
-        link = self._by_worker.pop(worker, None)
+    def exited(self, worker: int, epoch: int, returncode: int | None) -> None:
+        """The supervisor saw the process of ``worker`` incarnation ``epoch`` exit."""
+        if self.roster.get(worker) == epoch:    # not an incarnation already replaced
+            self.lose(worker, f"worker process exited with code {returncode}")
+
+    def lose(self, worker: int, reason: str, found_on_disk: Collection[int] = ()) -> None:
+        link = self.by_worker.pop(worker, None)
         if link is not None:
             self._links.pop(link.identity, None)
             if link.lane is not None and self._lanes.get(link.lane) is link:
@@ -310,11 +366,6 @@ class WorkerLinks:
                 self.busy.drop_worker(worker)
                 log.warning("worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
                             bytes_lost=e.bytes_lost, kept_on_disk=len(e.kept_on_disk), bytes_kept=e.bytes_kept)
-                self._record(e)
+                self.recorder.record(e)
             else:
-                self._settle(e.move_id, e)
-
-    def missing_workers(self) -> list[int]:
-        """Expected workers with no live link and no grace pending: the supervisor starts these."""
-        expected = self.cfg.expected_workers or []
-        return [w for w in expected if w not in self._by_worker and w not in self._adopting]
+                self.settle(e.move_id, e)

@@ -1,6 +1,7 @@
 """The life of a move, as the control process lives it (DESIGN.md "Life of a move"). Pure.
 
-    ask ──validate──► invalid: answered with a named error, nothing recorded
+    proposal (an ask resolved, or a policy's)
+        ──validate──► invalid: answered with a named error, nothing recorded
         ──fund──────► MoveRefused{asked, available, floor}; nothing else happens
         ──request───► MoveRequested{move_id, ..., deadline}   committed BEFORE the command is sent
                       ExecuteMove (or ReleaseBlocks)  ──►  worker
@@ -11,7 +12,7 @@
 
 ``MoveBook`` holds what the control process knows about moves that the ledger does not: which
 requests are still waiting for their commit (not sent yet), which were sent, and who is waiting
-for an outcome. It is rebuilt empty on restart; recovery asks the workers instead.
+for an outcome. It is rebuilt empty on restart; recovery queries the workers instead.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from collections.abc import Callable
 import msgspec
 
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, BlocksReleased, ExecuteMove, ReleaseBlocks
+from residency.events.commands import BlocksReleased, ExecuteMove, ReleaseBlocks
+from residency.events.asks import AskMove
 from residency.control.budget import Refusal, can_fund
-from residency.control.policy.asks import KIND_DEFAULTS, Ask, busy_blocks, release
+from residency.control.policy.proposals import KIND_DEFAULTS, Proposal, busy_blocks, release
 from residency.control.policy.restore import plan_restore
 from residency.control.state import MoveState, State, copies_on
 
@@ -39,7 +41,7 @@ class MoveConfig(msgspec.Struct, kw_only=True):
 
 
 class InvalidAsk(Exception):
-    """An ask that names something the state does not have (unknown worker, block, tier, or a
+    """An ask or proposal that names something the state does not have (unknown worker, block, tier, or a
     block already busy in another move). Nothing is recorded; the asker gets the reason."""
 
 
@@ -48,12 +50,12 @@ def move_id(epoch: int, n: int) -> str:
     return f"m-{epoch:x}-{n}"
 
 
-# ------------------------------------------------------------------ ask -> asks
+# ------------------------------------------------------------------ an AskMove -> its proposals
 # NOTE: a big move names thousands of blocks (a 2 GiB spill of 2 MiB pages: 1024), and every check
 # below runs on the control loop between the ask and the command: one pass per block, set algebra
 # (in C) where a check is a membership test, and each fact is checked once.
-def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | None = None) -> list[Ask]:
-    """The asks an ``AskMove`` means, against the current state; raises InvalidAsk."""
+def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] | None = None) -> list[Proposal]:
+    """The proposals an ``AskMove`` means, against the current state; raises InvalidAsk."""
     if msg.kind not in KIND_DEFAULTS:
         raise InvalidAsk(f"unknown move kind {msg.kind!r}")
     ws = state.workers.get(msg.worker)
@@ -82,11 +84,11 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
     if msg.kind == "restore":
         # plan_restore keeps only blocks with a copy on their source and none on the device
         try:
-            asks = plan_restore(state, asker, msg.worker, blocks, msg.session, keep, msg.src, block_set)
+            proposals = plan_restore(state, origin, msg.worker, blocks, msg.session, keep, msg.src, block_set)
         except KeyError:
             _raise_unknown(msg.worker, wb, blocks)
             raise
-        if not asks:
+        if not proposals:
             raise InvalidAsk(f"nothing to restore: blocks {blocks[:16]} are on the device or have no copy"
                              f"{' on ' + msg.src if msg.src else ''}")
     else:
@@ -94,18 +96,18 @@ def resolve(state: State, msg: AskMove, asker: str, busy: dict[int, set[int]] | 
             _raise_unknown(msg.worker, wb, blocks)      # unknown blocks are named first, as for any kind
             raise InvalidAsk(f"{msg.kind} needs two different tiers, got {src} -> {dst}")
         try:
-            asks = _split(msg, asker, wb, copies_on(state, msg.worker, src), copies_on(state, msg.worker, dst),
+            proposals = _split(msg, origin, wb, copies_on(state, msg.worker, src), copies_on(state, msg.worker, dst),
                           blocks, block_set, src, dst, keep)
         except KeyError:
             _raise_unknown(msg.worker, wb, blocks)
             raise           # no named block is unknown: a bug, raised as it is
     busy = busy if busy is not None else busy_blocks(state)
-    for a in asks:      # the blocks' copies were checked above, against this same state
+    for a in proposals:      # the blocks' copies were checked above, against this same state
         _check_route(state, a)
-        # one ask of every block (the usual case): the set made above is its blocks, and set-to-set
+        # one proposal of every block (the usual case): the set made above is its blocks, and set-to-set
         # algebra walks the smaller side (a few busy blocks, not the 1024 asked)
-        _check_not_busy(a, busy, block_set if len(asks) == 1 and len(a.blocks) == len(block_set) else None)
-    return asks
+        _check_not_busy(a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
+    return proposals
 
 
 def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:
@@ -114,8 +116,8 @@ def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:
         raise InvalidAsk(f"worker {worker} has no blocks {[b for b in blocks if b not in wb][:16]}") from None
 
 
-def _split(msg: AskMove, asker: str, wb: dict, on_src, on_dst, blocks: list[int], block_set: set[int],
-           src: str, dst: str, keep: bool) -> list[Ask]:
+def _split(msg: AskMove, origin: str, wb: dict, on_src, on_dst, blocks: list[int], block_set: set[int],
+           src: str, dst: str, keep: bool) -> list[Proposal]:
     """``split_for_destination`` of the blocks with a copy on ``src``, in the same single pass
     that finds them: blocks with a copy on ``dst`` already need no copy (only a release of the
     source, when the source is to be freed)."""
@@ -128,8 +130,8 @@ def _split(msg: AskMove, asker: str, wb: dict, on_src, on_dst, blocks: list[int]
     # between sets (``block_set`` is ``blocks``): a subset test by sizes first, a disjointness
     # test over the smaller side (the destination's index is often empty).
     if on_src >= block_set and on_dst.isdisjoint(block_set):
-        return [Ask(asker=asker, kind=msg.kind, worker=msg.worker, src=src, dst=dst, blocks=tuple(blocks),
-                    keep_source=keep, session=msg.session, reason=asker)]
+        return [Proposal(origin=origin, kind=msg.kind, worker=msg.worker, src=src, dst=dst, blocks=tuple(blocks),
+                         keep_source=keep, session=msg.session, reason=origin)]
     # Otherwise every block's copies, looked up in C (a KeyError names an unknown block, as
     # below); blocks that all have the same copies are planned together, one check for all.
     tiers_of = list(map(_TIERS, operator.itemgetter(*blocks)(wb))) if len(blocks) > 1 else [wb[blocks[0]].tiers]
@@ -148,65 +150,65 @@ def _split(msg: AskMove, asker: str, wb: dict, on_src, on_dst, blocks: list[int]
         raise InvalidAsk(f"blocks {no_src[:16]} have no copy on {src}")
     if not to_copy and not already:
         raise InvalidAsk(f"session {msg.session!r} has no blocks on {src}")
-    asks = []
+    proposals = []
     if to_copy:
-        asks.append(Ask(asker=asker, kind=msg.kind, worker=msg.worker, src=src, dst=dst, blocks=tuple(to_copy),
-                        keep_source=keep, session=msg.session, reason=asker))
+        proposals.append(Proposal(origin=origin, kind=msg.kind, worker=msg.worker, src=src, dst=dst,
+                                  blocks=tuple(to_copy), keep_source=keep, session=msg.session, reason=origin))
     if already and not keep:
-        asks.append(release(asker, msg.worker, src, already, f"{msg.kind} (copy already on {dst})", msg.session))
-    if not asks:
+        proposals.append(release(origin, msg.worker, src, already, f"{msg.kind} (copy already on {dst})", msg.session))
+    if not proposals:
         raise InvalidAsk(f"blocks {already[:16]} already have a copy on {dst}")
-    return asks
+    return proposals
 
 
-def validate(state: State, ask: Ask, busy: dict[int, set[int]] | None = None) -> None:
+def validate(state: State, proposal: Proposal, busy: dict[int, set[int]] | None = None) -> None:
     """Raise InvalidAsk unless every block has a copy on src (and none on dst, for a copy) and no
     other unresolved move names it."""
-    _check_route(state, ask)
-    wb = state.blocks.get(ask.worker, {})
-    src, dst, copy = ask.src, ask.dst, not ask.is_release
+    _check_route(state, proposal)
+    wb = state.blocks.get(proposal.worker, {})
+    src, dst, copy = proposal.src, proposal.dst, not proposal.is_release
     bad: list[int] = []
     there: list[int] = []
-    for b in ask.blocks:
+    for b in proposal.blocks:
         st = wb.get(b)
         if st is None or src not in st.tiers:
             bad.append(b)
         elif copy and dst in st.tiers:
             there.append(b)
     if bad:
-        raise InvalidAsk(f"blocks {bad[:16]} have no copy on {src} of worker {ask.worker}")
+        raise InvalidAsk(f"blocks {bad[:16]} have no copy on {src} of worker {proposal.worker}")
     if there:
         raise InvalidAsk(f"blocks {there[:16]} already have a copy on {dst}")
-    _check_not_busy(ask, busy if busy is not None else busy_blocks(state))
+    _check_not_busy(proposal, busy if busy is not None else busy_blocks(state))
 
 
-def _check_route(state: State, ask: Ask) -> None:
-    ws = state.workers.get(ask.worker)
+def _check_route(state: State, proposal: Proposal) -> None:
+    ws = state.workers.get(proposal.worker)
     if ws is None or not ws.alive:
-        raise InvalidAsk(f"worker {ask.worker} is not serving")
-    for t in (ask.src, ask.dst):
+        raise InvalidAsk(f"worker {proposal.worker} is not serving")
+    for t in (proposal.src, proposal.dst):
         if t not in ws.tiers:
             raise InvalidAsk(f"no tier {t!r}")
-    if ws.tiers[ask.dst].capacity_bytes == 0:
-        raise InvalidAsk(f"worker {ask.worker} has no {ask.dst} tier")
-    if not ask.blocks:
+    if ws.tiers[proposal.dst].capacity_bytes == 0:
+        raise InvalidAsk(f"worker {proposal.worker} has no {proposal.dst} tier")
+    if not proposal.blocks:
         raise InvalidAsk("no blocks")
 
 
-def _check_not_busy(ask: Ask, busy: dict[int, set[int]], block_set: set[int] | None = None) -> None:
-    """``block_set``: the ask's blocks as a set, when the caller has it."""
-    taken = busy.get(ask.worker)
-    if taken and not taken.isdisjoint(ask.blocks if block_set is None else block_set):
-        clash = [b for b in ask.blocks if b in taken]
+def _check_not_busy(proposal: Proposal, busy: dict[int, set[int]], block_set: set[int] | None = None) -> None:
+    """``block_set``: the proposal's blocks as a set, when the caller has it."""
+    taken = busy.get(proposal.worker)
+    if taken and not taken.isdisjoint(proposal.blocks if block_set is None else block_set):
+        clash = [b for b in proposal.blocks if b in taken]
         raise InvalidAsk(f"blocks {clash[:16]} are busy in another move that has no outcome yet")
 
 
-def fund(state: State, asks: list[Ask], reserved: dict[tuple[int, str], int] | None = None) -> Refusal | None:
-    """All or nothing: the asks' total per destination must fit, or the whole ask is refused
+def fund(state: State, proposals: list[Proposal], reserved: dict[tuple[int, str], int] | None = None) -> Refusal | None:
+    """All or nothing: the proposals' total per destination must fit, or the whole proposal is refused
     with the total's arithmetic (never a smaller part of it). Releases need no funding.
     ``reserved``: per (worker, tier), room held for stranded moves (``budget.stranded_toward``)."""
     totals: dict[tuple[int, str], int] = {}
-    for a in asks:
+    for a in proposals:
         if not a.is_release:
             key = (a.worker, a.dst)
             totals[key] = totals.get(key, 0) + len(a.blocks) * state.workers[a.worker].block_bytes
@@ -218,12 +220,12 @@ def fund(state: State, asks: list[Ask], reserved: dict[tuple[int, str], int] | N
 
 
 # ------------------------------------------------------------------ requested -> command
-def requested(state: State, ask: Ask, mid: str, now_ns: int, cfg: MoveConfig) -> ev.MoveRequested:
-    nbytes = len(ask.blocks) * state.workers[ask.worker].block_bytes
+def requested(state: State, proposal: Proposal, mid: str, now_ns: int, cfg: MoveConfig) -> ev.MoveRequested:
+    nbytes = len(proposal.blocks) * state.workers[proposal.worker].block_bytes
     deadline = now_ns + int(cfg.deadline_base_s * S) + int(nbytes / cfg.deadline_bytes_per_s * S)
-    return ev.MoveRequested(move_id=mid, kind=ask.kind, worker=ask.worker, src=ask.src, dst=ask.dst,
-                            blocks=list(ask.blocks), bytes_planned=nbytes, keep_source=ask.keep_source,
-                            deadline_ns=deadline, reason=ask.reason or ask.asker, session=ask.session)
+    return ev.MoveRequested(move_id=mid, kind=proposal.kind, worker=proposal.worker, src=proposal.src, dst=proposal.dst,
+                            blocks=list(proposal.blocks), bytes_planned=nbytes, keep_source=proposal.keep_source,
+                            deadline_ns=deadline, reason=proposal.reason or proposal.origin, session=proposal.session)
 
 
 def command_for(req: ev.MoveRequested) -> ExecuteMove | ReleaseBlocks:
@@ -300,7 +302,7 @@ def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]
 
 # ------------------------------------------------------------------ control-side bookkeeping
 class AskWaiter:
-    """Someone waiting for an ask's outcome: answered once every move it started has its terminal
+    """Someone waiting for an proposal's outcome: answered once every move it started has its terminal
     event (or at once with the refusal), after those events are committed."""
 
     __slots__ = ("ask_id", "answer", "wait", "move_ids", "open", "events", "refs", "off_loop")
@@ -323,7 +325,7 @@ class AskWaiter:
 
 class BusyIndex:
     """Blocks named by a move without a settled outcome, per worker, kept as moves come and go
-    (``policy.asks.busy_blocks`` recomputes the same from the state, for the pure callers).
+    (``policy.proposals.busy_blocks`` recomputes the same from the state, for the pure callers).
 
     A stranded move keeps its blocks busy until its worker has answered for it (a late ack, or a
     report saying it failed or never arrived: the worker then never runs it), because until then
@@ -348,7 +350,7 @@ class MoveBook:
         self.awaiting_commit: collections.deque[tuple[int, ev.MoveRequested]] = collections.deque()
         self.undispatched: set[str] = set()              # requested, command not sent yet
         self.dispatched: dict[str, int] = {}             # move_id -> sent at (monotonic ns)
-        self.waiters: dict[str, AskWaiter] = {}          # move_id or command ref -> its asker
+        self.waiters: dict[str, AskWaiter] = {}          # move_id or command ref -> its origin
 
     def requested(self, seq: int, req: ev.MoveRequested, waiter: AskWaiter | None) -> None:
         self.awaiting_commit.append((seq, req))

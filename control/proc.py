@@ -2,7 +2,7 @@
 
 One thread owns the sockets, the live state and the ledger writer's producer side:
 
-    recover()                          replay the ledger; adopt or lose the workers it names
+    recover()                          replay the ledger; compose the parts around its state
     while running:
         poll()                         workers' replies, operators' asks, calls posted by other threads
         commits()                      write-ahead: send each command whose MoveRequested committed,
@@ -18,14 +18,17 @@ commit checks it (``LedgerDiverged`` if not). Live state therefore always includ
 are still committing, which is what decisions must see (an in-flight move's bytes are booked at
 once), while nothing leaves the process before its event is committed.
 
-The parts of the class, one role per module (each runs on the loop thread):
+The parts, each owning its state (made on the loop thread once the ledger is replayed):
 
-    control/startstop.py   StartStop       recover at start (the loop's fields), settle at stop
-    control/links.py       WorkerLinks     workers: Hello and adoption, heartbeats, loss, messages
-    control/lifecycle.py   MoveLifecycle   moves: request, dispatch after commit, outcome, deadlines
-    control/asking.py      Asks            asks from the API and operators, and their answers
-    control/recorder.py    Recorder        the ledger's producer side: fold now, commit after
-    control/probes.py      ControlFaults, MoveTraces   test and bench hooks, off unless named
+    recorder     control/recorder.py   Recorder: the ledger's producer side, fold now, commit after;
+                                       Checkpoints: StateCheckpoint and snapshots
+    workers      control/links.py      WorkerRegistry: Hello and adoption, heartbeats, loss, messages
+    moves        control/lifecycle.py  MoveDispatcher: request, dispatch after commit, outcome, deadlines
+    asks         control/asking.py     AskHandler: asks from the API and operators
+    answers      control/answers.py    Answers: who waits for an answer, sent after its commit
+    awake        control/awake_poll.py AwakePoll: poll awake for an outcome about to come
+    keep_awake   control/keep_awake.py AwakeWhileMoving: the host kept awake while big moves run
+    start, stop  control/startstop.py  recover, Parts (composes the above), shut_down
 """
 from __future__ import annotations
 
@@ -41,23 +44,16 @@ from typing import Any, Callable
 import structlog
 import zmq
 
-from residency.events import affinity
 from residency.events import catalog as ev
-from residency.events.commands import (
-    BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
-    MoveTimed, Pong,
-)
-from residency.control.asking import Asks
 from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
-from residency.control.keep_awake import KeepAwake
-from residency.control.lifecycle import MoveLifecycle
-from residency.control.links import WorkerLink, WorkerLinks
+from residency.control.keep_awake import AwakeWhileMoving
+from residency.control.links import WorkerLink
 from residency.control.policy.recency import Recency
 from residency.control.probes import ControlFaults, MoveTraces
 from residency.control.recorder import Recorder
-from residency.control.startstop import SERVER_VERSION, StartStop
-from residency.control.state import State, encode_state, state_hash
+from residency.control.startstop import SERVER_VERSION, Parts, recover, shut_down
+from residency.control.state import State
 from residency.control.transport import AskServer, WorkerRouter
 
 log = structlog.get_logger("control.proc")
@@ -68,21 +64,18 @@ __all__ = ["ControlConfig", "ControlProc", "Health", "ControlError", "LedgerDive
            "Recorder", "WorkerLink", "SERVER_VERSION"]
 
 
-class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
-    def __init__(self, store, config: ControlConfig, writer_factory: Callable | None = None,
-                 ctx: zmq.Context | None = None):
+class ControlProc:
+    def __init__(self, store, config: ControlConfig, ctx: zmq.Context | None = None):
+        """``ctx``: the ZMQ context for the control's sockets (the process's shared one if None;
+        bench/placement.py hands it one whose I/O thread is placed on a CPU)."""
         self.store = store
         self.cfg = config
         self.faults = ControlFaults(config.faults or os.environ.get("RESIDENCY_CONTROL_FAULTS", ""))
-        self._own_ctx = ctx is None and config.cpu is not None
-        self._ctx = ctx or affinity.context_on(config.cpu)
-        self._awake: dict[str, int] = {}      # move_id -> poll awake until (monotonic ns): MoveNearlyDone
-        self._warm_at = 0                       # monotonic ns: warm the ledger writer then (0: no)
-        self._warm_bytes = 0                    # ... for an ack of about this many payload bytes
-        self._warm_move = ""                    # ... of this move
-        self._keep_awake = None                 # control.keep_awake.KeepAwake (cfg.keep_awake), from _run
-        self._awake_moves: set[str] = set()     # big moves in flight that keep the host awake
-        self._writer_factory = writer_factory or self._default_writer
+        self.traces = MoveTraces(config.trace_moves)
+        self.metrics: collections.Counter = collections.Counter()
+        # Blocks the serving path is using right now (worker -> ids): policies never move them.
+        self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
+        self._ctx = ctx or zmq.Context.instance()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
@@ -94,26 +87,17 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._acted = False           # this loop iteration sent a command or answered an asker
         self._policy_due = 0          # when the policies held for a quiet iteration were due
         self._beat_ns = time.monotonic_ns()
-        self._handlers: dict[type, Callable] = {
-            Hello: self._on_hello, Pong: self._on_pong, ev.MoveAcked: self._on_outcome,
-            ev.MoveFailed: self._on_outcome, ev.MoveRejected: self._on_outcome, BlocksReleased: self._on_released,
-            BlocksWritten: self._on_written, MovesReport: self._on_report, CommandFailed: self._on_command_failed,
-            ErrorReply: self._on_worker_error, MoveTimed: self._on_timed, MoveNearlyDone: self._on_nearly_done,
-            DiskClaimed: self._on_disk_claimed,
-        }
-        self._unhandled_logged: set[type] = set()
+        self._handlers: dict[type, Callable] = {}           # worker message type -> handler (the parts')
         self._listeners: list[Callable[[int, ev.Event], None]] = []
-        # Blocks the serving path is using right now (worker -> ids): policies never move them.
-        self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
-        self.metrics: collections.Counter = collections.Counter()
-        self.traces = MoveTraces(config.trace_moves)
-        # set by _recover()
-        self._stopped_cleanly = False
-        self._replacing: dict[int, int] = {}
+        self._router: WorkerRouter | None = None
+        self._ask_server: AskServer | None = None
+        self._writer = None
+        self.recorder: Recorder | None = None
+        self.keep_awake: AwakeWhileMoving | None = None
+        # made by _recover(), on the loop thread
         self.state = State()
         self.recency = Recency()
         self.epoch = 0
-        self.recovered: recovery.Recovered | None = None
 
     # ================================================================== thread-safe API
     def start(self, timeout_s: float = 60.0) -> "ControlProc":
@@ -140,7 +124,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
 
     def _off_loop(self) -> str:
         """"thread" when the caller is another thread of this process: its answer may come
-        before the ack's fold (MoveLifecycle._settle). "" on the loop's thread: loop-thread
+        before the ack's fold (MoveDispatcher.settle). "" on the loop's thread: loop-thread
         askers (the serving path) react to an answer in a future's callback, on the loop thread,
         reading the state, so they hear after the fold."""
         return "thread" if threading.current_thread() is not self._thread else ""
@@ -176,9 +160,9 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         now = time.monotonic_ns()
         problems: list[str] = []
         loop_lag = now - self._beat_ns
-        rec = getattr(self, "_recorder", None)
+        rec = self.recorder
         commit_lag = rec.lag_ns(now) if rec else 0
-        stats = self._writer.stats() if getattr(self, "_writer", None) else {}
+        stats = self._writer.stats() if self._writer is not None else {}
         stall = int(self.cfg.stall_after_s * S)
         if self._fatal is not None:
             problems.append(f"control loop failed: {self._fatal}")
@@ -208,31 +192,53 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         except (BlockingIOError, OSError):
             pass  # the pipe is full: the loop wakes anyway
 
+    # ================================================================== before start, or on the loop thread
+    def on_worker_message(self, msg_type: type, handler: Callable[[WorkerLink, Any], None]) -> None:
+        """Route a worker message type (e.g. the serving path's TokensGenerated) to ``handler``,
+        called on the loop thread. Register before ``start``."""
+        self._handlers[msg_type] = handler
+
+    def add_listener(self, fn: Callable[[int, ev.Event], None]) -> None:
+        """``fn(seq, event)`` on the loop thread after each event is folded (before its commit)."""
+        self._listeners.append(fn)
+
+    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
+        """Fold ``event`` into the live state and queue it for the ledger; returns its seq (loop
+        thread only: handlers, ``call``)."""
+        return self.recorder.record(event, correlation, causation)
+
+    def send_to_worker(self, worker: int, msg) -> bool:
+        """Send any command to a joined worker (loop thread only; ``call`` from elsewhere)."""
+        return self.workers.send_to_worker(worker, msg)
+
+    def allocate_block_ids(self, worker: int, n: int) -> list[int]:
+        return self.asks.allocate_block_ids(worker, n)
+
+    def missing_workers(self) -> list[int]:
+        return self.workers.missing_workers()
+
     # ================================================================== the loop
     def _run(self) -> None:
         try:
             self._open()
-            if self.cfg.keep_awake:
-                self._keep_awake = KeepAwake()
             self._recover()
-            affinity.pin_this_thread(self.cfg.cpu)   # after the ledger writer's thread started: it stays unplaced
-            if self.cfg.gc_freeze:
-                # NOTE: the process's modules and the recovered state live as long as the loop: out of
-                # the collector's sight, a full collection (~90 ms with torch in the process) scans
-                # only what came after. Unfrozen at stop, so what dies with the loop is collected.
-                gc.freeze()
-                self._frozen = True
+            # NOTE: the process's modules and the recovered state live as long as the loop: out of
+            # the collector's sight, a full collection (tens of ms with torch in the process) scans
+            # only what came after. Unfrozen at stop, so what dies with the loop is collected.
+            gc.freeze()
+            self._frozen = True
             self._ready.set()
             while self._stop_reason is None:
                 self._poll()
-                self._recorder.flush()
+                self.recorder.flush()
                 self._acted = self._commits()
                 # NOTE: after the commits, so a checkpoint's hash or a policy's scan never sits
                 # between an outcome and its answer; what the tick records commits right here.
                 self._tick()
-                self._recorder.flush()
+                self.recorder.flush()
                 self._commits()
-            self._shutdown(self._stop_reason)
+            shut_down(self._stop_reason, self.cfg, self.state, self.recorder, self._writer, self.workers,
+                      self.moves, self.answers, self._serve_until)
         except BaseException as e:  # noqa: BLE001 - reported through health/fatal and the log, once
             self._fatal = e
             log.error("control_loop_failed", error=str(e), error_type=type(e).__name__, exc_info=True)
@@ -248,29 +254,41 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
 
     def _open(self) -> None:
         self._router = WorkerRouter(self._ctx, self.cfg.worker_endpoint)
-        self._asks = AskServer(self._ctx, self.cfg.ask_endpoint) if self.cfg.ask_endpoint else None
+        self._ask_server = AskServer(self._ctx, self.cfg.ask_endpoint) if self.cfg.ask_endpoint else None
         self._poller = zmq.Poller()
         self._poller.register(self._router.sock, zmq.POLLIN)
-        if self._asks:
-            self._poller.register(self._asks.sock, zmq.POLLIN)
+        if self._ask_server:
+            self._poller.register(self._ask_server.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
 
+    def _recover(self) -> None:
+        """Replay the ledger, then compose the parts around what it gave."""
+        rec = recover(self.store)
+        self.state, self.recency, self.epoch = rec.state, rec.recency, rec.epoch
+        self._writer = self._default_writer(self.store)
+        parts = Parts(self.store, self.cfg, rec, self._writer, self._router, self._ask_server, self.traces,
+                      self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
+                      lambda: self._stop_reason is not None, self.health)
+        self.recorder, self.checkpoints, self.answers = parts.recorder, parts.checkpoints, parts.answers
+        self.awake, self.keep_awake = parts.awake, parts.keep_awake
+        self.workers, self.moves, self.asks = parts.workers, parts.moves, parts.asks
+        now = time.monotonic_ns()
+        self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
+        self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
+        self.recorder.flush()
+
     def _close(self) -> None:
-        if self._keep_awake is not None:
-            self._keep_awake.stop()
+        if self.keep_awake is not None:
+            self.keep_awake.stop()
         if self._frozen:
             self._frozen = False
             gc.unfreeze()
-        for name in ("_router", "_asks"):
-            sock = getattr(self, name, None)
+        for sock in (self._router, self._ask_server):
             if sock is not None:
                 sock.close()
-        if self._own_ctx:
-            self._ctx.destroy(linger=0)
-        w = getattr(self, "_writer", None)
-        if w is not None:
+        if self._writer is not None:
             try:
-                w.close()
+                self._writer.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("ledger_writer_close_failed", error=str(e))
         wake_r, wake_w = self._wake_r, self._wake_w
@@ -285,8 +303,8 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._beat_ns = now = time.monotonic_ns()
         # rounded up: a timer due in under a ms is waited for, not polled for in a busy loop
         timeout_ms = -(-max(0, min(self._next.values()) - now) // MS)
-        self._recorder.arm(self._wake)
-        events = self._poll_awake(now, timeout_ms) if self._awake else None
+        self.recorder.arm(self._wake)
+        events = self.awake.poll(self._poller, now, timeout_ms)
         if events is None:
             events = dict(self._poller.poll(min(timeout_ms, 50)))
         if self._wake_r in events:
@@ -298,46 +316,12 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         self._drain_inbox()
         if self._router.sock in events:
             for _ in range(1024):
-                if not self._recv_worker():
+                if not self.workers.recv():
                     break
-        if self._asks is not None and self._asks.sock in events:
+        if self._ask_server is not None and self._ask_server.sock in events:
             for _ in range(64):
-                if not self._recv_ask():
+                if not self.asks.recv():
                     break
-
-    def _poll_awake(self, now: int, timeout_ms: int) -> dict | None:
-        """Poll awake (``affinity.poll_until``) while a worker said a move's outcome is about to
-        come (MoveNearlyDone), at most until the next timer; None when no such wait is on (then
-        the caller sleeps in the poll as usual)."""
-        self._awake = {m: t for m, t in self._awake.items() if t > now}
-        if not self._awake:
-            self._warm_at = 0
-            return None
-        self.metrics["awake_polls"] += 1
-        until = min(max(self._awake.values()), now + timeout_ms * MS)
-        if self._warm_at:               # the ledger writer is to be warmed before the ack comes
-            ready = affinity.poll_until(self._poller, min(until, self._warm_at), self.cfg.cpu is not None)
-            if ready:
-                return dict(ready)
-            if time.monotonic_ns() >= self._warm_at:
-                self._warm_at = 0
-                if self._recorder.warm(self._warm_bytes):
-                    self.metrics["writer_warm_ups"] += 1
-                    self.traces.mark(self._warm_move, "warmed")
-        return dict(affinity.poll_until(self._poller, until, self.cfg.cpu is not None))
-
-    def _on_nearly_done(self, link: WorkerLink, msg: MoveNearlyDone) -> None:
-        self.traces.mark(msg.move_id, "nearly_done")
-        self.metrics["nearly_done_hints"] += 1
-        cap = self.cfg.ack_spin_max_us * 1000
-        if cap and msg.move_id in self.state.inflight:
-            now = time.monotonic_ns()
-            until = now + min(cap, msg.bytes_left // 10)    # 10 GB/s = 10 B/ns
-            self._awake[msg.move_id] = max(until, self._awake.get(msg.move_id, 0))
-            if self.cfg.warm_writer:    # its ack's commit comes next: warm the writer just before
-                self._warm_at = now + max(1, (msg.eta_us - self.cfg.warm_lead_us) * 1000)
-                self._warm_bytes = 8 * len(self.state.inflight[msg.move_id].blocks)   # its checksums
-                self._warm_move = msg.move_id
 
     def _drain_inbox(self) -> None:
         while True:
@@ -348,7 +332,7 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             kind = item[0]
             if kind == "ask":
                 _, ask, asker, reply, off_loop = item
-                self._on_ask_guarded(ask, asker, reply, off_loop)
+                self.asks.handle(ask, asker, reply, off_loop)
             elif kind == "call":
                 _, fn, fut = item
                 try:
@@ -356,29 +340,26 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
                 except BaseException as e:  # noqa: BLE001 - handed back to the caller
                     fut.set_exception(e)
             elif kind == "exited":
-                _, worker, epoch, rc = item
-                if self.roster.get(worker) == epoch:    # not an incarnation already replaced
-                    self._lose(worker, f"worker process exited with code {rc}")
+                self.workers.exited(*item[1:])
 
     def _commits(self) -> bool:
         """Send the commands and answers whose events are committed; True when any went."""
-        committed = self._recorder.advance()
+        committed = self.recorder.advance()
         acted = False
-        for req in self.book.committed(committed):
-            self._dispatch(req)
+        for req in self.moves.book.committed(committed):
+            self.moves.dispatch(req)
             acted = True
-        answers = self._answers
-        while answers and answers[0][0] <= committed:
-            _, waiter = answers.popleft()
-            self._answer(waiter)
-            acted = True
-        if self._snapshot_pending and self._snapshot_pending[0] <= committed:
-            through, data, digest = self._snapshot_pending
-            self._snapshot_pending = None
-            self.store.save_snapshot(through, data, digest)
-            self._last_snapshot_seq = through
-            log.info("snapshot_saved", through_seq=through, bytes=len(data))
+        acted = self.answers.send_committed(committed) or acted
+        self.checkpoints.save_committed(committed)
         return acted
+
+    def _serve_until(self, done: Callable[[], bool], timeout_s: float) -> None:
+        """At stop: the loop without its ticks, until ``done()`` or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            self._poll()
+            self.recorder.flush()
+            self._commits()
 
     def _tick(self) -> None:
         now = time.monotonic_ns()
@@ -392,13 +373,14 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
         nxt["quiet"] = now + QUIET_NEVER_NS
         if now >= nxt["watchdog"]:
             nxt["watchdog"] = now + 10 * MS
-            self._watch_deadlines()
+            self.asks.watch_commits()
+            self.moves.watch_deadlines()
         if now >= nxt["ping"]:
             nxt["ping"] = now + int(self.cfg.ping_interval_s * S)
-            self._heartbeats(now)
+            self.workers.heartbeats(now)
         if now >= nxt["requery"]:
             nxt["requery"] = now + int(self.cfg.requery_interval_s * S)
-            self._requery(now)
+            self.moves.requery()
         if now >= nxt["policy"]:
             period = int(self.cfg.policy_interval_s * S)
             due = self._policy_due = self._policy_due or nxt["policy"]
@@ -407,57 +389,14 @@ class ControlProc(StartStop, WorkerLinks, MoveLifecycle, Asks):
             else:
                 self._policy_due = 0
                 nxt["policy"] = now + period
-                if not self._adopting:
-                    self._run_policies()
-        pseq, at = self._last_ckpt
-        if self._recorder.producer_seq > pseq:
-            every = int(self.cfg.checkpoint_every_s * S)
-            if self._recorder.producer_seq - pseq >= self.cfg.checkpoint_every_events:
-                self._checkpoint(now)
-            elif now - at >= every:
-                if wait and now - at < 2 * every:
-                    nxt["quiet"] = now + MS
-                else:
-                    self._checkpoint(now)
+                if not self.workers.adopting:
+                    self.moves.run_policies()
+        due = self.checkpoints.due(now, quiet=not wait)
+        if due == "now":
+            self.checkpoints.take(now)
+        elif due == "quiet":
+            nxt["quiet"] = now + MS
 
-    # ================================================================== recording
-    def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None,
-               fold_later: bool = False) -> int:
-        """Fold ``event`` into the live state and queue it for the ledger; returns its seq.
-        Loop thread only (handlers, ``call``). It is committed by the end of this loop iteration
-        (or handed to the group-commit writer, when commits are already in flight).
-        ``fold_later``: folded (and the listeners told) at ``_fold_deferred``, which the caller
-        runs before its handler returns (MoveLifecycle._settle: commit and answer first)."""
-        self.metrics[f"recorded_{type(event).__name__}"] += 1
-        if self._recorder.unfolded and not fold_later:
-            self._fold_deferred()
-        seq = self._recorder.record(event, correlation, causation, fold_later)
-        if not fold_later:
-            self._tell_listeners(seq, event)
-        return seq
-
-    def _fold_deferred(self) -> None:
-        for rec in self._recorder.fold_deferred():
-            self._tell_listeners(rec.envelope.seq, rec.event)
-
-    def _tell_listeners(self, seq: int, event: ev.Event) -> None:
-        for listener in self._listeners:
-            try:
-                listener(seq, event)
-            except Exception:  # noqa: BLE001 - a listener's bug must not stop the ledger's writer
-                log.exception("listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
-
-    _record = record
-
-    def add_listener(self, fn: Callable[[int, ev.Event], None]) -> None:
-        """``fn(seq, event)`` on the loop thread after each event is folded (before its commit)."""
-        self._listeners.append(fn)
-
-    def _checkpoint(self, now: int) -> None:
-        through = self.state.last_seq
-        digest = state_hash(self.state)
-        if through - self._last_snapshot_seq >= self.cfg.snapshot_every_events and self._snapshot_pending is None:
-            self._snapshot_pending = (through, encode_state(self.state), digest)
-        self._record(ev.StateCheckpoint(through_seq=through, state_hash=digest))
-        self._last_ckpt = (self._recorder.producer_seq, now)
-        self.recency.prune(self.state)
+    # ================================================================== read by tests owned elsewhere
+    _by_worker = property(lambda self: self.workers.by_worker)      # test_protocol.py: the joined workers
+    _awake = property(lambda self: self.awake.until_by_move)        # test_awake.py: moves polled awake for

@@ -1,11 +1,14 @@
 """The producer side of the ledger in the control process: fold now, commit at the end of the
-loop's iteration (inline when the writer is idle, through the group-commit writer under load)."""
+loop's iteration (inline when the writer is idle, through the group-commit writer under load);
+and the checkpoints (a StateCheckpoint now and then, a snapshot once it is committed)."""
 from __future__ import annotations
 
 import collections
 import time
 from concurrent.futures import Future
 from typing import Callable
+
+import structlog
 
 from residency.events import catalog as ev
 from residency.events.envelope import Envelope, Recorded
@@ -14,15 +17,19 @@ from residency.control.fold import fold
 from residency.control.policy.recency import Recency
 from residency.control.probes import ControlFaults
 from residency.control.recovery import PRODUCER
-from residency.control.state import State
+from residency.control.state import State, encode_state, state_hash
+
+log = structlog.get_logger("control.recorder")
+Listener = Callable[[int, ev.Event], None]
 
 
 class Recorder:
     """The producer side of the ledger: fold now, commit at the end of the loop's iteration.
 
-        record(event)   folds it into the live state with the seq it will get; buffers it
-                        (``fold_later``: buffers it now, folds it at ``fold_deferred`` -- for an
-                        ack whose commit and answer go first, see MoveLifecycle._settle)
+        record(event)   folds it into the live state with the seq it will get, tells the
+                        listeners, buffers it (``fold_later``: buffers it now, folds it and tells
+                        at ``fold_deferred`` -- for an ack whose commit and answer go first, see
+                        MoveDispatcher.settle)
         flush()         writer idle (nothing of ours committing): append the buffer here, in one
                         transaction, now -- the lowest latency for a lone move;
                         otherwise hand it to the group-commit writer's thread, whose next batch
@@ -35,7 +42,8 @@ class Recorder:
     """
 
     def __init__(self, store, writer, state: State, recency: Recency, epoch: int, faults: ControlFaults,
-                 durability: str = "normal", inline_max: int = 1000):
+                 durability: str = "normal", inline_max: int = 1000, listeners: list[Listener] | None = None,
+                 metrics: collections.Counter | None = None):
         self.store = store
         self.writer = writer
         self.state = state
@@ -44,6 +52,8 @@ class Recorder:
         self.faults = faults
         self.durability = durability
         self.inline_max = inline_max
+        self.listeners = listeners if listeners is not None else []
+        self.metrics = metrics if metrics is not None else collections.Counter()
         self.producer_seq = 0
         self.next_seq = state.last_seq + 1
         self.committed = state.last_seq
@@ -56,6 +66,11 @@ class Recorder:
 
     def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None,
                fold_later: bool = False) -> int:
+        """Fold ``event`` into the live state and queue it for the ledger; returns its seq. It is
+        committed by the end of this loop iteration (or handed to the group-commit writer, when
+        commits are already in flight). ``fold_later``: folded (and the listeners told) at
+        ``fold_deferred``, which the caller runs before its handler returns."""
+        self.metrics[f"recorded_{type(event).__name__}"] += 1
         ts = time.time_ns()
         self.producer_seq += 1
         seq = self.next_seq
@@ -71,15 +86,25 @@ class Recorder:
             fold(self.state, Recorded(env, event))
         self._buffer.append((env, event))
         self.faults.hit("crash_after_events")
+        if not fold_later:
+            self._tell(seq, event)
         return seq
 
-    def fold_deferred(self) -> list[Recorded]:
-        """Fold the events recorded with ``fold_later``, in seq order; returns them."""
+    def fold_deferred(self) -> None:
+        """Fold the events recorded with ``fold_later``, in seq order, and tell the listeners."""
         done, self._unfolded = self._unfolded, []
         for rec, ts in done:
             self.recency.observe(self.state, rec.event, ts)
             fold(self.state, rec)
-        return [rec for rec, _ in done]
+        for rec, _ in done:
+            self._tell(rec.envelope.seq, rec.event)
+
+    def _tell(self, seq: int, event: ev.Event) -> None:
+        for listener in self.listeners:
+            try:
+                listener(seq, event)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the ledger's writer
+                log.exception("listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
 
     @property
     def unfolded(self) -> bool:
@@ -148,3 +173,57 @@ class Recorder:
     @property
     def uncommitted(self) -> int:
         return len(self._pending) + len(self._buffer)
+
+    @property
+    def num_buffered(self) -> int:
+        """Events recorded and not yet flushed (committed inline or handed to the writer)."""
+        return len(self._buffer)
+
+
+class Checkpoints:
+    """A StateCheckpoint (the state's hash, for audits and replays to compare) every
+    ``every_events`` events or ``every_s`` seconds; a snapshot of the state every
+    ``snapshot_every_events``, saved once the checkpoint that names it has committed."""
+
+    def __init__(self, store, state: State, recency: Recency, recorder: Recorder, every_events: int, every_s: float,
+                 snapshot_every_events: int, last_snapshot_seq: int, now_ns: int):
+        self.store = store
+        self.state = state
+        self.recency = recency
+        self.recorder = recorder
+        self.every_events = every_events
+        self.every_ns = int(every_s * 1e9)
+        self.snapshot_every_events = snapshot_every_events
+        self.last_snapshot_seq = last_snapshot_seq
+        self.last_seq = recorder.producer_seq     # producer seq of the last checkpoint ...
+        self.last_at = now_ns                     # ... and when it was taken (monotonic ns)
+        self._snapshot: tuple[int, bytes, str] | None = None    # (through seq, state bytes, hash) to save
+
+    def due(self, now_ns: int, quiet: bool) -> str:
+        """"now", "quiet" (due by time: at the next iteration that sent and answered nothing,
+        one period late at most) or "" (not due). One due by its event count never waits."""
+        if self.recorder.producer_seq <= self.last_seq:
+            return ""
+        if self.recorder.producer_seq - self.last_seq >= self.every_events:
+            return "now"
+        if now_ns - self.last_at < self.every_ns:
+            return ""
+        return "now" if quiet or now_ns - self.last_at >= 2 * self.every_ns else "quiet"
+
+    def take(self, now_ns: int) -> None:
+        through = self.state.last_seq
+        digest = state_hash(self.state)
+        if through - self.last_snapshot_seq >= self.snapshot_every_events and self._snapshot is None:
+            self._snapshot = (through, encode_state(self.state), digest)
+        self.recorder.record(ev.StateCheckpoint(through_seq=through, state_hash=digest))
+        self.last_seq, self.last_at = self.recorder.producer_seq, now_ns
+        self.recency.prune(self.state)
+
+    def save_committed(self, committed: int) -> None:
+        """Save the pending snapshot once what it holds is committed."""
+        if self._snapshot is not None and self._snapshot[0] <= committed:
+            through, data, digest = self._snapshot
+            self._snapshot = None
+            self.store.save_snapshot(through, data, digest)
+            self.last_snapshot_seq = through
+            log.info("snapshot_saved", through_seq=through, bytes=len(data))

@@ -3,11 +3,11 @@
     replay(store)      the state (from the newest good snapshot plus the tail), the recency the
                        policies need, the roster (which incarnation of each worker the ledger
                        last saw join) and the next control epoch
-    reconcile(...)     a worker's MovesReport -> the events that settle the moves we asked about
+    reconcile(...)     a worker's MovesReport -> the events that settle the moves we queried
 
 A worker that comes back after a control restart says Hello with its epoch. The ledger records
 each join with ``causation = "hello:w<N>@<epoch>"``; the same epoch means the same process with
-the same memory, so it is adopted as is (no new WorkerJoined) and asked which of our moves it
+the same memory, so it is adopted as is (no new WorkerJoined) and queried about which of our moves it
 completed. Another epoch means the incarnation the ledger knew is gone: WorkerLost first.
 A worker that does not come back within the grace is lost (see ``control.watchdog.loss``).
 
@@ -102,25 +102,25 @@ def next_epoch(max_seen: int, now_ms: int) -> int:
     return max(max_seen + 1, now_ms)
 
 
-def asked_of(state: State, worker: int, book: moves.MoveBook) -> list[str]:
-    """The moves to ask a (re)joining worker about: those in flight that this incarnation did not
-    send itself, and the stranded ones still waiting for a late ack."""
-    asked = [mid for mid, mv in state.inflight.items() if mv.worker == worker and not book.ours(mid)]
-    asked += [mid for mid, mv in state.stranded.items() if mv.worker == worker]
-    return asked
+def to_query(state: State, worker: int, book: moves.MoveBook) -> list[str]:
+    """The moves to query a (re)joining worker about: those in flight that this incarnation did
+    not send itself, and the stranded ones still waiting for a late ack."""
+    queried = [mid for mid, mv in state.inflight.items() if mv.worker == worker and not book.ours(mid)]
+    queried += [mid for mid, mv in state.stranded.items() if mv.worker == worker]
+    return queried
 
 
-def reconcile(state: State, worker: int, report: MovesReport, asked: list[str]) -> list[tuple[str, ev.Event]]:
+def reconcile(state: State, worker: int, report: MovesReport, queried: list[str]) -> list[tuple[str, ev.Event]]:
     """(verdict, event) for every move the report settles; verdicts as in ``control.moves``."""
     out: list[tuple[str, ev.Event]] = []
     for outcome in report.outcomes:
         verdict, event = moves.classify(state, worker, outcome)
         if event is not None:
             out.append((verdict, event))
-    asked_set = set(asked)
+    queried_set = set(queried)
     for mid in report.unknown:
         mv = state.inflight.get(mid)
-        if mid in asked_set and mv is not None and mv.worker == worker:
+        if mid in queried_set and mv is not None and mv.worker == worker:
             out.append((moves.TERMINAL, ev.MoveAbandoned(
                 move_id=mid, worker=worker, why="the worker never received the command (control restarted)")))
     return out

@@ -1,12 +1,10 @@
 """The control loop's start and stop.
 
-    start  replay the ledger (snapshot + tail); the loop's fields; ServerStarted; after a crash,
-           workers the ledger says were serving get ``adopt_grace_s`` to come back
+    start  replay the ledger (snapshot + tail) and index the copies (``recover``); the loop
+           composes its parts around the result and records ServerStarted; after a crash,
+           workers the ledger says were serving get ``adopt_grace_s`` to come back (WorkerRegistry)
     stop   settle what is in flight (abandoned past the grace), free every copy by the book
            (a release nobody answers is stranded, never zero), ServerStopped, Shutdown to workers
-
-``StartStop`` is a part of ``ControlProc`` (control/proc.py): ``_recover`` runs first on the loop
-thread and makes every field the other parts use.
 """
 from __future__ import annotations
 
@@ -17,103 +15,109 @@ from typing import Callable
 import structlog
 
 from residency.events import catalog as ev
-from residency.events.commands import Shutdown
+from residency.events.commands import (
+    BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
+    MoveTimed, Pong,
+)
 from residency.control import moves, recovery
-from residency.control.policy import RefusalMemo, release
-from residency.control.recorder import Recorder
-from residency.control.state import index_copies
+from residency.control.answers import Answers
+from residency.control.asking import AskHandler
+from residency.control.awake_poll import AwakePoll
+from residency.control.config import ControlConfig
+from residency.control.keep_awake import AwakeWhileMoving, KeepAwake
+from residency.control.lifecycle import MoveDispatcher
+from residency.control.links import WorkerRegistry
+from residency.control.policy import release
+from residency.control.probes import ControlFaults, MoveTraces
+from residency.control.recorder import Checkpoints, Recorder
+from residency.control.state import State, index_copies
+from residency.control.transport import AskServer, WorkerRouter
 
 log = structlog.get_logger("control.startstop")
-S = 1_000_000_000
 SERVER_VERSION = "0.1.0"
 
 
-class StartStop:
-    """Recovery at start, settling at stop (a part of ControlProc; loop thread only)."""
+def recover(store) -> recovery.Recovered:
+    """The ledger replayed, with the copy index that asks are checked against (kept by the fold
+    from now on)."""
+    t0 = time.monotonic()
+    rec = recovery.replay(store)
+    index_copies(rec.state)
+    log.info("control_recovered", last_seq=rec.last_seq, replayed=rec.num_replayed, snapshot=rec.from_snapshot,
+             epoch=rec.epoch, crashed=rec.crashed, in_flight=len(rec.state.inflight),
+             stranded=len(rec.state.stranded), seconds=round(time.monotonic() - t0, 3))
+    return rec
 
-    def _recover(self) -> None:
-        t0 = time.monotonic()
-        rec = recovery.replay(self.store)
-        self.recovered = rec
-        self.state, self.recency, self.epoch, self.roster = rec.state, rec.recency, rec.epoch, dict(rec.roster)
-        index_copies(self.state)            # the copy index asks are checked against, kept by the fold from now on
-        self._writer = self._writer_factory(self.store)
-        self._recorder = Recorder(self.store, self._writer, self.state, self.recency, self.epoch, self.faults,
-                                  self.cfg.durability, inline_max=1000 if self.cfg.commit_inline else 0)
-        self.book = moves.MoveBook()
-        self.busy = moves.BusyIndex(self.state)
-        # stranded moves their worker has answered for with a failure (or "never received"):
-        # they will never land, so they hold neither blocks nor room. The ledger has no event for
-        # that answer (only a late ack or a release's CopiesReleased resolves a stranding), so they
-        # stay listed stranded there.
-        self.answered_stranded: set[str] = set()
-        self.memo = RefusalMemo()
-        self._links: dict[bytes, WorkerLink] = {}
-        self._lanes: dict[bytes, WorkerLink] = {}        # engine lane identity -> its worker's link
-        self._early_lanes: dict[bytes, int] = {}         # LaneHellos ahead of their Hello: identity -> epoch
-        self._by_worker: dict[int, WorkerLink] = {}
-        self._answers: collections.deque = collections.deque()   # (seq needed, waiter)
-        self._commits_pending: dict[str, tuple] = {}            # commit ref -> (waiter, worker, tier, session, bytes, deadline)
-        self._unsent: dict[int, list[ev.MoveRequested]] = {}     # committed, but the worker was not linked
-        self._snapshot_pending: tuple | None = None
-        self._num_moves = 0
-        self._num_refs = 0
-        self._next_block: dict[int, int] = {}
-        self._ask_ns = self._recv_ns = 0
-        now = time.monotonic_ns()
-        self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + 3600 * S}
-        self._next_park = now
-        self._last_ckpt = (self._recorder.producer_seq, now)
-        self._last_snapshot_seq = rec.from_snapshot
-        # Workers the ledger says are serving: after a crash they get a grace to come back.
-        alive = [w for w, ws in self.state.workers.items() if ws.alive]
-        self._adopting: dict[int, int] = {w: now + int(self.cfg.adopt_grace_s * S) for w in alive} if rec.crashed else {}
-        self._stopped_cleanly = not rec.crashed     # the last incarnation recorded ServerStopped
-        self._replacing: dict[int, int] = {}         # worker -> until when its disk copies wait (links.py)
-        self._record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
-        self._recorder.flush()
-        log.info("control_recovered", last_seq=rec.last_seq, replayed=rec.num_replayed, snapshot=rec.from_snapshot,
-                 epoch=self.epoch, crashed=rec.crashed, in_flight=len(self.state.inflight),
-                 stranded=len(self.state.stranded), adopting=sorted(self._adopting),
-                 seconds=round(time.monotonic() - t0, 3))
 
-    def _shutdown(self, reason: str) -> None:
-        """Settle what is in flight, free every copy by the book (but the disk copies, with
-        ``keep_disk``), record ServerStopped, stop workers."""
-        log.info("control_stopping", reason=reason, in_flight=len(self.state.inflight))
-        self._serve_until(lambda: not self.state.inflight, self.cfg.shutdown_grace_s)
-        for mid, mv in list(self.state.inflight.items()):
-            self._settle(mid, ev.MoveAbandoned(move_id=mid, worker=mv.worker, why=f"server stopping: {reason}"))
-        if self.cfg.release_on_stop:
-            for w, link in list(self._by_worker.items()):
-                by_tier: dict[str, list[int]] = {}
-                for b, st in self.state.blocks.get(w, {}).items():
-                    for t in st.tiers:
-                        if t != "disk" or not self.cfg.keep_disk:
-                            by_tier.setdefault(t, []).append(b)
-                for tier, blocks in by_tier.items():
-                    req = self._request(release("control:stop", w, tier, blocks, "server stopping"), None)
-                    log.debug("release_on_stop", worker=w, tier=tier, blocks=len(blocks), move_id=req)
-            self._serve_until(lambda: not self.state.inflight, self.cfg.shutdown_grace_s)
-            for mid, mv in list(self.state.inflight.items()):   # unanswered releases: silence is not zero
-                self._settle(mid, ev.MoveStranded(move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned,
-                                                  why="silent_release"))
-        self._record(ev.ServerStopped(reason=reason))
-        self._recorder.flush()
-        self._writer.flush(timeout=30)
-        self._recorder.advance()
-        for link in list(self._links.values()):
-            self._send(link, Shutdown(reason=reason))
-        self._answers_flush()
-        log.info("control_stopped", reason=reason, last_seq=self._recorder.committed)
+class Parts:
+    """The control loop's parts, composed around the replayed ledger (``rec``); each gets what it
+    needs here. ``handlers`` (worker message type -> handler) is filled with the parts' own, but
+    for types registered before (the serving path's)."""
 
-    def _serve_until(self, done: Callable[[], bool], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done() and time.monotonic() < deadline:
-            self._poll()
-            self._recorder.flush()
-            self._commits()
+    def __init__(self, store, cfg: ControlConfig, rec: recovery.Recovered, writer, router: WorkerRouter,
+                 ask_server: AskServer | None, traces: MoveTraces, faults: ControlFaults,
+                 metrics: collections.Counter, listeners: list, handlers: dict[type, Callable],
+                 blocks_in_use: Callable[[], dict[int, set[int]]], stopping: Callable[[], bool], health: Callable):
+        state, recency, epoch, now = rec.state, rec.recency, rec.epoch, time.monotonic_ns()
+        self.recorder = recorder = Recorder(store, writer, state, recency, epoch, faults, cfg.durability,
+                                            1000 if cfg.commit_inline else 0, listeners, metrics)
+        self.checkpoints = Checkpoints(store, state, recency, recorder, cfg.checkpoint_every_events,
+                                       cfg.checkpoint_every_s, cfg.snapshot_every_events, rec.from_snapshot, now)
+        book, busy = moves.MoveBook(), moves.BusyIndex(state)
+        self.keep_awake = (AwakeWhileMoving(KeepAwake(), cfg.keep_awake_min_bytes, cfg.keep_awake_linger_s)
+                           if cfg.keep_awake else None)
+        self.answers = Answers(recorder, book, traces, metrics, cfg.answer_yield_min_blocks)
+        self.awake = AwakePoll(state, recorder, traces, metrics, cfg.ack_spin_max_us, cfg.warm_lead_us)
+        # the registry settles a lost worker's moves, and the dispatcher sends what waited for a
+        # worker once it joins: each is handed the other's method (the dispatcher is made next)
+        self.workers = WorkerRegistry(cfg, state, dict(rec.roster), router, recorder, book, busy, metrics, handlers,
+                                      rec.crashed, lambda mid, e: self.moves.settle(mid, e),
+                                      lambda w: self.moves.worker_joined(w))
+        self.moves = MoveDispatcher(cfg, state, recency, epoch, recorder, book, busy, self.workers, self.answers,
+                                    self.awake, self.keep_awake, traces, faults, metrics, blocks_in_use)
+        self.asks = AskHandler(cfg, state, epoch, rec.crashed, recorder, ask_server, self.workers, self.moves,
+                               self.answers, metrics, stopping, health)
+        for types, handler in (
+                ((Hello,), self.workers.on_hello), ((Pong,), self.workers.on_pong),
+                ((ErrorReply,), self.workers.on_worker_error), ((DiskClaimed,), self.workers.on_disk_claimed),
+                ((ev.MoveAcked, ev.MoveFailed, ev.MoveRejected), self.moves.on_outcome),
+                ((BlocksReleased,), self.moves.on_released), ((MovesReport,), self.moves.on_report),
+                ((MoveTimed,), self.moves.on_timed), ((MoveNearlyDone,), self.awake.on_nearly_done),
+                ((BlocksWritten,), self.asks.on_written), ((CommandFailed,), self.asks.on_command_failed)):
+            for t in types:
+                handlers.setdefault(t, handler)    # one registered before start (on_worker_message) wins
+        if self.workers.adopting:
+            log.info("control_adopting", workers=sorted(self.workers.adopting), grace_s=cfg.adopt_grace_s)
 
-    def _answers_flush(self) -> None:
-        while self._answers:
-            self._answer(self._answers.popleft()[1])
+
+def shut_down(reason: str, cfg: ControlConfig, state: State, recorder: Recorder, writer,
+              workers: WorkerRegistry, dispatcher: MoveDispatcher, answers: Answers,
+              serve_until: Callable[[Callable[[], bool], float], None]) -> None:
+    """Settle what is in flight, free every copy by the book (but the disk copies, with
+    ``keep_disk``), record ServerStopped, stop workers. ``serve_until(done, timeout_s)`` runs
+    the loop (without ticks) until ``done()`` or the timeout."""
+    log.info("control_stopping", reason=reason, in_flight=len(state.inflight))
+    serve_until(lambda: not state.inflight, cfg.shutdown_grace_s)
+    for mid, mv in list(state.inflight.items()):
+        dispatcher.settle(mid, ev.MoveAbandoned(move_id=mid, worker=mv.worker, why=f"server stopping: {reason}"))
+    if cfg.release_on_stop:
+        for w in list(workers.by_worker):
+            by_tier: dict[str, list[int]] = {}
+            for b, st in state.blocks.get(w, {}).items():
+                for t in st.tiers:
+                    if t != "disk" or not cfg.keep_disk:
+                        by_tier.setdefault(t, []).append(b)
+            for tier, blocks in by_tier.items():
+                mid = dispatcher.request(release("control:stop", w, tier, blocks, "server stopping"), None)
+                log.debug("release_on_stop", worker=w, tier=tier, blocks=len(blocks), move_id=mid)
+        serve_until(lambda: not state.inflight, cfg.shutdown_grace_s)
+        for mid, mv in list(state.inflight.items()):   # unanswered releases: silence is not zero
+            dispatcher.settle(mid, ev.MoveStranded(move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned,
+                                                   why="silent_release"))
+    recorder.record(ev.ServerStopped(reason=reason))
+    recorder.flush()
+    writer.flush(timeout=30)
+    recorder.advance()
+    workers.shutdown_all(reason)
+    answers.send_all()
+    log.info("control_stopped", reason=reason, last_seq=recorder.committed)

@@ -7,7 +7,7 @@ Two sockets, both ZMQ ROUTER, both carrying msgspec structs from ``events`` only
              decodes:    events.commands.FromWorker   (Hello, Pong, acks, reports, ...)
     asks     ROUTER  bound at ipc://<run_dir>/ctl.sock (local only)
              frames in:  [identity, b"", payload]     from a REQ client (``residency status|ctl``)
-             decodes:    events.commands.AnyAsk
+             decodes:    events.asks.AnyAsk; answers events.asks.AnyAskReply
 
 Anything that does not decode is a ``TransportError`` subclass carrying the sender's identity, so
 the caller can answer it with an ``ErrorReply`` naming the error and log it once; nothing here
@@ -21,13 +21,14 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import zmq
 
 from residency.events.codec import encode_message
-from residency.events.commands import AnyAsk, AnyAskReply, AnyMessage, ErrorReply, FromWorker, Message
+from residency.events.asks import AnyAsk, AnyAskReply
+from residency.events.commands import AnyMessage, ErrorReply, FromWorker, Message
 
 # The errors a peer can provoke, by the name carried in ``ErrorReply.error``.
 MALFORMED = "malformed_message"            # bytes that are not one msgpack message
@@ -78,7 +79,8 @@ class ControlUnreachable(TransportError):
 
 
 _raw = msgspec.msgpack.Decoder()
-_any = msgspec.msgpack.Decoder(AnyMessage)
+# every message of ours, whichever socket takes it: tells "unexpected here" from "unknown"
+_any = msgspec.msgpack.Decoder(Union[AnyMessage, AnyAsk, AnyAskReply])
 MAX_PAYLOAD_BYTES = 64 << 20
 
 

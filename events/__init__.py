@@ -7,6 +7,7 @@ from residency.events.envelope import Envelope, Recorded
 from residency.events.catalog import *  # noqa: F401,F403  (the catalog is the package's API)
 from residency.events.catalog import EVENT_TYPES, Event, event_type_name
 from residency.events.commands import *  # noqa: F401,F403
+from residency.events.asks import *  # noqa: F401,F403
 from residency.events.codec import (
     DecodeError,
     decode_event,
@@ -31,6 +32,6 @@ __all__ = [
     "event_to_json_obj",
     "event_from_json_obj",
 ]
-from residency.events import catalog as _catalog, commands as _commands  # noqa: E402
+from residency.events import asks as _asks, catalog as _catalog, commands as _commands  # noqa: E402
 
-__all__ += _catalog.__all__ + _commands.__all__
+__all__ += _catalog.__all__ + _commands.__all__ + _asks.__all__

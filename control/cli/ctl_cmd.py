@@ -102,7 +102,7 @@ def register(sub) -> None:
 
 
 def ask_of(args):
-    from residency.events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget  # noqa: PLC0415
+    from residency.events.asks import AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget  # noqa: PLC0415
 
     ask_id = f"ctl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if args.kind == "budget":

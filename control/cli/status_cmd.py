@@ -21,7 +21,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from residency.control.state import decode_state  # noqa: PLC0415
     from residency.control.views import human_bytes, render_text, summarize  # noqa: PLC0415
-    from residency.events.commands import AskStatus  # noqa: PLC0415
+    from residency.events.asks import AskStatus  # noqa: PLC0415
 
     report = ask_server(args, AskStatus(ask_id=f"status-{time.time_ns()}"))
     state = decode_state(report.state)

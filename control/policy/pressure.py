@@ -13,7 +13,7 @@ watermarks is the hysteresis that keeps one busy tier from moving a block per ti
 from __future__ import annotations
 
 from residency.control.budget import limit_bytes
-from residency.control.policy.asks import Ask, split_for_destination
+from residency.control.policy.proposals import Proposal, split_for_destination
 from residency.control.policy.config import PolicyConfig
 from residency.control.policy.recency import Recency
 from residency.control.state import State
@@ -23,8 +23,8 @@ RELIEF: tuple[tuple[str, str, str], ...] = (("device", "host", "evict"), ("host"
 
 
 def plan_pressure(state: State, recency: Recency, busy: dict[int, set[int]],
-                  leaving: dict[tuple[int, str], int], now_ns: int, cfg: PolicyConfig) -> list[Ask]:
-    asks: list[Ask] = []
+                  leaving: dict[tuple[int, str], int], now_ns: int, cfg: PolicyConfig) -> list[Proposal]:
+    proposals: list[Proposal] = []
     hot_ns, cool_ns = int(cfg.hot_s * S), int(cfg.cooldown_s * S)
     for w, ws in state.workers.items():
         if not ws.alive or ws.block_bytes <= 0:
@@ -48,6 +48,6 @@ def plan_pressure(state: State, recency: Recency, busy: dict[int, set[int]],
             cands.sort(key=lambda b: recency.last_used(w, b))
             chosen = cands[:min(need_blocks, cfg.max_blocks_per_move)]
             reason = f"pressure: {tier} at {occupied} of limit {limit} > high {cfg.high_watermark:.2f}"
-            asks.extend(split_for_destination(state, "policy:pressure", kind, w, tier, dst, chosen,
-                                              False, None, reason))
-    return asks
+            proposals.extend(split_for_destination(state, "policy:pressure", kind, w, tier, dst, chosen,
+                                                   False, None, reason))
+    return proposals

@@ -5,12 +5,12 @@ tier. Cooldown never holds back a restore someone is waiting for.
 """
 from __future__ import annotations
 
-from residency.control.policy.asks import RESTORE_SOURCES, Ask
+from residency.control.policy.proposals import RESTORE_SOURCES, Proposal
 from residency.control.state import State, copies_on
 
 
-def plan_restore(state: State, asker: str, worker: int, blocks, session: str | None,
-                 keep_source: bool = False, src: str | None = None, block_set: set[int] | None = None) -> list[Ask]:
+def plan_restore(state: State, origin: str, worker: int, blocks, session: str | None, keep_source: bool = False,
+                 src: str | None = None, block_set: set[int] | None = None) -> list[Proposal]:
     """``block_set``: ``blocks`` as a set, when the caller has made it (set-to-set tests are cheaper)."""
     wb = state.blocks.get(worker, {})
     ids = blocks if block_set is None else block_set
@@ -19,10 +19,10 @@ def plan_restore(state: State, asker: str, worker: int, blocks, session: str | N
     # copy index says so by set algebra (control/moves.py's _split does the same).
     if (blocks and copies_on(state, worker, sources[0]).issuperset(ids)
             and copies_on(state, worker, "device").isdisjoint(ids)):
-        return [Ask(asker=asker, kind="restore", worker=worker, src=sources[0], dst="device", blocks=tuple(blocks),
-                    keep_source=keep_source, session=session, reason="demand")]
+        return [Proposal(origin=origin, kind="restore", worker=worker, src=sources[0], dst="device",
+                         blocks=tuple(blocks), keep_source=keep_source, session=session, reason="demand")]
     # NOTE: one plain loop, no generator or call per block: a 2 GiB restore names 1024 blocks and
-    # this runs on the control loop between the ask and the command.
+    # this runs on the control loop between the proposal and the command.
     by_src: dict[str, list[int]] = {s: [] for s in sources}
     if len(sources) == 2:
         first, second = sources
@@ -47,6 +47,6 @@ def plan_restore(state: State, asker: str, worker: int, blocks, session: str | N
                 if s in tiers:
                     by_src.setdefault(s, []).append(b)
                     break
-    return [Ask(asker=asker, kind="restore", worker=worker, src=s, dst="device", blocks=tuple(bl),
-                keep_source=keep_source, session=session, reason="demand")
+    return [Proposal(origin=origin, kind="restore", worker=worker, src=s, dst="device", blocks=tuple(bl),
+                     keep_source=keep_source, session=session, reason="demand")
             for s, bl in by_src.items() if bl]

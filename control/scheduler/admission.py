@@ -14,7 +14,7 @@ import time
 import msgspec
 import structlog
 
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState
 from residency.control.scheduler.core import Admit, PendingRequest, Refuse, Wait
@@ -24,7 +24,8 @@ from residency.control.scheduler.retain import retained_session_for
 from residency.control.scheduler.router import Router
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
-from residency.events.commands import AskAnswered, AskMove, Generate, Tokenize, Tokenized
+from residency.events.asks import AskAnswered, AskMove
+from residency.events.commands import Generate, Tokenize, Tokenized
 
 log = structlog.get_logger("control.serving")
 

@@ -14,7 +14,7 @@ import structlog
 
 from residency.control.scheduler.port import BackendError
 from residency.events import catalog as ev
-from residency.events.commands import AskAnswered, AskReleaseBlocks
+from residency.events.asks import AskAnswered, AskReleaseBlocks
 
 log = structlog.get_logger("control.serving")
 # The events a move can end with, as its answer or the ledger carries them (a stranded move may

@@ -27,7 +27,7 @@ from typing import Callable
 import msgspec
 
 from residency.control.budget import limit_bytes
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.control.scheduler.config import SchedulerConfig
 from residency.control.scheduler.cost import CostModel, PrefixDecision
 from residency.control.scheduler.prefix import num_matching_pages, pages_needed

@@ -13,7 +13,7 @@ import collections
 
 import structlog
 
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.control.scheduler import routing
 from residency.control.scheduler.bridge import RequestState
 from residency.control.scheduler.requests import RequestTable

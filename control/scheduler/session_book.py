@@ -14,7 +14,7 @@ from residency.control.scheduler.retain import is_retained, retained_bytes
 from residency.control.scheduler.sessions import tier_of
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
-from residency.events.commands import AskAnswered, AskMove, AskReleaseBlocks
+from residency.events.asks import AskAnswered, AskMove, AskReleaseBlocks
 
 log = structlog.get_logger("control.serving")
 FAILED = (ev.MoveFailed, ev.MoveRejected, ev.MoveRefused, ev.MoveStranded, ev.MoveAbandoned)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from residency.control.policy.asks import RESTORE_SOURCES
+from residency.control.policy.proposals import RESTORE_SOURCES
 from residency.control.state import State
 
 

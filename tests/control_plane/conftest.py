@@ -257,12 +257,13 @@ def fake_worker(short_dir):
 
 
 def joined(proc, worker: int = 0) -> bool:
-    return proc.call(lambda p: worker in p._by_worker).result(5)
+    return proc.call(lambda p: worker in p.workers.by_worker).result(5)
 
 
 def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier: str = "device") -> list[int]:
     """Commit n blocks through the control process, the fake worker answering the CommitBlocks."""
-    from residency.events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
+    from residency.events.commands import BlocksWritten, CommitBlocks
+    from residency.events.asks import AskCommitBlocks
 
     fut = proc.submit(AskCommitBlocks(ask_id="commit", worker=fw.worker, session=session, tier=tier, num_blocks=n))
     cmd = fw.expect(CommitBlocks)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from residency.events.commands import AskMove, ExecuteMove, MoveNearlyDone
+from residency.events.commands import ExecuteMove, MoveNearlyDone
+from residency.events.asks import AskMove
 
 from tests.control_plane.conftest import check_ledger, commit_blocks, setup_control as _setup, wait_for  # noqa: E402
 

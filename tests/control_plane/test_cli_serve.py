@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
-from residency.events.commands import AskStatus
+from residency.events.asks import AskStatus
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import REPO, RESIDENCY, SMALL_BLOCK, check_ledger, spawn, wait_for  # noqa: E402

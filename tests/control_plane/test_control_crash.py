@@ -17,7 +17,7 @@ import pytest
 
 from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
 from residency.events import catalog as ev
-from residency.events.commands import AskCommitBlocks, AskMove, AskStatus
+from residency.events.asks import AskCommitBlocks, AskMove, AskStatus
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import check_ledger, events_of, spawn, wait_for  # noqa: E402

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, AskSetBudget, AskStatus, ExecuteMove
+from residency.events.commands import ExecuteMove
+from residency.events.asks import AskMove, AskSetBudget, AskStatus
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
@@ -91,7 +92,7 @@ def test_a_stranded_move_holds_its_destination_room_until_its_worker_answers_for
     # the worker answers: it refused to start it (its deadline had passed): the room is free again
     fw.send(ev.MoveRejected(move_id=cmd.move_id, worker=0, reason="deadline: passed before the move could start",
                             asked_bytes=50 * bb))
-    wait_for(lambda: proc.call(lambda p: cmd.move_id in p.answered_stranded).result(5), what="answered")
+    wait_for(lambda: proc.call(lambda p: cmd.move_id in p.moves.answered_stranded).result(5), what="answered")
     fut = proc.submit(AskMove(ask_id="r3", kind="restore", worker=0, blocks=blocks[50:80]))
     fw.send(fw.ack(fw.expect(ExecuteMove)))
     assert type(fut.result(5).events[0]) is ev.MoveAcked

@@ -9,9 +9,10 @@ import time
 
 from residency.events import catalog as ev
 from residency.events.commands import (
-    AskCommitBlocks, AskMove, BlocksWritten, CommandAhead, CommitBlocks, ExecuteMove, Hello, Inventory, LaneHello,
+    BlocksWritten, CommandAhead, CommitBlocks, ExecuteMove, Hello, Inventory, LaneHello,
     MoveNearlyDone, MovesReport, Pong, QueryInventory, QueryMoves, Shutdown,
 )
+from residency.events.asks import AskCommitBlocks, AskMove
 
 from tests.control_plane.conftest import check_ledger, gated_cluster, spawn, wait_for, worker_argv
 from tests.control_plane.test_worker import Control as _Control

@@ -7,7 +7,7 @@ import os
 import time
 
 from residency.events import catalog as ev
-from residency.events.commands import AskCommitBlocks, AskMove
+from residency.events.asks import AskCommitBlocks, AskMove
 
 from residency.control.keep_awake import KeepAwake
 from tests.control_plane.conftest import check_ledger, gated_cluster, spawn, wait_for
@@ -84,9 +84,9 @@ def test_the_control_keeps_the_host_awake_while_a_big_move_is_in_flight(short_di
                        keep_awake_min_bytes=64 * 16384, keep_awake_linger_s=0.0) as (proc, store, gate, w):
 
         def window():       # read from this thread: the loop may be held in the gated commit
-            ka = proc._keep_awake
-            return ka.windows, ka.awake_until > time.monotonic_ns(), set(proc._awake_moves)
-        assert len(proc.call(lambda p: p._keep_awake._procs).result(5)) == len(os.sched_getaffinity(0))
+            ka = proc.keep_awake
+            return ka.spinners.windows, ka.awake, set(ka.moving)
+        assert len(proc.call(lambda p: p.keep_awake.spinners._procs).result(5)) == len(os.sched_getaffinity(0))
         blocks = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device",
                                              num_blocks=120)).result(30).events[0].blocks
         small = proc.submit(AskMove(ask_id="small", kind="evict", worker=0, blocks=blocks[100:102])).result(30)
@@ -100,14 +100,14 @@ def test_the_control_keeps_the_host_awake_while_a_big_move_is_in_flight(short_di
         assert out.error is None and type(out.events[0]) is ev.MoveAcked and moving == set(out.move_ids)
         # (the asker hears before the loop is done with the move: wait for it)
         wait_for(lambda: window() == (1, False, set()), what="the window over once the move is settled (no linger)")
-        proc.call(lambda p: setattr(p.cfg, "keep_awake_linger_s", 30.0)).result(5)
+        proc.call(lambda p: setattr(p.keep_awake, "linger_s", 30.0)).result(5)
         back = proc.submit(AskMove(ask_id="back", kind="restore", worker=0, blocks=blocks[:100])).result(30)
         assert type(back.events[0]) is ev.MoveAcked
         # (a window may have ended before the restore was settled: the linger then opens a third)
         wait_for(lambda: window()[0] >= 2 and window()[1:] == (True, set())
-                 and proc._keep_awake.awake_until > time.monotonic_ns() + 20 * S,
+                 and proc.keep_awake.spinners.awake_until > time.monotonic_ns() + 20 * S,
                  what="the window lingering (30 s) after the last big move")
-        spinners = proc.call(lambda p: list(p._keep_awake._procs)).result(5)
+        spinners = proc.call(lambda p: list(p.keep_awake.spinners._procs)).result(5)
         proc.stop("done")
         assert all(sp.returncode is not None for sp in spinners), "the spinners stop with the control"
         assert w.wait(15) == 0

@@ -1,52 +1,24 @@
 """What the control process does for latency, against scripted workers: where a move's time goes
 (traces), the engine lane, an ack committed and answered before its fold, the hints
-(``MoveNearlyDone``, ``CommandAhead``) and thread placement (``ControlConfig.cpu``). None of it
-may change what is recorded or answered."""
+(``MoveNearlyDone``, ``CommandAhead``). None of it may change what is recorded or answered."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from residency.events import affinity
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, ErrorReply, ExecuteMove, Hello, Ping
+from residency.events.commands import ErrorReply, ExecuteMove, Hello, Ping
+from residency.events.asks import AskMove
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
     SlowDisk as _SlowDisk, check_ledger, commit_blocks, events_of, gated_control, joined, setup_control as _setup,
     wait_for,
 )
-
-
-def _pinned_zmq_threads(cpu: int) -> list[str]:
-    return [name for name, cpus in affinity.thread_cpus("ZMQbg/IO").items() if cpus == {cpu}]
-
-
-def test_a_control_placed_on_a_cpu_runs_its_loop_and_its_zmq_thread_there_and_takes_them_away(
-        make_control, fake_worker, sqlite_url):
-    cpu = max(os.sched_getaffinity(0))
-    before = _pinned_zmq_threads(cpu)
-    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, cpu=cpu)
-    assert proc.call(lambda p: os.sched_getaffinity(0)).result(5) == {cpu}
-    assert len(_pinned_zmq_threads(cpu)) == len(before) + 1
-    blocks = commit_blocks(proc, fw, 2)
-    fut = proc.submit(AskMove(ask_id="a", kind="evict", worker=0, blocks=blocks))
-    fw.send(fw.ack(fw.expect(ExecuteMove)))
-    assert fut.result(5).error is None
-    proc.stop("done")
-    wait_for(lambda: len(_pinned_zmq_threads(cpu)) == len(before), what="its own ZMQ context ended")
-    check_ledger(store)
-
-
-def test_the_placement_plan_leaves_small_hosts_alone_and_names_bad_cpus():
-    assert affinity.plan(1, set(range(4))) == (None, [None])
-    assert affinity.plan(2, set(range(16))) == (15, [14, 13])
-    assert affinity.plan(5, set(range(8))) == (None, [None] * 5)       # four CPUs must stay free
 
 
 def _lane_worker(proc, fake_worker, short_dir):
@@ -58,7 +30,7 @@ def _lane_worker(proc, fake_worker, short_dir):
                     lane="w0.lane"))
     lane.send(LaneHello(worker=0, epoch=main.epoch))
     wait_for(lambda: joined(proc), what="worker joined")
-    wait_for(lambda: proc.call(lambda p: p._by_worker[0].lane_up).result(5), what="lane up")
+    wait_for(lambda: proc.call(lambda p: p.workers.by_worker[0].lane_up).result(5), what="lane up")
     return main, lane
 
 
@@ -80,7 +52,8 @@ def _lane_control(sqlite_url, short_dir, fake_worker, **over):
 
 
 def _commit_on_lane(proc, lane, n):
-    from residency.events.commands import AskCommitBlocks, BlocksWritten, CommitBlocks
+    from residency.events.commands import BlocksWritten, CommitBlocks
+    from residency.events.asks import AskCommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=n))
     cmd = lane.expect(CommitBlocks)
     lane.send(BlocksWritten(request_id=cmd.request_id, worker=0, tier="device", blocks=cmd.blocks,
@@ -113,10 +86,10 @@ def test_while_the_host_is_kept_awake_an_ask_does_not_wake_the_lane_first(fake_w
                     return seen
         first = big("a", blocks[:3])
         assert first[0] == "" and first[1] != "" and first[2] == "command", "asleep host: the lane woken first"
-        assert proc.call(lambda p: p._keep_awake.awake_until > time.monotonic_ns()).result(5)
+        assert proc.call(lambda p: p.keep_awake.spinners.awake_until > time.monotonic_ns()).result(5)
         second = big("b", blocks[:3])
         assert "" not in second and second[-1] == "command", "spinners spinning: no wake-up"
-        proc.call(lambda p: p._keep_awake.end_at(0)).result(5)
+        proc.call(lambda p: p.keep_awake.spinners.end_at(0)).result(5)
         third = big("c", blocks[:3])
         assert third[0] == "", "the window over: the lane is woken first again"
         assert proc.health().metrics["lanes_woken"] == 2
@@ -168,8 +141,7 @@ def test_when_the_tick_runs_every_outcome_is_committed_and_every_answer_that_can
         tick = p._tick
 
         def watched():
-            rec = p._recorder
-            seen.append((len(rec._buffer), sum(1 for need, _ in p._answers if need <= rec.committed)))
+            seen.append((p.recorder.num_buffered, p.answers.num_due(p.recorder.committed)))
             tick()
         p._tick = watched
     proc.call(spy).result(5)
@@ -191,13 +163,13 @@ def test_a_checkpoint_due_by_time_waits_for_an_iteration_that_sent_and_answered_
     seen: list[tuple[bool, bool]] = []
 
     def spy(p):
-        checkpoint = p._checkpoint
+        take = p.checkpoints.take
 
         def watched(now):
-            overdue = now - p._last_ckpt[1] >= 2 * int(p.cfg.checkpoint_every_s * 1e9)
+            overdue = now - p.checkpoints.last_at >= 2 * int(p.cfg.checkpoint_every_s * 1e9)
             seen.append((p._acted, overdue))
-            checkpoint(now)
-        p._checkpoint = watched
+            take(now)
+        p.checkpoints.take = watched
     proc.call(spy).result(5)
     blocks = commit_blocks(proc, fw, 8)
     for i, b in enumerate(blocks):
@@ -272,7 +244,7 @@ def test_the_engines_commands_wait_for_the_lane_then_go_there_and_its_acks_count
         main.send(Hello(worker=0, epoch=main.epoch, device="cpu", tiers=main.tiers, block_bytes=main.block_bytes,
                         lane="w0.lane"))
         wait_for(lambda: joined(proc), what="worker joined")
-        from residency.events.commands import AskCommitBlocks
+        from residency.events.asks import AskCommitBlocks
         fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=4))
         if not lane_first:
             assert lane.quiet(0.3) == [] and main.quiet(0.1) == []   # held: the lane is not known up yet
@@ -329,7 +301,7 @@ def test_a_lane_of_a_worker_that_never_said_hello_is_not_taken_for_it(make_contr
 
 def test_an_ack_is_committed_and_answered_before_its_fold_yet_nothing_else_sees_it_unfolded(make_control, fake_worker,
                                                                                           sqlite_url):
-    """The short way of an ack (MoveLifecycle._settle): durable, then the asker's answer, then the
+    """The short way of an ack (MoveDispatcher.settle): durable, then the asker's answer, then the
     fold, all before the next message; listeners (the scheduler, reports) hear it folded."""
     proc, store, fw = _setup(make_control, fake_worker, sqlite_url)
     blocks = commit_blocks(proc, fw, 4)
@@ -340,7 +312,7 @@ def test_an_ack_is_committed_and_answered_before_its_fold_yet_nothing_else_sees_
         if type(e) is ev.MoveAcked:
             with LedgerStore.open(sqlite_url) as reader:
                 durable = any(r.seq == seq for r in reader.read(seq))
-            heard.append((e.move_id in proc.state.inflight, proc.busy.by_worker[0] & set(blocks[:2]),
+            heard.append((e.move_id in proc.state.inflight, proc.moves.busy.by_worker[0] & set(blocks[:2]),
                           futs[0].done(), durable))
 
     proc.call(lambda p: p.add_listener(listener)).result(5)
@@ -352,7 +324,7 @@ def test_an_ack_is_committed_and_answered_before_its_fold_yet_nothing_else_sees_
     in_flight, busy, answered, durable = heard[0]
     assert not in_flight and answered and durable        # folded when heard; answered and committed before
     assert busy == set(blocks[:2])                      # the blocks are freed for others after the fold
-    assert proc.call(lambda p: p.busy.by_worker[0] & set(blocks[:2])).result(5) == set()
+    assert proc.call(lambda p: p.moves.busy.by_worker[0] & set(blocks[:2])).result(5) == set()
     proc.stop("done")
     state = check_ledger(store)
     assert state.tier(0, "host").used_bytes == 2 * fw.block_bytes
@@ -367,7 +339,7 @@ def test_an_asker_on_the_loop_thread_hears_of_an_ack_only_after_its_fold(make_co
 
     def ask_on_loop(p):
         f = p.submit(AskMove(ask_id="loop", kind="evict", worker=0, blocks=blocks[:2]))
-        f.add_done_callback(lambda f: seen.append((any(b in p.busy.by_worker.get(0, ()) for b in blocks[:2]),
+        f.add_done_callback(lambda f: seen.append((any(b in p.moves.busy.by_worker.get(0, ()) for b in blocks[:2]),
                                                    [m for m in p.state.inflight])))
         return f
 
@@ -410,7 +382,7 @@ def test_a_lane_that_never_says_lane_hello_is_given_up_and_the_commands_go_to_th
     fw = fake_worker()
     fw.send(H(worker=0, epoch=fw.epoch, device="cpu", tiers=fw.tiers, block_bytes=fw.block_bytes, lane="w0.lane"))
     wait_for(lambda: joined(proc), what="worker joined")
-    from residency.events.commands import AskCommitBlocks
+    from residency.events.asks import AskCommitBlocks
     fut = proc.submit(AskCommitBlocks(ask_id="c", worker=0, session="s", tier="device", num_blocks=2))
     t0 = time.monotonic()
     cmd = fw.expect(CommitBlocks, timeout=5)              # held, then sent here once the lane is given up

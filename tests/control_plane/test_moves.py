@@ -7,9 +7,10 @@ import pytest
 
 from residency.control import moves, recovery, watchdog
 from residency.control.moves import MoveConfig
-from residency.control.policy.asks import release
+from residency.control.policy.proposals import release
 from residency.events import catalog as ev
-from residency.events.commands import AskMove, MovesReport, ReleaseBlocks
+from residency.events.commands import MovesReport, ReleaseBlocks
+from residency.events.asks import AskMove
 
 from tests.control_plane.test_policies import BB, Book  # noqa: E402  (shared builder)
 
@@ -107,7 +108,7 @@ def test_invalid_asks_are_named_and_record_nothing():
 def _resolve_ref(state, msg, asker, busy):
     """The plain version of ``moves.resolve`` for named blocks (one list per check, every ask
     validated in full): the single-pass resolve must say exactly what this says."""
-    from residency.control.policy.asks import KIND_DEFAULTS, split_for_destination
+    from residency.control.policy.proposals import KIND_DEFAULTS, split_for_destination
     src0, dst0, keep0 = KIND_DEFAULTS[msg.kind]
     src, dst = msg.src or src0, msg.dst or dst0
     keep = keep0 if msg.keep_source is None else msg.keep_source
@@ -220,7 +221,7 @@ def test_a_report_settles_what_the_worker_did_and_abandons_what_it_never_saw():
         b.move(mid, "evict", "device", "host", [blk], 1, ack=False)
     b.add(ev.MoveStranded(move_id="was-stranded", worker=0, bytes_at_risk=BB, why="deadline"))
     book = moves.MoveBook()
-    asked = recovery.asked_of(b.state, 0, book)
+    asked = recovery.to_query(b.state, 0, book)
     assert sorted(asked) == ["done", "never", "running", "was-stranded"]
     report = MovesReport(worker=0, outcomes=[_acked("done"), _acked("was-stranded")], unknown=["never"])
     out = {e.move_id: (v, type(e).__name__) for v, e in recovery.reconcile(b.state, 0, report, asked)}

@@ -6,11 +6,11 @@ import pytest
 from residency.control import budget, moves
 from residency.control.fold import fold
 from residency.control.policy import PolicyConfig, RefusalMemo, plan
-from residency.control.policy.asks import busy_blocks
+from residency.control.policy.proposals import busy_blocks
 from residency.control.policy.recency import Recency
 from residency.control.state import State
 from residency.events import catalog as ev
-from residency.events.commands import AskMove
+from residency.events.asks import AskMove
 from residency.events.envelope import Envelope, Recorded
 
 BB = 1 << 20       # 1 MiB blocks

@@ -11,9 +11,10 @@ import pytest
 from residency.events import catalog as ev
 from residency.events.codec import encode_message
 from residency.events.commands import (
-    AskMove, AskReleaseBlocks, AskSetBudget, BlocksReleased, ClaimDisk, ErrorReply, ExecuteMove, MovesReport, Ping,
-    QueryMoves, ReleaseBlocks, Shutdown,
+    BlocksReleased, ClaimDisk, ErrorReply, ExecuteMove, MovesReport, Ping, QueryMoves, ReleaseBlocks,
+    Shutdown,
 )
+from residency.events.asks import AskMove, AskReleaseBlocks, AskSetBudget
 from residency.control.state import check_integrity
 from residency.ledger import LedgerStore
 

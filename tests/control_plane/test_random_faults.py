@@ -12,7 +12,8 @@ import pytest
 
 from residency.control.moves import MoveConfig
 from residency.events import catalog as ev
-from residency.events.commands import AskCommitBlocks, AskMove, AskReleaseBlocks, Inventory, QueryInventory
+from residency.events.commands import Inventory, QueryInventory
+from residency.events.asks import AskCommitBlocks, AskMove, AskReleaseBlocks
 
 from tests.control_plane.conftest import (  # noqa: E402
     SMALL_BLOCK, check_ledger, joined, spawn, wait_for, worker_argv,
@@ -60,7 +61,7 @@ def test_ten_thousand_moves_with_random_faults_keep_every_invariant(make_control
         while requested < NUM_MOVES:
             if submitted % 128 == 0:        # where the blocks are now (asks still race with moves in flight)
                 snap = proc.call(lambda p: {b: tuple(st.tiers) for b, st in p.state.blocks.get(0, {}).items()
-                                            if b not in p.busy.by_worker.get(0, ())}).result(10)
+                                            if b not in p.moves.busy.by_worker.get(0, ())}).result(10)
                 if len(snap) < 64:          # blocks freed everywhere come back as new ones
                     proc.submit(AskCommitBlocks(ask_id="more", worker=0, session="s", tier="device", num_blocks=64))
             b = rng.choice(list(snap))
@@ -95,7 +96,7 @@ def test_ten_thousand_moves_with_random_faults_keep_every_invariant(make_control
         wait_for(lambda: proc.call(lambda p: not p.state.inflight).result(10), timeout=60, what="no move in flight")
         # every stranding is either re-accounted by a late ack, or its worker said it never landed
         # (refused past its deadline, or its ack dropped and then reported failed): those stay listed
-        wait_for(lambda: proc.call(lambda p: set(p.state.stranded) <= p.answered_stranded).result(10), timeout=30,
+        wait_for(lambda: proc.call(lambda p: set(p.state.stranded) <= p.moves.answered_stranded).result(10), timeout=30,
                  what="strandings settled")
         never_landed = proc.call(lambda p: set(p.state.stranded)).result(10)
         inv = inventory(proc)

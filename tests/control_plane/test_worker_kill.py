@@ -12,7 +12,7 @@ import pytest
 
 from residency.control.transport import AskClient, ask_endpoint
 from residency.events import catalog as ev
-from residency.events.commands import AskCommitBlocks, AskMove, AskStatus
+from residency.events.asks import AskCommitBlocks, AskMove, AskStatus
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402

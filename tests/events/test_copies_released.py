@@ -5,7 +5,7 @@ from residency.events import catalog as ev
 from residency.events.codec import (
     decode_event, decode_message, encode_event, encode_message, event_from_json_obj, event_to_json_obj,
 )
-from residency.events.commands import AskAnswered
+from residency.events.asks import AskAnswered
 
 
 def _released(rng) -> ev.CopiesReleased:

@@ -1,7 +1,9 @@
-"""What a policy, an operator or the API asks for, before the budget authority sees it. Pure.
+"""A proposal: one move that a policy wants, or that an operator's or the API's ask resolved to,
+before the budget authority sees it. Pure.
 
-An ``Ask`` is one move on one worker: blocks, source, destination, whether the source copy stays.
-A *release* (free copies on one tier, nothing copied) is an ask with ``src == dst``. It is
+A ``Proposal`` is one move on one worker: blocks, source, destination, whether the source copy
+stays; ``origin`` says who wants it ("policy:pressure", "operator:park", "api:restore", ...).
+A *release* (free copies on one tier, nothing copied) is a proposal with ``src == dst``. It is
 requested as a move that copies nothing and keeps what it has,
 ``MoveRequested(kind="evict", src=T, dst=T, keep_source=True, reason="release:...")``, and answered
 by its own fact, ``CopiesReleased`` with the bytes the worker measured
@@ -27,8 +29,8 @@ KIND_DEFAULTS: dict[str, tuple[str | None, str, bool]] = {
 RESTORE_SOURCES = ("host", "disk")
 
 
-class Ask(msgspec.Struct, frozen=True, kw_only=True):
-    asker: str                  # "policy:pressure", "operator:park", "api:restore", ...
+class Proposal(msgspec.Struct, frozen=True, kw_only=True):
+    origin: str                 # who wants it: "policy:pressure", "operator:park", "api:restore", ...
     kind: str
     worker: int
     src: str
@@ -43,9 +45,9 @@ class Ask(msgspec.Struct, frozen=True, kw_only=True):
         return self.src == self.dst
 
 
-def release(asker: str, worker: int, tier: str, blocks, reason: str, session: str | None = None) -> Ask:
-    return Ask(asker=asker, kind="evict", worker=worker, src=tier, dst=tier, blocks=tuple(blocks),
-               keep_source=True, session=session, reason=f"release:{reason}")
+def release(origin: str, worker: int, tier: str, blocks, reason: str, session: str | None = None) -> Proposal:
+    return Proposal(origin=origin, kind="evict", worker=worker, src=tier, dst=tier, blocks=tuple(blocks),
+                    keep_source=True, session=session, reason=f"release:{reason}")
 
 
 def busy_blocks(state: State) -> dict[int, set[int]]:
@@ -69,17 +71,17 @@ def leaving_bytes(state: State) -> dict[tuple[int, str], int]:
     return out
 
 
-def split_for_destination(state: State, asker: str, kind: str, worker: int, src: str, dst: str,
-                          blocks, keep_source: bool, session: str | None, reason: str) -> list[Ask]:
+def split_for_destination(state: State, origin: str, kind: str, worker: int, src: str, dst: str,
+                          blocks, keep_source: bool, session: str | None, reason: str) -> list[Proposal]:
     """A move of ``blocks`` src→dst where some may already have a copy on dst: those need no
     copy; if the source is to be freed they become a release of the source copy."""
     wb = state.blocks.get(worker, {})
     to_copy = [b for b in blocks if dst not in wb[b].tiers]
     already = [b for b in blocks if dst in wb[b].tiers]
-    asks = []
+    proposals = []
     if to_copy:
-        asks.append(Ask(asker=asker, kind=kind, worker=worker, src=src, dst=dst, blocks=tuple(to_copy),
-                        keep_source=keep_source, session=session, reason=reason))
+        proposals.append(Proposal(origin=origin, kind=kind, worker=worker, src=src, dst=dst,
+                                  blocks=tuple(to_copy), keep_source=keep_source, session=session, reason=reason))
     if already and not keep_source:
-        asks.append(release(asker, worker, src, already, f"{kind} (copy already on {dst})", session))
-    return asks
+        proposals.append(release(origin, worker, src, already, f"{kind} (copy already on {dst})", session))
+    return proposals

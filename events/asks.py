@@ -1,0 +1,108 @@
+"""What operators and the API ask the control process, and what it answers (its ask socket).
+
+``residency status|ctl`` send these over the control's ask socket; the in-process API hands them
+to ``ControlProc.submit``. An ask is answered once, with what the ledger recorded for it.
+
+    AnyAsk        what the ask socket accepts
+    AnyAskReply   what it answers (an ``ErrorReply`` names input it could not decode)
+"""
+from __future__ import annotations
+
+from typing import Union
+
+from residency.events.catalog import (
+    BlocksCommitted, BlocksFreed, BudgetSet, CopiesReleased, MoveAbandoned, MoveAcked, MoveFailed, MoveKind, MoveLateAcked,
+    MoveRefused, MoveRejected, MoveStranded, SessionParked, SessionRestored, Tier,
+)
+from residency.events.commands import ErrorReply
+from residency.events.message import Message
+
+
+class AskMove(Message):
+    """Ask for a move. The control checks it against the budget authority of the destination;
+    an ask it cannot fund is answered with the ``MoveRefused`` it recorded, never retried smaller.
+
+    ``blocks`` empty means "every block of ``session`` on ``src``"; ``src``/``dst`` None means
+    the kind's usual tiers (a restore takes each block from wherever its copy is)."""
+
+    ask_id: str
+    kind: MoveKind
+    worker: int
+    blocks: list[int] = []
+    session: str | None = None
+    src: Tier | None = None
+    dst: Tier | None = None
+    keep_source: bool | None = None   # None: spill/promote keep the source, the others free it
+    wait: bool = True                 # False: answer once MoveRequested is committed
+
+
+class AskCommitBlocks(Message):
+    """Fill ``num_blocks`` new blocks on a tier with seeded bytes (tests, demos; the model
+    runner writes its own blocks)."""
+
+    ask_id: str
+    worker: int
+    session: str | None
+    tier: Tier
+    num_blocks: int
+    seed: int = 0
+
+
+class AskReleaseBlocks(Message):
+    ask_id: str
+    worker: int
+    tier: Tier
+    blocks: list[int]
+    reason: str = "operator"
+
+
+class AskSetBudget(Message):
+    ask_id: str
+    worker: int
+    tier: Tier
+    floor_bytes: int
+    ceiling_bytes: int
+
+
+class AskStatus(Message):
+    ask_id: str = ""
+    include_state: bool = True
+
+
+AskOutcome = Union[
+    MoveAcked, MoveFailed, MoveRejected, MoveRefused, MoveStranded, MoveLateAcked, MoveAbandoned,
+    BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored, CopiesReleased,
+]
+
+
+class AskAnswered(Message):
+    """What the ledger recorded for an ask, in seq order (``seqs[i]`` is ``events[i]``'s seq).
+    ``error`` names why nothing was recorded (an invalid ask), with ``detail``."""
+
+    ask_id: str
+    events: list[AskOutcome] = []
+    seqs: list[int] = []
+    move_ids: list[str] = []
+    error: str | None = None
+    detail: str = ""
+
+
+class StatusReport(Message):
+    """The live state: ``state`` is ``control.state.encode_state`` bytes (msgpack, no pickle)."""
+
+    ask_id: str
+    last_seq: int
+    state_hash: str
+    healthy: bool
+    problems: list[str]
+    metrics: dict[str, float]
+    state: bytes = b""
+
+
+AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus]
+AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply]
+
+__all__ = [
+    "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskOutcome",
+    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply",
+]
