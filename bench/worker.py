@@ -1,7 +1,7 @@
 """The benches' worker process: the product worker (``python -m residency.dataplane.proc``, all
 its options) with two instruments of the benches.
 
-    python bench/worker.py [--nocopy] [--report-timings] --worker N --control ipc://... --run-dir DIR ...
+    python bench/worker.py [--nocopy] [--report-timings] [--cpu N] --worker N --control ipc://... --run-dir DIR ...
 
     --nocopy          a ``NoCopyMover`` instead of the tier mover: it keeps block tables and moves
                       no bytes (the control plane measured alone, bench/control.py --engines
@@ -9,10 +9,12 @@ its options) with two instruments of the benches.
     --report-timings  after each move's (or release's) outcome on the lane, a ``MoveTimed`` with
                       where its time went in the worker; the control records it in its move
                       traces (``ControlConfig.trace_moves``) for bench/control_spill.py's breakdown.
+    --cpu N           the whole worker process on CPU N (bench/placement.py places the control side)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -133,9 +135,16 @@ def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--nocopy", action="store_true")
     p.add_argument("--report-timings", action="store_true")
+    p.add_argument("--cpu", type=int, default=None)
     p.add_argument("--worker", type=int, default=0)
     mine, _ = p.parse_known_args(argv)
     rest = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--nocopy", "--report-timings")]
+    if mine.cpu is not None:
+        # Placed before any thread starts, so every thread of the worker (the device thread, the I/O
+        # thread, ZMQ's I/O thread) inherits the one CPU.
+        i = rest.index("--cpu")
+        del rest[i:i + 2]
+        os.sched_setaffinity(0, {mine.cpu})
     kw = {"build": build_nocopy_core} if mine.nocopy else {}
     if mine.report_timings:
         kw["after_move"] = report_timings(mine.worker)

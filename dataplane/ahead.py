@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from residency.dataplane.affinity import poll_until
+from residency.dataplane.polling import poll_until
 from residency.dataplane.worker import WorkerCore
 from residency.events.commands import CommandAhead
 
@@ -28,9 +28,8 @@ AHEAD_HOLD_MS = 250
 class AheadWatch:
     """The awake poll and the hold of an early-started move (device thread only)."""
 
-    def __init__(self, core: WorkerCore, give_way: bool):
+    def __init__(self, core: WorkerCore):
         self.core = core
-        self.give_way = give_way        # the thread is pinned beside its ZMQ I/O thread (affinity.poll_until)
         self.awake_until = 0            # monotonic ns: poll awake until then
         self.hold_until = 0             # monotonic ns: an early-started move is abandoned then
         self.hint_read_ns = 0           # wall ns: the CommandAhead that began it was read
@@ -69,7 +68,7 @@ class AheadWatch:
         return dict(poller.poll(max(1, min(idle_ms, (self.hold_until - now) // MS))))
 
     def _poll_awake(self, poller: zmq.Poller) -> dict:
-        ready = poll_until(poller, self.awake_until, self.give_way)
+        ready = poll_until(poller, self.awake_until)
         if not ready:
             self.awake_until = 0
         return dict(ready)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 import structlog
 import zmq
 
-from residency.dataplane.affinity import pin_this_thread
 from residency.dataplane.ahead import AheadWatch
 from residency.dataplane.faults import WorkerFaults
 from residency.dataplane.outbox import Outbox
@@ -52,13 +51,13 @@ class DeviceThread:
     the replies of the commands the I/O thread handed over."""
 
     def __init__(self, *, core: WorkerCore, record: WorkerRecord, faults: WorkerFaults, ctx: zmq.Context,
-                 endpoint: str, worker: int, epoch: int, cpu: int | None,
+                 endpoint: str, worker: int, epoch: int,
                  hand_back: Callable[[object, list], None], after_move: AfterMove | None = None):
         self.core, self.record, self.faults = core, record, faults
         self.after_move = after_move
-        self.ctx, self.endpoint, self.worker, self.epoch, self.cpu = ctx, endpoint, worker, epoch, cpu
+        self.ctx, self.endpoint, self.worker, self.epoch = ctx, endpoint, worker, epoch
         self.hand_back = hand_back
-        self.ahead = AheadWatch(core, give_way=cpu is not None)
+        self.ahead = AheadWatch(core)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._loop, name="device", daemon=True)
@@ -89,7 +88,6 @@ class DeviceThread:
 
     # ------------------------------------------------------------------ the device thread
     def _loop(self) -> None:
-        pin_this_thread(self.cpu)
         lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
         out = Outbox(lane, self.record, self.faults)
         move_ctx = getattr(self.core.mover, "ctx", None)      # a real mover's (a bench mover has none)

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+import zmq
 
-from residency.dataplane import affinity
 from residency.dataplane.build import build_core
 from residency.dataplane.device_thread import AfterMove, DeviceThread
 from residency.dataplane.faults import WorkerFaults
@@ -46,15 +46,14 @@ class WorkerProc:
 
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
-                 cpu: int | None = None, after_move: AfterMove | None = None):
+                 ctx: zmq.Context | None = None, after_move: AfterMove | None = None):
         self.core, self.faults = core, faults
         self.log = log.bind(worker=worker, epoch=epoch)
-        # the device thread and the ZMQ I/O thread on one CPU (dataplane/affinity.py); None: unplaced
-        ctx = affinity.context_on(cpu)
+        ctx = ctx or zmq.Context.instance()
         record = WorkerRecord(worker)
         mailbox = Mailbox()
         self.device = DeviceThread(core=core, record=record, faults=faults, ctx=ctx, endpoint=endpoint, worker=worker,
-                                   epoch=epoch, cpu=cpu, hand_back=mailbox.put, after_move=after_move)
+                                   epoch=epoch, hand_back=mailbox.put, after_move=after_move)
         self.side = SideThreads(core.side_handlers, run_guarded, mailbox.put)
         self.io = IOThread(worker=worker, epoch=epoch, device=device, block_bytes=block_bytes, ctx=ctx,
                            endpoint=endpoint, core=core, record=record, faults=faults, device_thread=self.device,
@@ -110,8 +109,6 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--orphan-exit-s", type=float, default=60.0, help="exit after this much silence from the control")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="run each move path once on scratch blocks before Hello (default: on a GPU)")
-    p.add_argument("--cpu", type=int, default=None,
-                   help="run the device thread and the ZMQ I/O thread on this CPU (dataplane/affinity.py; GPU workers)")
     add_serving_args(p)
     return p
 
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None,
     gc.freeze()
     proc = WorkerProc(worker=args.worker, epoch=epoch, endpoint=args.control, core=core, device=args.device,
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
-                      orphan_exit_s=args.orphan_exit_s, cpu=args.cpu, after_move=after_move)
+                      orphan_exit_s=args.orphan_exit_s, after_move=after_move)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:
