@@ -398,5 +398,3 @@ class ControlProc:
             nxt["quiet"] = now + MS
 
     # ================================================================== read by tests owned elsewhere
-    _by_worker = property(lambda self: self.workers.by_worker)      # test_protocol.py: the joined workers
-    _awake = property(lambda self: self.awake.until_by_move)        # test_awake.py: moves polled awake for

@@ -19,10 +19,10 @@ def test_a_nearly_done_hint_keeps_the_loop_awake_until_that_moves_outcome_and_no
     fw.send(MoveNearlyDone(move_id="m-nobody", worker=0, bytes_left=1 << 30))     # no such move: ignored
     fw.send(MoveNearlyDone(move_id=cmd.move_id, worker=0, bytes_left=1 << 30))
     wait_for(lambda: proc.health().metrics.get("awake_polls", 0) > 0, what="the loop polls awake")
-    assert proc.call(lambda p: sorted(p._awake)).result(5) == [cmd.move_id]
+    assert proc.call(lambda p: sorted(p.awake.until_by_move)).result(5) == [cmd.move_id]
     fw.send(fw.ack(cmd))
     assert fut.result(5).error is None
-    assert proc.call(lambda p: dict(p._awake)).result(5) == {}, "the outcome ends the wait at once"
+    assert proc.call(lambda p: dict(p.awake.until_by_move)).result(5) == {}, "the outcome ends the wait at once"
     m = proc.health().metrics
     assert m["nearly_done_hints"] == 2 and m["outcome_terminal"] == 1
     assert m["writer_warm_ups"] == 1                  # the known move's hint warmed the ledger's writer
@@ -55,7 +55,7 @@ def test_with_no_spin_allowed_a_hint_is_only_counted(make_control, fake_worker, 
     fw.send(MoveNearlyDone(move_id=cmd.move_id, worker=0, bytes_left=1 << 30))
     wait_for(lambda: proc.health().metrics.get("nearly_done_hints", 0) == 1, what="the hint counted")
     time.sleep(0.05)
-    assert proc.call(lambda p: dict(p._awake)).result(5) == {}
+    assert proc.call(lambda p: dict(p.awake.until_by_move)).result(5) == {}
     fw.send(fw.ack(cmd))
     assert fut.result(5).error is None
     assert proc.health().metrics.get("awake_polls", 0) == 0

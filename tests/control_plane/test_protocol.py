@@ -246,7 +246,7 @@ def test_a_message_from_an_unknown_worker_id_is_refused_by_name(make_control, fa
     fw.send(ev.MoveFailed(move_id="m-y", worker=5, error="not mine"))
     assert fw.expect(ErrorReply).error == "worker_mismatch"
     time.sleep(0.1)
-    assert sorted(proc.call(lambda p: list(p._by_worker)).result(5)) == [0]
+    assert sorted(proc.call(lambda p: list(p.workers.by_worker)).result(5)) == [0]
     assert _types(store) == ["ServerStarted", "WorkerJoined"]
 
 
