@@ -396,5 +396,3 @@ class ControlProc:
             self.checkpoints.take(now)
         elif due == "quiet":
             nxt["quiet"] = now + MS
-
-    # ================================================================== read by tests owned elsewhere
