@@ -275,11 +275,11 @@ def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier:
 
 
 # ---------------------------------------------------------------------- real processes
-def worker_argv(worker: int, endpoint: str, run_dir: Path, *, engine: str = "real", faults: str = "",
+def worker_argv(worker: int, endpoint: str, run_dir: Path, *, mover: str = "real", faults: str = "",
                 epoch: int = 0, device_blocks: int = 256, host_blocks: int = 512, disk_blocks: int = 1024,
                 layout: str = SMALL_LAYOUT, block_bytes: int = SMALL_BLOCK) -> list[str]:
-    # engine="nocopy": the benches' worker with a mover that moves no bytes (no torch)
-    prog = [str(REPO / "bench" / "worker.py"), "--nocopy"] if engine == "nocopy" else ["-m", "residency.dataplane.proc"]
+    # mover="nocopy": the benches' worker with a mover that moves no bytes (no torch)
+    prog = [str(REPO / "bench" / "worker.py"), "--nocopy"] if mover == "nocopy" else ["-m", "residency.dataplane.proc"]
     argv = [sys.executable, *prog, "--worker", str(worker), "--control", endpoint,
             "--run-dir", str(run_dir), "--kv-layout", layout,
             "--device-blocks", str(device_blocks), "--host-bytes", str(host_blocks * block_bytes),

@@ -38,15 +38,15 @@ def inventory(proc, timeout=10.0) -> Inventory:
     return got[0]
 
 
-@pytest.mark.parametrize("engine", ["real"])
+@pytest.mark.parametrize("mover", ["real"])
 def test_ten_thousand_moves_with_random_faults_keep_every_invariant(make_control, sqlite_url, short_dir, tmp_path,
-                                                                      rng, engine):
+                                                                      rng, mover):
     proc, store = make_control(sqlite_url, moves=MoveConfig(deadline_base_s=2.0, deadline_bytes_per_s=1e8),
                                deadline_grace_s=0.5,
                                requery_interval_s=0.3, checkpoint_every_events=2000, expected_workers=[0],
                                worker_lost_s=30, heartbeat_missed_s=30)
     seed = rng.randrange(1 << 30)
-    worker = spawn(worker_argv(0, f"ipc://{short_dir}/w.sock", short_dir, engine=engine,
+    worker = spawn(worker_argv(0, f"ipc://{short_dir}/w.sock", short_dir, mover=mover,
                                faults=FAULTS.format(seed=seed), device_blocks=256, host_blocks=512, disk_blocks=1024),
                    tmp_path / "worker.log")
     try:

@@ -339,7 +339,7 @@ def test_a_moves_outcome_leaves_before_the_mover_settles_it_once_and_through_the
     mover = _SettlingMover(link)
     f, rec = WorkerFaults(faults), WorkerRecord(0)
     dev = DeviceThread(core=WorkerCore(mover, 0, f), record=rec, faults=f, ctx=zmq.Context.instance(),
-                       endpoint="inproc://unused", worker=0, epoch=1, cpu=None, hand_back=lambda *a: None)
+                       endpoint="inproc://unused", worker=0, epoch=1, hand_back=lambda *a: None)
     cmd = ExecuteMove(move_id="m-1", kind="evict", src="device", dst="host", blocks=[1], keep_source=False,
                       deadline_ns=0)
     dev.on_command(Outbox(link, rec, f), cmd)

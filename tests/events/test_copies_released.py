@@ -1,11 +1,13 @@
 """CopiesReleased, a release's answer, through every codec a ledger row or an ask's answer takes."""
 from __future__ import annotations
 
+import msgspec
+
 from residency.events import catalog as ev
 from residency.events.codec import (
-    decode_event, decode_message, encode_event, encode_message, event_from_json_obj, event_to_json_obj,
+    decode_event, encode_event, encode_message, event_from_json_obj, event_to_json_obj,
 )
-from residency.events.asks import AskAnswered
+from residency.events.asks import AnyAskReply, AskAnswered
 
 
 def _released(rng) -> ev.CopiesReleased:
@@ -25,7 +27,7 @@ def test_copies_released_round_trips_as_a_ledger_row_and_as_json(rng):
 def test_copies_released_is_one_of_the_facts_an_ask_is_answered_with(rng):
     e = _released(rng)
     ans = AskAnswered(ask_id="a", events=[e], seqs=[7], move_ids=[e.move_id])
-    assert decode_message(encode_message(ans)) == ans
+    assert msgspec.msgpack.decode(encode_message(ans), type=AnyAskReply) == ans     # as the ask client reads it
 
 
 def test_a_release_answered_with_zero_keeps_its_zero(rng):
