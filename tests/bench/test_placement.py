@@ -1,4 +1,5 @@
-"""bench/placement.py: where the bench's pinned spill variants put the control's loop thread."""
+"""bench/placement.py and bench/worker.py --cpu: where the bench's pinned spill variants put the
+control's loop thread and the worker's threads."""
 from __future__ import annotations
 
 import os
@@ -41,3 +42,31 @@ def test_a_control_placed_on_a_cpu_runs_its_loop_and_its_zmq_thread_there(tmp_pa
         ctx.destroy(linger=0)
         store.close()
     assert len(pinned_zmq_threads()) == len(before)
+
+
+def test_the_benches_worker_on_a_cpu_runs_every_thread_there(tmp_path):
+    import subprocess
+    import time
+
+    cpu = max(os.sched_getaffinity(0))
+    w = subprocess.Popen([sys.executable, str(REPO / "bench" / "worker.py"), "--nocopy", "--cpu", str(cpu),
+                          "--worker", "0", "--control", f"ipc://{tmp_path}/w.sock", "--run-dir", str(tmp_path),
+                          "--device", "cpu", "--model", "none"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        threads: dict[int, set[int]] = {}
+        while time.monotonic() < deadline:
+            threads = {}
+            for task in Path(f"/proc/{w.pid}/task").iterdir():
+                try:
+                    threads[(task / "comm").read_text().strip()] = os.sched_getaffinity(int(task.name))
+                except OSError:
+                    pass
+            if any(name.startswith("ZMQbg/IO") for name in threads):
+                break
+            time.sleep(0.1)
+        assert any(name.startswith("ZMQbg/IO") for name in threads), threads
+        assert all(cpus == {cpu} for cpus in threads.values()), threads
+    finally:
+        w.kill()
+        w.wait(10)
