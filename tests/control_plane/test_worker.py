@@ -3,7 +3,6 @@ idempotent commands, tombstones, orphan exit. The socket side runs a no-copy mov
 the real mover is exercised by the kill, crash and random-fault tests."""
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
