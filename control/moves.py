@@ -1,4 +1,4 @@
-"""The life of a move, as the control process lives it (DESIGN.md "Life of a move"). Pure.
+"""The life of a move, as the control process lives it (docs/architecture.md, "The life of a move"). Pure.
 
     proposal (an ask resolved, or a policy's)
         ──validate──► invalid: answered with a named error, nothing recorded

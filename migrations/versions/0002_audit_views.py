@@ -5,7 +5,7 @@ Revises: 0001
 Create Date: 2026-12-02
 
 Plain SQL over the denormalized columns (ledger.columns), the same text on SQLite and PostgreSQL.
-They answer the audit definitions in DESIGN.md exactly:
+They answer the audit definitions of docs/operators.md (reclaimed and stranded bytes) exactly:
 
 residency_reclaimed  one row per reclaim, bytes as reported by a worker, never from a plan:
     MoveAcked / MoveLateAcked .bytes_freed_src, with tier (the move's src), cause (the move
