@@ -5,11 +5,11 @@ heartbeats, loss, and every message on the worker socket.
     Hello (same incarnation) ─► adopted after a control restart (no event), queried again
     silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
     a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
-    Hello.lane (the worker's engine lane) ─► the engine's commands wait for the lane's LaneHello,
+    Hello.lane (the worker's device-thread socket) ─► device-thread commands wait for its LaneHello,
                    then go to the lane; Ping, QueryMoves, Shutdown and Tokenize (the worker tokenizes
                    on its side threads) always go to the Hello socket;
                    no LaneHello within lane_wait_s ─► the lane is given up: held and later commands
-                   go to the Hello socket (the worker's I/O thread hands them to its engine in order)
+                   go to the Hello socket (the worker's I/O thread hands them to its device thread in order)
 
 A worker's other messages go to the handler registered for their type (``handlers``: the move
 dispatcher's outcomes, the ask handler's commits, the serving path's tokens). A lost worker's
@@ -44,7 +44,7 @@ from residency.control.transport import (
 log = structlog.get_logger("control.links")
 S = 1_000_000_000
 # what a worker's I/O thread answers or hands to its side threads (dataplane/side.py): never sent
-# to its engine lane
+# to its lane
 TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply, Tokenize)
 
 
@@ -61,9 +61,9 @@ class WorkerLink:
         self.missed = False
         self.queried: set[str] = set()
         self.last_query_ns = 0
-        self.lane = lane              # the engine lane's identity, or None (everything to ``identity``)
+        self.lane = lane              # the lane's identity, or None (everything to ``identity``)
         self.lane_up = False          # its LaneHello came: commands may go there
-        self.held: list = []          # engine commands waiting for the lane to come up
+        self.held: list = []          # device-thread commands waiting for the lane to come up
         self.lane_by_ns = 0           # when the lane must be up (monotonic), or it is given up
 
 
@@ -88,7 +88,7 @@ class WorkerRegistry:
         self.by_worker: dict[int, WorkerLink] = {}
         self.last_recv_ns = 0                  # wall clock of the last read off the socket (traces)
         self._links: dict[bytes, WorkerLink] = {}
-        self._lanes: dict[bytes, WorkerLink] = {}        # engine lane identity -> its worker's link
+        self._lanes: dict[bytes, WorkerLink] = {}        # lane identity -> its worker's link
         self._early_lanes: dict[bytes, int] = {}         # LaneHellos ahead of their Hello: identity -> epoch
         self._unhandled_logged: set[type] = set()
         self._stopped_cleanly = not crashed    # the last incarnation recorded ServerStopped
@@ -199,7 +199,7 @@ class WorkerRegistry:
             log.exception("worker_message_handler_failed", type=type(msg).__name__, worker=link.worker)
         return True
 
-    # ------------------------------------------------------------------ the engine lane
+    # ------------------------------------------------------------------ the lane
     def _on_lane_hello(self, link: WorkerLink | None, identity: bytes, msg: LaneHello) -> None:
         if link is None or link.lane != identity or link.epoch != msg.epoch:
             # before its Hello (two connections, no order between them), or a stale incarnation's
@@ -215,7 +215,7 @@ class WorkerRegistry:
 
     def _give_up_lane(self, link: WorkerLink) -> None:
         """No LaneHello in time: everything for this incarnation goes to its Hello socket (one
-        path from now on, so the engine's commands keep their order)."""
+        path from now on, so the device thread's commands keep their order)."""
         self.metrics["lanes_given_up"] += 1
         log.warning("worker_lane_not_up", worker=link.worker, lane=link.lane.decode(errors="replace"),
                     waited_s=self.cfg.lane_wait_s, held=len(link.held))
