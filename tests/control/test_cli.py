@@ -73,7 +73,7 @@ def test_timeline_of_a_move_follows_it_to_its_outcome(sim_db, capsys):
     lines = out.strip().splitlines()
     assert code == 0 and "MoveRequested" in lines[0]
     assert any(t in lines[-1] for t in ("MoveAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveLateAcked",
-                                        "SessionParked", "SessionRestored"))
+                                        "CopiesReleased", "SessionParked", "SessionRestored"))
 
 
 def test_timeline_of_a_block_key_starts_where_it_was_committed(sim_db, capsys):
