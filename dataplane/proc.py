@@ -107,8 +107,6 @@ def arg_parser() -> argparse.ArgumentParser:
                    help="fault hooks for tests (see dataplane.faults.WorkerFaults); off by default")
     p.add_argument("--control-silent-s", type=float, default=1.0, help="say Hello again after this much silence")
     p.add_argument("--orphan-exit-s", type=float, default=60.0, help="exit after this much silence from the control")
-    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each move path once on scratch blocks before Hello (default: on a GPU)")
     add_serving_args(p)
     return p
 
@@ -130,8 +128,9 @@ def main(argv: list[str] | None = None,
     if faults.enabled:
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     core, block_bytes = build(args, faults)
-    warm = args.warm_up if args.warm_up is not None else args.device.startswith("cuda")
-    if warm and hasattr(core.mover, "warm_up"):     # before Hello: the first move pays no kernel compile
+    # A GPU worker runs each move path once on scratch blocks before Hello, so its first real move
+    # pays no kernel compile or first-touch cost; a CPU worker has none to pay.
+    if args.device.startswith("cuda") and hasattr(core.mover, "warm_up"):
         did = core.mover.warm_up()
         log.info("mover_warmed_up", worker=args.worker, blocks=did["blocks"], ms=round(1e3 * did["seconds"], 1))
     # NOTE: what exists now (torch, the mover, its pools and tables) lives as long as this process:
