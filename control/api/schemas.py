@@ -24,6 +24,9 @@ MAX_CHOICES = 8                        # choices (``n``) one request may ask for
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 31            # beyond any context window; the backend checks the real one
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+# Token ids beyond any vocabulary a model could have; the worker checks the model's own. Ids past
+# this would not fit the int the worker's tensors hold.
+MAX_TOKEN_ID = (1 << 31) - 1
 
 
 class _Body(BaseModel):
@@ -143,8 +146,8 @@ class CompletionBody(_Body):
                 v = v[0]
         if isinstance(v, str) and v == "":
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and (not v or any(t < 0 for t in v)):
-            raise ValueError("prompt token ids must be a non-empty list of non-negative ints")
+        if isinstance(v, list) and (not v or any(t < 0 or t > MAX_TOKEN_ID for t in v)):
+            raise ValueError(f"prompt token ids must be a non-empty list of ints from 0 to {MAX_TOKEN_ID}")
         return v
 
     @field_validator("echo")
@@ -179,9 +182,32 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, "the request body nests arrays or objects too deeply to parse", code="invalid_json") from None
 
 
+def lone_surrogate_at(obj: Any, path: str = "") -> str | None:
+    """Where in a parsed body a string holds a lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape
+    decodes to one), or None. Such a string is not Unicode text: it cannot be encoded to be sent
+    to a worker or written to the ledger, so it is refused here, by its place in the body."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        where = lone_surrogate_at(k, path) if isinstance(k, str) else None
+        where = where or lone_surrogate_at(v, f"{path}.{k}" if path else str(k))
+        if where is not None:
+            return where
+    return None
+
+
 def validate(model: type[BaseModel], obj: Any):
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(obj).__name__}", code="invalid_json")
+    where = lone_surrogate_at(obj)
+    if where is not None:
+        raise ApiError(400, f"{where}: the text holds a lone UTF-16 surrogate (U+D800..U+DFFF), which is not "
+                            "Unicode text", param=where.split(".")[0], code="invalid_value")
     try:
         return model.model_validate(obj)
     except ValidationError as e:

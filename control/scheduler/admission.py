@@ -60,10 +60,10 @@ class Admission:
         req = r.req
         msg = Tokenize(request_id=r.request_id, messages=req.messages, prompt=req.prompt,
                        prompt_token_ids=req.prompt_token_ids)
-        if not self.proc.send_to_worker(worker, msg):
+        failed = self._send(worker, msg)
+        if failed is not None:
             self.requests.forget(r)
-            r.reject(BackendError(503, f"worker {worker} is unreachable", type="server_error",
-                                  code="worker_unavailable"))
+            r.reject(failed)
 
     def on_tokenized(self, link, msg: Tokenized) -> None:
         r = self.requests.get(msg.request_id)
@@ -186,21 +186,34 @@ class Admission:
         cmd = Generate(request_id=r.request_id, session=r.session, token_ids=r.token_ids, block_ids=a.blocks,
                        num_cached_tokens=a.num_cached_tokens, sampling=sampling,
                        free_on_finish=r.session is None, copy_from=list(a.shared) if a.copied else [])
-        if not self.proc.send_to_worker(r.worker, cmd):
-            self.end_unstarted(r, reason="error")
-            r.reject(BackendError(503, f"worker {r.worker} is unreachable", type="server_error",
-                                  code="worker_unavailable"))
+        failed = self._send(r.worker, cmd)
+        if failed is not None:
+            self.end_unstarted(r, reason="error", error=failed)
             return
         r.accept()
 
-    def end_unstarted(self, r: RequestState, reason: str | None = None) -> None:
-        """An admitted request that never reached the worker: finish it by the book."""
+    def _send(self, worker: int, msg) -> BackendError | None:
+        """Hand a request's message to its worker; the error to answer the request with when that
+        fails. NOTE: a message that cannot even be encoded must still be answered: raised here, it
+        would leave the request waiting for a reply that never comes."""
+        try:
+            if self.proc.send_to_worker(worker, msg):
+                return None
+        except Exception as e:  # noqa: BLE001
+            log.warning("request_not_sent", request_id=msg.request_id, worker=worker, error=repr(e))
+            return BackendError(500, f"the request could not be handed to worker {worker}: {e}",
+                                type="server_error", code="worker_send_failed")
+        return BackendError(503, f"worker {worker} is unreachable", type="server_error", code="worker_unavailable")
+
+    def end_unstarted(self, r: RequestState, reason: str | None = None, error: BackendError | None = None) -> None:
+        """An admitted request that never reached the worker: finish it by the book, and answer it
+        with ``error`` (by default: the client went away)."""
         why = reason or r.cancelled or "cancelled"
         self.proc.record(ev.RequestFinished(request_id=r.request_id, reason=why, completion_tokens=0),
                          correlation=r.request_id)
         self.workers.sched.finish(r.request_id, "cancelled", 0, time.time_ns())
         self.requests.forget(r)
-        r.reject(BackendError(499, "the client went away", code="client_disconnected"))
+        r.reject(error or BackendError(499, "the client went away", code="client_disconnected"))
         self.retry_soon()
 
     def refuse(self, r: RequestState, status: int, code: str, message: str, param: str | None = None) -> None:

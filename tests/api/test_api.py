@@ -139,6 +139,29 @@ def test_invalid_fields_are_400_naming_the_param(client, backend, body, param):
     assert backend.submitted == []
 
 
+@pytest.mark.parametrize("route,raw,param", [
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
+                             b'"text": "\\udfff"}]}]}', "messages"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "stop": ["\\ud83d"]}',
+     "stop"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_anywhere_in_the_text_is_a_400_naming_where(client, backend, route, raw, param):
+    """JSON may spell a lone surrogate with an escape; it decodes to a str that cannot be encoded for
+    the worker (the request then hung, unanswered). It is refused before it reaches the backend."""
+    err = assert_openai_error(client.post(route, content=raw % MODEL.encode(),
+                                          headers={"content-type": "application/json"}), 400, param=param)
+    assert "surrogate" in err["message"]
+    assert backend.submitted == []
+
+
+@pytest.mark.parametrize("ids", [[1, 2**64], [2**31], [-1]])
+def test_completion_token_ids_out_of_any_vocabulary_are_400(client, backend, ids):
+    assert_openai_error(client.post("/v1/completions", json={"model": MODEL, "prompt": ids}), 400, param="prompt")
+    assert backend.submitted == []
+
+
 def test_only_an_assistant_message_may_come_without_content(client, backend):
     msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]
     assert client.post("/v1/chat/completions", json=_chat(messages=msgs)).status_code == 200

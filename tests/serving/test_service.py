@@ -155,6 +155,30 @@ def test_a_chat_runs_through_the_whole_stack_and_is_recorded(stack):
     assert freed and freed[-1].reason == "finished" and not state.blocks.get(0)
 
 
+@pytest.mark.parametrize("fails_on", ["Tokenize", "Generate"])
+def test_a_request_whose_message_cannot_reach_its_worker_is_answered_and_holds_nothing(stack, fails_on):
+    """Sending a request's message to its worker can raise (a message that cannot be encoded):
+    the request is answered with the reason, finished by the book, and the next request runs."""
+    s = stack()
+    send = s.proc.workers.send_to_worker
+
+    def failing(worker, msg):
+        if type(msg).__name__ == fails_on and getattr(msg, "request_id", None) is not None:
+            raise ValueError("cannot encode this message")
+        return send(worker, msg)
+
+    s.proc.call(lambda p: setattr(p.workers, "send_to_worker", failing)).result(5)
+    r = s.chat("hello there", max_tokens=3)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "worker_send_failed", r.text
+    s.proc.call(lambda p: setattr(p.workers, "send_to_worker", send)).result(5)
+    assert s.chat("hello again", max_tokens=3).status_code == 200
+    s.close()
+    events, state = s.ledger()
+    n = names(events)
+    assert n.count("RequestAdmitted") == n.count("RequestFinished")
+    assert not state.blocks.get(0)
+
+
 def test_the_next_turn_reuses_the_sessions_pages(stack):
     s = stack()
     convo = [{"role": "user", "content": "a first question, long enough for pages"}]
