@@ -27,7 +27,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+
+# Temperatures below this sample as greedy: dividing logits by a temperature near 0 overflows to
+# inf, and softmax over infs is NaN, which no sampler can draw from. At 1e-5 a gap of 1e-3 between
+# the two best logits already gives the best one all but e^-100 of the mass: argmax in all but name.
+GREEDY_BELOW = 1e-5
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -60,6 +66,10 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         before = sorted_p.cumsum(0) - sorted_p           # mass strictly before each token
         sorted_p = torch.where(before < p.top_p, sorted_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        # NOTE: logits that are themselves inf or NaN leave nothing to draw from; the best token is
+        # the one answer that still follows the request's intent (and never raises mid-step).
+        return int(row.argmax())
     if gen is not None and gen.device != probs.device:
         probs = probs.to(gen.device)
     return int(torch.multinomial(probs, 1, generator=gen))
