@@ -278,7 +278,7 @@ class ServingLoop:
         except Exception as e:  # noqa: BLE001 - a failed step fails its sequences, never the worker
             self.log.error("step_failed", error=repr(e), num_seqs=len(plan))
             for s, _ in plan:
-                out += self._finish(s, "error", error=f"{type(e).__name__}: {e}")
+                out.append(self._finish(s, "error", error=f"{type(e).__name__}: {e}"))
             return out
         duration = time.perf_counter_ns() - t0
         self.num_steps += 1
@@ -298,10 +298,29 @@ class ServingLoop:
                                                blocks_written=blocks, keys_written=keys))
         if ready:
             rows = logits[[i for i, _ in ready]] if len(ready) < len(plan) else logits
-            tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
-            lps = self._logprobs(rows, ready, tokens)
+            try:
+                tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
+                lps = self._logprobs(rows, ready, tokens)
+            except Exception as e:  # noqa: BLE001 - one sequence's failure must neither fail nor wedge the batch
+                self.log.error("sampling_failed", error=repr(e), num_seqs=len(ready))
+                out += self._sample_each(rows, ready)
+                return out
             for j, ((_, s), t) in enumerate(zip(ready, tokens)):
                 out.append(self._advance(s, t, lps.get(j)))
+        return out
+
+    def _sample_each(self, rows, ready: list[tuple[int, _Seq]]) -> list:
+        """After a batch's sampling raised: each sequence alone; one that still fails is finished
+        with its error (its pages freed), the others go on."""
+        out = []
+        for j, (_, s) in enumerate(ready):
+            try:
+                (t,) = sample(rows[j:j + 1], [s.sampling], [s.generator])
+                lp = self._logprobs(rows[j:j + 1], [(0, s)], [t]).get(0)
+            except Exception as e:  # noqa: BLE001
+                out.append(self._finish(s, "error", error=f"{type(e).__name__}: {e}"))
+                continue
+            out.append(self._advance(s, t, lp))
         return out
 
     def _logprobs(self, rows, ready: list[tuple[int, _Seq]], tokens: list[int]) -> dict[int, TokenLogprobs]:

@@ -381,3 +381,45 @@ def test_a_cancelled_copy_frees_its_copies_and_a_bad_copy_is_refused(model, tmp_
     gone = loop.handle(Generate(request_id="d", session="d", token_ids=ids, block_ids=pages(len(own)),
                                 num_cached_tokens=k * P, sampling=greedy(4), copy_from=pages(k)))
     assert "pages to copy not usable" in final(gone, "d").error and mover.device_pool.used_bytes == used
+
+
+def test_a_forward_that_raises_finishes_every_sequence_of_the_step_with_the_error(model, tmp_path, monkeypatch):
+    mover, loop = make_loop(model, tmp_path, "fwd")
+    ids = model.tokenizer.encode("One forward fails.")
+    for rid in ("a", "b"):
+        loop.handle(Generate(request_id=rid, session=None, token_ids=ids, block_ids=pages(-(-(len(ids) + 4) // P)),
+                             num_cached_tokens=0, sampling=greedy(4), free_on_finish=True))
+
+    def broken(*a, **k):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(loop.runner, "forward", broken)
+    out = loop.step()
+    assert {final(out, r).finish_reason for r in "ab"} == {"error"}
+    assert all("device fell over" in final(out, r).error for r in "ab")
+    assert not loop.has_work() and mover.device_pool.used_bytes == 0
+
+
+def test_a_sequence_whose_sampling_raises_ends_alone_and_the_batch_goes_on(model, tmp_path, monkeypatch):
+    import residency.dataplane.serving as serving_mod
+
+    mover, loop = make_loop(model, tmp_path, "smp")
+    ids = model.tokenizer.encode("Sampling fails for one of us.")
+    for rid, seed in (("good", 1), ("bad", 666)):
+        loop.handle(Generate(request_id=rid, session=None, token_ids=ids, block_ids=pages(-(-(len(ids) + 4) // P)),
+                             num_cached_tokens=0, sampling=greedy(3, seed=seed, ignore_eos=True),
+                             free_on_finish=True))
+    real = serving_mod.sample
+
+    def sample(rows, params, gens):
+        if any(p.seed == 666 for p in params):
+            raise ValueError("invalid multinomial distribution")
+        return real(rows, params, gens)
+
+    monkeypatch.setattr(serving_mod, "sample", sample)
+    out = []
+    while loop.has_work():
+        out += loop.step()
+    assert final(out, "bad").finish_reason == "error" and "multinomial" in final(out, "bad").error
+    assert final(out, "good").finish_reason == "length" and len(tokens_of(out, "good")) == 3
+    assert mover.device_pool.used_bytes == 0
