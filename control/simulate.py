@@ -21,7 +21,7 @@ from residency.control.state import State, state_hash
 
 GiB = 1 << 30
 MiB = 1 << 20
-T0_NS = 1_780_000_000_000_000_000          # 2026-05-28, a fixed origin so runs are reproducible
+T0_NS = 1_780_000_000_000_000_000          # a fixed origin, so a seed always writes the same ledger
 
 
 class Simulator:
