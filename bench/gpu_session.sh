@@ -20,11 +20,12 @@ if [[ $parts == *" tests "* ]]; then
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
   --out "$OUT/moves.json" 2>&1 | tail -50
-# the control's default (K), the same with the ack sent after the mover settles (L) and without
-# keep_awake (N), in both orders on this host (~40 s each)
+# the control's default (K) and the same without keep_awake (N), in both orders on this host
+# (~40 s each); the worker always acks early now, so there is no late-ack variant
 K=lane+nearly+ahead+early+warm+wake+keepawake
+N=lane+nearly+ahead+early+warm+wake
 if [[ $parts == *" control "* ]]; then
-  for order in "a $K,$K+late-ack,lane+nearly+ahead+early+warm+wake" "b lane+nearly+ahead+early+warm+wake,$K+late-ack,$K"; do
+  for order in "a $K,$N" "b $N,$K"; do
     set -- $order
     timeout 150 python3 bench/control.py --device cuda --spill-bytes 2GiB --spill-reps 41 --moves 300 --sustained 3000 \
       --repeat 1 --engines real --spill-variants "$2" --out "$OUT/control-$1.json" 2>&1 | grep -E "^spill through|^target|round trip"
