@@ -187,6 +187,8 @@ def lone_surrogate_at(obj: Any, path: str = "") -> str | None:
     decodes to one), or None. Such a string is not Unicode text: it cannot be encoded to be sent
     to a worker or written to the ledger, so it is refused here, by its place in the body."""
     if isinstance(obj, str):
+        if obj.isascii():               # CPython knows this without a scan: most prompts end here
+            return None
         try:
             obj.encode("utf-8")
         except UnicodeEncodeError:
