@@ -61,6 +61,8 @@ class DeviceThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._loop, name="device", daemon=True)
+        # turns of the loop, read by the I/O thread for its Pong: they stop while this thread is stuck
+        self.num_turns = 0
         self.log = log.bind(worker=worker, epoch=epoch)
 
     # ------------------------------------------------------------------ called by the I/O thread
@@ -99,6 +101,7 @@ class DeviceThread:
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while self._run_jobs(out):
+                self.num_turns += 1
                 bg = self.core.background
                 busy = bg is not None and bg[0]() and self.core.ahead is None
                 if self.ahead.watching(busy):        # a command is on its way (CommandAhead)
@@ -110,6 +113,7 @@ class DeviceThread:
                 out.tick()
                 ran = lane.sock in ready and self._read(lane, out)
                 if busy and not ran:
+                    self.faults.before_step()
                     for r in step_guarded(bg[1]):
                         out.send(r)
         finally:

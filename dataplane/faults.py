@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import structlog
 
@@ -29,6 +30,8 @@ class WorkerFaults:
         crash_after_moves=N  SIGKILL self right after executing the Nth move, before its ack
         exec_delay_ms=MS     every move pauses MS ms half-way (after the mover's submit, before its
                              wait), so a test can kill the worker in the middle of a move
+        stall_step=N:MS      the device thread freezes MS ms before its Nth serving step, while
+                             the I/O thread goes on answering pings (a wedged engine)
         seed=S               the random source of the probabilities above
     """
 
@@ -39,6 +42,7 @@ class WorkerFaults:
         self.delay_p, self.delay_ms = 0.0, 0.0
         self.crash_after_moves = 0
         self.exec_delay_ms = 0.0
+        self.stall_step, self.stall_ms = 0, 0.0
         seed = 0
         for part in filter(None, (x.strip() for x in spec.split(","))):
             name, _, value = part.partition("=")
@@ -51,14 +55,18 @@ class WorkerFaults:
                 self.crash_after_moves = int(value)
             elif name == "exec_delay_ms":
                 self.exec_delay_ms = float(value)
+            elif name == "stall_step":
+                n, _, ms = value.partition(":")
+                self.stall_step, self.stall_ms = int(n), float(ms or 10_000)
             elif name == "seed":
                 seed = int(value)
             else:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
         self.rng = random.Random(seed)
-        self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms)
+        self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step)
         self.counts: dict[str, int] = {}
         self.num_moves = 0
+        self.num_steps = 0
 
     def roll(self, name: str) -> bool:
         p = self.p.get(name, 0.0)
@@ -80,3 +88,12 @@ class WorkerFaults:
         if self.crash_after_moves and self.num_moves == self.crash_after_moves:
             log.warning("fault_injected_crash", fault="crash_after_moves", n=self.num_moves, move_id=move_id)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_step(self) -> None:
+        """A serving step is about to run: ``stall_step`` freezes the device thread here (device
+        thread only)."""
+        self.num_steps += 1
+        if self.stall_step and self.num_steps == self.stall_step:
+            log.warning("fault_injected_stall", fault="stall_step", n=self.num_steps, ms=self.stall_ms)
+            self.counts["stall_step"] = 1
+            time.sleep(self.stall_ms / 1000)

@@ -157,7 +157,7 @@ class IOThread:
         self._silent_logged = False
         t = type(cmd)
         if t is Ping:
-            self.link.send(Pong(worker=self.worker, nonce=cmd.nonce, ts_ns=time.time_ns()))
+            self.link.send(self._pong(cmd))
         elif t is QueryMoves:
             self.link.send(self.record.report(cmd.move_ids))
         elif t is Shutdown:
@@ -176,6 +176,14 @@ class IOThread:
         else:
             self.link.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on this worker"))
         return True
+
+    def _pong(self, ping: Ping) -> Pong:
+        """With the engine's progress when the worker serves: read from the device thread's
+        counters without waiting for it (a stuck device thread must not silence the Pong)."""
+        progress = self.core.progress
+        steps, running = progress() if progress is not None else (None, 0)
+        return Pong(worker=self.worker, nonce=ping.nonce, ts_ns=time.time_ns(), num_steps=steps,
+                    num_running=running, num_turns=self.device_thread.num_turns)
 
     def _claim(self, cmd) -> None:
         ref = command_ref(cmd)

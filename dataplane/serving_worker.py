@@ -108,6 +108,7 @@ def attach(core: WorkerCore, loop, block_bytes: int) -> None:
     core.register(ReleaseBlocks, guarded_release)
     core.background = (loop.has_work, loop.step)
     core.hello_extras = lambda: [loop.ready(block_bytes)]
+    core.progress = lambda: (loop.num_steps, len(loop.seqs))    # plain reads: safe off the device thread
     core.serving = loop
 
 

@@ -79,6 +79,8 @@ class WorkerCore:
         # waits (has_work, step -> replies), and the messages that follow every Hello.
         self.background: tuple[Callable[[], bool], Callable[[], list]] | None = None
         self.hello_extras: Callable[[], list] = lambda: []
+        # ... and (steps completed, sequences held) of that work, read by the I/O thread for its Pong
+        self.progress: Callable[[], tuple[int, int]] | None = None
         # commands that read no mover state (Tokenize): a worker process runs them on its side
         # threads (dataplane/side.py), so a long one never holds up the device thread's steps
         self.side_handlers: dict[type, Callable[[Any], list]] = {}

@@ -64,6 +64,29 @@ class WorkerLost(Event):
     bytes_kept: int = 0
 
 
+class WorkerWedged(Event):
+    """A worker that answers its pings but whose engine made no step for ``stalled_ms`` while
+    ``running`` requests ran on it (``deadline_ms``: the most a step may take, as judged then).
+    Its requests are answered with a retryable error and it is given no new one until it
+    progresses again (``WorkerResumed``)."""
+
+    worker: int
+    running: int                      # requests the control process had running on it
+    last_step: int | None             # the worker's step counter, as last reported (None: never)
+    stalled_ms: int
+    deadline_ms: int
+    request_ids: list[str] = []       # the requests answered for it
+
+
+class WorkerResumed(Event):
+    """A wedged worker progresses again: a step completed, or its engine turned with nothing
+    left to run."""
+
+    worker: int
+    step: int | None                  # its step counter now
+    wedged_ms: int                    # since the WorkerWedged
+
+
 # ---------------------------------------------------------------- budgets
 class BudgetSet(Event):
     worker: int
@@ -368,7 +391,7 @@ class StateCheckpoint(Event):
 
 AnyEvent = Union[
     ServerStarted, ServerStopped,
-    WorkerJoined, WorkerHeartbeatMissed, WorkerLost,
+    WorkerJoined, WorkerHeartbeatMissed, WorkerLost, WorkerWedged, WorkerResumed,
     BudgetSet, PinnedRegistered, PinnedReleased,
     BlocksCommitted, BlocksFreed,
     MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,

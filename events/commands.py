@@ -115,9 +115,16 @@ class Hello(Message):
 
 
 class Pong(Message):
+    """The I/O thread's answer to a Ping; a worker that serves adds its engine's progress, read
+    as the Pong leaves (the I/O thread answers even while the device thread is stuck, which is
+    how the control tells a worker that is up from one that is making progress)."""
+
     worker: int
     nonce: int
     ts_ns: int
+    num_steps: int | None = None      # serving steps completed so far; None: the worker serves no model
+    num_running: int = 0              # sequences its serving loop holds
+    num_turns: int = 0                # turns of the device thread's loop (they stop while it is stuck)
 
 
 class BlocksWritten(Message):

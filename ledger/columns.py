@@ -43,6 +43,8 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.WorkerJoined: lambda e: (None, e.worker, None, None, None, None),
     c.WorkerHeartbeatMissed: lambda e: (None, e.worker, None, None, None, None),
     c.WorkerLost: lambda e: (None, e.worker, None, None, e.reason, e.bytes_lost),
+    c.WorkerWedged: lambda e: (None, e.worker, None, None, None, None),
+    c.WorkerResumed: lambda e: (None, e.worker, None, None, None, None),
     c.BudgetSet: lambda e: (None, e.worker, None, e.tier, None, None),
     c.PinnedRegistered: lambda e: (None, e.worker, None, None, None, e.bytes),
     c.PinnedReleased: lambda e: (None, e.worker, None, None, None, e.bytes),

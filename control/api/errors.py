@@ -48,8 +48,10 @@ def error_response(status: int, message: str, *, type: str | None = None, param:
 
 
 def from_backend_error(e: BackendError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return error_response(e.status, e.message, type=e.type, param=e.param, code=e.code, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(e.retry_after_s)
+    return error_response(e.status, e.message, type=e.type, param=e.param, code=e.code, headers=headers or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

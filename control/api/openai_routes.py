@@ -142,8 +142,9 @@ def _finish(request: Request, collected: list[Collected]) -> Usage | None:
     usage = total_usage([c.last.usage for c in collected])
     metrics.observe_usage(usage)
     failed = next((c.last for c in collected if c.last.finish_reason == "error"), None)
-    if failed is not None:
-        raise BackendError(500, f"generation failed: {failed.error}", type="server_error", code="generation_failed")
+    if failed is not None:       # the server's state (a lost worker) is retryable; a failed step is our bug
+        raise BackendError(failed.status or 500, f"generation failed: {failed.error}", type="server_error",
+                           code=failed.code or "generation_failed", retry_after_s=failed.retry_after_s)
     return usage
 
 
@@ -172,7 +173,7 @@ async def _sse(request: Request, choices: Choices, endpoint: str, t0: float, ren
                 metrics.finished.labels(chunk.finish_reason).inc()
                 if chunk.finish_reason == "error":
                     yield sse_data({"error": {"message": f"generation failed: {chunk.error}", "type": "server_error",
-                                              "param": None, "code": "generation_failed"}})
+                                              "param": None, "code": chunk.code or "generation_failed"}})
                     yield SSE_DONE
                     return
             if chunk.text or chunk.finish_reason is not None or chunk.logprobs:

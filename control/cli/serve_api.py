@@ -27,7 +27,8 @@ def api_app(proc, args):
     from residency.control.scheduler.service import ServingService  # noqa: PLC0415
 
     service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
-                             share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes)
+                             share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes,
+                             wedged_after_s=args.wedged_after_s)
     return create_app(service, ApiConfig(admin_key=args.admin_key or None))
 
 

@@ -32,6 +32,7 @@ from residency.control.cli.ctl_cmd import parse_size
 from residency.control.cli.main import UserError
 from residency.control.cli.serve_api import api_app, drain, start_api
 from residency.control.cli.supervisor import Supervisor, plan_workers
+from residency.control.scheduler.wedge import DEFAULT_FACTOR, DEFAULT_FLOOR_S
 
 log = structlog.get_logger("control.serve")
 
@@ -106,6 +107,10 @@ def _serving_args(p) -> None:
                    help="keep the pages of a request outside a session whose prompt nobody holds yet, as a "
                         "session named ~<request id>, for later prompts that open the same way; at most this "
                         "fraction of the host tier, least recently used evicted first (default 0.25; 0: off)")
+    g.add_argument("--wedged-after-s", type=float, default=DEFAULT_FLOOR_S, metavar="SECONDS",
+                   help=f"a worker with requests running and no model step for this long (or {DEFAULT_FACTOR:g} "
+                        "times its slowest step, if longer) is wedged: its requests get a retryable 503 and "
+                        f"/health says 503 until it steps again (default {DEFAULT_FLOOR_S:g})")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion budget of a chat request that names no max_tokens (reserved up front)")
     g.add_argument("--admin-key", default=os.environ.get("RESIDENCY_ADMIN_KEY"),

@@ -19,6 +19,7 @@ and ``diagnose(events, at_ns)`` runs all of them in one pass (a million events i
     pinned_over_budget  pinned host bytes over budget; pin counts gone negative    budgets
     device_below_floor  device free bytes under the budget's floor                 budgets
     group_divergence    ranks of a group whose step digests differ                 groups
+    wedged_worker       pings answered, no engine step while requests run          wedged
 """
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ from residency.control.diagnose.params import DiagnoseParams
 from residency.control.diagnose.rebind import TornRebind
 from residency.control.diagnose.refusals import RefusalStorm, RetriedSmaller
 from residency.control.diagnose.stall import Hole, Stall
+from residency.control.diagnose.wedged import WedgedWorker
 from residency.control.diagnose.workers import WorkerSilence
 
 ALL_DETECTORS = (
     OverdueMoves, Stall, WorkerSilence, Pendulum, RefusalStorm, RetriedSmaller,
-    TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence,
+    TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence, WedgedWorker,
 )
 
 _Events = Iterable[Recorded]
@@ -88,10 +90,15 @@ def detect_group_divergence(events: _Events, at_ns: int, params: DiagnoseParams 
     return detect_with(GroupDivergence, events, at_ns, params)
 
 
+def detect_wedged_workers(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(WedgedWorker, events, at_ns, params)
+
+
 __all__ = [
     "ALL_DETECTORS", "DiagnoseParams", "Diagnosis", "Finding", "diagnose", "run_pass", "sort_findings",
     "fmt_bytes", "fmt_duration",
     "detect_overdue_moves", "detect_stalls", "detect_worker_silence", "detect_pendulum",
     "detect_refusal_storms", "detect_retried_smaller", "detect_torn_rebinds",
     "detect_pinned_over_budget", "detect_device_below_floor", "detect_holes", "detect_group_divergence",
+    "detect_wedged_workers",
 ]

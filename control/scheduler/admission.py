@@ -28,6 +28,9 @@ from residency.events.asks import AskAnswered, AskMove
 from residency.events.commands import Generate, Tokenize, Tokenized
 
 log = structlog.get_logger("control.serving")
+# a request its worker cannot serve now (wedged, lost) is answered 503 with this Retry-After: by
+# then it may go to another worker, or to this one back on its feet
+RETRY_AFTER_S = 1
 
 
 class Admission:
@@ -99,6 +102,10 @@ class Admission:
     def admit(self, r: RequestState) -> None:
         now = time.time_ns()
         sched = self.workers.sched
+        if self.workers.wedge.is_wedged(r.worker):
+            self.refuse(r, 503, "worker_wedged", f"worker {r.worker} makes no progress; retry shortly",
+                        retry_after_s=RETRY_AFTER_S)
+            return
         if r.req.session is None and self.retain_fraction > 0:
             r.session = retained_session_for(
                 sched.sessions.values(), self.proc.state, r.worker, request_id=r.request_id,
@@ -216,12 +223,13 @@ class Admission:
         r.reject(error or BackendError(499, "the client went away", code="client_disconnected"))
         self.retry_soon()
 
-    def refuse(self, r: RequestState, status: int, code: str, message: str, param: str | None = None) -> None:
+    def refuse(self, r: RequestState, status: int, code: str, message: str, param: str | None = None,
+               retry_after_s: int | None = None) -> None:
         self.proc.record(ev.RequestRefused(request_id=r.request_id, reason=f"{code}: {message}"),
                          correlation=r.request_id)
         self.requests.forget(r)
         r.reject(BackendError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
-                              code=code, param=param))
+                              code=code, param=param, retry_after_s=retry_after_s))
 
     # ------------------------------------------------------------------ waiting for room
     def retry_soon(self) -> None:

@@ -52,6 +52,11 @@ class Chunk:
     usage: Usage | None = None
     error: str | None = None              # set with finish_reason "error"
     logprobs: list = field(default_factory=list)   # events.commands.TokenLogprobs, asked for
+    # an error that is the server's state, not the request's (its worker was lost or wedged): the
+    # HTTP status and code to answer with, and when a retry may fare better (None: not retryable)
+    status: int | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
 
 
 @runtime_checkable
@@ -116,13 +121,14 @@ class BackendError(Exception):
     """A request the backend declines or cannot serve; the API renders it OpenAI-shaped."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+                 code: str | None = None, param: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
         self.param = param
+        self.retry_after_s = retry_after_s    # sent as Retry-After: the same request may succeed then
 
 
 class UnknownSession(BackendError):

@@ -39,7 +39,7 @@ class Router:
             entry = sched.sessions.get(session)
             if entry is not None and entry.worker in alive:
                 return entry.worker
-        return routing.by_load(alive, self.requests.load())
+        return routing.by_load(self.workers.unwedged(alive), self.requests.load())
 
     def route(self, r: RequestState) -> None:
         """``r`` tokenized on ``r.worker``: where it runs (``r.worker``, ``r.routed_from`` if moved)."""

@@ -13,6 +13,7 @@ thin shell that wires the parts and carries the port's calls to them:
     SessionBook        sessions by hand, the retention budget        (the admin routes)
     ServingStats       moves counted, the /metrics snapshot          (every recorded event)
     Asker              moves and releases asked of the control process
+    WedgeWatch         workers that answer pings but make no step (Pong, StepCompleted)
 
 A request, as the ledger sees it:
 
@@ -44,9 +45,10 @@ from residency.control.scheduler.router import Router
 from residency.control.scheduler.session_book import SessionBook
 from residency.control.scheduler.stats import ServingStats
 from residency.control.scheduler.streams import GenerationStreams
+from residency.control.scheduler.wedge import DEFAULT_FLOOR_S, WedgeWatch
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
-from residency.events.commands import ServingReady, Tokenized, TokensGenerated
+from residency.events.commands import Pong, ServingReady, Tokenized, TokensGenerated
 
 log = structlog.get_logger("control.serving")
 PRUNE_EVERY_NS = 60 * 10**9           # how often sessions that hold nothing are looked for
@@ -56,11 +58,13 @@ PRUNE_IDLE_NS = 600 * 10**9           # a session that holds nothing is forgotte
 class ServingService:
     def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, retain_fraction: float = 0.0,
                  cost: CostModel | None = None, wait_timeout_s: float = 120.0, max_waiting: int = 256,
-                 tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None):
+                 tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None,
+                 wedged_after_s: float = DEFAULT_FLOOR_S):
         self.proc = proc
         self.api_timeout_s = api_timeout_s
         self.cost = cost or CostModel()
-        self.workers = ServingWorkers(proc, self.cost, restore_policy=restore_policy, share_prefixes=share_prefixes)
+        self.workers = ServingWorkers(proc, self.cost, restore_policy=restore_policy, share_prefixes=share_prefixes,
+                                      wedge=WedgeWatch(floor_s=wedged_after_s))
         self.requests = RequestTable()
         self.router = Router(proc, self.workers, self.requests, share_prefixes=share_prefixes)
         self.asker = Asker(proc)
@@ -73,9 +77,11 @@ class ServingService:
         self.draining = False             # set by drain(): new requests are refused
         self._last_stats = BackendStats()  # what /metrics shows again while the loop cannot answer
         self._last_prune_ns = 0
+        self._wedged: dict[int, ev.WorkerWedged] = {}    # replaced whole on the loop thread, read by health()
         self._stop = threading.Event()
         for msg_type, handler in ((ServingReady, self.workers.on_ready), (Tokenized, self.admission.on_tokenized),
-                                  (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step)):
+                                  (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step),
+                                  (Pong, self._on_pong)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
         proc.blocks_in_use = self.workers.blocks_in_use
@@ -144,7 +150,13 @@ class ServingService:
             detail["problems"].append("no worker serves a model yet")
         if self.draining:
             detail["problems"].append(f"shutting down: {self.num_pending()} accepted requests finishing")
-        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining, detail=detail)
+        wedged = self._wedged
+        for e in wedged.values():
+            detail["problems"].append(f"worker {e.worker} is wedged: no step for {e.stalled_ms} ms with {e.running} "
+                                      f"request(s) running (deadline {e.deadline_ms} ms, last step {e.last_step})")
+        if wedged:
+            detail["wedged_workers"] = sorted(wedged)
+        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged, detail=detail)
 
     def _post_cancel(self, request_id: str, reason: str) -> None:
         self.proc.call(lambda _proc: self.streams.cancel(request_id, reason))
@@ -176,13 +188,23 @@ class ServingService:
     def _on_step(self, link, msg: ev.StepCompleted) -> None:
         self.proc.record(msg)
         self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
+        self.workers.wedge.observe_step(link.worker, msg.step, msg.duration_ns, time.monotonic_ns())
+
+    def _on_pong(self, link, msg: Pong) -> None:
+        # NOTE: this handler replaces the worker registry's own for Pong: it is called first
+        self.proc.workers.on_pong(link, msg)
+        self.workers.wedge.observe_pong(link.worker, msg.num_steps, msg.num_running, msg.num_turns,
+                                        time.monotonic_ns())
 
     def _on_recorded(self, seq: int, event: ev.Event) -> None:
         self.serving_stats.observe(event)
         t = type(event)
         if t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased:   # room may have appeared for a waiting request
             self.admission.retry_soon()
+        elif t is ev.WorkerJoined:
+            self.workers.wedge.forget(event.worker)       # a new incarnation counts its steps from 0
         elif t is ev.WorkerLost:
+            self.workers.wedge.forget(event.worker)
             self.workers.lost(event.worker)
             self.streams.worker_lost(event.worker)
             self.workers.lost_pages(event.worker, set(event.kept_on_disk))     # a disk copy that survived stays
@@ -202,3 +224,21 @@ class ServingService:
         self.admission.expire_waits(now)
         if self.requests.waiting:
             self.admission.retry_waiting()
+        self._watch_wedges(time.monotonic_ns())
+
+    def _watch_wedges(self, now_ns: int) -> None:
+        running: dict[int, list[str]] = {}
+        for r in self.requests.by_id.values():
+            if r.phase == "running":
+                running.setdefault(r.worker, []).append(r.request_id)
+        wedge = self.workers.wedge
+        for e in wedge.check(running, now_ns):
+            self.proc.record(e)
+            if type(e) is ev.WorkerWedged:
+                log.error("worker_wedged", worker=e.worker, running=e.running, last_step=e.last_step,
+                          stalled_ms=e.stalled_ms, deadline_ms=e.deadline_ms)
+                self.streams.worker_wedged(e.worker, f"no step for {e.stalled_ms} ms (deadline {e.deadline_ms} ms)")
+            else:
+                log.warning("worker_resumed", worker=e.worker, step=e.step, wedged_ms=e.wedged_ms)
+                self.admission.retry_soon()
+        self._wedged = wedge.wedged()

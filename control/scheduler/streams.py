@@ -3,6 +3,7 @@
 
     TokensGenerated ─► BlocksCommitted (pages the step filled) ─► a chunk to the stream
     the last one    ─► BlocksFreed (finished | disconnected | error) ─► RequestFinished ─► the last chunk
+    its worker lost or wedged ─► RequestFinished(error) ─► a last chunk saying 503, retry
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import structlog
 
-from residency.control.scheduler.admission import Admission
+from residency.control.scheduler.admission import RETRY_AFTER_S, Admission
 from residency.control.scheduler.core import Admit
 from residency.control.scheduler.port import BackendError, Chunk, Usage
 from residency.control.scheduler.requests import RequestTable
@@ -89,15 +90,34 @@ class GenerationStreams:
 
     def worker_lost(self, worker: int) -> None:
         """End the requests the worker had: a running one with an error chunk (recorded), one
-        not yet admitted with a 503."""
+        not yet admitted with a 503; both retryable."""
+        self._end_on_worker(worker, "worker_lost", f"worker {worker} was lost", cancel=False)
+
+    def worker_wedged(self, worker: int, why: str) -> list[str]:
+        """The worker is up but its engine does not progress: answer its running requests as a
+        lost worker's are, and cancel them there so it frees their pages should it wake up (the
+        BlocksFreed then recorded is ``orphaned``). Returns the requests answered."""
+        return self._end_on_worker(worker, "worker_wedged", f"worker {worker} is wedged: {why}", cancel=True,
+                                   phases=("running",))
+
+    def _end_on_worker(self, worker: int, code: str, message: str, *, cancel: bool,
+                       phases: tuple[str, ...] = ("running", "tokenizing", "waiting")) -> list[str]:
+        ended = []
         for r in self.requests.on_worker(worker):
+            if r.phase not in phases:
+                continue
+            ended.append(r.request_id)
             if r.phase == "running":
-                r.push(Chunk(text="", finish_reason="error", error=f"worker {worker} was lost",
+                if cancel:
+                    self.proc.send_to_worker(worker, CancelGenerate(request_id=r.request_id, reason=code))
+                r.push(Chunk(text="", finish_reason="error", error=message, status=503, code=code,
+                             retry_after_s=RETRY_AFTER_S,
                              usage=Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated)))
                 self.proc.record(ev.RequestFinished(request_id=r.request_id, reason="error",
                                                     completion_tokens=r.num_generated), correlation=r.request_id)
                 self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
                 self.requests.forget(r)
-            elif r.phase in ("tokenizing", "waiting"):
+            else:
                 self.requests.forget(r)
-                r.reject(BackendError(503, f"worker {worker} was lost", type="server_error", code="worker_lost"))
+                r.reject(BackendError(503, message, type="server_error", code=code, retry_after_s=RETRY_AFTER_S))
+        return ended

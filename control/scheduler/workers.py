@@ -12,19 +12,22 @@ from residency.control.scheduler.config import SchedulerConfig
 from residency.control.scheduler.core import Scheduler
 from residency.control.scheduler.cost import CostModel
 from residency.control.scheduler.port import ModelCard
+from residency.control.scheduler.wedge import WedgeWatch
 from residency.events.commands import ServingReady
 
 log = structlog.get_logger("control.serving")
 
 
 class ServingWorkers:
-    def __init__(self, proc, cost: CostModel, *, restore_policy: str, share_prefixes: bool):
+    def __init__(self, proc, cost: CostModel, *, restore_policy: str, share_prefixes: bool,
+                 wedge: WedgeWatch | None = None):
         self.proc = proc
         self.cost = cost
         self.restore_policy = restore_policy
         self.share_prefixes = share_prefixes
         self.ready: dict[int, ServingReady] = {}
         self.sched: Scheduler | None = None
+        self.wedge = wedge or WedgeWatch()      # which of them are up but make no progress
 
     def on_ready(self, link, msg: ServingReady) -> None:
         if self.sched is None:
@@ -45,6 +48,11 @@ class ServingWorkers:
     def alive(self) -> list[int]:
         """Workers that said ``ServingReady`` and that the folded state still counts alive."""
         return [w for w in self.ready if (ws := self.proc.state.workers.get(w)) is not None and ws.alive]
+
+    def unwedged(self, workers: list[int]) -> list[int]:
+        """Those of ``workers`` not wedged, or all of them when every one is (a request then goes
+        where it would and is refused there, retryable)."""
+        return [w for w in workers if not self.wedge.is_wedged(w)] or workers
 
     def models(self) -> list[ModelCard]:
         """Read from the API thread: ``ready`` is copied before iterating, since the loop thread

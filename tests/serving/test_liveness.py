@@ -1,0 +1,106 @@
+"""Liveness that means progress, against a real ``residency serve`` with the real SmolLM2:
+
+  a worker whose engine freezes (the ``stall_step`` fault: its I/O thread still answers pings) is
+  declared wedged: its request is answered 503 with Retry-After, new ones are refused the same
+  way, /health says 503 naming it, the ledger records WorkerWedged then WorkerResumed, and
+  ``residency diagnose`` shows the episode from its onset row;
+  a worker killed with a request in flight answers that request 503 with Retry-After, not 500.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from residency.events import catalog as ev
+from tests.serving.server import MODEL, Server, read_ledger
+
+pytestmark = pytest.mark.model
+
+STALL_MS = 20_000            # long enough for any deadline the measured steps may set on a loaded host
+
+
+def _chat(server: Server, max_tokens: int, timeout: float = 120) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a ship."}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=timeout)
+
+
+def _retryable(r: httpx.Response, code: str) -> None:
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "server_error"
+
+
+def test_a_worker_whose_engine_freezes_is_wedged_answered_refused_healthy_again_and_diagnosed(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESIDENCY_WORKER_FAULTS", f"stall_step=4:{STALL_MS}")
+    s = Server(tmp_path, "--no-policies", "--wedged-after-s", "1").wait_ready()
+    try:
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+        t0 = time.monotonic()
+        _retryable(_chat(s, 64, timeout=STALL_MS / 1000), "worker_wedged")     # frozen at its 4th step
+        assert time.monotonic() - t0 < STALL_MS / 1000, "answered only once the engine woke up"
+        h = httpx.get(f"{s.url}/health", timeout=10)
+        assert h.status_code == 503 and h.json()["wedged_workers"] == [0], h.text
+        assert any(p.startswith("worker 0 is wedged") for p in h.json()["problems"])
+        _retryable(_chat(s, 4), "worker_wedged")          # tokenized on the side threads, refused at admission
+        deadline = time.monotonic() + STALL_MS / 1000 + 60
+        while httpx.get(f"{s.url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, s.tail()
+            time.sleep(0.2)
+        again = _chat(s, 4)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert s.stop() == 0
+    events, state = read_ledger(s.ledger)
+    state.check_integrity()
+    [wedged] = [r for r in events if type(r.event) is ev.WorkerWedged]
+    w = wedged.event
+    assert w.worker == 0 and w.running == 1 and len(w.request_ids) == 1 and w.last_step == 3
+    assert w.stalled_ms > w.deadline_ms >= 1000
+    later = [r.event for r in events if r.seq > wedged.seq]
+    [finished] = [e for e in later if type(e) is ev.RequestFinished and e.request_id == w.request_ids[0]]
+    assert finished.reason == "error" and finished.completion_tokens == 3     # sampled by steps 1 to 3
+    assert any(type(e) is ev.RequestRefused and e.reason.startswith("worker_wedged: worker 0") for e in later)
+    [resumed] = [e for e in later if type(e) is ev.WorkerResumed]
+    assert resumed.worker == 0 and resumed.step >= 4
+    # the cancelled sequence's pages, freed when the engine woke, are in the books
+    assert any(type(e) is ev.BlocksFreed and e.reason == "orphaned" for e in later)
+
+    out = subprocess.run([sys.executable, "-m", "residency.control.cli.main", "diagnose", "--db", s.ledger, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    found = [f for f in json.loads(out.stdout)["findings"] if f["detector"] == "wedged_worker"]
+    assert len(found) == 1, out.stdout + out.stderr
+    f = found[0]
+    assert f["subject"] == "worker 0" and f["detail"]["onset_seq"] == wedged.seq and wedged.seq in f["seqs"]
+    assert f["detail"]["ended"] == "resumed" and f["detail"]["requests_refused"] == 1
+
+
+def test_a_worker_killed_with_a_request_in_flight_answers_it_503_with_retry_after(tmp_path):
+    s = Server(tmp_path, "--no-policies").wait_ready()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=_chat(s, 1500)))
+    try:
+        t.start()
+        deadline = time.monotonic() + 60
+        while "residency_requests_running 1.0" not in httpx.get(f"{s.url}/metrics", timeout=10).text:
+            assert time.monotonic() < deadline and t.is_alive(), out
+            time.sleep(0.05)
+        pid = int((s.dir / "run" / "worker-0.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        t.join(60)
+        _retryable(out["r"], "worker_lost")
+    finally:
+        t.join(60)
+        assert s.stop() == 0
+    events, state = read_ledger(s.ledger)
+    state.check_integrity()
+    assert any(type(r.event) is ev.WorkerLost for r in events)
+    assert [r.event.reason for r in events if type(r.event) is ev.RequestFinished] == ["error"]
