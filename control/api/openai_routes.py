@@ -86,10 +86,11 @@ async def _start(request: Request, reqs: list[GenerateRequest]) -> Choices:
     return Choices(streams)
 
 
-async def _watch_disconnect(request: Request, choices: Choices, scope: anyio.CancelScope) -> None:
+async def _watch_disconnect(request: Request, choices: Choices, scope: anyio.CancelScope, gone: anyio.Event) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            gone.set()
             choices.cancel("disconnected")
             scope.cancel()
             return
@@ -115,8 +116,9 @@ async def _collect(request: Request, choices: Choices, endpoint: str, t0: float)
     metrics = request.app.state.metrics
     out = [Collected() for _ in choices.streams]
     first_at: float | None = None
+    gone = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, request, choices, tg.cancel_scope)
+        tg.start_soon(_watch_disconnect, request, choices, tg.cancel_scope, gone)
         try:
             async for i, chunk in choices.merged():
                 if chunk.token_ids and first_at is None:
@@ -129,8 +131,14 @@ async def _collect(request: Request, choices: Choices, endpoint: str, t0: float)
         finally:
             choices.cancel("disconnected")      # no-op once finished
             tg.cancel_scope.cancel()
-    if any(c.last is None for c in out):
+    # the watcher cancels the loop above without an error: a choice cut short says the client left
+    unfinished = sum(c.last is None or c.last.finish_reason is None for c in out)
+    if unfinished and gone.is_set():
+        metrics.finished.labels("disconnected").inc(unfinished)
         raise ApiError(499, "client disconnected", code="client_disconnected")
+    if unfinished:
+        raise ApiError(500, f"{unfinished} of {len(out)} generations ended without a finish reason",
+                       type="server_error", code="generation_incomplete")
     return out
 
 
