@@ -251,6 +251,26 @@ def test_health_and_metrics(client, oai):
     assert "residency_completion_tokens_total 8.0" in text
 
 
+def _histogram_count(client, name: str, endpoint: str) -> float:
+    needle = f'{name}_count{{endpoint="{endpoint}"}} '
+    line = next((ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(needle)), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_inter_token_latency_counts_every_gap_of_every_choice_streamed_or_not(client):
+    """Each of the 4 canned tokens after the first is one gap, per choice; a request answered in one
+    piece has gaps between its tokens as much as a streamed one."""
+    itl = "residency_inter_token_latency_seconds"
+    assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
+    assert _histogram_count(client, itl, "chat") == 3
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2}).status_code == 200
+    assert _histogram_count(client, itl, "completions") == 6
+    with client.stream("POST", "/v1/chat/completions", json=_chat(stream=True, n=2)) as r:
+        assert r.status_code == 200 and list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
+    assert _histogram_count(client, itl, "chat") == 3 + 6, "gaps are per choice, not between two choices' tokens"
+    assert _histogram_count(client, "residency_time_to_first_token_seconds", "chat") == 2
+
+
 def test_a_stream_that_is_closed_early_cancels_its_generation():
     backend = FakeBackend(words=["w"] * 50, delay_s=0.01)
     with TestClient(create_app(backend)) as c:
