@@ -18,6 +18,7 @@ next request. Every route here reads its body whole, so buffering costs nothing 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -32,9 +33,12 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 CLIENT_CLOSED_REQUEST = 499           # nginx's status for "the client left first"; nobody reads it
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, code: str):
-        self.status, self.message, self.code = status, message, code
+@dataclass(frozen=True)
+class BodyRefused:
+    """Why a body was not taken: the answer to send instead of running the app."""
+    status: int
+    message: str
+    code: str
 
 
 def _declared_length(scope) -> int | None:
@@ -58,14 +62,10 @@ class BoundedBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        try:
-            body = await self._read(scope, receive)
-        except _Refused as e:
-            log.info("api_body_refused", path=scope.get("path"), status=e.status, code=e.code)
-            return await _answer(send, e)
-        if body is None:
-            log.info("api_client_left_before_its_body", path=scope.get("path"))
-            return await _answer(send, _Refused(CLIENT_CLOSED_REQUEST, "client disconnected", "client_disconnected"))
+        body = await self._read(scope, receive)
+        if isinstance(body, BodyRefused):
+            log.info("api_body_refused", path=scope.get("path"), status=body.status, code=body.code)
+            return await _answer(send, body)
 
         replayed = False
 
@@ -78,11 +78,11 @@ class BoundedBody:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope, receive) -> bytes | None:
-        """The whole body, or None if the client left first; raises ``_Refused`` (413/408)."""
+    async def _read(self, scope, receive) -> bytes | BodyRefused:
+        """The whole body, or why not: too large (413), too slow (408), the client left (499)."""
         declared = _declared_length(scope)
         if declared is not None and declared > self.max_bytes:
-            raise _Refused(413, f"the request body is {declared} bytes; this server accepts at most "
+            return BodyRefused(413, f"the request body is {declared} bytes; this server accepts at most "
                                 f"{self.max_bytes}", "request_too_large")
         parts: list[bytes] = []
         size = 0
@@ -90,21 +90,22 @@ class BoundedBody:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    return None
+                    return BodyRefused(CLIENT_CLOSED_REQUEST, "the client left before its body was whole",
+                                       "client_disconnected")
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > self.max_bytes:
-                    raise _Refused(413, f"the request body passed {self.max_bytes} bytes, the most this server "
+                    return BodyRefused(413, f"the request body passed {self.max_bytes} bytes, the most this server "
                                         "accepts", "request_too_large")
                 parts.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(parts)
         promised = f" of the {declared} promised" if declared is not None else ""
-        raise _Refused(408, f"the request body did not arrive within {self.timeout_s:g} s ({size} bytes{promised} "
+        return BodyRefused(408, f"the request body did not arrive within {self.timeout_s:g} s ({size} bytes{promised} "
                             "came)", "request_timeout")
 
 
-async def _answer(send, e: _Refused) -> None:
+async def _answer(send, e: BodyRefused) -> None:
     payload = json.dumps(error_body(e.message, "invalid_request_error", None, e.code)).encode()
     await send({"type": "http.response.start", "status": e.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
