@@ -83,9 +83,20 @@ class ContentPart(BaseModel):
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # a key the chat template would drop (tool calls, audio...) is refused, as a body's field is
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None              # labels the speaker; the model's template has no place for it
+    tool_call_id: str | None = None      # labels a tool's answer, whose content is read
+    tool_calls: list[Any] | None = None  # only empty: the calls themselves would be dropped
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise ValueError("tool calls are not supported; an assistant message may carry none")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod

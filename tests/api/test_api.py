@@ -167,6 +167,24 @@ def test_a_field_the_server_does_not_act_on_is_400_naming_it(client, backend, ro
     assert backend.submitted == []
 
 
+@pytest.mark.parametrize("extra,said", [
+    ({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool calls"),
+    ({"audio": {"id": "a1"}}, "audio"),
+    ({"refusal": "no"}, "refusal"),
+])
+def test_a_message_key_the_template_would_drop_is_400_naming_it(client, backend, extra, said):
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", **extra}]
+    err = assert_openai_error(client.post("/v1/chat/completions", json=_chat(messages=msgs)), 400, param="messages")
+    assert said in err["message"] and "messages.1" in err["message"], err
+    assert backend.submitted == []
+
+
+def test_message_labels_are_accepted(client, backend):
+    msgs = [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": "y", "tool_calls": []},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}, {"role": "user", "content": "z"}]
+    assert client.post("/v1/chat/completions", json=_chat(messages=msgs)).status_code == 200
+
+
 def test_every_unknown_field_is_named_at_once(client, backend):
     err = assert_openai_error(client.post("/v1/chat/completions", json=_chat(min_p=0.1, top_k=3)), 400,
                               code="unsupported_parameter", param="min_p")
