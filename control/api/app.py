@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from residency.control.api import admin_routes, openai_routes
+from residency.control.api.body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BoundedBody
 from residency.control.api.errors import install_error_handlers
 from residency.control.api.metrics import ApiMetrics
 from residency.control.scheduler.port import Backend
@@ -19,6 +20,14 @@ from residency.control.scheduler.port import Backend
 class ApiConfig:
     admin_key: str | None = None          # None: admin routes are open (the server binds to loopback)
     title: str = "Residency"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES    # a larger request body is answered 413
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body not whole by then is answered 408
+
+    def __post_init__(self):
+        # checked here, not in the middleware: Starlette builds that only at the first request
+        if self.max_body_bytes < 1 or not 0 < self.body_timeout_s < float("inf"):
+            raise ValueError(f"a request body needs a limit of at least 1 byte and a finite timeout above 0 s, "
+                             f"got {self.max_body_bytes} bytes and {self.body_timeout_s} s")
 
 
 class _CountRequests:
@@ -56,5 +65,7 @@ def create_app(backend: Backend, config: ApiConfig | None = None) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
 
+    # the last added runs first: every answer, a refused body's too, is counted
+    app.add_middleware(BoundedBody, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(_CountRequests, metrics=app.state.metrics)
     return app

@@ -2,7 +2,7 @@
 
 Counted by the API as requests pass: requests by route and status, prompt/completion tokens (and
 how the prompt was served: reused from cache, restored, computed), time to first token and
-inter-token latency. Read from the control process at scrape time (``Backend.stats``): bytes per
+inter-token latency (streamed or not: both are timed as the tokens reach the API). Read from the control process at scrape time (``Backend.stats``): bytes per
 tier, moves by kind and outcome, stranded bytes, ledger append lag, queue depths.
 """
 from __future__ import annotations
@@ -100,3 +100,29 @@ class ApiMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class TokenClock:
+    """Times one request's tokens as they reach the API: time to its first token, then the gaps
+    between the tokens of each choice. A chunk of ``k`` tokens after a gap ``g`` counts as ``k``
+    gaps of ``g / k``. Whether the client gets them streamed or in one answer does not matter."""
+
+    def __init__(self, metrics: ApiMetrics, endpoint: str, t0: float):
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.t0 = t0
+        self.first_seen = False
+        self.prev: dict[int, float] = {}       # choice -> when its last tokens came
+
+    def tokens(self, choice: int, num_tokens: int, now: float) -> None:
+        if not num_tokens:
+            return
+        if not self.first_seen:
+            self.first_seen = True
+            self.metrics.ttft.labels(self.endpoint).observe(now - self.t0)
+        prev = self.prev.get(choice)
+        if prev is not None:
+            itl = self.metrics.itl.labels(self.endpoint)
+            for _ in range(num_tokens):
+                itl.observe((now - prev) / num_tokens)
+        self.prev[choice] = now

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from residency.control.api.choices import Choices, choice_requests, total_usage
 from residency.control.api.errors import ApiError
 from residency.control.api.logprobs import CompletionLogprobs, chat_logprobs
+from residency.control.api.metrics import TokenClock
 from residency.control.api.schemas import SESSION_ID_RE, ChatCompletionBody, CompletionBody, parse_json, validate
 from residency.control.api.sse import SSE_DONE, SSEResponse, sse_data
 from residency.control.scheduler.port import BackendError, Chunk, GenerateRequest, GenerationStream, Usage
@@ -86,10 +87,11 @@ async def _start(request: Request, reqs: list[GenerateRequest]) -> Choices:
     return Choices(streams)
 
 
-async def _watch_disconnect(request: Request, choices: Choices, scope: anyio.CancelScope) -> None:
+async def _watch_disconnect(request: Request, choices: Choices, scope: anyio.CancelScope, gone: anyio.Event) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            gone.set()
             choices.cancel("disconnected")
             scope.cancel()
             return
@@ -112,16 +114,14 @@ class Collected:
 
 async def _collect(request: Request, choices: Choices, endpoint: str, t0: float) -> list[Collected]:
     """Gather every choice to its end; a client that leaves meanwhile cancels them."""
-    metrics = request.app.state.metrics
+    clock = TokenClock(request.app.state.metrics, endpoint, t0)
     out = [Collected() for _ in choices.streams]
-    first_at: float | None = None
+    gone = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, request, choices, tg.cancel_scope)
+        tg.start_soon(_watch_disconnect, request, choices, tg.cancel_scope, gone)
         try:
             async for i, chunk in choices.merged():
-                if chunk.token_ids and first_at is None:
-                    first_at = time.perf_counter()
-                    metrics.ttft.labels(endpoint).observe(first_at - t0)
+                clock.tokens(i, len(chunk.token_ids), time.perf_counter())
                 c = out[i]
                 c.parts.append(chunk.text)
                 c.logprobs += chunk.logprobs
@@ -129,8 +129,14 @@ async def _collect(request: Request, choices: Choices, endpoint: str, t0: float)
         finally:
             choices.cancel("disconnected")      # no-op once finished
             tg.cancel_scope.cancel()
-    if any(c.last is None for c in out):
+    # the watcher cancels the loop above without an error: a choice cut short says the client left
+    unfinished = sum(c.last is None or c.last.finish_reason is None for c in out)
+    if unfinished and gone.is_set():
+        request.app.state.metrics.finished.labels("disconnected").inc(unfinished)
         raise ApiError(499, "client disconnected", code="client_disconnected")
+    if unfinished:
+        raise ApiError(500, f"{unfinished} of {len(out)} generations ended without a finish reason",
+                       type="server_error", code="generation_incomplete")
     return out
 
 
@@ -151,22 +157,14 @@ def _finish(request: Request, collected: list[Collected]) -> Usage | None:
 async def _sse(request: Request, choices: Choices, endpoint: str, t0: float, render, include_usage: bool,
                head: list[bytes]) -> AsyncIterator[bytes]:
     metrics = request.app.state.metrics
-    prev: float | None = None
+    clock = TokenClock(metrics, endpoint, t0)
     usages: list[Usage | None] = [None] * len(choices.streams)
     left = len(usages)
     try:
         for h in head:
             yield h
         async for i, chunk in choices.merged():
-            now = time.perf_counter()
-            n = len(chunk.token_ids)
-            if n:
-                if prev is None:
-                    metrics.ttft.labels(endpoint).observe(now - t0)
-                else:
-                    for _ in range(n):
-                        metrics.itl.labels(endpoint).observe((now - prev) / n)
-                prev = now
+            clock.tokens(i, len(chunk.token_ids), time.perf_counter())
             if chunk.finish_reason is not None:
                 left -= 1
                 usages[i] = chunk.usage

@@ -1,8 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, validated with pydantic.
 
-Unknown fields are accepted and ignored (clients send many optional knobs), except the ones whose
-non-default value would silently change the answer (``best_of`` > 1, ``echo``): those are
-refused by name. ``n`` is served up to ``MAX_CHOICES`` (control/api/choices.py), ``logprobs``
+A field this server does not act on is refused by name, unless it is a label or sent at the value
+that asks for nothing (control/api/fields.py); so are ``best_of`` > 1 and ``echo``. ``n`` is served up to ``MAX_CHOICES`` (control/api/choices.py), ``logprobs``
 (chat: ``logprobs`` + ``top_logprobs``; completions: an int) up to ``MAX_LOGPROBS`` alternatives.
 Residency's own field is ``session_id`` (the OpenAI client sends it through ``extra_body``); the
 ``X-Session-Id`` header names a session too. ``ignore_eos`` (as in
@@ -12,11 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from residency.control.api.errors import ApiError
+from residency.control.api.fields import CHAT_NEUTRAL, COMPLETION_NEUTRAL, Neutral, check_fields
 from residency.events.commands import MAX_LOGPROBS
 
 MAX_CHOICES = 8                        # choices (``n``) one request may ask for
@@ -29,8 +29,16 @@ SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 MAX_TOKEN_ID = (1 << 31) - 1
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = None
+    include_obfuscation: Literal[False] | None = None     # chunks are never padded: only "no" is honoured
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", str_strip_whitespace=False)
+    # fields.check_fields has refused what the server does not act on; labels are dropped here
+    model_config = ConfigDict(extra="ignore", str_strip_whitespace=False)
+    NEUTRAL: ClassVar[Neutral] = {}
 
     model: str = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -40,7 +48,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: StrictBool | None = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     session_id: str | None = None
     ignore_eos: StrictBool = False       # an extension (as vLLM's): run to max_tokens past end-of-turn
 
@@ -65,7 +73,7 @@ class _Body(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class ContentPart(BaseModel):
@@ -75,9 +83,20 @@ class ContentPart(BaseModel):
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # a key the chat template would drop (tool calls, audio...) is refused, as a body's field is
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None              # labels the speaker; the model's template has no place for it
+    tool_call_id: str | None = None      # labels a tool's answer, whose content is read
+    tool_calls: list[Any] | None = None  # only empty: the calls themselves would be dropped
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise ValueError("tool calls are not supported; an assistant message may carry none")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -107,6 +126,7 @@ class ChatMessageIn(BaseModel):
 
 
 class ChatCompletionBody(_Body):
+    NEUTRAL: ClassVar[Neutral] = CHAT_NEUTRAL
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: StrictBool | None = None
@@ -129,6 +149,7 @@ class ChatCompletionBody(_Body):
 
 
 class CompletionBody(_Body):
+    NEUTRAL: ClassVar[Neutral] = COMPLETION_NEUTRAL
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
     echo: StrictBool | None = None
@@ -206,6 +227,8 @@ def lone_surrogate_at(obj: Any, path: str = "") -> str | None:
 def validate(model: type[BaseModel], obj: Any):
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(obj).__name__}", code="invalid_json")
+    if issubclass(model, _Body):
+        check_fields(obj, model.model_fields.keys(), model.NEUTRAL)
     where = lone_surrogate_at(obj)
     if where is not None:
         raise ApiError(400, f"{where}: the text holds a lone UTF-16 surrogate (U+D800..U+DFFF), which is not "

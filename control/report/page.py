@@ -143,13 +143,14 @@ def render_page(d: Diagnosis, col: ReportCollector, source: str, t0: int, t1: in
         caps = {acct.capacity.get((w, tier)) for w in workers} - {None}
         n = len(edges) - 1
         if len(caps) == 1:
-            series.append(Series(name="capacity", color="#9aa1b2", values=[float(caps.pop())] * n, dashed=True))
+            series.append(Series(name="capacity", color="#9aa1b2", values=[float(caps.pop())] * n, dashed=True,
+                                 reference=True))
         for i, w in enumerate(workers):
             floor = col.budgets.get((w, tier), (0, 0))[0]
             cap = acct.capacity.get((w, tier))
             if floor and cap:
                 series.append(Series(name=f"worker {w} capacity - floor", color=PALETTE[i % len(PALETTE)],
-                                     values=[float(cap - floor)] * n, dashed=True))
+                                     values=[float(cap - floor)] * n, dashed=True, reference=True))
         sections.append(chart(f"bytes-{tier}", f"Bytes on {tier}", "per worker; band = lowest..highest within a bin",
                               axis, edges, series, "bytes", markers=markers))
 

@@ -137,12 +137,18 @@ class Series(msgspec.Struct, kw_only=True):
     low: list[float] | None = None      # per-bin band for step functions
     high: list[float] | None = None
     dashed: bool = False
+    # a reference level (a capacity): drawn over the data's scale, never setting it alone
+    reference: bool = False
 
 
 class Marker(msgspec.Struct, kw_only=True):
     t_ns: int
     color: str
     label: str
+
+
+def _peak(s: Series) -> float:
+    return max(s.high or s.values, default=0)
 
 
 def chart(chart_id: str, title: str, subtitle: str, axis: TimeAxis, edges: np.ndarray, series: Sequence[Series],
@@ -153,8 +159,12 @@ def chart(chart_id: str, title: str, subtitle: str, axis: TimeAxis, edges: np.nd
         cum = np.cumsum(np.array([s.values for s in series], dtype=np.float64), axis=0) if series else np.zeros((1, 1))
         vmax = float(cum[-1].max()) if series else 1.0
     else:
-        vmax = max([max(s.high or s.values, default=0) for s in series] + [0])
+        vmax = max([_peak(s) for s in series if not s.reference] + [0])
+        # NOTE: a capacity of GiB over a use of MiB, put on the scale, would draw the use as a flat
+        # line at zero. A reference joins the scale only while the data still fill half of it.
+        vmax = max([_peak(s) for s in series if s.reference and _peak(s) <= 2 * vmax] + [vmax])
     top, yticks = nice_ticks(vmax, kind)
+    off_scale = {id(s) for s in series if s.reference and _peak(s) > top}
     parts = [f'<svg class="plot" data-chart="{esc(chart_id)}" viewBox="0 0 {W} {height}" '
              f'role="img" aria-label="{esc(title)}">']
     for v, label in yticks:
@@ -176,6 +186,8 @@ def chart(chart_id: str, title: str, subtitle: str, axis: TimeAxis, edges: np.nd
             below = ys
     else:
         for s in series:
+            if id(s) in off_scale:
+                continue
             if s.low is not None and s.high is not None:
                 parts.append(f'<path class="band" fill="{s.color}" '
                              f'd="{band_path(xs, _y(s.low, top, height), _y(s.high, top, height))}"/>')
@@ -185,7 +197,10 @@ def chart(chart_id: str, title: str, subtitle: str, axis: TimeAxis, edges: np.nd
     parts.append(f'<line class="axis" x1="{LEFT}" x2="{LEFT + PW}" y1="{height - BOTTOM}" y2="{height - BOTTOM}"/>')
     parts.append(f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{height - BOTTOM}" visibility="hidden"/>')
     parts.append("</svg>")
-    legend = "".join(f'<span class="key"><i style="background:{s.color}"></i>{esc(s.name)}</span>' for s in series)
+    legend = "".join(
+        f'<span class="key"><i style="background:{s.color}"></i>{esc(s.name)}'
+        + (f' {esc(fmt_value(_peak(s), kind))}, above this scale' if id(s) in off_scale else "") + '</span>'
+        for s in series)
     data = {"kind": kind, "t0": int(edges[0]), "t1": int(edges[-1]), "left": LEFT, "pw": PW, "w": W,
             "series": [{"name": s.name, "values": [round(v, 3) for v in s.values]} for s in series]}
     return (f'<figure class="chart" id="{esc(chart_id)}"><figcaption><b>{esc(title)}</b> '

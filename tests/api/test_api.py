@@ -139,6 +139,77 @@ def test_invalid_fields_are_400_naming_the_param(client, backend, body, param):
     assert backend.submitted == []
 
 
+_CMPL = {"model": MODEL, "prompt": "x"}
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("/v1/chat/completions", _chat(tool_choice="auto"), "tool_choice"),
+    ("/v1/chat/completions", _chat(functions=[{"name": "f"}]), "functions"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format"),
+    ("/v1/chat/completions", _chat(presence_penalty=0.5), "presence_penalty"),
+    ("/v1/chat/completions", _chat(frequency_penalty=-1), "frequency_penalty"),
+    ("/v1/chat/completions", _chat(logit_bias={"42": 5}), "logit_bias"),
+    ("/v1/chat/completions", _chat(modalities=["text", "audio"]), "modalities"),
+    ("/v1/chat/completions", _chat(store=True), "store"),
+    ("/v1/chat/completions", _chat(reasoning_effort="high"), "reasoning_effort"),
+    ("/v1/chat/completions", _chat(top_k=5), "top_k"),
+    ("/v1/chat/completions", _chat(stream=True, stream_options={"include_usage": True, "every_n": 2}),
+     "stream_options"),
+    ("/v1/completions", {**_CMPL, "suffix": "the end"}, "suffix"),
+    ("/v1/completions", {**_CMPL, "presence_penalty": 1.0}, "presence_penalty"),
+    ("/v1/completions", {**_CMPL, "repetition_penalty": 1.1}, "repetition_penalty"),
+    ("/v1/completions", {**_CMPL, "tools": []}, "tools"),       # a chat option, unknown to completions
+])
+def test_a_field_the_server_does_not_act_on_is_400_naming_it(client, backend, route, body, param):
+    err = assert_openai_error(client.post(route, json=body), 400, param=param)
+    assert param in err["message"]
+    assert backend.submitted == []
+
+
+@pytest.mark.parametrize("extra,said", [
+    ({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool calls"),
+    ({"audio": {"id": "a1"}}, "audio"),
+    ({"refusal": "no"}, "refusal"),
+])
+def test_a_message_key_the_template_would_drop_is_400_naming_it(client, backend, extra, said):
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", **extra}]
+    err = assert_openai_error(client.post("/v1/chat/completions", json=_chat(messages=msgs)), 400, param="messages")
+    assert said in err["message"] and "messages.1" in err["message"], err
+    assert backend.submitted == []
+
+
+def test_message_labels_are_accepted(client, backend):
+    msgs = [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": "y", "tool_calls": []},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}, {"role": "user", "content": "z"}]
+    assert client.post("/v1/chat/completions", json=_chat(messages=msgs)).status_code == 200
+
+
+def test_every_unknown_field_is_named_at_once(client, backend):
+    err = assert_openai_error(client.post("/v1/chat/completions", json=_chat(min_p=0.1, top_k=3)), 400,
+                              code="unsupported_parameter", param="min_p")
+    assert "'min_p', 'top_k'" in err["message"]
+
+
+def test_what_common_clients_send_by_default_is_served(client, backend, oai):
+    """Chat front-ends send the neutral value of options they never set, and labels like ``user``:
+    those ask for nothing this server does not do, so they are accepted."""
+    body = _chat(user="u-1", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[], tool_choice="none",
+                 parallel_tool_calls=True, response_format={"type": "text"}, n=1, store=False, metadata={"k": "v"},
+                 modalities=["text"], stream_options={"include_usage": False})
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    r = client.post("/v1/completions", json={**_CMPL, "user": "u-1", "presence_penalty": 0, "suffix": None,
+                                            "logit_bias": None, "best_of": 1, "echo": False})
+    assert r.status_code == 200, r.text
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], user="u-2",
+                                    presence_penalty=0, frequency_penalty=0, response_format={"type": "text"})
+    assert r.choices[0].message.content == "Hello, world!"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], presence_penalty=0.6)
+    assert e.value.body["param"] == "presence_penalty"
+    assert len(backend.submitted) == 3
+
+
 @pytest.mark.parametrize("route,raw,param", [
     ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
     ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
@@ -249,6 +320,26 @@ def test_health_and_metrics(client, oai):
     assert "residency_stranded_bytes 0.0" in text
     assert "residency_ledger_append_lag_seconds 0.001" in text
     assert "residency_completion_tokens_total 8.0" in text
+
+
+def _histogram_count(client, name: str, endpoint: str) -> float:
+    needle = f'{name}_count{{endpoint="{endpoint}"}} '
+    line = next((ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(needle)), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_inter_token_latency_counts_every_gap_of_every_choice_streamed_or_not(client):
+    """Each of the 4 canned tokens after the first is one gap, per choice; a request answered in one
+    piece has gaps between its tokens as much as a streamed one."""
+    itl = "residency_inter_token_latency_seconds"
+    assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
+    assert _histogram_count(client, itl, "chat") == 3
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2}).status_code == 200
+    assert _histogram_count(client, itl, "completions") == 6
+    with client.stream("POST", "/v1/chat/completions", json=_chat(stream=True, n=2)) as r:
+        assert r.status_code == 200 and list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
+    assert _histogram_count(client, itl, "chat") == 3 + 6, "gaps are per choice, not between two choices' tokens"
+    assert _histogram_count(client, "residency_time_to_first_token_seconds", "chat") == 2
 
 
 def test_a_stream_that_is_closed_early_cancels_its_generation():

@@ -54,6 +54,47 @@ def test_every_plot_the_operator_needs_is_there(L):
         assert heading in html
 
 
+_UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def _figure(html: str, chart_id: str) -> str:
+    return re.search(rf'<figure class="chart" id="{chart_id}">(.*?)</figure>', html, re.S).group(1)
+
+
+def _axis_top_bytes(fig: str) -> float:
+    labels = re.findall(r'<text class="ylab"[^>]*>([^<]*)</text>', fig)
+    return max(float(v) * _UNIT[u] for v, u in (lab.split() for lab in labels if " " in lab))
+
+
+def _host_use(L, host_blocks: int, num_committed: int) -> tuple[int, int]:
+    """A worker whose host tier holds ``num_committed`` blocks, then frees some: (peak bytes, capacity)."""
+    bb = L.worker(0, host_blocks=host_blocks)
+    blocks = L.commit(0, num_committed, tier="host", dt_ms=200)
+    L.step(0, 1, dt_ms=500)
+    L.free(0, blocks[: num_committed // 2], tier="host", dt_ms=500)
+    L.step(0, 2, dt_ms=500)
+    return num_committed * bb, host_blocks * bb
+
+
+def test_a_bytes_panel_is_scaled_to_its_data_not_to_a_capacity_far_above(L):
+    peak, capacity = _host_use(L, host_blocks=8192, num_committed=L.rng.randrange(3, 9))
+    fig = _figure(build_report(L.events, "test"), "bytes-host")
+    top = _axis_top_bytes(fig)
+    assert peak <= top < 2 * peak < capacity, (peak, top, capacity)
+    assert "capacity" in fig and "above this scale" in fig
+    assert "stroke-dasharray" not in fig, "the capacity line is named, not drawn off the plot"
+
+
+def test_a_capacity_near_the_data_is_drawn_on_the_scale(L):
+    # use at 55-65 % of the capacity: an axis rounded up from the use alone would stop below it
+    host_blocks = L.rng.randrange(20, 41)
+    num_committed = L.rng.randint(-(-host_blocks * 55 // 100), host_blocks * 65 // 100)
+    peak, capacity = _host_use(L, host_blocks=host_blocks, num_committed=num_committed)
+    fig = _figure(build_report(L.events, "test"), "bytes-host")
+    assert capacity <= _axis_top_bytes(fig) < 2 * capacity
+    assert "stroke-dasharray" in fig and "above this scale" not in fig
+
+
 def test_an_empty_ledger_makes_a_report_too():
     html = build_report([], "empty")
     assert "no findings" in html.lower() and html.count("<svg") >= 1

@@ -250,6 +250,8 @@ def test_a_client_that_leaves_mid_stream_has_its_pages_freed_and_the_free_record
     t.join(120)
     assert "Paris" in other["r"].choices[0].message.content, "the others keep being served"
     parking.disconnected = request_id
+    log = parking.tail(10**6)
+    assert "api_unhandled_error" not in log and "Traceback" not in log, "a client leaving is not a server error"
 
 
 def test_an_idle_session_is_parked_by_the_policy_and_its_next_turn_restored(parking):
