@@ -299,13 +299,16 @@ class LedgerStore:
         return rows[0] if rows else None
 
     # ------------------------------------------------------------------ snapshots
-    def save_snapshot(self, through_seq: int, state_bytes: bytes, state_hash: str) -> None:
-        """Store the folded state through ``through_seq`` (replaces one already there)."""
+    def save_snapshot(self, through_seq: int, state_bytes: bytes, state_hash: str, checkpoint_seq: int) -> None:
+        """Store the folded state through ``through_seq`` (replaces one already there); the
+        StateCheckpoint event at ``checkpoint_seq`` must record that seq and hash (LedgerConflict
+        otherwise: see ledger.snapshots)."""
         with self._raw.core("saving a snapshot", write=True) as conn:
-            snapshots.save(conn, through_seq, state_bytes, state_hash)
+            snapshots.save(conn, through_seq, state_bytes, state_hash, checkpoint_seq)
 
     def load_snapshot(self, at_or_before_seq: int) -> Snapshot | None:
-        """The newest snapshot with ``through_seq <= at_or_before_seq``, or None."""
+        """The newest snapshot with ``through_seq <= at_or_before_seq``, or None. Check
+        ``refused`` before using it: set when the hash chain does not vouch for it."""
         with self._raw.core("loading a snapshot") as conn:
             return snapshots.load(conn, at_or_before_seq)
 

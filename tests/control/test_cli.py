@@ -18,6 +18,8 @@ from residency.ledger import LedgerStore
 
 @pytest.fixture(scope="module")
 def sim_db(tmp_path_factory):
+    """6000 simulated events, then snapshots at 2000, 4000 and 6000, each vouched for by a
+    StateCheckpoint the snapshot step appends: 6003 events."""
     path = tmp_path_factory.mktemp("cli") / "sim.db"
     url = f"sqlite:///{path}"
     assert main(["simulate", "--events", "6000", "--db", url, "--seed", str(random.randrange(1 << 20)),
@@ -35,7 +37,7 @@ def test_verify_a_simulated_ledger_checks_chain_and_checkpoints(sim_db, capsys):
     url, _ = sim_db
     code, out, err = run(capsys, "ledger", "verify", "--db", url)
     assert code == 0, err
-    assert "6000 events" in out and "state checkpoints match replay" in out
+    assert "6003 events" in out and "state checkpoints match replay" in out
 
 
 def test_replay_json_at_a_seq_and_at_the_end(sim_db, capsys):
@@ -47,7 +49,7 @@ def test_replay_json_at_a_seq_and_at_the_end(sim_db, capsys):
     assert {t for w in s["workers"] for t in w["tiers"]} == {"device", "host", "disk"}
     code, out, _ = run(capsys, "replay", "--db", url, "--json")
     end = json.loads(out)
-    assert end["seq"] == 6000 and end["snapshot_seq"] == 6000
+    assert end["seq"] == 6003 and end["snapshot_seq"] == 6000
 
 
 def test_replay_from_snapshot_equals_replay_from_zero(sim_db):
@@ -108,7 +110,7 @@ def test_export_import_round_trip_and_a_broken_export_writes_nothing(sim_db, tmp
     assert main(["ledger", "init", "--db", copy]) == 0
     assert main(["ledger", "import", str(dump), "--db", copy]) == 0
     code, out, _ = run(capsys, "ledger", "verify", "--db", copy)
-    assert code == 0 and "6000 events" in out
+    assert code == 0 and "6003 events" in out
     lines = dump.read_text().splitlines()
     victim = random.randrange(10, len(lines))
     obj = json.loads(lines[victim])
@@ -153,7 +155,7 @@ def test_verify_catches_a_checkpoint_that_disagrees_with_replay(tmp_path, capsys
 @pytest.mark.parametrize("argv, needle", [
     (["replay", "--db", "sqlite:///{tmp}/missing.db"], "no ledger at"),
     (["replay", "--db", "sqlite:///{tmp}/garbage.db"], "is not a ledger"),
-    (["replay", "--db", "{sim}", "--at", "999999"], "beyond the end of the ledger (last seq 6000)"),
+    (["replay", "--db", "{sim}", "--at", "999999"], "beyond the end of the ledger (last seq 6003)"),
     (["replay", "--db", "{sim}", "--diff", "5..x"], "--diff wants A..B"),
     (["replay", "--db", "{sim}", "--at-time", "yesterday"], "not an ISO 8601 time"),
     (["timeline", "--db", "{sim}", "--subject", "table:1"], "subject must be one of"),
