@@ -12,7 +12,12 @@ ledgers), the ``why`` of a stranding or abandonment, the reason of a lost worker
 an ack, ``bytes_at_risk`` on a stranding). ``None`` means "this event has no such field", never 0;
 a ``MoveFailed`` that did not measure its bytes stays ``None``.
 
-They are not part of the hash chain (``ledger.chain``): they can always be recomputed from the payload.
+They are not part of the hash chain (``ledger.chain``), so ``verify`` re-extracts them from every
+decoded payload and names the first seq whose stored columns differ.
+
+NOTE: verify extracts from the event as decoded today, i.e. after any upcast, while the stored
+columns were extracted at append time from the event then current. An upcaster must therefore
+leave the fields these columns read as they were, or a sound old row reads as edited.
 """
 from __future__ import annotations
 
