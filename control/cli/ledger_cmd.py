@@ -38,7 +38,7 @@ def register(sub) -> None:
     q.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     q.set_defaults(func=_export)
 
-    q = lsub.add_parser("import", help="load a JSON-lines export into an empty ledger, re-verifying the chain")
+    q = lsub.add_parser("import", help="load a JSON-lines export into a new or empty ledger, re-verifying the chain")
     add_db_arg(q)
     q.add_argument("input", help="file to read ('-' for stdin)")
     q.set_defaults(func=_import)
@@ -129,7 +129,7 @@ def _import(args) -> int:
     except OSError as e:
         raise UserError(f"cannot read {args.input}: {e.strerror}") from e
     with fp:
-        n = LedgerStore.import_jsonl(args.db, fp)
+        n = LedgerStore.import_jsonl(args.db, fp, create=True)     # a new ledger needs no `init` first
     print(f"imported {n} events into {args.db}; chain re-verified")
     return 0
 

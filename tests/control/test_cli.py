@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sqlite3
 
 import pytest
@@ -14,6 +15,7 @@ from residency.control.simulate import simulate
 from residency.events import catalog as ev
 from residency.events.envelope import Envelope
 from residency.ledger import LedgerStore
+from tests.ledger.tamper import run_unguarded
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,33 @@ def test_audit_stranded_agrees_with_the_fold_and_the_sql_view(sim_db, capsys):
     by_tier = {g["group"]: g["bytes"] for g in rec["groups"]}
     for t in ("device", "host", "disk"):
         assert by_tier.get(t, 0) == sum(w.tiers[t].reclaimed_bytes for w in state.workers.values())
+
+
+def test_audit_refuses_a_ledger_whose_audit_columns_were_edited(sim_db, tmp_path, capsys):
+    """A 4 MiB move's bytes column set to 390 GiB: the chain does not cover the column, so audit
+    verifies first and names the seq instead of printing the forged total."""
+    _, path = sim_db
+    copy = tmp_path / "edited.db"
+    shutil.copy(path, copy)
+    url = f"sqlite:///{copy}"
+    with LedgerStore.open(url) as store:
+        acks = [r.seq for r in store.read_raw() if r.type == "MoveAcked"]
+        seq = random.choice(acks)
+        run_unguarded(store, "UPDATE events SET bytes = :b WHERE seq = :s", {"b": 390 << 30, "s": seq})
+    code, out, err = run(capsys, "audit", "reclaimed", "--db", url, "--by", "tier")
+    assert code == 2 and out == ""
+    assert f"seq {seq}: its audit columns were edited (bytes is {390 << 30}" in err
+
+
+def test_import_into_a_new_ledger_needs_no_init(sim_db, tmp_path, capsys):
+    url, _ = sim_db
+    dump = tmp_path / "l.jsonl"
+    assert main(["ledger", "export", "--db", url, "-o", str(dump)]) == 0
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    code, out, err = run(capsys, "ledger", "import", str(dump), "--db", fresh)
+    assert code == 0, err
+    with LedgerStore.open(fresh) as store, LedgerStore.open(url) as original:
+        assert store.verify().last_hash == original.verify().last_hash
 
 
 def test_export_import_round_trip_and_a_broken_export_writes_nothing(sim_db, tmp_path, capsys):
