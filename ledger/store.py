@@ -21,6 +21,7 @@ from sqlalchemy.engine import URL
 from residency.events import DecodeError, Envelope, Recorded, decode_event
 from residency.events.catalog import EVENT_TYPES, Event, MoveAcked
 from residency.ledger import append as _append
+from residency.ledger.anchor import Anchor, check as check_anchors
 from residency.ledger import snapshots
 from residency.ledger.backend import DURABILITY, Raw, make_engine, parse_url
 from residency.ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
@@ -316,7 +317,30 @@ class LedgerStore:
             return snapshots.load(conn, at_or_before_seq)
 
     # ------------------------------------------------------------------ integrity and portability
-    def verify(self, progress: Progress | None = None, workers: int | None = None) -> VerifyReport:
+    def head(self) -> tuple[int, bytes]:
+        """(last seq, its row_hash) as this store's writer last committed them (what it chained
+        itself, not what the database says now), or as read when it has not written yet."""
+        raw = self._raw
+        with raw.write_lock:
+            if raw.tail.seq is not None:
+                return raw.tail.seq, raw.tail.hash
+        with raw.cursor("reading the head") as (_conn, cur):
+            return _append.read_tail(cur)
+
+    def verify(self, progress: Progress | None = None, workers: int | None = None,
+               anchors: "list[Anchor] | None" = None) -> VerifyReport:
+        """``verify_chain``, then (when it passes) that every anchor agrees with the ledger: a
+        head kept outside the database (ledger.anchor) is what catches a cut or rewritten tail."""
+        report = self.verify_chain(progress, workers)
+        if report.ok and anchors:
+            found = check_anchors(anchors, report.num_events, lambda seq: bytes(self.peek_raw(seq)[10]))
+            if found is not None:
+                bad, problem = found
+                return VerifyReport(ok=False, num_events=report.num_events, first_bad_seq=bad, problem=problem,
+                                    last_hash=report.last_hash, checkpoints=report.checkpoints)
+        return report
+
+    def verify_chain(self, progress: Progress | None = None, workers: int | None = None) -> VerifyReport:
         """Check seq continuity, the hash chain, every payload, and that every row's audit columns
         are what its payload says (ledger.columns); ``progress(done, total)`` per batch.
 

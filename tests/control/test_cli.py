@@ -120,6 +120,34 @@ def test_audit_refuses_a_ledger_whose_audit_columns_were_edited(sim_db, tmp_path
     assert f"seq {seq}: its audit columns were edited (bytes is {390 << 30}" in err
 
 
+def test_verify_prints_the_full_head_and_checks_it_and_anchor_files(sim_db, tmp_path, capsys):
+    """What an operator does: keep the head `verify` prints (or an anchor file) elsewhere; a
+    ledger whose tail was then cut verifies alone but fails against it, naming the seq."""
+    _, path = sim_db
+    copy = tmp_path / "copy.db"
+    shutil.copy(path, copy)
+    url = f"sqlite:///{copy}"
+    code, out, _ = run(capsys, "ledger", "verify", "--db", url, "--no-checkpoints")
+    head = out.splitlines()[-1].split()[1]
+    seq, digest = head.split(":")
+    assert code == 0 and seq == "6003" and len(digest) == 64
+    key = tmp_path / "k"
+    key.write_bytes(random.randbytes(32))
+    anchors = tmp_path / "heads.anchor"
+    code, out, err = run(capsys, "ledger", "anchor", "--db", url, "--anchor", str(anchors), "--anchor-key", str(key))
+    assert code == 0 and head in out, err
+    with LedgerStore.open(url) as store:
+        run_unguarded(store, "DELETE FROM events WHERE seq > 6000")
+    code, out, err = run(capsys, "ledger", "verify", "--db", url, "--no-checkpoints")
+    assert code == 0                                    # the chain alone cannot tell
+    code, out, err = run(capsys, "ledger", "verify", "--db", url, "--expect-head", head)
+    assert code == 1 and "FAILED: seq 6003: the ledger ends at seq 6000" in err
+    code, out, err = run(capsys, "ledger", "verify", "--db", url, "--anchor", str(anchors), "--anchor-key", str(key))
+    assert code == 1 and "FAILED: seq 6003:" in err and "line 1" in err
+    code, out, err = run(capsys, "ledger", "anchor", "--db", url, "--anchor", str(anchors), "--anchor-key", str(key))
+    assert code == 1 and "no anchor written" in err and len(anchors.read_text().splitlines()) == 1
+
+
 def test_import_into_a_new_ledger_needs_no_init(sim_db, tmp_path, capsys):
     url, _ = sim_db
     dump = tmp_path / "l.jsonl"
