@@ -6,7 +6,8 @@ Checks, row by row, stopping at the first problem (``VerifyReport.first_bad_seq`
     3. the payload decodes with ``events.decode_event`` under the row's type and schema version
        (unknown types, newer schemas, and a payload whose tag differs from the row's type all fail);
     4. when the rows carry the audit columns (``EVENT_COLUMNS``, as ``LedgerStore.verify`` reads
-       them), they are exactly what ``ledger.columns`` extracts from the decoded event. They are
+       them), they are exactly what ``ledger.columns`` extracts from the decoded event (a row of an
+       older schema: each is NULL or that, see ``_older_agrees``). They are
        outside the hash, so this is what makes an edited column (say, a 4 MiB move's bytes set to
        390 GiB) a named bad seq rather than a wrong audit total.
 ``StateCheckpoint`` events are collected into ``report.checkpoints`` as (seq, through_seq,
@@ -64,6 +65,13 @@ def diagnose_hash(seq: int, stored: bytes, computed: bytes, nxt: tuple | None) -
     return f"seq {seq}: the row does not match its stored row_hash and seq {seq + 1} does not chain from it either"
 
 
+def _older_agrees(stored: tuple, derived: tuple) -> bool:
+    """A row stored under an older schema: the columns were extracted from the event as it was
+    then, and an upcast may fill a field that did not exist (BlocksFreed v1 had no tier). Each
+    stored column must be NULL or what the upcast event says: nothing may disagree."""
+    return all(s is None or s == d for s, d in zip(stored, derived))
+
+
 def columns_problem(seq: int, stored: tuple, derived: tuple) -> str:
     """One sentence for a row whose audit columns are not what its payload says."""
     diffs = ", ".join(f"{name} is {s!r}, its payload says {d!r}"
@@ -116,8 +124,9 @@ def verify_batches(batches: Iterable[list[tuple]], end: int, peek: Callable[[int
                     return bad(seq, f"seq {seq}: {e}")
             if len(row) == AUDITED:
                 derived = _COLUMNS_OF[type_](event)
-                if row[11:] != derived:
-                    return bad(seq, columns_problem(seq, row[11:], derived))
+                stored = row[11:]
+                if stored != derived and (current.get(type_) == row[6] or not _older_agrees(stored, derived)):
+                    return bad(seq, columns_problem(seq, stored, derived))
             if type_ == "StateCheckpoint":
                 checkpoints.append((seq, event.through_seq, event.state_hash))
             prev = digest

@@ -273,3 +273,25 @@ def test_an_edited_audit_column_fails_verify_naming_the_seq(ledger_store, rng, c
         report = ledger_store.verify(workers=workers)
         assert not report.ok and report.first_bad_seq == seq and report.num_events == seq - 1
         assert f"seq {seq}: its audit columns were edited ({column} is {forged!r}" in report.problem
+
+
+def test_an_older_rows_columns_may_lack_what_an_upcast_fills_but_may_not_disagree(ledger_store, rng):
+    """BlocksFreed v1 had no tier: its row's tier column is NULL while the upcast event says
+    "device". That is sound; a bytes column that disagrees with the payload is not."""
+    import msgspec
+
+    from tests.ledger.tamper import insert_row
+
+    ledger_store.append(random_items(rng, rng.randint(1, 10)))
+    last = list(ledger_store.read_raw())[-1]
+    worker, num_bytes = rng.randrange(8), rng.randrange(1 << 40)
+    payload = msgspec.msgpack.encode(["BlocksFreed", worker, [rng.randrange(1 << 20)], num_bytes, "finished"])
+    row = (last.seq + 1, rng.randrange(1 << 62), "control", 1, rng.randrange(1 << 40), "BlocksFreed", 1,
+           None, None, payload)
+    columns = ("seq", "ts_ns", "producer", "epoch", "producer_seq", "type", "schema_version", "correlation_id",
+               "causation", "payload", "row_hash", "worker", "kind", "bytes")
+    insert_row(ledger_store, (*row, row_hash(last.row_hash, row), worker, "finished", num_bytes), columns)
+    assert ledger_store.verify().ok
+    run_unguarded(ledger_store, "UPDATE events SET bytes = :b WHERE seq = :s", {"b": num_bytes + 1, "s": row[0]})
+    report = ledger_store.verify()
+    assert report.first_bad_seq == row[0] and "bytes is" in report.problem
