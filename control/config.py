@@ -28,6 +28,11 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     checkpoint_every_events: int = 10_000
     checkpoint_every_s: float = 5.0
     snapshot_every_events: int = 100_000
+    # the ledger's head is appended to this file (ledger.anchor) every anchor_every_events committed
+    # events and at stop, keyed (HMAC) with the key file's bytes when one is named; None: no anchors
+    anchor_file: str | None = None
+    anchor_key_file: str | None = None
+    anchor_every_events: int = 10_000
     commit_max_batch: int = 1000
     commit_max_delay_s: float = 0.0       # 0: commit at once; batches form while a commit runs
     max_queue: int = 100_000

@@ -45,6 +45,7 @@ import structlog
 import zmq
 
 from residency.events import catalog as ev
+from residency.control.anchoring import Anchoring
 from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
 from residency.control.keep_awake import AwakeWhileMoving
@@ -239,6 +240,8 @@ class ControlProc:
                 self._commits()
             shut_down(self._stop_reason, self.cfg, self.state, self.recorder, self._writer, self.workers,
                       self.moves, self.answers, self._serve_until)
+            if self.anchoring is not None:
+                self.anchoring.write()          # the head at stop: ServerStopped and all before it
         except BaseException as e:  # noqa: BLE001 - reported through health/fatal and the log, once
             self._fatal = e
             log.error("control_loop_failed", error=str(e), error_type=type(e).__name__, exc_info=True)
@@ -270,6 +273,8 @@ class ControlProc:
                       self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
                       lambda: self._stop_reason is not None, self.health)
         self.recorder, self.checkpoints, self.answers = parts.recorder, parts.checkpoints, parts.answers
+        self.anchoring = (Anchoring(self.store, self.cfg.anchor_file, self.cfg.anchor_key_file,
+                                    self.cfg.anchor_every_events, rec.last_seq) if self.cfg.anchor_file else None)
         self.awake, self.keep_awake = parts.awake, parts.keep_awake
         self.workers, self.moves, self.asks = parts.workers, parts.moves, parts.asks
         now = time.monotonic_ns()
@@ -351,6 +356,8 @@ class ControlProc:
             acted = True
         acted = self.answers.send_committed(committed) or acted
         self.checkpoints.save_committed(committed)
+        if self.anchoring is not None:
+            self.anchoring.committed(committed)
         return acted
 
     def _serve_until(self, done: Callable[[], bool], timeout_s: float) -> None:

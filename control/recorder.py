@@ -197,7 +197,8 @@ class Checkpoints:
         self.last_snapshot_seq = last_snapshot_seq
         self.last_seq = recorder.producer_seq     # producer seq of the last checkpoint ...
         self.last_at = now_ns                     # ... and when it was taken (monotonic ns)
-        self._snapshot: tuple[int, bytes, str] | None = None    # (through seq, state bytes, hash) to save
+        # (through seq, state bytes, hash, seq of the StateCheckpoint that records the hash) to save
+        self._snapshot: tuple[int, bytes, str, int] | None = None
 
     def due(self, now_ns: int, quiet: bool) -> str:
         """"now", "quiet" (due by time: at the next iteration that sent and answered nothing,
@@ -213,17 +214,21 @@ class Checkpoints:
     def take(self, now_ns: int) -> None:
         through = self.state.last_seq
         digest = state_hash(self.state)
+        snap = None
         if through - self.last_snapshot_seq >= self.snapshot_every_events and self._snapshot is None:
-            self._snapshot = (through, encode_state(self.state), digest)
-        self.recorder.record(ev.StateCheckpoint(through_seq=through, state_hash=digest))
+            snap = encode_state(self.state)          # before the checkpoint below is folded into it
+        checkpoint_seq = self.recorder.record(ev.StateCheckpoint(through_seq=through, state_hash=digest))
+        if snap is not None:
+            # the snapshot is only ever used with the checkpoint that vouches for it (ledger.snapshots)
+            self._snapshot = (through, snap, digest, checkpoint_seq)
         self.last_seq, self.last_at = self.recorder.producer_seq, now_ns
         self.recency.prune(self.state)
 
     def save_committed(self, committed: int) -> None:
-        """Save the pending snapshot once what it holds is committed."""
-        if self._snapshot is not None and self._snapshot[0] <= committed:
-            through, data, digest = self._snapshot
+        """Save the pending snapshot once what it holds, and its checkpoint, are committed."""
+        if self._snapshot is not None and self._snapshot[3] <= committed:
+            through, data, digest, checkpoint_seq = self._snapshot
             self._snapshot = None
-            self.store.save_snapshot(through, data, digest)
+            self.store.save_snapshot(through, data, digest, checkpoint_seq)
             self.last_snapshot_seq = through
             log.info("snapshot_saved", through_seq=through, bytes=len(data))

@@ -30,7 +30,8 @@ from residency.events.commands import MovesReport
 from residency.control import moves
 from residency.control.fold import fold
 from residency.control.policy.recency import Recency
-from residency.control.state import State, decode_state, state_hash
+from residency.control.replay import usable_snapshot
+from residency.control.state import State
 
 log = structlog.get_logger("control.recovery")
 PRODUCER = "control"
@@ -62,13 +63,8 @@ def replay(store, use_snapshot: bool = True) -> Recovered:
     last = store.last_seq()
     state, start, snap_seq = State(), 1, 0
     if use_snapshot and last:
-        snap = store.load_snapshot(last)
-        if snap is not None:
-            candidate = decode_state(snap.state_bytes)
-            if state_hash(candidate) == snap.state_hash and candidate.last_seq == snap.through_seq:
-                state, start, snap_seq = candidate, snap.through_seq + 1, snap.through_seq
-            else:
-                log.warning("snapshot_mismatch", through_seq=snap.through_seq)
+        state, snap_seq = usable_snapshot(store, last)
+        start = snap_seq + 1
     recency = Recency()
     n = 0
     for rec in store.read(start, last):

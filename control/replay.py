@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from operator import call, itemgetter
 from typing import Callable
 
+import msgspec
+import structlog
+
+from residency.events.catalog import StateCheckpoint
+from residency.events.envelope import Envelope
 from residency.events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event, decode_packed
 from residency.control.fold import fold_decoded, fold_run
 from residency.control.state import State, decode_state, encode_state, state_hash
@@ -27,6 +33,8 @@ from residency.ledger.schema import PackedRun, PayloadRun
 
 
 _payload = itemgetter(2)
+log = structlog.get_logger("control.replay")
+SNAPSHOT_PRODUCER = "ledger-snapshot"      # the producer of the StateCheckpoints `ledger snapshot` records
 
 
 class ReplayError(Exception):
@@ -35,22 +43,43 @@ class ReplayError(Exception):
 
 def replay(store, to_seq: int | None = None, *, use_snapshots: bool = True,
            progress: Callable[[int], None] | None = None) -> tuple[State, int]:
-    """Fold the ledger through ``to_seq`` (default: the end). Returns (state, snapshot seq used or 0)."""
+    """Fold the ledger through ``to_seq`` (default: the end). Returns (state, snapshot seq used or 0).
+
+    A snapshot the chain does not vouch for, or whose bytes do not hash to what it claims, is
+    not used (a warning names its seq): the fold starts from the first event instead.
+    """
     last = store.last_seq()
     target = last if to_seq is None else to_seq
     if target < 0 or target > last:
         raise ReplayError(f"seq {target} is beyond the end of the ledger (last seq {last})")
     state, start = State(), 0
     if use_snapshots and target > 0:
-        snap = store.load_snapshot(target)
-        if snap is not None:
-            state = decode_state(snap.state_bytes)
-            if state_hash(state) != snap.state_hash:
-                raise ReplayError(f"snapshot at seq {snap.through_seq} does not match its recorded hash")
-            start = snap.through_seq
+        state, start = usable_snapshot(store, target)
     if start < target:
         _fold_range(state, store, start + 1, target, progress)
     return state, start
+
+
+def usable_snapshot(store, at_or_before_seq: int) -> tuple[State, int]:
+    """(the state of the newest snapshot at or before the seq, its seq), or (State(), 0) when
+    there is none or it must not be used: the chain does not vouch for it (``Snapshot.refused``),
+    or its bytes are not the state its hash names. The refusal is logged with the seq."""
+    snap = store.load_snapshot(at_or_before_seq)
+    if snap is None:
+        return State(), 0
+    why = snap.refused
+    if why is None:
+        try:
+            state = decode_state(snap.state_bytes)
+        except msgspec.DecodeError as e:
+            why = f"the snapshot through seq {snap.through_seq} does not decode: {e}"
+        else:
+            if state_hash(state) != snap.state_hash or state.last_seq != snap.through_seq:
+                why = f"the snapshot through seq {snap.through_seq} does not match its recorded hash"
+    if why is not None:
+        log.warning("snapshot_refused", through_seq=snap.through_seq, why=why)
+        return State(), 0
+    return state, snap.through_seq
 
 
 @contextlib.contextmanager
@@ -134,15 +163,23 @@ def _decoded(rows):
 
 
 def write_snapshots(store, every: int = 100_000, progress=None) -> list[int]:
-    """Fold the whole ledger once and save a snapshot every ``every`` events. Returns their seqs."""
+    """Fold the whole ledger once and save a snapshot every ``every`` events. Returns their seqs.
+
+    Each snapshot is vouched for by a StateCheckpoint this appends to the ledger (producer
+    ``SNAPSHOT_PRODUCER``): a snapshot the chain does not vouch for is never used (ledger.snapshots).
+    """
     state, pos, saved = State(), 0, []
     last = store.last_seq()
+    epoch = time.time_ns()          # a new producer epoch per run: its triples never collide
     while pos < last:
         hi = min(last, pos + every)
         _fold_range(state, store, pos + 1, hi, progress)
         pos = hi
         if pos % every == 0 or pos == last:
-            store.save_snapshot(pos, encode_state(state), state_hash(state))
+            digest = state_hash(state)
+            env = Envelope(producer=SNAPSHOT_PRODUCER, epoch=epoch, producer_seq=len(saved) + 1, ts_ns=time.time_ns())
+            [checkpoint_seq] = store.append([(env, StateCheckpoint(through_seq=pos, state_hash=digest))])
+            store.save_snapshot(pos, encode_state(state), digest, checkpoint_seq)
             saved.append(pos)
     return saved
 

@@ -8,7 +8,7 @@
 Modules, one role each: errors (the exception tree), schema (tables), backend (engines and
 SQLite/PostgreSQL differences), chain (row hashes), columns (audit columns), append (numbering
 and idempotence), store (LedgerStore), writer (group commit), snapshots, verify, export (JSON
-lines), migrate (Alembic, programmatically). Imports events/ and nothing else of ours.
+lines), migrate (Alembic, programmatically), anchor (heads kept outside the database). Imports events/ and nothing else of ours.
 """
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from residency.ledger.schema import EVENT_COLUMNS
 from residency.ledger.errors import LedgerError, LedgerUnavailable, NotALedger, init_hint, masked, translating
 
 DURABILITY = ("normal", "full")
+PG_WRITE_LOCK = "SELECT pg_advisory_xact_lock('events'::regclass::oid::bigint)"     # see Dialect.begin_write
 _SQLITE_PRAGMAS = (
     "PRAGMA busy_timeout = 30000",
     "PRAGMA foreign_keys = ON",
@@ -115,7 +116,7 @@ def _sqlite_engine(u: URL) -> Engine:
 
 class LazyBegin:
     """The kept PostgreSQL cursor in a writing transaction whose BEGIN (with ``SET LOCAL`` and the
-    table lock) is not sent yet. Any statement sends it first, in one round trip, except a short
+    write lock) is not sent yet. Any statement sends it first, in one round trip, except a short
     insert that commits (``Dialect.insert_events``), which sends it in its own pipeline: BEGIN,
     lock, rows and COMMIT in one round trip. Nothing sent, nothing to commit or roll back."""
 
@@ -230,7 +231,7 @@ class Dialect:
 
     def _begin_statements(self, durability: str) -> list[str]:
         return ["BEGIN", "SET LOCAL synchronous_commit TO " + ("on" if durability == "full" else "off"),
-                "LOCK TABLE events IN EXCLUSIVE MODE"]
+                PG_WRITE_LOCK]
 
     def begin_write(self, cur, durability: str) -> None:
         """Start the writing transaction and take the ledger's write lock.
@@ -241,7 +242,11 @@ class Dialect:
         time: a reader can see 5 committed before 4 and skip 4 forever (Marten shipped that bug).
         SQLite: BEGIN IMMEDIATE takes the database's single write lock up front (``durability`` is
         the connection's, see ``set_durability``).
-        PostgreSQL: EXCLUSIVE blocks other writers of ``events`` but not plain SELECTs.
+        PostgreSQL: a transaction-scoped advisory lock keyed by the events table's oid (so one per
+        ledger schema), taken by every writer of ours; reads take nothing. Not ``LOCK TABLE ... IN
+        EXCLUSIVE MODE``: that needs UPDATE, DELETE or TRUNCATE on the table, which a
+        least-privilege server role (INSERT and SELECT only, docs/operators.md) does not have. A
+        writer that is not ours and takes no lock is still refused by the keys (``StaleTail``).
         """
         if self.sqlite:
             cur.execute("BEGIN IMMEDIATE")

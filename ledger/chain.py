@@ -6,12 +6,12 @@
 
 ``payload`` is the stored msgpack bytes (``events.encode_event``), hashed as a msgpack ``bin``.
 The denormalized audit columns (``ledger.columns``) are NOT hashed: they are derived from the
-payload and can be rebuilt from it.
+payload, and ``verify`` checks each row's against it.
 
 NOTE: what a chain proves. Editing, dropping or reordering any row breaks the hash of that row
-or of the next one, so ``verify`` names the first bad seq. Rewriting a row *and* every hash after
-it cannot be detected from inside the database; keep ``VerifyReport.last_hash`` (or the
-``StateCheckpoint`` events) somewhere else if that attacker matters.
+or of the next one, so ``verify`` names the first bad seq. Cutting rows off the end, or rewriting
+a row *and* every hash after it, cannot be detected from inside the database: that takes a head
+kept outside it (``ledger.anchor``).
 """
 from __future__ import annotations
 

@@ -12,7 +12,14 @@ ledgers), the ``why`` of a stranding or abandonment, the reason of a lost worker
 an ack, ``bytes_at_risk`` on a stranding). ``None`` means "this event has no such field", never 0;
 a ``MoveFailed`` that did not measure its bytes stays ``None``.
 
-They are not part of the hash chain (``ledger.chain``): they can always be recomputed from the payload.
+They are not part of the hash chain (``ledger.chain``), so ``verify`` re-extracts them from every
+decoded payload and names the first seq whose stored columns differ.
+
+NOTE: verify extracts from the event as decoded today, i.e. after any upcast, while the columns of
+a row stored under an older schema were extracted from the event as it was then; an upcast may fill
+a field the old event lacked (BlocksFreed v1 had no tier). So a row at its type's current schema
+must match exactly, and an older row's columns must each be NULL or the upcast value. An upcaster
+must not change a value an older event had, or a sound old row reads as edited.
 """
 from __future__ import annotations
 

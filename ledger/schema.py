@@ -4,7 +4,8 @@ Only Alembic creates these tables (``migrations/versions``); this metadata is wh
 ``compare_metadata`` checks the migrations against, and what Core queries are built from.
 
 events      one row per event, never updated or deleted (database triggers enforce it)
-snapshots   folded state at a seq: a cache for fast replay, safe to delete
+snapshots   folded state at a seq: a cache for fast replay, safe to delete; used only when
+            the StateCheckpoint at ``checkpoint_seq`` (in the chain) names its seq and hash
 
 NOTE: ``seq`` is ``INTEGER PRIMARY KEY`` on SQLite on purpose: that makes it the rowid itself,
 so there is no second B-tree for the primary key (bytes on disk per event, see bench/ledger.py).
@@ -67,6 +68,8 @@ snapshots = Table(
     Column("state_hash", Text, nullable=False),
     Column("state_bytes", LargeBinary, nullable=False),
     Column("created_ns", BigInteger, nullable=False),
+    # the StateCheckpoint event that vouches for state_hash (ledger.snapshots); NULL: saved before 0006
+    Column("checkpoint_seq", BigInteger),
 )
 
 # Column order of an INSERT into events and of RawRow (the first ten are the hashed ones).
@@ -132,3 +135,5 @@ class Snapshot(NamedTuple):
     through_seq: int
     state_bytes: bytes
     state_hash: str
+    checkpoint_seq: int | None = None     # the StateCheckpoint that vouches for state_hash
+    refused: str | None = None            # why the chain does not vouch for it (then do not use it)

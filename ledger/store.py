@@ -21,11 +21,12 @@ from sqlalchemy.engine import URL
 from residency.events import DecodeError, Envelope, Recorded, decode_event
 from residency.events.catalog import EVENT_TYPES, Event, MoveAcked
 from residency.ledger import append as _append
+from residency.ledger.anchor import Anchor, check as check_anchors
 from residency.ledger import snapshots
 from residency.ledger.backend import DURABILITY, Raw, make_engine, parse_url
 from residency.ledger.errors import LedgerCorrupt, NotALedger, SchemaOutOfDate, init_hint, masked
 from residency.ledger.prefetch import prefetched
-from residency.ledger.schema import RAW_COLUMNS, PackedRun, PayloadRun, RawRow, Snapshot, events
+from residency.ledger.schema import EVENT_COLUMNS, RAW_COLUMNS, PackedRun, PayloadRun, RawRow, Snapshot, events
 from residency.ledger.verify import Progress, VerifyReport, verify_batches
 from residency.ledger.verify_parallel import default_workers, verify_parallel
 
@@ -40,6 +41,8 @@ class LedgerStore:
         self._d = raw.dialect
         self._read_sql = (f"SELECT {', '.join(RAW_COLUMNS)} FROM events "
                           f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
+        self._audited_sql = (f"SELECT {', '.join(EVENT_COLUMNS)} FROM events "
+                             f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
         self._run_sql = (f"SELECT type, schema_version, payload FROM events "
                          f"WHERE seq >= {self._d.p} AND seq <= {self._d.p} ORDER BY seq")
         self._ts_sql = f"SELECT ts_ns FROM events WHERE seq = {self._d.p}"
@@ -161,8 +164,9 @@ class LedgerStore:
             return conn.execute(q).scalar_one()
 
     def raw_batches(self, from_seq: int = 1, to_seq: int | None = None,
-                    batch: int | None = None) -> Iterator[list[tuple]]:
-        """Undecoded rows (RawRow-shaped plain tuples) in seq order, ``batch`` at a time.
+                    batch: int | None = None, *, audited: bool = False) -> Iterator[list[tuple]]:
+        """Undecoded rows (RawRow-shaped plain tuples) in seq order, ``batch`` at a time;
+        ``audited``: each row goes on with the six audit columns (all of ``EVENT_COLUMNS``).
 
         When the range spans several batches, the next one is fetched on a thread while the
         caller works on this one (``prefetched``).
@@ -171,10 +175,10 @@ class LedgerStore:
         if to_seq is None:
             to_seq = self.last_seq()
         start = max(1, from_seq)
-        batches = self._fetch_batches(start, to_seq, batch)
+        batches = self._fetch_batches(start, to_seq, batch, self._audited_sql if audited else self._read_sql)
         return prefetched(batches) if to_seq - start >= batch else batches
 
-    def _fetch_batches(self, start: int, to_seq: int, batch: int) -> Iterator[list[tuple]]:
+    def _fetch_batches(self, start: int, to_seq: int, batch: int, sql: str | None = None) -> Iterator[list[tuple]]:
         # NOTE: each query asks for a closed range of at most ``batch`` seqs, not "seq >= a ORDER BY
         # seq LIMIT n": on a freshly loaded PostgreSQL table (no statistics yet) the planner answers
         # the open form by sorting everything after a, once per batch. A gap (only in a damaged
@@ -182,7 +186,7 @@ class LedgerStore:
         while start <= to_seq:
             hi = min(to_seq, start + batch - 1)
             with self._raw.cursor("reading events") as (_conn, cur):
-                rows = self._d.fetchall(cur, self._read_sql, (start, hi))
+                rows = self._d.fetchall(cur, sql or self._read_sql, (start, hi))
             if rows:
                 yield rows
                 start = hi + 1
@@ -299,19 +303,46 @@ class LedgerStore:
         return rows[0] if rows else None
 
     # ------------------------------------------------------------------ snapshots
-    def save_snapshot(self, through_seq: int, state_bytes: bytes, state_hash: str) -> None:
-        """Store the folded state through ``through_seq`` (replaces one already there)."""
+    def save_snapshot(self, through_seq: int, state_bytes: bytes, state_hash: str, checkpoint_seq: int) -> None:
+        """Store the folded state through ``through_seq`` (replaces one already there); the
+        StateCheckpoint event at ``checkpoint_seq`` must record that seq and hash (LedgerConflict
+        otherwise: see ledger.snapshots)."""
         with self._raw.core("saving a snapshot", write=True) as conn:
-            snapshots.save(conn, through_seq, state_bytes, state_hash)
+            snapshots.save(conn, through_seq, state_bytes, state_hash, checkpoint_seq)
 
     def load_snapshot(self, at_or_before_seq: int) -> Snapshot | None:
-        """The newest snapshot with ``through_seq <= at_or_before_seq``, or None."""
+        """The newest snapshot with ``through_seq <= at_or_before_seq``, or None. Check
+        ``refused`` before using it: set when the hash chain does not vouch for it."""
         with self._raw.core("loading a snapshot") as conn:
             return snapshots.load(conn, at_or_before_seq)
 
     # ------------------------------------------------------------------ integrity and portability
-    def verify(self, progress: Progress | None = None, workers: int | None = None) -> VerifyReport:
-        """Check seq continuity, the hash chain and every payload; ``progress(done, total)`` per batch.
+    def head(self) -> tuple[int, bytes]:
+        """(last seq, its row_hash) as this store's writer last committed them (what it chained
+        itself, not what the database says now), or as read when it has not written yet."""
+        raw = self._raw
+        with raw.write_lock:
+            if raw.tail.seq is not None:
+                return raw.tail.seq, raw.tail.hash
+        with raw.cursor("reading the head") as (_conn, cur):
+            return _append.read_tail(cur)
+
+    def verify(self, progress: Progress | None = None, workers: int | None = None,
+               anchors: "list[Anchor] | None" = None) -> VerifyReport:
+        """``verify_chain``, then (when it passes) that every anchor agrees with the ledger: a
+        head kept outside the database (ledger.anchor) is what catches a cut or rewritten tail."""
+        report = self.verify_chain(progress, workers)
+        if report.ok and anchors:
+            found = check_anchors(anchors, report.num_events, lambda seq: bytes(self.peek_raw(seq)[10]))
+            if found is not None:
+                bad, problem = found
+                return VerifyReport(ok=False, num_events=report.num_events, first_bad_seq=bad, problem=problem,
+                                    last_hash=report.last_hash, checkpoints=report.checkpoints)
+        return report
+
+    def verify_chain(self, progress: Progress | None = None, workers: int | None = None) -> VerifyReport:
+        """Check seq continuity, the hash chain, every payload, and that every row's audit columns
+        are what its payload says (ledger.columns); ``progress(done, total)`` per batch.
 
         ``workers``: processes to spread a large ledger over (None: one per core for ledgers of
         200k+ events, never for an in-memory SQLite); see ledger.verify_parallel. Same verdict either way.
@@ -323,7 +354,7 @@ class LedgerStore:
             report = verify_parallel(self, total, min(workers, total), progress)
             if report is not None:
                 return report
-        return verify_batches(self.raw_batches(1, total, 20_000), total, self.peek_raw, progress,
+        return verify_batches(self.raw_batches(1, total, 20_000, audited=True), total, self.peek_raw, progress,
                               next_seq=self.next_seq)
 
     def export_jsonl(self, fp: IO[str]) -> int:

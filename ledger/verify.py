@@ -4,7 +4,12 @@ Checks, row by row, stopping at the first problem (``VerifyReport.first_bad_seq`
     1. seqs start at 1 and have no gaps;
     2. each stored ``row_hash`` equals SHA-256(previous hash || canonical bytes) (``ledger.chain``);
     3. the payload decodes with ``events.decode_event`` under the row's type and schema version
-       (unknown types, newer schemas, and a payload whose tag differs from the row's type all fail).
+       (unknown types, newer schemas, and a payload whose tag differs from the row's type all fail);
+    4. when the rows carry the audit columns (``EVENT_COLUMNS``, as ``LedgerStore.verify`` reads
+       them), they are exactly what ``ledger.columns`` extracts from the decoded event (a row of an
+       older schema: each is NULL or that, see ``_older_agrees``). They are
+       outside the hash, so this is what makes an edited column (say, a 4 MiB move's bytes set to
+       390 GiB) a named bad seq rather than a wrong audit total.
 ``StateCheckpoint`` events are collected into ``report.checkpoints`` as (seq, through_seq,
 state_hash): the ledger cannot check them (that needs control's fold), the caller does.
 
@@ -21,11 +26,14 @@ import msgspec
 from residency.events import DecodeError, decode_event
 from residency.events.catalog import EVENT_TYPES, AnyEvent
 from residency.ledger.chain import GENESIS, HASH_BYTES, row_hash
+from residency.ledger.columns import NAMES, extractor
 
 _encode = msgspec.msgpack.Encoder().encode
 _sha256 = hashlib.sha256
 _CURRENT = {name: cls.SCHEMA_VERSION for name, cls in EVENT_TYPES.items()}
 _decode = msgspec.msgpack.Decoder(AnyEvent).decode
+_COLUMNS_OF = {name: extractor(cls) for name, cls in EVENT_TYPES.items()}
+AUDITED = 17          # a row this long carries the audit columns after the row hash
 
 Progress = Callable[[int, int], None]   # (events verified so far, events in the ledger)
 
@@ -55,6 +63,20 @@ def diagnose_hash(seq: int, stored: bytes, computed: bytes, nxt: tuple | None) -
         return (f"seq {seq}: the row no longer matches its stored row_hash: it was edited after it was written "
                 f"(or the row before it was rewritten together with its hash)")
     return f"seq {seq}: the row does not match its stored row_hash and seq {seq + 1} does not chain from it either"
+
+
+def _older_agrees(stored: tuple, derived: tuple) -> bool:
+    """A row stored under an older schema: the columns were extracted from the event as it was
+    then, and an upcast may fill a field that did not exist (BlocksFreed v1 had no tier). Each
+    stored column must be NULL or what the upcast event says: nothing may disagree."""
+    return all(s is None or s == d for s, d in zip(stored, derived))
+
+
+def columns_problem(seq: int, stored: tuple, derived: tuple) -> str:
+    """One sentence for a row whose audit columns are not what its payload says."""
+    diffs = ", ".join(f"{name} is {s!r}, its payload says {d!r}"
+                      for name, s, d in zip(NAMES, stored, derived) if s != d)
+    return f"seq {seq}: its audit columns were edited ({diffs}); they are outside the hash chain, its payload is not"
 
 
 def verify_batches(batches: Iterable[list[tuple]], end: int, peek: Callable[[int], tuple | None],
@@ -100,6 +122,11 @@ def verify_batches(batches: Iterable[list[tuple]], end: int, peek: Callable[[int
                     event = decode_event(row[9], type_, row[6])
                 except DecodeError as e:
                     return bad(seq, f"seq {seq}: {e}")
+            if len(row) == AUDITED:
+                derived = _COLUMNS_OF[type_](event)
+                stored = row[11:]
+                if stored != derived and (current.get(type_) == row[6] or not _older_agrees(stored, derived)):
+                    return bad(seq, columns_problem(seq, stored, derived))
             if type_ == "StateCheckpoint":
                 checkpoints.append((seq, event.through_seq, event.state_hash))
             prev = digest

@@ -89,7 +89,7 @@ def jobs(store: "LedgerStore", total: int, workers: int) -> list[tuple[int, int,
 
 def verify_range(store: "LedgerStore", start: int, end: int, prev: bytes, progress: Progress | None = None) -> VerifyReport:
     """What one worker does (and what a test can run in-process)."""
-    return verify_batches(store.raw_batches(start, end, 20_000), end, store.peek_raw, progress,
+    return verify_batches(store.raw_batches(start, end, 20_000, audited=True), end, store.peek_raw, progress,
                           start=start, prev=prev, next_seq=store.next_seq)
 
 
@@ -203,10 +203,12 @@ def main(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------- the SQLite worker
-# The hashed columns and the row hash, in RawRow order (tests check this is ledger.schema.RAW_COLUMNS).
-RAW_COLUMNS = ("seq", "ts_ns", "producer", "epoch", "producer_seq", "type", "schema_version",
-               "correlation_id", "causation", "payload", "row_hash")
-_READ_SQL = f"SELECT {', '.join(RAW_COLUMNS)} FROM events WHERE seq >= ? AND seq <= ? ORDER BY seq"
+# The hashed columns, the row hash, then the audit columns (tests check this is ledger.schema.EVENT_COLUMNS;
+# ledger.schema itself imports SQLAlchemy, which this worker does without).
+EVENT_COLUMNS = ("seq", "ts_ns", "producer", "epoch", "producer_seq", "type", "schema_version",
+                 "correlation_id", "causation", "payload", "row_hash",
+                 "move_id", "worker", "session", "tier", "kind", "bytes")
+_READ_SQL = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE seq >= ? AND seq <= ? ORDER BY seq"
 BATCH = 20_000
 
 

@@ -2,6 +2,10 @@
 
 The answers come from the SQL views ``residency_reclaimed`` and ``residency_stranded`` (created
 by a migration), so the CLI and an auditor's own SQL agree by construction.
+
+The views read the audit columns, which are outside the hash chain, so the ledger is verified
+first (chain, payloads, and every row's columns against its payload): a ledger that does not
+verify gets no totals, only the seq that failed.
 """
 from __future__ import annotations
 
@@ -60,6 +64,10 @@ def run(args) -> int:
     if since is not None and until is not None and since > until:
         raise UserError("--since is after --until")
     with open_store(args.db) as store:
+        report = store.verify()
+        if not report.ok:
+            raise UserError(f"no audit of a ledger that does not verify: {report.problem} "
+                            f"(`residency ledger verify --db {store.url}` says more)")
         totals, rows = query(store, args.what, args.by, since, until, args.limit)
     grand = sum(t for _, t, _ in totals)
     if args.json:

@@ -71,6 +71,12 @@ def register(sub) -> None:
                         "worker keeps the files it finds and verifies that the ledger still has (default on)")
     p.add_argument("--durability", choices=("normal", "full"), default="normal",
                    help="ledger commits: normal survives a process crash, full also a power loss (fsync)")
+    p.add_argument("--anchor", metavar="FILE",
+                   help="append the ledger's head (seq and full hash) to FILE every --anchor-every committed events "
+                        "and at stop; ship it elsewhere and check it with `ledger verify --anchor FILE`")
+    p.add_argument("--anchor-key", metavar="KEYFILE", help="key each anchor line (HMAC-SHA256) with this file's bytes")
+    p.add_argument("--anchor-every", type=int, default=10_000, metavar="N",
+                   help="events between two anchors (default 10000)")
     p.add_argument("--keep-awake", choices=("auto", "on", "off"), default="auto",
                    help="keep every CPU from halting while a move of >= 64 MiB is in flight and 1 s after "
                         "(SCHED_IDLE spinners; auto: on with GPU workers)")
@@ -160,6 +166,7 @@ def build_config(args, run_dir: Path, devices: list[str]):
         expected_workers=list(range(len(devices))), worker_lost_s=args.heartbeat_lost_s,
         heartbeat_missed_s=min(1.5, args.heartbeat_lost_s / 2), adopt_grace_s=args.adopt_grace_s,
         durability=args.durability, config_digest=digest, keep_disk=args.keep_disk,
+        anchor_file=args.anchor, anchor_key_file=args.anchor_key, anchor_every_events=args.anchor_every,
         keep_awake=args.keep_awake == "on" or (args.keep_awake == "auto" and any(d.startswith("cuda") for d in devices)),
         moves=MoveConfig(deadline_base_s=args.move_deadline_s, page_tokens=page_tokens),
         policy=PolicyConfig(pressure=not args.no_policies, park=not args.no_policies,

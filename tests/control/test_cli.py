@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sqlite3
 
 import pytest
@@ -14,10 +15,13 @@ from residency.control.simulate import simulate
 from residency.events import catalog as ev
 from residency.events.envelope import Envelope
 from residency.ledger import LedgerStore
+from tests.ledger.tamper import run_unguarded
 
 
 @pytest.fixture(scope="module")
 def sim_db(tmp_path_factory):
+    """6000 simulated events, then snapshots at 2000, 4000 and 6000, each vouched for by a
+    StateCheckpoint the snapshot step appends: 6003 events."""
     path = tmp_path_factory.mktemp("cli") / "sim.db"
     url = f"sqlite:///{path}"
     assert main(["simulate", "--events", "6000", "--db", url, "--seed", str(random.randrange(1 << 20)),
@@ -35,7 +39,7 @@ def test_verify_a_simulated_ledger_checks_chain_and_checkpoints(sim_db, capsys):
     url, _ = sim_db
     code, out, err = run(capsys, "ledger", "verify", "--db", url)
     assert code == 0, err
-    assert "6000 events" in out and "state checkpoints match replay" in out
+    assert "6003 events" in out and "state checkpoints match replay" in out
 
 
 def test_replay_json_at_a_seq_and_at_the_end(sim_db, capsys):
@@ -47,7 +51,7 @@ def test_replay_json_at_a_seq_and_at_the_end(sim_db, capsys):
     assert {t for w in s["workers"] for t in w["tiers"]} == {"device", "host", "disk"}
     code, out, _ = run(capsys, "replay", "--db", url, "--json")
     end = json.loads(out)
-    assert end["seq"] == 6000 and end["snapshot_seq"] == 6000
+    assert end["seq"] == 6003 and end["snapshot_seq"] == 6000
 
 
 def test_replay_from_snapshot_equals_replay_from_zero(sim_db):
@@ -100,6 +104,61 @@ def test_audit_stranded_agrees_with_the_fold_and_the_sql_view(sim_db, capsys):
         assert by_tier.get(t, 0) == sum(w.tiers[t].reclaimed_bytes for w in state.workers.values())
 
 
+def test_audit_refuses_a_ledger_whose_audit_columns_were_edited(sim_db, tmp_path, capsys):
+    """A 4 MiB move's bytes column set to 390 GiB: the chain does not cover the column, so audit
+    verifies first and names the seq instead of printing the forged total."""
+    _, path = sim_db
+    copy = tmp_path / "edited.db"
+    shutil.copy(path, copy)
+    url = f"sqlite:///{copy}"
+    with LedgerStore.open(url) as store:
+        acks = [r.seq for r in store.read_raw() if r.type == "MoveAcked"]
+        seq = random.choice(acks)
+        run_unguarded(store, "UPDATE events SET bytes = :b WHERE seq = :s", {"b": 390 << 30, "s": seq})
+    code, out, err = run(capsys, "audit", "reclaimed", "--db", url, "--by", "tier")
+    assert code == 2 and out == ""
+    assert f"seq {seq}: its audit columns were edited (bytes is {390 << 30}" in err
+
+
+def test_verify_prints_the_full_head_and_checks_it_and_anchor_files(sim_db, tmp_path, capsys):
+    """What an operator does: keep the head `verify` prints (or an anchor file) elsewhere; a
+    ledger whose tail was then cut verifies alone but fails against it, naming the seq."""
+    _, path = sim_db
+    copy = tmp_path / "copy.db"
+    shutil.copy(path, copy)
+    url = f"sqlite:///{copy}"
+    code, out, _ = run(capsys, "ledger", "verify", "--db", url, "--no-checkpoints")
+    head = out.splitlines()[-1].split()[1]
+    seq, digest = head.split(":")
+    assert code == 0 and seq == "6003" and len(digest) == 64
+    key = tmp_path / "k"
+    key.write_bytes(random.randbytes(32))
+    anchors = tmp_path / "heads.anchor"
+    code, out, err = run(capsys, "ledger", "anchor", "--db", url, "--anchor", str(anchors), "--anchor-key", str(key))
+    assert code == 0 and head in out, err
+    with LedgerStore.open(url) as store:
+        run_unguarded(store, "DELETE FROM events WHERE seq > 6000")
+    code, out, err = run(capsys, "ledger", "verify", "--db", url, "--no-checkpoints")
+    assert code == 0                                    # the chain alone cannot tell
+    code, out, err = run(capsys, "ledger", "verify", "--db", url, "--expect-head", head)
+    assert code == 1 and "FAILED: seq 6003: the ledger ends at seq 6000" in err
+    code, out, err = run(capsys, "ledger", "verify", "--db", url, "--anchor", str(anchors), "--anchor-key", str(key))
+    assert code == 1 and "FAILED: seq 6003:" in err and "line 1" in err
+    code, out, err = run(capsys, "ledger", "anchor", "--db", url, "--anchor", str(anchors), "--anchor-key", str(key))
+    assert code == 1 and "no anchor written" in err and len(anchors.read_text().splitlines()) == 1
+
+
+def test_import_into_a_new_ledger_needs_no_init(sim_db, tmp_path, capsys):
+    url, _ = sim_db
+    dump = tmp_path / "l.jsonl"
+    assert main(["ledger", "export", "--db", url, "-o", str(dump)]) == 0
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    code, out, err = run(capsys, "ledger", "import", str(dump), "--db", fresh)
+    assert code == 0, err
+    with LedgerStore.open(fresh) as store, LedgerStore.open(url) as original:
+        assert store.verify().last_hash == original.verify().last_hash
+
+
 def test_export_import_round_trip_and_a_broken_export_writes_nothing(sim_db, tmp_path, capsys):
     url, _ = sim_db
     dump = tmp_path / "l.jsonl"
@@ -108,7 +167,7 @@ def test_export_import_round_trip_and_a_broken_export_writes_nothing(sim_db, tmp
     assert main(["ledger", "init", "--db", copy]) == 0
     assert main(["ledger", "import", str(dump), "--db", copy]) == 0
     code, out, _ = run(capsys, "ledger", "verify", "--db", copy)
-    assert code == 0 and "6000 events" in out
+    assert code == 0 and "6003 events" in out
     lines = dump.read_text().splitlines()
     victim = random.randrange(10, len(lines))
     obj = json.loads(lines[victim])
@@ -153,7 +212,7 @@ def test_verify_catches_a_checkpoint_that_disagrees_with_replay(tmp_path, capsys
 @pytest.mark.parametrize("argv, needle", [
     (["replay", "--db", "sqlite:///{tmp}/missing.db"], "no ledger at"),
     (["replay", "--db", "sqlite:///{tmp}/garbage.db"], "is not a ledger"),
-    (["replay", "--db", "{sim}", "--at", "999999"], "beyond the end of the ledger (last seq 6000)"),
+    (["replay", "--db", "{sim}", "--at", "999999"], "beyond the end of the ledger (last seq 6003)"),
     (["replay", "--db", "{sim}", "--diff", "5..x"], "--diff wants A..B"),
     (["replay", "--db", "{sim}", "--at-time", "yesterday"], "not an ISO 8601 time"),
     (["timeline", "--db", "{sim}", "--subject", "table:1"], "subject must be one of"),

@@ -2,6 +2,7 @@
 live == replay, stranded room, snapshots, a broken handler, pressure spills."""
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -144,6 +145,26 @@ def test_a_restart_resumes_from_the_newest_snapshot_to_the_same_state(make_contr
     full = fold_all(State(), store.read())
     assert rec.state.state_hash() == full.state_hash() and rec.state.last_seq == full.last_seq
     assert replay(store, use_snapshot=False).state.state_hash() == full.state_hash()
+
+
+def test_the_server_anchors_its_head_every_n_events_and_at_stop(make_control, fake_worker, sqlite_url, tmp_path):
+    from residency.ledger import anchor
+    key_file = tmp_path / "anchor.key"
+    key_file.write_bytes(random.randbytes(32))
+    path = tmp_path / "heads.anchor"
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, anchor_file=str(path),
+                             anchor_key_file=str(key_file), anchor_every_events=5)
+    blocks = commit_blocks(proc, fw, 6)
+    for i, b in enumerate(blocks):
+        fut = proc.submit(AskMove(ask_id=f"a{i}", kind="evict", worker=0, blocks=[b]))
+        fw.send(fw.ack(fw.expect(ExecuteMove)))
+        fut.result(5)
+    proc.stop("anchor test")
+    heads = anchor.read(path, anchor.load_key(key_file))
+    assert len(heads) >= 2 and [h.seq for h in heads] == sorted({h.seq for h in heads})
+    last = store.last_seq()
+    assert heads[-1].seq == last and heads[-1].row_hash == bytes(store.peek_raw(last)[10])
+    assert store.verify(anchors=heads).ok
 
 
 def test_a_plugged_in_handler_that_raises_is_logged_and_the_loop_goes_on(make_control, fake_worker, sqlite_url):

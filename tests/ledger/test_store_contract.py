@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from residency.events import Envelope
+from residency.events.catalog import StateCheckpoint
 from residency.ledger import LedgerConflict, LedgerStore
 from residency.ledger.chain import GENESIS, row_hash
 from tests.ledger.factories import envelope, random_event, random_items
@@ -145,27 +147,52 @@ def test_seq_at_time_is_the_last_seq_at_or_before_an_instant(ledger_store, rng):
     assert ledger_store.seq_at_time(times[0]) == n + 1
 
 
+def _checkpoint(store, rng, through: int, digest: str) -> int:
+    """Append the StateCheckpoint that vouches for a snapshot; returns its seq."""
+    env = Envelope(producer="test-checkpoints", epoch=rng.randrange(1 << 40), producer_seq=1, ts_ns=time.time_ns())
+    return store.append([(env, StateCheckpoint(through_seq=through, state_hash=digest))])[0]
+
+
 def test_snapshots_load_the_newest_at_or_before_a_seq(ledger_store, rng):
     ledger_store.append(random_items(rng, 30))
     assert ledger_store.load_snapshot(30) is None
     saved = {}
     for through in sorted(rng.sample(range(1, 31), 4)):
         state = rng.randbytes(rng.randint(1, 5000))
-        saved[through] = (state, rng.randbytes(16).hex())
-        ledger_store.save_snapshot(through, state, saved[through][1])
+        digest = rng.randbytes(16).hex()
+        saved[through] = (state, digest, _checkpoint(ledger_store, rng, through, digest))
+        ledger_store.save_snapshot(through, state, digest, saved[through][2])
     for at in range(0, 31):
         best = max((t for t in saved if t <= at), default=None)
         snap = ledger_store.load_snapshot(at)
         if best is None:
             assert snap is None
         else:
-            assert (snap.through_seq, snap.state_bytes, snap.state_hash) == (best, *saved[best])
+            assert (snap.through_seq, snap.state_bytes, snap.state_hash, snap.checkpoint_seq) == (best, *saved[best])
+            assert snap.refused is None
     # saving again at the same seq replaces it
     through = rng.choice(list(saved))
-    ledger_store.save_snapshot(through, b"replaced" + rng.randbytes(8), "h2")
+    cp = _checkpoint(ledger_store, rng, through, "h2")
+    ledger_store.save_snapshot(through, b"replaced" + rng.randbytes(8), "h2", cp)
     assert ledger_store.load_snapshot(through).state_hash == "h2"
+    last = ledger_store.last_seq()
     with pytest.raises(LedgerConflict, match="past the end of the ledger"):
-        ledger_store.save_snapshot(31, b"x", "h")
+        ledger_store.save_snapshot(last + 1, b"x", "h", cp)
+
+
+def test_a_snapshot_needs_a_checkpoint_in_the_chain_that_names_it(ledger_store, rng):
+    ledger_store.append(random_items(rng, 10))
+    digest = rng.randbytes(16).hex()
+    cp = _checkpoint(ledger_store, rng, 7, digest)
+    with pytest.raises(LedgerConflict, match=f"seq {cp}.*records state hash"):
+        ledger_store.save_snapshot(7, rng.randbytes(50), rng.randbytes(16).hex(), cp)     # another hash
+    with pytest.raises(LedgerConflict, match="records state hash"):
+        ledger_store.save_snapshot(6, rng.randbytes(50), digest, cp)                     # another seq
+    with pytest.raises(LedgerConflict, match="seq 3 is a "):
+        ledger_store.save_snapshot(2, rng.randbytes(50), digest, 3)                      # not a checkpoint
+    with pytest.raises(LedgerConflict, match="not after its own seq"):
+        ledger_store.save_snapshot(7, rng.randbytes(50), digest, 5)
+    assert ledger_store.load_snapshot(10) is None
 
 
 def test_a_ledger_survives_close_and_reopen(ledger_url, rng):

@@ -8,7 +8,7 @@ import pytest
 from residency.events import encode_event
 from residency.ledger import LedgerCorrupt, LedgerStore
 from residency.ledger.chain import GENESIS, row_hash
-from tests.ledger.factories import random_event, random_items
+from tests.ledger.factories import envelope, random_event, random_items
 from tests.ledger.tamper import rechain, run_unguarded
 
 
@@ -230,9 +230,9 @@ def test_reads_step_over_a_gap_wider_than_a_batch(filled, rng):
 
 
 def test_the_sqlite_worker_reads_the_columns_the_store_reads():
-    from residency.ledger.schema import RAW_COLUMNS
-    from residency.ledger.verify_parallel import RAW_COLUMNS as worker_columns
-    assert worker_columns == RAW_COLUMNS
+    from residency.ledger.schema import EVENT_COLUMNS
+    from residency.ledger.verify_parallel import EVENT_COLUMNS as worker_columns
+    assert worker_columns == EVENT_COLUMNS
 
 
 @pytest.mark.parametrize("kind", ["sound", "flipped", "hash", "missing", "unknown"])
@@ -254,3 +254,44 @@ def test_parallel_verify_on_sqlite_uses_no_sqlalchemy_in_its_workers_and_agrees(
         for workers in (2, rng.randint(3, 5)):
             assert vp.verify_parallel(store, store.last_seq(), workers, None) == one
         assert one.ok == (kind == "sound")
+
+
+@pytest.mark.parametrize("column", ["bytes", "worker", "tier", "move_id", "session", "kind"])
+def test_an_edited_audit_column_fails_verify_naming_the_seq(ledger_store, rng, column):
+    """The audit columns are outside the hash: an edit (a 4 MiB move reported as 390 GiB) must
+    still fail verify, at the seq edited, on one pass and on parallel ranges alike."""
+    n = rng.randint(20, 60)
+    ledger_store.append(random_items(rng, n))
+    ev = random_event(rng, "MoveRequested", bytes_planned=4 << 20)     # fills all six audit columns
+    [seq] = ledger_store.append([(envelope(rng, "control", 1, 1), ev)])
+    ledger_store.append(random_items(rng, rng.randint(0, 5), producer="after"))
+    assert ledger_store.verify().ok
+    forged = {"bytes": 390 << 30, "worker": ev.worker + 1, "tier": ev.src + "x", "move_id": "m-forged",
+              "session": "s-forged", "kind": "forged"}[column]
+    run_unguarded(ledger_store, f"UPDATE events SET {column} = :v WHERE seq = :s", {"v": forged, "s": seq})
+    for workers in (1, 3):
+        report = ledger_store.verify(workers=workers)
+        assert not report.ok and report.first_bad_seq == seq and report.num_events == seq - 1
+        assert f"seq {seq}: its audit columns were edited ({column} is {forged!r}" in report.problem
+
+
+def test_an_older_rows_columns_may_lack_what_an_upcast_fills_but_may_not_disagree(ledger_store, rng):
+    """BlocksFreed v1 had no tier: its row's tier column is NULL while the upcast event says
+    "device". That is sound; a bytes column that disagrees with the payload is not."""
+    import msgspec
+
+    from tests.ledger.tamper import insert_row
+
+    ledger_store.append(random_items(rng, rng.randint(1, 10)))
+    last = list(ledger_store.read_raw())[-1]
+    worker, num_bytes = rng.randrange(8), rng.randrange(1 << 40)
+    payload = msgspec.msgpack.encode(["BlocksFreed", worker, [rng.randrange(1 << 20)], num_bytes, "finished"])
+    row = (last.seq + 1, rng.randrange(1 << 62), "control", 1, rng.randrange(1 << 40), "BlocksFreed", 1,
+           None, None, payload)
+    columns = ("seq", "ts_ns", "producer", "epoch", "producer_seq", "type", "schema_version", "correlation_id",
+               "causation", "payload", "row_hash", "worker", "kind", "bytes")
+    insert_row(ledger_store, (*row, row_hash(last.row_hash, row), worker, "finished", num_bytes), columns)
+    assert ledger_store.verify().ok
+    run_unguarded(ledger_store, "UPDATE events SET bytes = :b WHERE seq = :s", {"b": num_bytes + 1, "s": row[0]})
+    report = ledger_store.verify()
+    assert report.first_bad_seq == row[0] and "bytes is" in report.problem
