@@ -176,13 +176,17 @@ class FakeWorker:
     _decoder = msgspec.msgpack.Decoder(ToWorker)
 
     def __init__(self, endpoint: str, worker: int = 0, epoch: int = 1, block_bytes: int = 4096,
-                 tiers: dict[str, int] | None = None, identity: bytes | None = None):
+                 tiers: dict[str, int] | None = None, identity: bytes | None = None, key: bytes | None = None):
+        from residency.events import handshake
+
         self.worker, self.epoch, self.block_bytes = worker, epoch, block_bytes
         self.tiers = tiers or {"device": 64 * block_bytes, "host": 128 * block_bytes, "disk": 256 * block_bytes}
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity if identity is not None else b"w%d" % worker)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:      # a peer key proven in the handshake (a keyed control takes no other)
+            handshake.apply(self.sock, handshake.client_options(key, endpoint, "worker"))
         self.sock.connect(endpoint)
         self.answer_pings = True
 
