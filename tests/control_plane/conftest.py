@@ -279,6 +279,23 @@ def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier:
 
 
 # ---------------------------------------------------------------------- real processes
+class ServeClient:
+    """An ask client of a `residency serve` in ``run_dir``: it reads the run's peer key at each
+    ask, since serve writes it only once it starts (before that: ``ControlUnreachable``)."""
+
+    def __init__(self, run_dir: Path, timeout_s: float = 10.0):
+        self.run_dir, self.timeout_s = Path(run_dir), timeout_s
+
+    def ask(self, msg, timeout_s: float | None = None):
+        from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
+        from residency.events.handshake import key_in
+
+        key = key_in(self.run_dir)
+        if key is None:
+            raise ControlUnreachable(f"no peer key in {self.run_dir} yet (serve not started)")
+        return AskClient(ask_endpoint(self.run_dir), timeout_s=self.timeout_s, key=key).ask(msg, timeout_s)
+
+
 def worker_argv(worker: int, endpoint: str, run_dir: Path, *, mover: str = "real", faults: str = "",
                 epoch: int = 0, device_blocks: int = 256, host_blocks: int = 512, disk_blocks: int = 1024,
                 layout: str = SMALL_LAYOUT, block_bytes: int = SMALL_BLOCK) -> list[str]:
