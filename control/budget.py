@@ -18,6 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from residency.events import catalog as ev
+from residency.control.views import human_bytes
 from residency.control.state import State, TierAccount
 
 
@@ -95,9 +96,14 @@ def check_budget(state: State, worker: int, tier: str, floor_bytes: int, ceiling
         return f"no tier {tier!r}"
     cap = ws.tiers[tier].capacity_bytes
     if floor_bytes < 0 or ceiling_bytes < 0:
-        return f"floor {floor_bytes} and ceiling {ceiling_bytes} must be >= 0"
+        return f"floor {_size(floor_bytes)} and ceiling {_size(ceiling_bytes)} must be >= 0"
     if ceiling_bytes > cap:
-        return f"ceiling {ceiling_bytes} > capacity {cap} of {tier} on worker {worker}"
+        return f"ceiling {_size(ceiling_bytes)} > capacity {_size(cap)} of {tier} on worker {worker}"
     if floor_bytes > (ceiling_bytes or cap):
-        return f"floor {floor_bytes} > ceiling {ceiling_bytes or cap}"
+        return f"floor {_size(floor_bytes)} > ceiling {_size(ceiling_bytes or cap)}"
     return None
+
+
+def _size(n: int) -> str:
+    """Human units for the operator, and the exact bytes, since a limit is set to the byte."""
+    return f"{human_bytes(n)} ({n} bytes)" if abs(n) >= 1024 else f"{n} B"

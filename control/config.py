@@ -13,6 +13,9 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     worker_endpoint: str
     ask_endpoint: str | None = None
     expected_workers: list[int] | None = None  # None: any worker that says Hello is taken
+    # the run's peer key: both sockets take only peers proving it in the ZMQ handshake; `residency
+    # serve` always sets it (<run dir>/peer.key). None: any local peer gets in (tests' scripted peers)
+    peer_key: bytes | None = None
     ping_interval_s: float = 0.25
     heartbeat_missed_s: float = 1.5
     worker_lost_s: float = 5.0

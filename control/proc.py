@@ -50,6 +50,7 @@ from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
 from residency.control.keep_awake import AwakeWhileMoving
 from residency.control.links import WorkerLink
+from residency.control.peer_gate import PeerGate
 from residency.control.policy.recency import Recency
 from residency.control.probes import ControlFaults, MoveTraces
 from residency.control.recorder import Recorder
@@ -76,7 +77,11 @@ class ControlProc:
         self.metrics: collections.Counter = collections.Counter()
         # Blocks the serving path is using right now (worker -> ids): policies never move them.
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
-        self._ctx = ctx or zmq.Context.instance()
+        # NOTE: a ZAP handler serves a whole context: a keyed control owns one, so two of them
+        # in one process (tests) never meet on the same handler
+        self._own_ctx = ctx is None and config.peer_key is not None
+        self._ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
+        self._gate: PeerGate | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
@@ -176,6 +181,8 @@ class ControlProc:
         if stats.get("queue_depth", 0) >= self.cfg.max_queue:
             problems.append(f"ledger back-pressure: queue full ({stats['queue_depth']})")
         metrics = {k: float(v) for k, v in dict(self.metrics).items()}
+        if self._gate is not None:
+            metrics.update(peers_refused=float(self._gate.num_refused))
         metrics.update({f"ledger_{k}": float(v) for k, v in stats.items()})
         metrics.update(loop_lag_ms=loop_lag / MS, commit_lag_ms=commit_lag / MS)
         return Health(healthy=not problems, problems=problems, metrics=metrics)
@@ -256,8 +263,16 @@ class ControlProc:
                                  max_queue=self.cfg.max_queue, durability=self.cfg.durability)
 
     def _open(self) -> None:
-        self._router = WorkerRouter(self._ctx, self.cfg.worker_endpoint)
-        self._ask_server = AskServer(self._ctx, self.cfg.ask_endpoint) if self.cfg.ask_endpoint else None
+        key = self.cfg.peer_key
+        if key is not None:
+            self._gate = PeerGate(self._ctx, key)
+        self._router = WorkerRouter(self._ctx, self.cfg.worker_endpoint, key)
+        self._ask_server = AskServer(self._ctx, self.cfg.ask_endpoint, key) if self.cfg.ask_endpoint else None
+        if self._gate is not None:
+            self._gate.watch(self._router.sock, "workers")
+            if self._ask_server is not None:
+                self._gate.watch(self._ask_server.sock, "asks")
+            self._gate.start()
         self._poller = zmq.Poller()
         self._poller.register(self._router.sock, zmq.POLLIN)
         if self._ask_server:
@@ -291,6 +306,10 @@ class ControlProc:
         for sock in (self._router, self._ask_server):
             if sock is not None:
                 sock.close()
+        if self._gate is not None:
+            self._gate.stop()
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
         if self._writer is not None:
             try:
                 self._writer.close()

@@ -13,7 +13,9 @@ Anything that does not decode is a ``TransportError`` subclass carrying the send
 the caller can answer it with an ``ErrorReply`` naming the error and log it once; nothing here
 raises past a bad peer. ``ROUTER_MANDATORY`` turns a send to a worker that is not connected into
 ``WorkerUnreachable`` instead of a silent drop; ``ROUTER_HANDOVER`` lets a restarted worker take
-its identity back from the dead connection.
+its identity back from the dead connection. With a peer key (``residency serve`` always has one)
+both sockets take only peers that prove it in the handshake (events/handshake.py,
+control/peer_gate.py), so only a holder of the key can say Hello or take an identity over.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from residency.events import handshake
 from residency.events.codec import encode_message
 from residency.events.asks import AnyAsk, AnyAskReply
 from residency.events.commands import AnyMessage, ErrorReply, FromWorker, Message
@@ -78,10 +81,20 @@ class ControlUnreachable(TransportError):
     name = "control_unreachable"
 
 
+class ControlRefused(TransportError):
+    """The control process refused the ask client's handshake (no peer key, or another one)."""
+
+    name = "control_refused"
+
+
 _raw = msgspec.msgpack.Decoder()
 # every message of ours, whichever socket takes it: tells "unexpected here" from "unknown"
 _any = msgspec.msgpack.Decoder(Union[AnyMessage, AnyAsk, AnyAskReply])
 MAX_PAYLOAD_BYTES = 64 << 20
+# Bounded queues: far above any burst the protocol makes, so reaching one means a peer stopped
+# reading; a send then fails at once (WorkerUnreachable) instead of queueing without end.
+WORKER_HWM = 100_000
+ASK_HWM = 1_000
 
 
 def decode_or_raise(decoder: msgspec.msgpack.Decoder, data: bytes, identity: bytes = b"") -> Any:
@@ -119,8 +132,12 @@ def default_run_dir(ledger_url: str) -> Path:
         if path and path != ":memory:":
             url = "sqlite:///" + os.path.abspath(path)
     digest = hashlib.sha1(url.encode()).hexdigest()[:10]
-    base = Path(os.environ.get("RESIDENCY_RUN_ROOT") or Path(tempfile.gettempdir()) / f"residency-{os.getuid()}")
-    return base / digest
+    return Path(os.environ.get("RESIDENCY_RUN_ROOT") or per_user_root()) / digest
+
+
+def per_user_root() -> Path:
+    """The default root of run dirs: this user's, in the shared temp dir (so checked, not trusted)."""
+    return Path(tempfile.gettempdir()) / f"residency-{os.getuid()}"
 
 
 def worker_endpoint(run_dir: Path) -> str:
@@ -151,7 +168,9 @@ def parse_worker_identity(identity: bytes) -> int | None:
 class WorkerRouter:
     """ROUTER to the workers. Not thread-safe: the control loop's thread owns it."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str, key: bytes | None = None):
+        """``key``: only peers that prove it in the handshake get in (None: any peer; tests'
+        scripted workers)."""
         check_ipc_path(endpoint)
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.ROUTER)
@@ -159,8 +178,10 @@ class WorkerRouter:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, WORKER_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, WORKER_HWM)
+        if key is not None:
+            handshake.apply(self.sock, handshake.server_options(key, endpoint, "workers"))
         self.sock.bind(endpoint)
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
 
@@ -191,12 +212,16 @@ class WorkerRouter:
 class AskServer:
     """ROUTER for ``residency status|ctl`` (REQ clients). Replies may be sent at any later time."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str, key: bytes | None = None):
         check_ipc_path(endpoint)
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.sock.setsockopt(zmq.SNDHWM, ASK_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, ASK_HWM)
+        if key is not None:
+            handshake.apply(self.sock, handshake.server_options(key, endpoint, "asks"))
         self.sock.bind(endpoint)
         self._decoder = msgspec.msgpack.Decoder(AnyAsk)
 
@@ -220,8 +245,10 @@ class AskServer:
 class AskClient:
     """A REQ client of the ask socket, for the CLI. One request at a time, with a timeout."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0, ctx: zmq.Context | None = None):
+    def __init__(self, endpoint: str, timeout_s: float = 30.0, ctx: zmq.Context | None = None,
+                 key: bytes | None = None):
         self.endpoint = endpoint
+        self.key = key
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx = ctx or zmq.Context.instance()
         self._decoder = msgspec.msgpack.Decoder(AnyAskReply)
@@ -229,14 +256,29 @@ class AskClient:
     def ask(self, msg: Message, timeout_s: float | None = None) -> Any:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.key is not None:
+            handshake.apply(sock, handshake.client_options(self.key, self.endpoint, "ctl"))
+        # a refused handshake is said at once, not after the whole timeout
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         try:
             sock.connect(self.endpoint)
             sock.send(encode_message(msg))
             timeout = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
-            if not sock.poll(timeout, zmq.POLLIN):
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            ready = dict(poller.poll(timeout))
+            if monitor in ready and sock not in ready:
+                raise ControlRefused(
+                    f"the control process at {self.endpoint} refused this client's handshake: "
+                    + ("no peer key was given" if self.key is None else "the peer key does not match"))
+            if sock not in ready:
                 raise ControlUnreachable(
                     f"no answer from the control process at {self.endpoint} within {timeout / 1000:.1f} s "
                     "(is `residency serve` running on this ledger?)")
             return decode_or_raise(self._decoder, sock.recv())
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)

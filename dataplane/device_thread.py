@@ -52,8 +52,10 @@ class DeviceThread:
 
     def __init__(self, *, core: WorkerCore, record: WorkerRecord, faults: WorkerFaults, ctx: zmq.Context,
                  endpoint: str, worker: int, epoch: int,
-                 hand_back: Callable[[object, list], None], after_move: AfterMove | None = None):
+                 hand_back: Callable[[object, list], None], after_move: AfterMove | None = None,
+                 key: bytes | None = None):
         self.core, self.record, self.faults = core, record, faults
+        self.key = key                  # the run's peer key, proven in the lane's handshake
         self.after_move = after_move
         self.ctx, self.endpoint, self.worker, self.epoch = ctx, endpoint, worker, epoch
         self.hand_back = hand_back
@@ -90,7 +92,7 @@ class DeviceThread:
 
     # ------------------------------------------------------------------ the device thread
     def _loop(self) -> None:
-        lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True)
+        lane = ControlLink(self.ctx, self.endpoint, self.worker, lane=True, key=self.key)
         out = Outbox(lane, self.record, self.faults)
         move_ctx = getattr(self.core.mover, "ctx", None)      # a real mover's (a bench mover has none)
         if move_ctx is not None:

@@ -72,9 +72,10 @@ class IOThread:
 
     def __init__(self, *, worker: int, epoch: int, device: str, block_bytes: int, ctx: zmq.Context, endpoint: str,
                  core: WorkerCore, record: WorkerRecord, faults: WorkerFaults, device_thread: DeviceThread,
-                 side: SideThreads, mailbox: Mailbox, control_silent_s: float, orphan_exit_s: float):
+                 side: SideThreads, mailbox: Mailbox, control_silent_s: float, orphan_exit_s: float,
+                 key: bytes | None = None):
         self.worker, self.epoch, self.device, self.block_bytes = worker, epoch, device, block_bytes
-        self.ctx, self.endpoint = ctx, endpoint
+        self.ctx, self.endpoint, self.key = ctx, endpoint, key
         self.core, self.record, self.faults = core, record, faults
         self.device_thread, self.side, self.mailbox = device_thread, side, mailbox
         self.control_silent_ns = int(control_silent_s * 1e9)
@@ -89,7 +90,7 @@ class IOThread:
         self.log = log.bind(worker=worker, epoch=epoch)
 
     def open(self) -> None:
-        self.link = ControlLink(self.ctx, self.endpoint, self.worker)
+        self.link = ControlLink(self.ctx, self.endpoint, self.worker, key=self.key)
         self.out = Outbox(self.link, self.record, self.faults)
         self._poller.register(self.link.sock, zmq.POLLIN)
         self._poller.register(self.mailbox.fileno(), zmq.POLLIN)

@@ -37,6 +37,7 @@ from residency.dataplane.logconfig import configure_worker_logging
 from residency.dataplane.serving_worker import add_serving_args
 from residency.dataplane.side import SideThreads
 from residency.dataplane.worker import WorkerCore, WorkerRecord, run_guarded
+from residency.events.handshake import PeerKeyError, key_in
 
 log = structlog.get_logger("dataplane.proc")
 
@@ -46,19 +47,19 @@ class WorkerProc:
 
     def __init__(self, *, worker: int, epoch: int, endpoint: str, core: WorkerCore, device: str, block_bytes: int,
                  faults: WorkerFaults, control_silent_s: float = 1.0, orphan_exit_s: float = 60.0,
-                 ctx: zmq.Context | None = None, after_move: AfterMove | None = None):
+                 ctx: zmq.Context | None = None, after_move: AfterMove | None = None, key: bytes | None = None):
         self.core, self.faults = core, faults
         self.log = log.bind(worker=worker, epoch=epoch)
         ctx = ctx or zmq.Context.instance()
         record = WorkerRecord(worker)
         mailbox = Mailbox()
         self.device = DeviceThread(core=core, record=record, faults=faults, ctx=ctx, endpoint=endpoint, worker=worker,
-                                   epoch=epoch, hand_back=mailbox.put, after_move=after_move)
+                                   epoch=epoch, hand_back=mailbox.put, after_move=after_move, key=key)
         self.side = SideThreads(core.side_handlers, run_guarded, mailbox.put)
         self.io = IOThread(worker=worker, epoch=epoch, device=device, block_bytes=block_bytes, ctx=ctx,
                            endpoint=endpoint, core=core, record=record, faults=faults, device_thread=self.device,
                            side=self.side, mailbox=mailbox, control_silent_s=control_silent_s,
-                           orphan_exit_s=orphan_exit_s)
+                           orphan_exit_s=orphan_exit_s, key=key)
 
     def run(self) -> int:
         self.device.start()
@@ -121,7 +122,12 @@ def main(argv: list[str] | None = None,
     epoch = args.epoch or time.time_ns() // 1000
     structlog.contextvars.bind_contextvars(proc=f"worker:{args.worker}")
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:    # the control's peer key, proven in both sockets' handshakes (none: the control has none)
+        key = key_in(run_dir)
+    except PeerKeyError as e:
+        log.error("worker_peer_key_refused", worker=args.worker, error=str(e))
+        return 2
     pid_path = run_dir / f"worker-{args.worker}.pid"
     pid_path.write_text(f"{os.getpid()} {epoch}\n")
     faults = WorkerFaults(args.faults)
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None,
     gc.freeze()
     proc = WorkerProc(worker=args.worker, epoch=epoch, endpoint=args.control, core=core, device=args.device,
                       block_bytes=block_bytes, faults=faults, control_silent_s=args.control_silent_s,
-                      orphan_exit_s=args.orphan_exit_s, after_move=after_move)
+                      orphan_exit_s=args.orphan_exit_s, after_move=after_move, key=key)
     signal.signal(signal.SIGTERM, lambda *_: proc.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # serve stops us by message, after freeing by the book
     try:

@@ -16,15 +16,22 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import structlog
 import zmq
 
+from residency.events import handshake
 from residency.events.codec import encode_message
 from residency.events.commands import AnyMessage, ToWorker
 
+log = structlog.get_logger("dataplane.transport")
 MALFORMED = "malformed_message"
 UNKNOWN_TYPE = "unknown_message_type"
 UNEXPECTED = "unexpected_message"
 MAX_PAYLOAD_BYTES = 64 << 20
+# Bounded queues (the control's WORKER_HWM): with the control gone, what a worker sends waits here
+# only up to this many messages; past it a message is dropped and counted (``num_dropped``): the
+# WorkerRecord still has every outcome for the QueryMoves of whoever comes back.
+HWM = 100_000
 
 
 class WorkerTransportError(Exception):
@@ -69,14 +76,18 @@ class ControlLink:
     """DEALER to the control process. Not thread-safe: one thread owns it (the worker's I/O thread;
     the device thread owns the lane, ``lane=True``)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, worker: int, lane: bool = False):
+    def __init__(self, ctx: zmq.Context, endpoint: str, worker: int, lane: bool = False, key: bytes | None = None):
+        """``key``: the run's peer key, proven in the handshake (None: the control takes anyone)."""
         self.endpoint = endpoint
+        self.num_dropped = 0
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, lane_identity_of(worker) if lane else identity_of(worker))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, HWM)
+        self.sock.setsockopt(zmq.RCVHWM, HWM)
+        if key is not None:
+            handshake.apply(self.sock, handshake.client_options(key, endpoint, "worker"))
         self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         self.sock.connect(endpoint)
@@ -109,10 +120,15 @@ class ControlLink:
         raise UnexpectedMessage(f"{type(msg).__name__} is not a command a worker takes")
 
     def send(self, msg) -> None:
-        self.sock.send(encode_message(msg), zmq.NOBLOCK, copy=False)
+        self.send_bytes(encode_message(msg))
 
     def send_bytes(self, payload: bytes) -> None:
-        self.sock.send(payload, zmq.NOBLOCK, copy=False)
+        try:
+            self.sock.send(payload, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.num_dropped += 1
+            if self.num_dropped & (self.num_dropped - 1) == 0:     # 1, 2, 4, 8, ...: not a flood of lines
+                log.warning("control_queue_full", endpoint=self.endpoint, hwm=HWM, dropped=self.num_dropped)
 
     def close(self) -> None:
         self.sock.close(0)

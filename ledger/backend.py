@@ -69,6 +69,17 @@ def sqlite_file_missing(url: URL) -> bool:
     return url.get_backend_name() == "sqlite" and not is_sqlite_memory(url) and not os.path.exists(url.database)
 
 
+def _create_private(path: str) -> None:
+    """A new ledger file is made 0600 before SQLite opens it (its -wal and -shm files take the same
+    mode): the ledger names sessions and workers. A file that already exists keeps its mode."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        pass
+    except OSError:
+        pass      # SQLite reports why it cannot open this path, with the ledger's own error
+
+
 def make_engine(url: str | URL, *, must_exist: bool = False) -> Engine:
     """An engine for ``url`` with the ledger's connection settings.
 
@@ -87,6 +98,8 @@ def make_engine(url: str | URL, *, must_exist: bool = False) -> Engine:
 
 def _sqlite_engine(u: URL) -> Engine:
     memory = is_sqlite_memory(u)
+    if not memory:
+        _create_private(u.database)
     with translating(u, "opening the engine"):
         if memory:
             engine = create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})

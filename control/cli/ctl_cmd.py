@@ -120,12 +120,19 @@ def ask_of(args):
 def client_for(args):
     from pathlib import Path  # noqa: PLC0415
 
+    from residency.control.cli.run_dir import check_private  # noqa: PLC0415
     from residency.control.transport import AskClient, ask_endpoint, default_run_dir  # noqa: PLC0415
+    from residency.events.handshake import PeerKeyError, key_in  # noqa: PLC0415
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.db)
     if not server_running(run_dir):
         raise UserError(f"no server is running on this ledger (run dir {run_dir}); start `residency serve`")
-    return AskClient(ask_endpoint(run_dir), timeout_s=args.timeout)
+    check_private(run_dir)      # a socket in a directory others control may not be our server's
+    try:
+        key = key_in(run_dir)
+    except PeerKeyError as e:
+        raise UserError(str(e)) from None
+    return AskClient(ask_endpoint(run_dir), timeout_s=args.timeout, key=key)
 
 
 def server_running(run_dir) -> bool:

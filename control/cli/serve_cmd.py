@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import ipaddress
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ import structlog
 from residency.control.cli.common import add_db_arg
 from residency.control.cli.ctl_cmd import parse_size
 from residency.control.cli.main import UserError
+from residency.control.cli.run_dir import drop_key, open_run_dir, run_key
 from residency.control.cli.serve_api import api_app, drain, start_api
 from residency.control.cli.supervisor import Supervisor, plan_workers
 from residency.control.scheduler.wedge import DEFAULT_FACTOR, DEFAULT_FLOOR_S
@@ -119,17 +121,58 @@ def _serving_args(p) -> None:
                         f"/health says 503 until it steps again (default {DEFAULT_FLOOR_S:g})")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion budget of a chat request that names no max_tokens (reserved up front)")
-    g.add_argument("--admin-key", default=os.environ.get("RESIDENCY_ADMIN_KEY"),
-                   help="bearer key of the admin routes (env RESIDENCY_ADMIN_KEY); unset: admin routes are open")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--admin-key", default=os.environ.get("RESIDENCY_ADMIN_KEY"),
+                     help="bearer key of the admin routes (env RESIDENCY_ADMIN_KEY); unset: admin routes are open")
+    key.add_argument("--admin-key-file", metavar="PATH", default=os.environ.get("RESIDENCY_ADMIN_KEY_FILE"),
+                     help="read the admin key from this file instead, so it is not in the process list "
+                          "(env RESIDENCY_ADMIN_KEY_FILE)")
 
 
 def _serving(args) -> bool:
     return args.model not in (None, "", "none")
 
 
+def admin_key(args) -> str | None:
+    """The admin routes' key: --admin-key, or the first line of --admin-key-file (a file that
+    group or others may read is used, with a warning)."""
+    if not args.admin_key_file:
+        return args.admin_key or None
+    path = Path(args.admin_key_file)
+    try:
+        text = path.read_text().strip()
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise UserError(f"--admin-key-file {path}: {e.strerror}") from None
+    if not text:
+        raise UserError(f"--admin-key-file {path} is empty")
+    if mode & 0o077:
+        log.warning("admin_key_file_readable", path=str(path), mode=f"{mode & 0o777:o}")
+    return text.splitlines()[0].strip()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False       # a name: it may resolve to any address
+
+
+def warn_if_open(host: str, key: str | None) -> bool:
+    """Admin routes with no key on an address other hosts can reach: say so (True when said)."""
+    if key or is_loopback(host):
+        return False
+    log.warning("admin_routes_open", host=host,
+                detail="the admin routes take no key and other hosts can reach this address; "
+                       "set --admin-key-file (or RESIDENCY_ADMIN_KEY) or serve on 127.0.0.1")
+    return True
+
+
 # ---------------------------------------------------------------------- run
 def _lock(run_dir: Path):
-    fd = os.open(run_dir / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(run_dir / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -153,7 +196,7 @@ def _worker_serving_argv(args) -> list[str]:
     return argv
 
 
-def build_config(args, run_dir: Path, devices: list[str]):
+def build_config(args, run_dir: Path, devices: list[str], peer_key: bytes | None = None):
     from residency.control.moves import MoveConfig  # noqa: PLC0415
     from residency.control.policy import PolicyConfig  # noqa: PLC0415
     from residency.control.proc import ControlConfig  # noqa: PLC0415
@@ -163,7 +206,7 @@ def build_config(args, run_dir: Path, devices: list[str]):
     digest = hashlib.sha256(repr(sorted(vars(args).items(), key=lambda kv: kv[0])).encode()).hexdigest()[:16]
     return ControlConfig(
         worker_endpoint=args.worker_endpoint or worker_endpoint(run_dir), ask_endpoint=ask_endpoint(run_dir),
-        expected_workers=list(range(len(devices))), worker_lost_s=args.heartbeat_lost_s,
+        expected_workers=list(range(len(devices))), peer_key=peer_key, worker_lost_s=args.heartbeat_lost_s,
         heartbeat_missed_s=min(1.5, args.heartbeat_lost_s / 2), adopt_grace_s=args.adopt_grace_s,
         durability=args.durability, config_digest=digest, keep_disk=args.keep_disk,
         anchor_file=args.anchor, anchor_key_file=args.anchor_key, anchor_every_events=args.anchor_every,
@@ -184,15 +227,19 @@ def _park_idle_s(args) -> float:
 
 def run(args) -> int:
     from residency.control.proc import ControlProc  # noqa: PLC0415
-    from residency.control.transport import default_run_dir  # noqa: PLC0415
+    from residency.control.transport import default_run_dir, per_user_root  # noqa: PLC0415
     from residency.ledger import LedgerStore  # noqa: PLC0415
 
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.db)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.run_dir:
+        run_dir = open_run_dir(Path(args.run_dir))
+    else:
+        root = None if os.environ.get("RESIDENCY_RUN_ROOT") else per_user_root()
+        run_dir = open_run_dir(default_run_dir(args.db), root)
     lock_fd = _lock(run_dir)
     devices = plan_workers(args)
+    args.admin_key = admin_key(args)
     store = LedgerStore.open(args.db, create=True)
-    cfg = build_config(args, run_dir, devices)
+    cfg = build_config(args, run_dir, devices, run_key(run_dir))
     proc = ControlProc(store, cfg)
 
     def argv_for(w: int, epoch: int) -> list[str]:
@@ -222,6 +269,7 @@ def run(args) -> int:
     try:
         proc.start()
         if app is not None:
+            warn_if_open(args.host, args.admin_key)
             api = start_api(app, args.host, args.port)
         log.info("serve_started", ledger=store.url, run_dir=str(run_dir), workers=devices,
                  worker_endpoint=cfg.worker_endpoint, ask_endpoint=cfg.ask_endpoint,
@@ -236,7 +284,8 @@ def run(args) -> int:
         if api is not None:
             api[0].should_exit = True
         proc.stop(reason[0] if reason else "control loop ended")
-        supervisor.stop()
+        if supervisor.stop() and proc.fatal is None:
+            drop_key(run_dir)       # no worker outlives this run: the next one gets a fresh key
         store.close()
         os.close(lock_fd)
     if proc.fatal is not None:

@@ -97,9 +97,10 @@ class Supervisor:
         self.starts.setdefault(w, []).append(time.monotonic())
         log.info("worker_starting", worker=w, epoch=epoch, pid=popen.pid)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float = 15.0) -> bool:
         """After the control process told the workers to stop: wait for them, then make sure.
-        A worker still starting never heard the Shutdown: it is terminated at once."""
+        A worker still starting never heard the Shutdown: it is terminated at once. True: none is
+        left alive."""
         for c in self.children.values():
             if not c.joined and c.popen.poll() is None:
                 c.popen.terminate()
@@ -124,8 +125,9 @@ class Supervisor:
                 pids = {pid for pid in pids if _alive(pid)}
                 time.sleep(0.05)
             if not pids:
-                return
+                return True
             deadline = time.monotonic() + 3.0
+        return False
 
 
 def _alive(pid: int) -> bool:

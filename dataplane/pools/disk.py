@@ -69,7 +69,7 @@ class DiskTier:
     def __init__(self, directory: str | os.PathLike, layout: KVLayout, capacity_bytes: int | None = None,
                  fsync: bool = True):
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self.fsync = fsync
@@ -155,7 +155,9 @@ class DiskTier:
         head = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, 0, block_id, self.block_bytes, checksum, self._digest, 0)
         head = head[:56] + struct.pack("<I", zlib.crc32(head[:56])) + head[60:]
         written = 0
-        with open(self._tmp_path(block_id), "wb", buffering=0) as f:
+        # 0600: KV bytes are the prompts of whoever was served; no other user may read them
+        fd = os.open(self._tmp_path(block_id), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb", buffering=0) as f:
             _write_all(f, head)
             written = _write_all(f, data)
             if self.fsync:
@@ -266,7 +268,7 @@ class DiskTier:
             except (DiskCopyError, ValueError) as e:
                 report.quarantined.append((name, str(e)))
                 qdir = os.path.join(self.directory, "quarantine")
-                os.makedirs(qdir, exist_ok=True)
+                os.makedirs(qdir, mode=0o700, exist_ok=True)
                 os.replace(path, os.path.join(qdir, f"{time.time_ns()}-{name}"))
                 continue
             self._index[bid] = checksum
@@ -352,5 +354,5 @@ def worker_disk_dir(run_dir: str | os.PathLike, worker: int, keep: bool) -> Path
     path = Path(run_dir) / f"disk-{worker}"
     if not keep:
         shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path

@@ -176,13 +176,17 @@ class FakeWorker:
     _decoder = msgspec.msgpack.Decoder(ToWorker)
 
     def __init__(self, endpoint: str, worker: int = 0, epoch: int = 1, block_bytes: int = 4096,
-                 tiers: dict[str, int] | None = None, identity: bytes | None = None):
+                 tiers: dict[str, int] | None = None, identity: bytes | None = None, key: bytes | None = None):
+        from residency.events import handshake
+
         self.worker, self.epoch, self.block_bytes = worker, epoch, block_bytes
         self.tiers = tiers or {"device": 64 * block_bytes, "host": 128 * block_bytes, "disk": 256 * block_bytes}
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity if identity is not None else b"w%d" % worker)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:      # a peer key proven in the handshake (a keyed control takes no other)
+            handshake.apply(self.sock, handshake.client_options(key, endpoint, "worker"))
         self.sock.connect(endpoint)
         self.answer_pings = True
 
@@ -275,6 +279,23 @@ def commit_blocks(proc, fw: FakeWorker, n: int, session: str | None = "s", tier:
 
 
 # ---------------------------------------------------------------------- real processes
+class ServeClient:
+    """An ask client of a `residency serve` in ``run_dir``: it reads the run's peer key at each
+    ask, since serve writes it only once it starts (before that: ``ControlUnreachable``)."""
+
+    def __init__(self, run_dir: Path, timeout_s: float = 10.0):
+        self.run_dir, self.timeout_s = Path(run_dir), timeout_s
+
+    def ask(self, msg, timeout_s: float | None = None):
+        from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
+        from residency.events.handshake import key_in
+
+        key = key_in(self.run_dir)
+        if key is None:
+            raise ControlUnreachable(f"no peer key in {self.run_dir} yet (serve not started)")
+        return AskClient(ask_endpoint(self.run_dir), timeout_s=self.timeout_s, key=key).ask(msg, timeout_s)
+
+
 def worker_argv(worker: int, endpoint: str, run_dir: Path, *, mover: str = "real", faults: str = "",
                 epoch: int = 0, device_blocks: int = 256, host_blocks: int = 512, disk_blocks: int = 1024,
                 layout: str = SMALL_LAYOUT, block_bytes: int = SMALL_BLOCK) -> list[str]:

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
+from residency.control.transport import ControlUnreachable
 from residency.events.asks import AskStatus
 from residency.ledger import LedgerStore
 
-from tests.control_plane.conftest import REPO, RESIDENCY, SMALL_BLOCK, check_ledger, spawn, wait_for  # noqa: E402
+from tests.control_plane.conftest import REPO, RESIDENCY, SMALL_BLOCK, ServeClient, check_ledger, spawn, wait_for  # noqa: E402
 from tests.control_plane.test_worker_kill import serve_argv  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def test_serve_ctl_status_and_a_clean_stop_on_sigterm(tmp_path, short_dir):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     serve = spawn(serve_argv(url, short_dir), tmp_path / "serve.log",
                   env={"RESIDENCY_LOG_FORMAT": "console"})
-    client = AskClient(ask_endpoint(short_dir), timeout_s=5)
+    client = ServeClient(short_dir, timeout_s=5)
 
     def linked():
         try:

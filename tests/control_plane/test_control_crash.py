@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from residency.control.transport import AskClient, ControlUnreachable, ask_endpoint
+from residency.control.transport import ControlUnreachable
 from residency.events import catalog as ev
 from residency.events.asks import AskCommitBlocks, AskMove, AskStatus
 from residency.ledger import LedgerStore
 
-from tests.control_plane.conftest import check_ledger, events_of, spawn, wait_for  # noqa: E402
+from tests.control_plane.conftest import ServeClient, check_ledger, events_of, spawn, wait_for  # noqa: E402
 from tests.control_plane.test_worker_kill import serve_argv  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ class Server:
 
     def __init__(self, url, run_dir, log_path):
         self.url, self.run_dir, self.log_path = url, run_dir, log_path
-        self.client = AskClient(ask_endpoint(run_dir), timeout_s=10)
+        self.client = ServeClient(run_dir, timeout_s=10)
         self.popen = None
 
     def start(self, faults: str = "", crash_may_come_first: bool = False):

@@ -76,6 +76,13 @@ def test_a_ceiling_above_capacity_or_a_floor_above_the_ceiling_is_not_a_budget()
     assert budget.check_budget(b.state, 3, "device", 0, 0) == "no worker 3"
 
 
+def test_a_budget_refusal_names_its_sizes_in_human_units_and_exact_bytes():
+    b = Book(device=10)
+    cap = 10 * BB
+    assert budget.check_budget(b.state, 0, "device", 0, 60 << 30) == (
+        f"ceiling 60.0 GiB ({60 << 30} bytes) > capacity {cap / (1 << 20):.1f} MiB ({cap} bytes) of device on worker 0")
+
+
 def test_an_ask_is_funded_whole_or_refused_whole_never_smaller():
     b = Book(device=4, host=20)
     b.commit(range(3), 1, tier="host", session="a")

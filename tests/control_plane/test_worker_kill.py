@@ -10,13 +10,12 @@ import time
 
 import pytest
 
-from residency.control.transport import AskClient, ask_endpoint
 from residency.events import catalog as ev
 from residency.events.asks import AskCommitBlocks, AskMove, AskStatus
 from residency.ledger import LedgerStore
 
 from tests.control_plane.conftest import (  # noqa: E402
-    REPO, RESIDENCY, SMALL_BLOCK, SMALL_LAYOUT, check_ledger, events_of, kill_pid_file, spawn, wait_for,
+    REPO, RESIDENCY, SMALL_BLOCK, SMALL_LAYOUT, ServeClient, check_ledger, events_of, kill_pid_file, spawn, wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -48,7 +47,7 @@ def test_kill_9_a_worker_in_the_middle_of_a_large_spill_and_of_a_restore(tmp_pat
     run_dir = short_dir
     serve = spawn(serve_argv(url, run_dir), tmp_path / "serve.log",
                   env={"RESIDENCY_WORKER_FAULTS": "exec_delay_ms=1500", "RESIDENCY_LOG_FORMAT": "console"})
-    client = AskClient(ask_endpoint(run_dir), timeout_s=30)
+    client = ServeClient(run_dir, timeout_s=30)
     try:
         wait_for(lambda: worker_up(client), timeout=60, interval=0.2, what="worker joined")
         ans = client.ask(AskCommitBlocks(ask_id="c", worker=0, session="big", tier="device", num_blocks=512))

@@ -88,3 +88,18 @@ def test_a_worker_offers_the_files_it_found_and_deletes_those_the_control_does_n
         assert isinstance(second.execute(move("restore", "disk", "device", [4])), MoveAcked)
         assert torch.equal(words_of(second, "device", 4), data[4])
         assert core.run(ClaimDisk(keep=[])) == [DiskClaimed(worker=0, kept=[], dropped=[], bytes_dropped=0)]
+
+
+def test_kv_files_on_disk_are_readable_only_by_their_owner(tmp_path):
+    # KV bytes are what was served; the umask of whoever started the server must not widen that
+    old = os.umask(0o022)
+    try:
+        with make_mover(tmp_path / "disk") as mover:
+            commit(mover, "device", [5, 8])
+            mover.execute(move("evict", "device", "disk", [5, 8]))
+            paths = [mover.disk_tier.path_of(b) for b in (5, 8)]
+            modes = [os.stat(p).st_mode & 0o777 for p in paths]
+    finally:
+        os.umask(old)
+    assert modes == [0o600, 0o600]
+    assert os.stat(tmp_path / "disk").st_mode & 0o777 == 0o700
