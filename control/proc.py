@@ -45,6 +45,7 @@ import structlog
 import zmq
 
 from residency.events import catalog as ev
+from residency.control import recovery
 from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
 from residency.control.keep_awake import AwakeWhileMoving
@@ -275,6 +276,11 @@ class ControlProc:
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
         self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
+        orphaned = recovery.orphaned_requests(self.state)
+        for e in orphaned:
+            self.recorder.record(e, correlation=e.request_id)
+        if orphaned:
+            log.warning("requests_closed_at_start", num_requests=len(orphaned), reason=recovery.CONTROL_LOST)
         self.recorder.flush()
 
     def _close(self) -> None:
