@@ -251,7 +251,9 @@ class WorkerRegistry:
             self.lose(w, f"replaced by a new incarnation (epoch {msg.epoch})", found)
         elif ws is not None and ws.alive and self.roster.get(w) != msg.epoch and self._has_history(w):
             why = "stopped with the server" if self._stopped_cleanly else "not back after the control restart"
-            self.lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found)
+            # after a clean stop this is every start's expected step, not a warning
+            self.lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found,
+                      expected=self._stopped_cleanly)
         ws = self.state.workers.get(w)
         if ws is not None and not ws.alive and self.roster.get(w) == msg.epoch:
             # NOTE: the ledger already wrote this incarnation off (its blocks are counted lost);
@@ -353,7 +355,7 @@ class WorkerRegistry:
         if self.roster.get(worker) == epoch:    # not an incarnation already replaced
             self.lose(worker, f"worker process exited with code {returncode}")
 
-    def lose(self, worker: int, reason: str, found_on_disk: Collection[int] = ()) -> None:
+    def lose(self, worker: int, reason: str, found_on_disk: Collection[int] = (), expected: bool = False) -> None:
         link = self.by_worker.pop(worker, None)
         if link is not None:
             self._links.pop(link.identity, None)
@@ -364,8 +366,9 @@ class WorkerRegistry:
         for e in watchdog.loss(self.state, worker, reason, self.book.undispatched, found_on_disk):
             if type(e) is ev.WorkerLost:
                 self.busy.drop_worker(worker)
-                log.warning("worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
-                            bytes_lost=e.bytes_lost, kept_on_disk=len(e.kept_on_disk), bytes_kept=e.bytes_kept)
+                (log.info if expected else log.warning)(
+                    "worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
+                    bytes_lost=e.bytes_lost, kept_on_disk=len(e.kept_on_disk), bytes_kept=e.bytes_kept)
                 self.recorder.record(e)
             else:
                 self.settle(e.move_id, e)
