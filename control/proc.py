@@ -76,6 +76,9 @@ class ControlProc:
         self.metrics: collections.Counter = collections.Counter()
         # Blocks the serving path is using right now (worker -> ids): policies never move them.
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
+        # A worker's process is gone but its loss waits for the next incarnation (its disk copies,
+        # WorkerRegistry): the serving path answers what ran there now (loop thread).
+        self.worker_gone: Callable[[int], None] = lambda worker: None
         self._ctx = ctx or zmq.Context.instance()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -269,7 +272,7 @@ class ControlProc:
         self._writer = self._default_writer(self.store)
         parts = Parts(self.store, self.cfg, rec, self._writer, self._router, self._ask_server, self.traces,
                       self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
-                      lambda: self._stop_reason is not None, self.health)
+                      lambda: self._stop_reason is not None, self.health, lambda w: self.worker_gone(w))
         self.recorder, self.checkpoints, self.answers = parts.recorder, parts.checkpoints, parts.answers
         self.awake, self.keep_awake = parts.awake, parts.keep_awake
         self.workers, self.moves, self.asks = parts.workers, parts.moves, parts.asks
