@@ -19,7 +19,7 @@ import msgspec
 
 from residency.events import catalog as ev
 from residency.control.views import human_bytes
-from residency.control.state import State, TierAccount
+from residency.control.state import LOST, State, TierAccount
 
 
 class Refusal(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,7 +60,7 @@ def stranded_toward(state: State, answered: frozenset[str] | set[str] = frozense
     """
     out: dict[tuple[int, str], int] = {}
     for mid, mv in state.stranded.items():
-        if mv.src != mv.dst and mid not in answered:
+        if mv.src != mv.dst and mid not in answered and mv.status != LOST:   # a lost one cannot land
             key = (mv.worker, mv.dst)
             out[key] = out.get(key, 0) + mv.bytes_planned
     return out

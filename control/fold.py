@@ -25,6 +25,7 @@ from residency.events import catalog as ev
 from residency.events.envelope import Recorded
 from residency.control import fold_moves, fold_serving
 from residency.control.fold_base import anomaly as _anomaly, free_copies, worker_or_anomaly as _worker
+from residency.control.fold_moves import lose_moves
 from residency.control.state import (
     BlockState,
     copy_set,
@@ -128,6 +129,7 @@ def _worker_lost(s: State, e: ev.WorkerLost, seq: int) -> None:
         return
     ws.alive, ws.lost_reason = False, e.reason
     ws.bytes_lost += e.bytes_lost
+    lose_moves(s, ws)
     # Every copy lived in that worker's memory or disk: gone with it, but for the disk copies
     # its next incarnation found and verified (kept_on_disk).
     for t in ws.tiers.values():

@@ -9,7 +9,7 @@ from typing import Callable
 
 from residency.events import catalog as ev
 from residency.control.fold_base import NO_BLOCKS as _NO_BLOCKS, anomaly as _anomaly, free_copies
-from residency.control.state import MAX_REFUSALS_KEPT, MoveState, RefusalSummary, State, copy_set
+from residency.control.state import LOST, MAX_REFUSALS_KEPT, MoveState, RefusalSummary, State, WorkerState, copy_set
 
 
 def _terminal(s: State, move_id: str, outcome: str, seq: int) -> MoveState | None:
@@ -101,7 +101,7 @@ def _move_dispatched(s: State, e: ev.MoveDispatched, seq: int) -> None:
     mv = s.inflight.get(e.move_id)
     if mv is None:
         _anomaly(s, seq, f"MoveDispatched for move {e.move_id} not in flight")
-    else:
+    elif mv.status != LOST:
         mv.status = "dispatched"
 
 
@@ -123,17 +123,34 @@ def _move_abandoned(s: State, e: ev.MoveAbandoned, seq: int) -> None:
     _terminal(s, e.move_id, "MoveAbandoned", seq)
 
 
+def lose_moves(s: State, ws: WorkerState) -> None:
+    """A WorkerLost: every byte that was on the worker is counted once, in its ``bytes_lost``.
+    Its moves in flight (they will be stranded or abandoned next) and its stranded moves are
+    marked LOST, and a stranded one's bytes leave the tier's stranded account: their blocks are
+    among those the loss names (or among the disk copies it keeps)."""
+    w = ws.worker
+    for mv in s.inflight.values():
+        if mv.worker == w:
+            mv.status = LOST
+    for mv in s.stranded.values():
+        if mv.worker == w and mv.status != LOST:
+            mv.status = LOST
+            ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
+
+
 def _move_stranded(s: State, e: ev.MoveStranded, seq: int) -> None:
     mv = _terminal(s, e.move_id, "MoveStranded", seq)
     if mv is None:
         return
-    mv.status = "stranded"
     s.stranded[e.move_id] = mv
+    # remember what was at risk so a late ack can re-account exactly that
+    mv.bytes_planned = e.bytes_at_risk
+    if mv.status == LOST:           # its worker was lost since it was requested: counted there
+        return
+    mv.status = "stranded"
     ws = s.workers.get(mv.worker)
     if ws is not None:
         ws.tiers[mv.src].stranded_bytes += e.bytes_at_risk
-    # remember what was at risk so a late ack can re-account exactly that
-    mv.bytes_planned = e.bytes_at_risk
 
 
 def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
@@ -145,6 +162,8 @@ def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
     s.num_moves["MoveLateAcked"] = s.num_moves.get("MoveLateAcked", 0) + 1
     ws = s.workers.get(mv.worker)
     if ws is not None:
+        if mv.status == LOST:       # the incarnation that moved them is gone, and its copies with it
+            return
         ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
         if ws.alive:
             _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
@@ -156,9 +175,13 @@ def _copies_released(s: State, e: ev.CopiesReleased, seq: int) -> None:
     same order, that the two rows older ledgers recorded for it (an ack with nothing moved, then
     ``BlocksFreed``) take, so both forms fold to the same state. The outcome keeps the ack's name
     in ``outcomes``/``num_moves`` for that reason."""
-    if e.move_id in s.stranded:
+    stranding = s.stranded.get(e.move_id)
+    if stranding is not None:
+        lost = stranding.status == LOST
         _move_late_acked(s, ev.MoveLateAcked(move_id=e.move_id, worker=e.worker, bytes_moved=0, bytes_freed_src=0,
                                              checksum_ok=True, started_ns=0, finished_ns=0), seq)
+        if lost:                    # its copies went with the lost worker (the loss counted them)
+            return
     else:
         _move_acked(s, ev.MoveAcked(move_id=e.move_id, worker=e.worker, bytes_moved=0, bytes_freed_src=0,
                                     checksum_ok=True, started_ns=0, finished_ns=0), seq)

@@ -4,6 +4,8 @@ heartbeats, loss, and every message on the worker socket.
     Hello (new incarnation)  ─► WorkerJoined, then QueryMoves for what it may have done for us
     Hello (same incarnation) ─► adopted after a control restart (no event), queried again
     silence > heartbeat_missed_s ─► WorkerHeartbeatMissed;  > worker_lost_s ─► WorkerLost
+    its process exits            ─► WorkerLost, but (keep_disk) one that held disk copies waits up to
+                   replace_wait_s for its next incarnation's Hello, whose verified files the loss keeps
     a message from a sender that never said Hello ─► ErrorReply(unknown_worker): it says Hello again
     Hello.lane (the worker's device-thread socket) ─► device-thread commands wait for its LaneHello,
                    then go to the lane; Ping, QueryMoves, Shutdown and Tokenize (the worker tokenizes
@@ -73,7 +75,7 @@ class WorkerRegistry:
     def __init__(self, cfg: ControlConfig, state: State, roster: dict[int, int], router: WorkerRouter,
                  recorder: Recorder, book: MoveBook, busy: BusyIndex, metrics: collections.Counter,
                  handlers: dict[type, Callable], crashed: bool, settle: Callable[[str, ev.Event], None],
-                 on_joined: Callable[[int], None]):
+                 on_joined: Callable[[int], None], on_gone: Callable[[int], None] = lambda w: None):
         self.cfg = cfg
         self.state = state
         self.roster = roster                   # worker -> epoch of its last WorkerJoined
@@ -85,6 +87,7 @@ class WorkerRegistry:
         self.handlers = handlers
         self.settle = settle
         self.on_joined = on_joined
+        self.on_gone = on_gone                 # a worker's process is gone before its loss is recorded
         self.by_worker: dict[int, WorkerLink] = {}
         self.last_recv_ns = 0                  # wall clock of the last read off the socket (traces)
         self._links: dict[bytes, WorkerLink] = {}
@@ -96,7 +99,8 @@ class WorkerRegistry:
         # Workers the ledger says are serving: after a crash they get a grace to come back.
         alive = [w for w, ws in state.workers.items() if ws.alive]
         self._adopting: dict[int, int] = {w: now + int(cfg.adopt_grace_s * S) for w in alive} if crashed else {}
-        self._replacing: dict[int, int] = {}   # worker -> until when its disk copies wait
+        # worker -> (until when its disk copies wait for the next incarnation, why the last one went)
+        self._replacing: dict[int, tuple[int, str]] = {}
 
     @property
     def adopting(self) -> Collection[int]:
@@ -247,11 +251,17 @@ class WorkerRegistry:
         ws = self.state.workers.get(w)
         old = self.by_worker.get(w)
         found = msg.disk_blocks if self.cfg.keep_disk else ()
+        waited = self._replacing.get(w)
         if old is not None and old.epoch != msg.epoch:
             self.lose(w, f"replaced by a new incarnation (epoch {msg.epoch})", found)
         elif ws is not None and ws.alive and self.roster.get(w) != msg.epoch and self._has_history(w):
-            why = "stopped with the server" if self._stopped_cleanly else "not back after the control restart"
-            self.lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found)
+            if waited is not None:
+                why, expected = waited[1], False
+            else:   # after a clean stop this is every start's expected step, not a warning
+                why = "stopped with the server" if self._stopped_cleanly else "not back after the control restart"
+                expected = self._stopped_cleanly
+            self.lose(w, f"{why}; epoch {msg.epoch} replaces {self.roster.get(w)}", found,
+                      expected=expected)
         ws = self.state.workers.get(w)
         if ws is not None and not ws.alive and self.roster.get(w) == msg.epoch:
             # NOTE: the ledger already wrote this incarnation off (its blocks are counted lost);
@@ -273,6 +283,7 @@ class WorkerRegistry:
                 link.lane_up = True
         adopted = ws is not None and ws.alive and self.roster.get(w) == msg.epoch
         self._adopting.pop(w, None)
+        self._replacing.pop(w, None)
         if adopted:
             log.info("worker_adopted", worker=w, epoch=msg.epoch)
         else:
@@ -324,10 +335,8 @@ class WorkerRegistry:
             if now > until:
                 del self._adopting[w]
                 why = f"did not come back within {self.cfg.adopt_grace_s} s of the control restart"
-                if self.cfg.keep_disk and any("disk" in st.tiers for st in self.state.blocks.get(w, {}).values()):
-                    # its disk files may have outlived it: the next incarnation says which (Hello)
-                    self._replacing[w] = now + int(self.cfg.replace_wait_s * S)
-                    log.warning("worker_awaiting_replacement", worker=w, why=why, wait_s=self.cfg.replace_wait_s)
+                if self._holds_disk(w):
+                    self._await_replacement(w, "not back after the control restart", now)
                 else:
                     self.lose(w, why)
             else:   # a surviving worker answers a ping; we answer unknown_worker; it says Hello again
@@ -335,9 +344,9 @@ class WorkerRegistry:
                     self.router.send(worker_identity(w), ping)
                 except WorkerUnreachable:
                     pass
-        for w, until in list(self._replacing.items()):
+        for w, (until, why) in list(self._replacing.items()):
             if now > until:
-                self.lose(w, f"no new incarnation within {self.cfg.replace_wait_s} s of the control restart")
+                self.lose(w, f"{why}; no new incarnation within {self.cfg.replace_wait_s} s")
         heard = {link.worker: link.last_heard_ns for link in self._links.values()}
         missed, lost = watchdog.silence(heard, now, int(self.cfg.heartbeat_missed_s * S), int(self.cfg.worker_lost_s * S),
                                         {lk.worker for lk in self._links.values() if lk.missed})
@@ -350,22 +359,51 @@ class WorkerRegistry:
 
     def exited(self, worker: int, epoch: int, returncode: int | None) -> None:
         """The supervisor saw the process of ``worker`` incarnation ``epoch`` exit."""
-        if self.roster.get(worker) == epoch:    # not an incarnation already replaced
-            self.lose(worker, f"worker process exited with code {returncode}")
+        ws = self.state.workers.get(worker)
+        if self.roster.get(worker) != epoch or ws is None or not ws.alive or worker in self._replacing:
+            return      # an incarnation already replaced, lost, or waited for
+        why = f"worker process exited with code {returncode}"
+        if self._holds_disk(worker):
+            self._await_replacement(worker, why, time.monotonic_ns())
+        else:
+            self.lose(worker, why)
 
-    def lose(self, worker: int, reason: str, found_on_disk: Collection[int] = ()) -> None:
+    def _holds_disk(self, worker: int) -> bool:
+        return self.cfg.keep_disk and any("disk" in st.tiers for st in self.state.blocks.get(worker, {}).values())
+
+    def _await_replacement(self, worker: int, why: str, now: int) -> None:
+        """The incarnation is gone, but its disk files may have outlived it: the next one says
+        which it found and verified (Hello), and the loss is recorded then, keeping those.
+
+        NOTE: until then the ledger still counts the worker alive. Its link is dropped at once,
+        so the supervisor starts the next incarnation and nothing more is sent to the dead one;
+        commands that commit meanwhile wait (MoveDispatcher) and its moves already sent are
+        stranded at their deadline, both settled under the loss when it comes. ``on_gone`` lets
+        the serving path answer the requests that ran there without waiting for the loss."""
+        self._unlink(worker)
+        self._adopting.pop(worker, None)
+        self._replacing[worker] = (now + int(self.cfg.replace_wait_s * S), why)
+        self.metrics["workers_awaiting_replacement"] += 1
+        log.warning("worker_awaiting_replacement", worker=worker, why=why, wait_s=self.cfg.replace_wait_s)
+        self.on_gone(worker)
+
+    def _unlink(self, worker: int) -> None:
         link = self.by_worker.pop(worker, None)
         if link is not None:
             self._links.pop(link.identity, None)
             if link.lane is not None and self._lanes.get(link.lane) is link:
                 del self._lanes[link.lane]
+
+    def lose(self, worker: int, reason: str, found_on_disk: Collection[int] = (), expected: bool = False) -> None:
+        self._unlink(worker)
         self._adopting.pop(worker, None)
         self._replacing.pop(worker, None)
         for e in watchdog.loss(self.state, worker, reason, self.book.undispatched, found_on_disk):
             if type(e) is ev.WorkerLost:
                 self.busy.drop_worker(worker)
-                log.warning("worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
-                            bytes_lost=e.bytes_lost, kept_on_disk=len(e.kept_on_disk), bytes_kept=e.bytes_kept)
+                (log.info if expected else log.warning)(
+                    "worker_lost", worker=worker, reason=reason, blocks_lost=len(e.blocks_lost),
+                    bytes_lost=e.bytes_lost, kept_on_disk=len(e.kept_on_disk), bytes_kept=e.bytes_kept)
                 self.recorder.record(e)
             else:
                 self.settle(e.move_id, e)

@@ -45,6 +45,7 @@ import structlog
 import zmq
 
 from residency.events import catalog as ev
+from residency.control import recovery
 from residency.control.anchoring import Anchoring
 from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
@@ -77,6 +78,9 @@ class ControlProc:
         self.metrics: collections.Counter = collections.Counter()
         # Blocks the serving path is using right now (worker -> ids): policies never move them.
         self.blocks_in_use: Callable[[], dict[int, set[int]]] = lambda: {}
+        # A worker's process is gone but its loss waits for the next incarnation (its disk copies,
+        # WorkerRegistry): the serving path answers what ran there now (loop thread).
+        self.worker_gone: Callable[[int], None] = lambda worker: None
         # NOTE: a ZAP handler serves a whole context: a keyed control owns one, so two of them
         # in one process (tests) never meet on the same handler
         self._own_ctx = ctx is None and config.peer_key is not None
@@ -286,7 +290,7 @@ class ControlProc:
         self._writer = self._default_writer(self.store)
         parts = Parts(self.store, self.cfg, rec, self._writer, self._router, self._ask_server, self.traces,
                       self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
-                      lambda: self._stop_reason is not None, self.health)
+                      lambda: self._stop_reason is not None, self.health, lambda w: self.worker_gone(w))
         self.recorder, self.checkpoints, self.answers = parts.recorder, parts.checkpoints, parts.answers
         self.anchoring = (Anchoring(self.store, self.cfg.anchor_file, self.cfg.anchor_key_file,
                                     self.cfg.anchor_every_events, rec.last_seq) if self.cfg.anchor_file else None)
@@ -295,6 +299,11 @@ class ControlProc:
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
         self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
+        orphaned = recovery.orphaned_requests(self.state)
+        for e in orphaned:
+            self.recorder.record(e, correlation=e.request_id)
+        if orphaned:
+            log.warning("requests_closed_at_start", num_requests=len(orphaned), reason=recovery.CONTROL_LOST)
         self.recorder.flush()
 
     def _close(self) -> None:

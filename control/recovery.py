@@ -17,6 +17,10 @@ What a report settles (``reconcile``):
                                                     a command still in a pipe is refused, never run)
     stranded, the worker acked it                -> MoveLateAcked (re-accounts the stranded bytes)
     in flight, not in the report                 -> still running there: its ack will come
+
+Requests admitted and never finished were served by the process that is gone: each is closed with
+``RequestFinished(reason="control_lost")`` (``orphaned_requests``); a surviving worker still
+generating one is told to cancel it when its next tokens come (control/scheduler/streams.py).
 """
 from __future__ import annotations
 
@@ -96,6 +100,17 @@ def next_epoch(max_seen: int, now_ms: int) -> int:
     """Strictly greater than every epoch this producer used: (producer, epoch, producer_seq)
     is the ledger's idempotence key, so reusing an epoch would make new events look like retries."""
     return max(max_seen + 1, now_ms)
+
+
+CONTROL_LOST = "control_lost"
+
+
+def orphaned_requests(state: State) -> list[ev.RequestFinished]:
+    """A RequestFinished for every request the ledger has admitted and not finished: the process
+    that served them is gone, and nobody waits for them any more (their HTTP connections died with
+    it). Recorded at start, after ServerStarted. ``completion_tokens`` is 0: the ledger records a
+    request's tokens only in its RequestFinished, which never came."""
+    return [ev.RequestFinished(request_id=rid, reason=CONTROL_LOST, completion_tokens=0) for rid in state.requests]
 
 
 def to_query(state: State, worker: int, book: moves.MoveBook) -> list[str]:

@@ -57,7 +57,8 @@ class Parts:
     def __init__(self, store, cfg: ControlConfig, rec: recovery.Recovered, writer, router: WorkerRouter,
                  ask_server: AskServer | None, traces: MoveTraces, faults: ControlFaults,
                  metrics: collections.Counter, listeners: list, handlers: dict[type, Callable],
-                 blocks_in_use: Callable[[], dict[int, set[int]]], stopping: Callable[[], bool], health: Callable):
+                 blocks_in_use: Callable[[], dict[int, set[int]]], stopping: Callable[[], bool], health: Callable,
+                 worker_gone: Callable[[int], None] = lambda w: None):
         state, recency, epoch, now = rec.state, rec.recency, rec.epoch, time.monotonic_ns()
         self.recorder = recorder = Recorder(store, writer, state, recency, epoch, faults, cfg.durability,
                                             1000 if cfg.commit_inline else 0, listeners, metrics)
@@ -72,7 +73,7 @@ class Parts:
         # worker once it joins: each is handed the other's method (the dispatcher is made next)
         self.workers = WorkerRegistry(cfg, state, dict(rec.roster), router, recorder, book, busy, metrics, handlers,
                                       rec.crashed, lambda mid, e: self.moves.settle(mid, e),
-                                      lambda w: self.moves.worker_joined(w))
+                                      lambda w: self.moves.worker_joined(w), worker_gone)
         self.moves = MoveDispatcher(cfg, state, recency, epoch, recorder, book, busy, self.workers, self.answers,
                                     self.awake, self.keep_awake, traces, faults, metrics, blocks_in_use)
         self.asks = AskHandler(cfg, state, epoch, rec.crashed, recorder, ask_server, self.workers, self.moves,

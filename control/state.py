@@ -70,7 +70,13 @@ class MoveState(msgspec.Struct, gc=False):
     deadline_ns: int
     session: str | None
     requested_seq: int
-    status: str = "requested"         # requested | dispatched | stranded
+    status: str = "requested"         # requested | dispatched | stranded | lost (LOST)
+
+
+# NOTE: a move whose worker was lost after it was requested. A byte is stranded once: the
+# WorkerLost's bytes_lost names every block that was on the worker, so such a move's bytes at
+# risk are not counted again in its tier's stranded_bytes (nor by the residency_stranded view).
+LOST = "lost"
 
 
 class SessionState(msgspec.Struct, kw_only=True):
@@ -249,9 +255,17 @@ def check_integrity(state: State) -> None:
     for mid in state.inflight:
         if mid in state.outcomes:
             problems.append(f"move {mid} in flight but already has outcome {state.outcomes[mid]}")
-    for mid in state.stranded:
+    at_risk: dict[tuple[int, str], int] = {}
+    for mid, mv in state.stranded.items():
         if state.outcomes.get(mid) != "MoveStranded":
             problems.append(f"move {mid} listed stranded but outcome is {state.outcomes.get(mid)}")
+        if mv.status != LOST:
+            at_risk[(mv.worker, mv.src)] = at_risk.get((mv.worker, mv.src), 0) + mv.bytes_planned
+    for w, ws in state.workers.items():
+        for t, acc in ws.tiers.items():
+            if acc.stranded_bytes != at_risk.get((w, t), 0):
+                problems.append(f"worker {w} {t}: stranded_bytes {acc.stranded_bytes} != bytes at risk of its "
+                                f"stranded moves {at_risk.get((w, t), 0)} (a lost worker's are in its bytes_lost)")
     for rb in state.rebinds.values():
         if rb.status == "committed":
             behind = [r for r, g in rb.readers.items() if g != rb.to_gen]

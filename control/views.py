@@ -40,8 +40,12 @@ def summarize(state: State) -> dict:
                 "reclaimed_bytes": acc.reclaimed_bytes, "floor_bytes": acc.floor_bytes,
                 "ceiling_bytes": acc.ceiling_bytes,
             }
+        # after a clean stop (ServerStopped) no worker runs: their copies stay in the books until
+        # the next start's incarnations say what they kept (WorkerLost), but none is alive
+        status = ("alive" if state.server_up else "stopped") if ws.alive else "lost"
         workers.append({
-            "worker": w, "device": ws.device, "alive": ws.alive, "lost_reason": ws.lost_reason,
+            "worker": w, "device": ws.device, "alive": status == "alive", "status": status,
+            "lost_reason": ws.lost_reason,
             "bytes_lost": ws.bytes_lost, "block_bytes": ws.block_bytes, "tiers": tiers,
             "pinned_bytes": sum(ws.pinned.values()), "last_step": ws.last_step,
         })
@@ -97,7 +101,8 @@ def render_text(summary: dict, max_rows: int = 20) -> str:
     rows = []
     for w in summary["workers"]:
         for t, a in w["tiers"].items():
-            rows.append([w["worker"], w["device"], "alive" if w["alive"] else f"LOST ({w['lost_reason']})", t,
+            shown = {"alive": "alive", "stopped": "stopped with the server"}.get(w["status"], f"LOST ({w['lost_reason']})")
+            rows.append([w["worker"], w["device"], shown, t,
                          human_bytes(a["capacity_bytes"]), human_bytes(a["used_bytes"]),
                          human_bytes(a["inflight_in_bytes"]), human_bytes(a["stranded_bytes"]),
                          human_bytes(a["reclaimed_bytes"]), human_bytes(a["floor_bytes"])])
@@ -151,8 +156,8 @@ def diff_summaries(a: dict, b: dict) -> list[str]:
         if old is None:
             out.append(f"+ worker {w['worker']} joined ({w['device']})")
             continue
-        if old["alive"] != w["alive"]:
-            out.append(f"~ worker {w['worker']}: {'alive' if old['alive'] else 'lost'} -> {'alive' if w['alive'] else 'lost'}")
+        if old["status"] != w["status"]:
+            out.append(f"~ worker {w['worker']}: {old['status']} -> {w['status']}")
         for t, acc in w["tiers"].items():
             for k, v in acc.items():
                 dv = v - old["tiers"][t][k]

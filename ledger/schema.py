@@ -54,13 +54,15 @@ events = Table(
 )
 Index("ix_events_producer_epoch_producer_seq", events.c.producer, events.c.epoch, events.c.producer_seq, unique=True)
 Index("ix_events_ts_ns", events.c.ts_ns)
-# The move lookups of the audit views, and no more (migrations 0003 and 0004 say why).
+# The move and loss lookups of the audit views, and no more (migrations 0003 to 0005 say why).
 Index("ix_events_move_requested", events.c.move_id,
       sqlite_where=text("type = 'MoveRequested'"), postgresql_where=text("type = 'MoveRequested'"))
 Index("ix_events_move_late_acked", events.c.move_id,
       sqlite_where=text("type = 'MoveLateAcked'"), postgresql_where=text("type = 'MoveLateAcked'"))
 Index("ix_events_copies_released", events.c.move_id,
       sqlite_where=text("type = 'CopiesReleased'"), postgresql_where=text("type = 'CopiesReleased'"))
+Index("ix_events_worker_lost", events.c.worker,
+      sqlite_where=text("type = 'WorkerLost'"), postgresql_where=text("type = 'WorkerLost'"))
 
 snapshots = Table(
     "snapshots", metadata,

@@ -5,7 +5,7 @@ binned once at the end (``control.report.bins``). Audit totals follow the design
 reclaimed bytes come from acks (``bytes_freed_src``), ``BlocksFreed`` and ``CopiesReleased``, never
 from plans;
 stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late ack, plus the bytes that
-were only on a lost worker.
+were only on a lost worker; a stranding whose worker is lost later counts with the loss, once.
 """
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ class ReportCollector:
         # audit totals
         self.reclaimed: dict[tuple[str, str], int] = {}         # (tier, cause) -> bytes
         self.stranded_by_why: dict[str, int] = {}               # why -> bytes outstanding
+        # a byte is stranded once: a loss counts every byte of its worker, so the strandings of
+        # moves requested before it stop counting (control.state.LOST, migration 0005)
+        self._counted: dict[int, dict[str, tuple[str, int]]] = {}   # worker -> move -> (why, bytes)
+        self._lost_seq: dict[int, int] = {}                     # worker -> seq of its last loss
         self.num_moves: dict[str, int] = {}                     # kind -> moves requested
         self.bytes_moved = 0
 
@@ -151,18 +155,32 @@ class ReportCollector:
 
     def _stranded(self, rec: Recorded) -> None:
         self._ended(rec)
-        self._stranded_changed(rec.envelope.ts_ns, rec.event.why, rec.event.bytes_at_risk)
+        e, req = rec.event, self.acct.ended
+        requested_seq = req.envelope.seq if req is not None else rec.envelope.seq
+        if self._lost_seq.get(e.worker, 0) > requested_seq:
+            return
+        self._counted.setdefault(e.worker, {})[e.move_id] = (e.why, e.bytes_at_risk)
+        self._stranded_changed(rec.envelope.ts_ns, e.why, e.bytes_at_risk)
+
+    def _unstranded(self, rec: Recorded) -> None:
+        """A stranding resolved by its answer: its bytes stop counting, if they still did."""
+        counted = self._counted.get(rec.event.worker, {}).pop(rec.event.move_id, None)
+        if counted is not None:
+            self._stranded_changed(rec.envelope.ts_ns, counted[0], -counted[1])
 
     def _late_acked(self, rec: Recorded) -> None:
         self.outcomes["MoveLateAcked"].ts.append(rec.envelope.ts_ns)
         stranding, req = self.acct.ended_stranding, self.acct.ended
         if stranding is not None:
-            self._stranded_changed(rec.envelope.ts_ns, stranding.event.why, -stranding.event.bytes_at_risk)
+            self._unstranded(rec)
         if req is not None:
             self._reclaim(req.event.src, req.event.kind, rec.event.bytes_freed_src)
         self.bytes_moved += rec.event.bytes_moved
 
     def _lost(self, rec: Recorded) -> None:
+        self._lost_seq[rec.event.worker] = rec.envelope.seq
+        for why, nbytes in self._counted.pop(rec.event.worker, {}).values():
+            self._stranded_changed(rec.envelope.ts_ns, why, -nbytes)
         if rec.event.bytes_lost:
             self._stranded_changed(rec.envelope.ts_ns, "blocks_lost", rec.event.bytes_lost)
 
@@ -174,9 +192,8 @@ class ReportCollector:
         ledgers recorded it; its bytes reclaimed with the cause "release"."""
         ev: CopiesReleased = rec.event
         if self.acct.is_late():
-            stranding = self.acct.ended_stranding
             self.outcomes["MoveLateAcked"].ts.append(rec.envelope.ts_ns)
-            self._stranded_changed(rec.envelope.ts_ns, stranding.event.why, -stranding.event.bytes_at_risk)
+            self._unstranded(rec)
         else:
             self._ended(rec, "MoveAcked")
         self._reclaim(ev.tier, "release", ev.bytes)

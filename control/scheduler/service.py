@@ -85,6 +85,7 @@ class ServingService:
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
         proc.blocks_in_use = self.workers.blocks_in_use
+        proc.worker_gone = self._on_worker_gone
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()
 
@@ -208,6 +209,13 @@ class ServingService:
             self.workers.lost(event.worker)
             self.streams.worker_lost(event.worker)
             self.workers.lost_pages(event.worker, set(event.kept_on_disk))     # a disk copy that survived stays
+
+    def _on_worker_gone(self, worker: int) -> None:
+        """Its process exited and its loss waits for the next incarnation to say which disk files
+        survived: nothing more is routed there, and what ran there is answered now, as a loss
+        would (the WorkerLost that follows finds these requests already ended)."""
+        self.workers.lost(worker)
+        self.streams.worker_lost(worker)
 
     def _tick_loop(self, tick_s: float) -> None:
         while not self._stop.wait(tick_s):

@@ -33,6 +33,7 @@ class GenerationStreams:
         self.requests = requests
         self.admission = admission
         self.book = book
+        self.orphans_cancelled: set[str] = set()    # told to cancel; forgotten at their last report
 
     def on_tokens(self, link, msg: TokensGenerated) -> None:
         r = self.requests.get(msg.request_id)
@@ -45,6 +46,10 @@ class GenerationStreams:
                                                 bytes=len(msg.blocks_written) * bb), correlation=msg.request_id)
             sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
         if r is None:
+            if msg.finish_reason is None:
+                self._cancel_orphan(link.worker, msg.request_id)
+                return
+            self.orphans_cancelled.discard(msg.request_id)
             # a request this process no longer tracks still had pages on the worker, which freed
             # them: recorded, so the ledger's books match the worker's
             if msg.blocks_freed:
@@ -75,6 +80,15 @@ class GenerationStreams:
         if is_retained(r.session):
             self.book.evict_retained()
         self.admission.retry_soon()
+
+    def _cancel_orphan(self, worker: int, request_id: str) -> None:
+        """A sequence still running for a request nobody here waits for (its control process was
+        lost; recovery closed the request): cancelled once, so the worker stops computing it and
+        frees its pages (their BlocksFreed comes with its last report)."""
+        if request_id not in self.orphans_cancelled:
+            self.orphans_cancelled.add(request_id)
+            log.info("orphan_cancelled", request_id=request_id, worker=worker)
+            self.proc.send_to_worker(worker, CancelGenerate(request_id=request_id, reason="control_lost"))
 
     def cancel(self, request_id: str, reason: str) -> None:
         r = self.requests.get(request_id)

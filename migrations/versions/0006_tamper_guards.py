@@ -1,7 +1,7 @@
 """Close two ways around the append-only guard, and bind snapshots to the chain.
 
 Revision ID: 0006
-Revises: 0004 (the lead re-points it at 0005 when both are merged)
+Revises: 0005
 
 1. SQLite: ``INSERT OR REPLACE`` (and ``REPLACE``) settles a key conflict by deleting the stored
    row, and SQLite fires no DELETE trigger for that delete unless ``recursive_triggers`` is on,
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0006"
-down_revision = "0004"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

@@ -160,6 +160,51 @@ def test_a_worker_lost_keeps_the_disk_copies_its_next_incarnation_found_and_noth
     assert list(s.blocks[0]) == [1] and any("keeps block 3" in what for _, what in s.anomalies)
 
 
+def test_a_byte_stranded_on_a_worker_that_is_then_lost_is_counted_once():
+    """Both orders a ledger records them in: a move stranded by its deadline before the loss, and
+    one in flight at the loss (stranded right after it, why=worker_lost). The loss's bytes_lost
+    names every block that was on the worker; neither stranding adds to it."""
+    rng = random.Random()
+    bb = rng.randrange(1, 64) * 4096
+    lg = Ledger()
+    _joined(lg, block_bytes=bb)
+    n1, n2, n3 = rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 5)
+    b1, b2, b3 = list(range(1, 1 + n1)), list(range(10, 10 + n2)), list(range(20, 20 + n3))
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=b1 + b2 + b3, keys=[""] * (n1 + n2 + n3),
+                              bytes=(n1 + n2 + n3) * bb))
+    _spill(lg, "m1", b1, keep=False, outcome=None, bb=bb)
+    lg.add(ev.MoveStranded(move_id="m1", worker=0, bytes_at_risk=n1 * bb, why="deadline"))
+    _spill(lg, "m2", b2, keep=False, outcome=None, bb=bb)
+    assert lg.state().stranded_bytes_total() == n1 * bb
+    everything = sorted(b1 + b2 + b3)
+    lg.add(ev.WorkerLost(worker=0, reason="kill -9", blocks_lost=everything, bytes_lost=len(everything) * bb))
+    lg.add(ev.MoveStranded(move_id="m2", worker=0, bytes_at_risk=n2 * bb, why="worker_lost"))
+    s = lg.state()
+    assert s.stranded_bytes_total() == (n1 + n2 + n3) * bb
+    assert s.tier(0, "device").stranded_bytes == 0 and set(s.stranded) == {"m1", "m2"}
+    assert {mv.status for mv in s.stranded.values()} == {"lost"}
+    check_integrity(s)
+    # a late ack of a move of the lost incarnation changes nothing: its bytes were counted by the loss
+    lg.add(ev.MoveLateAcked(move_id="m1", worker=0, bytes_moved=n1 * bb, bytes_freed_src=n1 * bb, checksum_ok=True,
+                            started_ns=1, finished_ns=2))
+    s = lg.state()
+    assert s.stranded_bytes_total() == (n1 + n2 + n3) * bb and not s.blocks.get(0)
+    check_integrity(s)
+
+
+def test_the_stranded_account_must_match_the_stranded_moves():
+    lg = Ledger()
+    _joined(lg)
+    lg.add(ev.BlocksCommitted(worker=0, session=None, tier="device", blocks=[1], keys=[""], bytes=MiB))
+    _spill(lg, "m1", [1], keep=False, outcome=None)
+    lg.add(ev.MoveStranded(move_id="m1", worker=0, bytes_at_risk=MiB, why="deadline"))
+    s = lg.state()
+    check_integrity(s)
+    s.tier(0, "device").stranded_bytes += 3
+    with pytest.raises(IntegrityError, match=f"worker 0 device: stranded_bytes {MiB + 3} != bytes at risk"):
+        check_integrity(s)
+
+
 def test_a_rebind_committed_with_a_reader_behind_is_an_anomaly():
     lg = Ledger()
     _joined(lg)

@@ -82,3 +82,40 @@ def test_serve_ctl_status_and_a_clean_stop_on_sigterm(tmp_path, short_dir):
     assert last[-1] == "ServerStopped" and not state.server_up
     assert not state.blocks.get(0) and state.tier(0, "device").used_bytes == 0    # freed by the book
     assert "CopiesReleased" in last
+
+
+def test_after_a_clean_stop_replay_shows_the_worker_stopped_and_the_next_start_warns_of_nothing(tmp_path, short_dir):
+    from residency.control.replay import replay
+    from residency.control.views import render_text, summarize
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    client = AskClient(ask_endpoint(short_dir), timeout_s=5)
+
+    def linked():
+        try:
+            return client.ask(AskStatus(ask_id="t", include_state=False), timeout_s=1).metrics["workers_linked"] >= 1
+        except ControlUnreachable:
+            return False
+
+    for turn in (1, 2):
+        log_path = tmp_path / f"serve-{turn}.log"
+        serve = spawn(serve_argv(url, short_dir), log_path, env={"RESIDENCY_LOG_FORMAT": "json"})
+        try:
+            wait_for(linked, timeout=30, interval=0.1, what="worker linked")
+            if turn == 1:     # disk copies outlive the stop (--keep-disk): the next start settles them
+                r = cli("ctl", "commit", "--blocks", "4", "--session", "s", run_dir=short_dir, url=url)
+                assert r.returncode == 0, r
+                r = cli("ctl", "park", "--session", "s", "--to", "disk", run_dir=short_dir, url=url)
+                assert r.returncode == 0, r
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            assert serve.wait(30) == 0, log_path.read_text()[-2000:]
+        with LedgerStore.open(url) as store:
+            summary = summarize(replay(store)[0])
+        [w] = summary["workers"]
+        assert w["status"] == "stopped" and not w["alive"], w
+        assert "stopped with the server" in render_text(summary)
+    lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
+    warned = [x for x in lines if x.get("level") in ("warning", "error")]
+    assert not warned, warned
+    assert any(x.get("event") == "worker_lost" and "stopped with the server" in x.get("reason", "") for x in lines)

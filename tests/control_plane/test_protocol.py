@@ -265,7 +265,8 @@ def test_a_silent_worker_is_missed_then_lost_with_its_blocks_and_moves_named(mak
     assert len(missed) == 1 and len(lost) == 1 and missed[0].seq < lost[0].seq
     assert lost[0].event.blocks_lost == blocks and lost[0].event.bytes_lost == 3 * fw.block_bytes
     state = check_ledger(store)
-    assert not state.workers[0].alive and state.stranded_bytes_total() == 4 * fw.block_bytes
+    # each byte once: the stranded move's block is among the three the loss took
+    assert not state.workers[0].alive and state.stranded_bytes_total() == 3 * fw.block_bytes
     # it was only slow: it comes back, and is told it was written off
     fw.answer_pings = True
     fw.hello()
@@ -283,6 +284,40 @@ def test_worker_process_exit_is_a_loss_right_away(make_control, fake_worker, sql
     proc.worker_exited(0, 12345, -9)                     # an older incarnation's exit: nothing more
     time.sleep(0.1)
     assert len(events_of(store, ev.WorkerLost)) == 1
+
+
+def test_a_worker_that_exits_holding_disk_copies_waits_for_its_replacement_which_keeps_what_it_found(
+        make_control, fake_worker, sqlite_url):
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, keep_disk=True, expected_workers=[0])
+    on_disk = commit_blocks(proc, fw, 3, tier="disk")
+    on_device = commit_blocks(proc, fw, 1)
+    proc.worker_exited(0, fw.epoch, -9)
+    wait_for(lambda: proc.call(lambda p: p.missing_workers()).result(5) == [0], what="the supervisor's cue")
+    assert not events_of(store, ev.WorkerLost)          # not yet: the next incarnation says what survived
+    fw.close()
+    fw2 = fake_worker(epoch=fw.epoch + 1)
+    fw2.hello(disk_blocks=[on_disk[0], on_disk[2], 999])     # on_disk[1]'s file failed its check; 999 is no copy
+    assert fw2.expect(ClaimDisk).keep == [on_disk[0], on_disk[2]]
+    wait_for(lambda: len(events_of(store, ev.WorkerJoined)) == 2, what="the loss, then the join")
+    [lost] = [r.event for r in events_of(store, ev.WorkerLost)]
+    assert lost.reason.startswith("worker process exited with code -9; epoch ")
+    assert lost.kept_on_disk == [on_disk[0], on_disk[2]] and lost.bytes_kept == 2 * fw.block_bytes
+    assert lost.blocks_lost == sorted([on_disk[1], *on_device])
+    state = check_ledger(store)
+    assert state.workers[0].alive and {b: st.tiers for b, st in state.blocks[0].items()} == {
+        on_disk[0]: ["disk"], on_disk[2]: ["disk"]}
+
+
+def test_a_worker_that_exits_holding_disk_copies_is_lost_with_them_when_no_replacement_comes(
+        make_control, fake_worker, sqlite_url):
+    proc, store, fw = _setup(make_control, fake_worker, sqlite_url, keep_disk=True, replace_wait_s=0.3)
+    on_disk = commit_blocks(proc, fw, 2, tier="disk")
+    proc.worker_exited(0, fw.epoch, 1)
+    wait_for(lambda: events_of(store, ev.WorkerLost), what="the loss after the wait")
+    [lost] = [r.event for r in events_of(store, ev.WorkerLost)]
+    assert lost.blocks_lost == on_disk and lost.kept_on_disk == []
+    assert lost.reason == "worker process exited with code 1; no new incarnation within 0.3 s"
+    assert not check_ledger(store).workers[0].alive
 
 
 # ---------------------------------------------------------------------- recovery with a scripted worker

@@ -160,6 +160,7 @@ def test_the_audit_views_look_moves_up_by_index_on_sqlite(tmp_path):
     assert "SEARCH r USING INDEX ix_events_move_requested" in plans["residency_reclaimed"]
     assert "SEARCH r USING INDEX ix_events_move_requested" in plans["residency_stranded"]
     assert "SEARCH l USING INDEX ix_events_move_late_acked" in plans["residency_stranded"]
+    assert "SEARCH w USING INDEX ix_events_worker_lost" in plans["residency_stranded"]
 
 
 def test_0004_the_audit_views_read_copies_released_and_old_ledgers_answer_as_before(url):
@@ -186,3 +187,39 @@ def test_0004_the_audit_views_read_copies_released_and_old_ledgers_answer_as_bef
     reclaimed, stranded = _audit(url)
     assert not [r for r in reclaimed if r[6] is not None and r[4] == "release"]
     assert sorted(r[5] for r in stranded) == ["new-r3", "new-r4", "r4"]    # 0002 knew only MoveLateAcked
+
+
+def test_0005_a_stranding_on_a_worker_lost_later_is_counted_once_in_old_ledgers_too(url, rng):
+    """A ledger written before 0005 with a move stranded on a worker, then that worker lost (both
+    rows name the same bytes): after 0005 the view counts the loss's row only, as replay does;
+    downgrade restores the 0004 view (which counted both) and drops the index."""
+    from residency.control.replay import replay
+    from residency.events import Envelope
+    from tests.ledger.factories import random_event
+
+    migrate.upgrade(url, "0004")
+    bb, k = rng.randrange(1, 64) * 4096, rng.randint(1, 9)
+    blocks = sorted(rng.sample(range(1000), k))
+    events = [
+        random_event(rng, "WorkerJoined", worker=0, device="cpu", tiers={"device": 1 << 30, "host": 0, "disk": 0},
+                     block_bytes=bb),
+        random_event(rng, "BlocksCommitted", worker=0, session=None, tier="device", blocks=blocks, keys=[""] * k,
+                     bytes=k * bb),
+        random_event(rng, "MoveRequested", move_id="m", kind="evict", worker=0, src="device", dst="host",
+                     blocks=blocks, bytes_planned=k * bb, keep_source=False, session=None),
+        random_event(rng, "WorkerLost", worker=0, reason="kill -9", blocks_lost=blocks, bytes_lost=k * bb,
+                     kept_on_disk=[], bytes_kept=0),
+        random_event(rng, "MoveStranded", move_id="m", worker=0, bytes_at_risk=k * bb, why="worker_lost"),
+    ]
+    with LedgerStore(_raw(url)) as store:
+        store.append([(Envelope(producer="control", epoch=1, producer_seq=i + 1, ts_ns=i + 1), e)
+                      for i, e in enumerate(events)])
+    assert sum(r[-1] for r in _audit(url)[1]) == 2 * k * bb
+    migrate.upgrade(url, "0005")
+    assert "ix_events_worker_lost" in _indexes(url)
+    stranded = _audit(url)[1]
+    assert [r[6] for r in stranded] == ["blocks_lost"] and sum(r[-1] for r in stranded) == k * bb
+    with LedgerStore(_raw(url)) as store:
+        assert replay(store)[0].stranded_bytes_total() == k * bb
+    migrate.downgrade(url, "0004")
+    assert "ix_events_worker_lost" not in _indexes(url) and sum(r[-1] for r in _audit(url)[1]) == 2 * k * bb

@@ -113,3 +113,59 @@ def test_after_a_crash_of_every_process_the_disk_copies_wait_for_the_new_worker_
     [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
     assert lost.reason.startswith("not back after the control restart") and lost.blocks_lost == []
     assert len(lost.kept_on_disk) == 3 and "worker_awaiting_replacement" in s2.log_path.read_text()
+
+
+def test_after_a_kill_of_the_worker_alone_its_replacement_keeps_the_disk_copies_and_the_session_restores(tmp_path):
+    """kill -9 of the worker only: the control waits for the next incarnation's Hello before
+    recording the loss, keeps the files that one verified, and the session's next turn reads them.
+    The request running on the killed worker is answered at once, not after that wait (prefix
+    sharing off: that request would otherwise restore one of the parked pages for itself)."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+    s = Server(tmp_path, "--park-after-s", "600", "--no-share-prefixes").wait_ready()
+    long: dict = {}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a ship."}],
+            "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    running = threading.Thread(target=lambda: long.update(r=httpx.post(f"{s.url}/v1/chat/completions", json=body,
+                                                                        timeout=120)))
+    try:
+        first = chat(s, TURN1, "erin")
+        assert s.admin("POST", "/admin/sessions/erin/park", json={"tier": "disk"}).status_code == 200
+        running.start()
+        deadline = time.monotonic() + 60
+        while "residency_requests_running 1.0" not in httpx.get(f"{s.url}/metrics", timeout=10).text:
+            assert time.monotonic() < deadline and running.is_alive(), long
+            time.sleep(0.05)
+        pid_file = s.dir / "run" / "worker-0.pid"
+        old_pid = int(pid_file.read_text().split()[0])
+        os.kill(old_pid, signal.SIGKILL)
+        running.join(120)
+        assert long["r"].status_code >= 500, long["r"].text
+        deadline = time.monotonic() + 180
+        while int(pid_file.read_text().split()[0]) == old_pid:       # the supervisor starts the next one
+            assert time.monotonic() < deadline, s.tail()
+            time.sleep(0.2)
+        s.wait_ready()                                              # it said ServingReady (after its Hello)
+        again = chat(s, turn2(first), "erin")
+        ref = chat(s, turn2(first), "never-moved")
+    finally:
+        assert s.stop() == 0
+    assert again["usage"]["restored_tokens"] == 32
+    assert again["choices"][0]["message"] == ref["choices"][0]["message"]
+    events, state = read_ledger(s.ledger)
+    state.check_integrity()
+    [lost] = [r for r in events if type(r.event) is ev.WorkerLost]
+    [ended] = [r for r in events if type(r.event) is ev.RequestFinished and r.event.reason == "error"]
+    assert ended.seq < lost.seq                                     # answered before the replacement came
+    before = [r.event for r in events if r.seq < lost.seq and type(r.event) is ev.BlocksCommitted]
+    erin = sorted(b for e in before if e.session == "erin" for b in e.blocks)
+    running_pages = {b for e in before if e.session is None for b in e.blocks}   # if its prefill ran
+    lost = lost.event
+    assert lost.reason.startswith("worker process exited with code -9")
+    assert len(erin) == 3 and lost.kept_on_disk == erin and set(lost.blocks_lost) <= running_pages
+    assert lost.bytes_kept == 3 * state.workers[0].block_bytes
+    claims = [json.loads(line) for line in s.log_path.read_text().splitlines() if '"disk_claimed"' in line]
+    assert [(c["kept"], c["dropped"]) for c in claims] == [(3, 0)]
