@@ -45,6 +45,12 @@ class InvalidAsk(Exception):
     block already busy in another move). Nothing is recorded; the asker gets the reason."""
 
 
+class NothingToMove(InvalidAsk):
+    """An ask for every block of a session on a tier where the session has none: the session is
+    already where the verb would put it (a park of a parked session). Nothing is recorded, and
+    that is the answer, not an error; the message says where the session's blocks are."""
+
+
 def move_id(epoch: int, n: int) -> str:
     """Unique across restarts: the control epoch is part of it."""
     return f"m-{epoch:x}-{n}"
@@ -89,6 +95,9 @@ def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] |
             _raise_unknown(msg.worker, wb, blocks)
             raise
         if not proposals:
+            if not msg.blocks and all("device" in wb[b].tiers for b in blocks):
+                raise NothingToMove(f"session {msg.session!r} is already on the device "
+                                    f"({_where(wb, blocks)}); nothing moved")
             raise InvalidAsk(f"nothing to restore: blocks {blocks[:16]} are on the device or have no copy"
                              f"{' on ' + msg.src if msg.src else ''}")
     else:
@@ -108,6 +117,13 @@ def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] |
         # algebra walks the smaller side (a few busy blocks, not the 1024 asked)
         _check_not_busy(a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
     return proposals
+
+
+def _where(wb: dict, blocks: list[int]) -> str:
+    """'3 blocks on host, 1 on disk': how many of ``blocks`` have a copy on each tier."""
+    counts = {t: sum(1 for b in blocks if t in wb[b].tiers) for t in ev.TIERS}
+    parts = [f"{n} on {t}" for t, n in counts.items() if n]
+    return f"{len(blocks)} blocks: " + ", ".join(parts) if parts else f"{len(blocks)} blocks, no copy"
 
 
 def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:
@@ -149,6 +165,9 @@ def _split(msg: AskMove, origin: str, wb: dict, on_src, on_dst, blocks: list[int
     if msg.blocks and no_src:
         raise InvalidAsk(f"blocks {no_src[:16]} have no copy on {src}")
     if not to_copy and not already:
+        if not msg.blocks:      # every block of the session on src: there are none, so none to move
+            raise NothingToMove(f"session {msg.session!r} has no blocks on {src} ({_where(wb, blocks)}); "
+                                f"nothing moved")
         raise InvalidAsk(f"session {msg.session!r} has no blocks on {src}")
     proposals = []
     if to_copy:

@@ -276,6 +276,20 @@ def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stac
     assert [x["session_id"] for x in s.client.get("/admin/sessions?limit=1").json()["data"]] == ["newer"]
 
 
+def test_parking_a_parked_session_moves_nothing_and_says_so(stack):
+    s = stack()
+    assert s.chat("a turn to park " * 3, session="p", max_tokens=4).status_code == 200
+    first = s.client.post("/admin/sessions/p/park").json()
+    assert first["move_id"] is not None and first["note"] is None
+    assert first["blocks_by_tier"] == {"device": 0, "host": first["num_blocks"], "disk": 0}
+    again = s.client.post("/admin/sessions/p/park")
+    assert again.status_code == 200 and again.json()["move_id"] is None
+    assert again.json()["note"].startswith("nothing moved: no page of 'p' is on the device")
+    assert s.client.post("/admin/sessions/p/restore").json()["note"] is None
+    back = s.client.post("/admin/sessions/p/restore").json()
+    assert back["move_id"] is None and "already on the device" in back["note"]
+
+
 def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
     s = stack(share_prefixes=False)       # "busy" must not restore a page of "gone" to share it
     assert s.chat("a first turn " * 3, session="gone", max_tokens=6).status_code == 200
