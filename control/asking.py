@@ -116,7 +116,7 @@ class AskHandler:
             if type(msg) is AskMove:
                 self._ask_move(msg, f"{asker}:{msg.kind}", waiter)
             elif type(msg) is AskReleaseBlocks:
-                proposal = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason)
+                proposal = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason, msg.session)
                 moves.validate(self.state, proposal, self.dispatcher.busy.by_worker)
                 self.dispatcher.request(proposal, waiter, self.asked_ns)
             elif type(msg) is AskSetBudget:

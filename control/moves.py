@@ -301,7 +301,7 @@ def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Ev
     """
     if mv.src == mv.dst and type(event) in (ev.MoveAcked, ev.MoveLateAcked):
         return [ev.CopiesReleased(move_id=mv.move_id, worker=mv.worker, tier=mv.src, blocks=list(mv.blocks),
-                                  bytes=event.bytes_freed_src)]      # the why is on the MoveRequested (causation)
+                                  bytes=event.bytes_freed_src, session=mv.session)]      # the why is on the MoveRequested (causation)
     return [event, *followups(mv, event, cfg)]
 
 

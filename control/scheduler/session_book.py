@@ -190,9 +190,12 @@ class SessionBook:
             if left:
                 t = left.pop()
                 self.asker.ask(AskReleaseBlocks(ask_id=self.asker.new_id("delete"), worker=w, tier=t,
-                                                blocks=by_tier[t], reason=why or f"session {session} deleted"),
+                                                blocks=by_tier[t], reason=why or f"session {session} deleted",
+                                                session=session),
                                "operator", step)
                 return
+            self.proc.record(ev.SessionDeleted(session=session, worker=w, bytes_freed=freed[0],
+                                               reason=why or "operator"), correlation=session)
             if self.workers.sched is not None:
                 self.workers.sched.forget_session(session)
             done((info, freed[0]))

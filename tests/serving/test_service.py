@@ -309,6 +309,33 @@ def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
     assert asked and all(e.src == e.dst for e in asked)
 
 
+def test_a_deleted_session_is_recorded_as_its_own_so_audit_timeline_and_status_see_it(stack):
+    from residency.control.cli.audit_cmd import query
+    from residency.control.timeline import timeline
+    s = stack(share_prefixes=False)
+    assert s.chat("a turn to delete " * 3, session="gone", max_tokens=6).status_code == 200
+    assert s.client.post("/admin/sessions/gone/park").status_code == 200
+    held = s.session("gone")
+    assert s.client.delete("/admin/sessions/gone").json()["bytes_freed"] == held["bytes"]
+    s.close()
+    events, state = s.ledger()
+    assert "gone" not in state.sessions                 # what `status` and `replay` list
+    deleted = [e for e in events if type(e).__name__ == "SessionDeleted"]
+    assert [(e.session, e.bytes_freed) for e in deleted] == [("gone", held["bytes"])]
+    released = [e for e in events if type(e).__name__ == "CopiesReleased"]
+    assert released and {e.session for e in released} == {"gone"}
+    store = LedgerStore.open(s.url)
+    try:
+        totals, _ = query(store, "reclaimed", "session", None, None, 5)
+        seen = [type(r.event).__name__ for r in timeline(store.read(), "session", "gone")]
+    finally:
+        store.close()
+    by_session = {g: b for g, b, _ in totals}
+    assert None not in by_session or by_session[None] == 0, totals
+    assert by_session["gone"] >= 2 * held["bytes"]        # the park freed the device, the delete the host
+    assert seen[-3:] == ["MoveRequested", "CopiesReleased", "SessionDeleted"]
+
+
 def test_a_session_generating_cannot_be_deleted(stack):
     s = stack()
     t, out = generating(s, "live")
