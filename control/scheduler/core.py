@@ -294,6 +294,19 @@ class Scheduler:
                 r.written.append(b)
                 r.written_keys.append(k)
 
+    def progress(self, request_id: str, num_generated: int, prompt_tokens: int) -> None:
+        """A running session turn wrote more KV: its session holds the positions written so far
+        (the prompt and every generated token but the last, which is sampled, not yet fed back;
+        while the prompt is still prefilling, the full pages reported so far)."""
+        r = self.running.get(request_id)
+        entry = self.sessions.get(r.session) if r is not None and r.session is not None else None
+        if entry is None or entry.busy != request_id:
+            return
+        if num_generated:
+            entry.num_tokens = prompt_tokens + num_generated - 1
+        else:
+            entry.num_tokens = (len(r.reused) + len(r.written)) * self.cfg.page_tokens
+
     def finish(self, request_id: str, reason: str, num_tokens: int, now_ns: int) -> None:
         """The request ended (``reason``: stop, length, cancelled, error). A session turn that
         finished keeps its pages for the next turn; otherwise the session keeps only the prefix it

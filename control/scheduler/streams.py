@@ -52,6 +52,7 @@ class GenerationStreams:
             return
         r.num_generated += len(msg.token_ids)
         if msg.finish_reason is None:
+            sched.progress(r.request_id, r.num_generated, len(r.token_ids))
             if msg.token_ids or msg.text:
                 r.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs)))
             return

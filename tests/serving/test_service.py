@@ -204,6 +204,25 @@ def generating(s: Stack, session: str) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def test_a_session_counts_its_tokens_while_it_generates(stack):
+    s = stack()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("count me", session="c", max_tokens=200)))
+    t.start()
+    seen = []
+    deadline = time.monotonic() + 30
+    while t.is_alive() and time.monotonic() < deadline:
+        got = s.client.get("/admin/sessions/c")          # 404 until the turn is admitted
+        if got.status_code == 200 and got.json()["busy"]:
+            seen.append(got.json()["num_tokens"])
+        time.sleep(0.005)
+    t.join(30)
+    u = out["r"].json()["usage"]
+    assert seen and max(seen) > 0, seen                     # not 0 until the turn ends
+    assert seen == sorted(seen) and max(seen) <= u["prompt_tokens"] + u["completion_tokens"] - 1
+    assert s.session("c")["num_tokens"] == u["prompt_tokens"] + u["completion_tokens"] - 1
+
+
 def test_a_turn_on_a_busy_session_is_409(stack):
     s = stack()
     t, out = generating(s, "busy")
