@@ -293,7 +293,7 @@ def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event
     return UNKNOWN, None
 
 
-def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
+def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig, state: State | None = None) -> list[ev.Event]:
     """What to record for a move's outcome: the outcome itself, then the facts it implies.
 
     A release's ack, on time or late, becomes ``CopiesReleased(bytes=measured)``: 0 measured is
@@ -302,10 +302,10 @@ def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Ev
     if mv.src == mv.dst and type(event) in (ev.MoveAcked, ev.MoveLateAcked):
         return [ev.CopiesReleased(move_id=mv.move_id, worker=mv.worker, tier=mv.src, blocks=list(mv.blocks),
                                   bytes=event.bytes_freed_src, session=mv.session)]      # the why is on the MoveRequested (causation)
-    return [event, *followups(mv, event, cfg)]
+    return [event, *followups(mv, event, cfg, state)]
 
 
-def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
+def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig, state: State | None = None) -> list[ev.Event]:
     """Session facts an acked park or restore implies (recorded right after the ack)."""
     if mv.session is None or type(event) not in (ev.MoveAcked, ev.MoveLateAcked):
         return []
@@ -314,9 +314,26 @@ def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]
                                  move_id=mv.move_id)]
     if mv.kind == "restore" and mv.dst == "device" and event.checksum_ok:
         return [ev.SessionRestored(session=mv.session, worker=mv.worker,
-                                   restored_tokens=len(mv.blocks) * cfg.page_tokens, computed_tokens=0,
+                                   restored_tokens=restored_tokens(mv, cfg.page_tokens, state), computed_tokens=0,
                                    move_id=mv.move_id)]
     return []
+
+
+def restored_tokens(mv: MoveState, page_tokens: int, state: State | None) -> int:
+    """Positions a restore of a session's pages brought back: a full page holds ``page_tokens``;
+    the session's partial last page (the one page with no content key) holds what the session's
+    last commit said it holds beyond its full pages. Unknown (no state, blocks without keys, a
+    session that never said): every page counts whole."""
+    whole = len(mv.blocks) * page_tokens
+    sess = state.sessions.get(mv.session) if state is not None else None
+    if sess is None or sess.num_tokens is None:
+        return whole
+    wb = state.blocks.get(mv.worker, {})
+    partial = [b for b in mv.blocks if (st := wb.get(b)) is not None and not st.key]
+    if len(partial) != 1:
+        return whole
+    in_tail = sess.num_tokens % page_tokens
+    return whole - (page_tokens - in_tail if in_tail else 0)
 
 
 # ------------------------------------------------------------------ control-side bookkeeping

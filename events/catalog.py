@@ -94,6 +94,7 @@ class BlocksCommitted(Event):
     blocks: list[int]
     keys: list[str]                   # content keys ("" for a partial block)
     bytes: int
+    session_tokens: int | None = None  # positions the session's pages hold once these are in (None: not known)
 
 
 class BlocksFreed(Event):

@@ -223,6 +223,24 @@ def test_a_session_counts_its_tokens_while_it_generates(stack):
     assert s.session("c")["num_tokens"] == u["prompt_tokens"] + u["completion_tokens"] - 1
 
 
+def test_a_restored_session_and_a_rebuilt_one_count_its_tokens_not_its_page_slots(stack):
+    from residency.control.scheduler.config import SchedulerConfig
+    from residency.control.scheduler.core import Scheduler
+    s = stack()
+    u = s.chat("an odd number of tokens", session="odd", max_tokens=6).json()["usage"]
+    held = u["prompt_tokens"] + u["completion_tokens"] - 1
+    assert held % P and s.session("odd")["num_tokens"] == held       # a partial last page
+    assert s.client.post("/admin/sessions/odd/park").status_code == 200
+    assert s.client.post("/admin/sessions/odd/restore").status_code == 200
+    recorded, state = read_ledger(s.url)                # as a control restarting now would fold it
+    restored = [r.event for r in recorded if type(r.event).__name__ == "SessionRestored"]
+    assert [e.restored_tokens for e in restored] == [held]             # not pages * P
+    assert state.sessions["odd"].restored_tokens == held
+    rebuilt = Scheduler(SchedulerConfig(page_tokens=P, max_context=256))
+    rebuilt.rebuild(state)
+    assert rebuilt.sessions["odd"].num_tokens == held
+
+
 def test_a_turn_on_a_busy_session_is_409(stack):
     s = stack()
     t, out = generating(s, "busy")
