@@ -450,6 +450,27 @@ def test_the_idle_policy_parks_an_idle_session(stack):
         time.sleep(0.05)
 
 
+def test_an_idle_park_takes_the_pages_the_last_turn_restored_too(stack):
+    s = stack(restore_policy="restore", policy=PolicyConfig(pressure=False, park=True, park_idle_s=0.3, cooldown_s=60))
+    convo = [{"role": "user", "content": "a first question long enough for pages"}]
+    r1 = s.chat(convo, session="twice").json()
+
+    def parked_whole() -> dict:
+        deadline = time.monotonic() + 15
+        while (info := s.session("twice"))["blocks_by_tier"]["device"]:
+            assert time.monotonic() < deadline, f"pages stayed on the device: {info}"
+            time.sleep(0.05)
+        return info
+    parked_whole()
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "and then?"}]
+    u = s.chat(convo, session="twice").json()["usage"]
+    assert u["restored_tokens"] > 0                           # these pages are cooling for a minute
+    assert u["prompt_tokens_details"]["cached_tokens"] + u["computed_tokens"] == u["prompt_tokens"]
+    info = parked_whole()
+    assert info["tier"] == "host" and info["blocks_by_tier"]["host"] == info["num_blocks"]
+
+
 def test_device_pressure_spills_cold_pages_but_never_pages_a_running_turn_uses(stack):
     policy = PolicyConfig(pressure=True, high_watermark=0.3, low_watermark=0.2, hot_s=0.05, cooldown_s=0.0,
                           park=False)
