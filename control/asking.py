@@ -116,7 +116,7 @@ class AskHandler:
             if type(msg) is AskMove:
                 self._ask_move(msg, f"{asker}:{msg.kind}", waiter)
             elif type(msg) is AskReleaseBlocks:
-                proposal = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason)
+                proposal = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason, msg.session)
                 moves.validate(self.state, proposal, self.dispatcher.busy.by_worker)
                 self.dispatcher.request(proposal, waiter, self.asked_ns)
             elif type(msg) is AskSetBudget:
@@ -130,6 +130,10 @@ class AskHandler:
                 self._ask_commit(msg, waiter)
             else:
                 raise moves.InvalidAsk(f"{type(msg).__name__} is not an ask")
+        except moves.NothingToMove as e:       # already where it was asked to go: done, said so
+            log.info("nothing_to_move", ask_id=ask_id, asker=asker, detail=str(e))
+            waiter.answer([], [], None, str(e))
+            return
         except moves.InvalidAsk as e:
             log.info("invalid_ask", ask_id=ask_id, asker=asker, detail=str(e))
             waiter.answer([], [], INVALID_ASK, str(e))

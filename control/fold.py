@@ -209,6 +209,8 @@ def _blocks_committed(s: State, e: ev.BlocksCommitted, seq: int) -> None:
         if sess is None:
             sess = s.sessions[session] = SessionState(session=session)
         sess.worker = worker
+        if e.session_tokens is not None:
+            sess.num_tokens = e.session_tokens
 
 
 def _blocks_freed(s: State, e: ev.BlocksFreed, seq: int) -> None:

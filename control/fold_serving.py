@@ -30,6 +30,10 @@ def _session_restored(s: State, e: ev.SessionRestored, seq: int) -> None:
     sess.computed_tokens += e.computed_tokens
 
 
+def _session_deleted(s: State, e: ev.SessionDeleted, seq: int) -> None:
+    s.sessions.pop(e.session, None)       # its pages were freed by the releases recorded before it
+
+
 def _request_admitted(s: State, e: ev.RequestAdmitted, seq: int) -> None:
     s.requests[e.request_id] = seq
     if e.session is not None:
@@ -124,6 +128,7 @@ def _flip_failed(s: State, e: ev.FlipFailed, seq: int) -> None:
 HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.SessionParked: _session_parked,
     ev.SessionRestored: _session_restored,
+    ev.SessionDeleted: _session_deleted,
     ev.RequestAdmitted: _request_admitted,
     ev.RequestRefused: _request_done,
     ev.RequestFinished: _request_done,

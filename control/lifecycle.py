@@ -213,7 +213,7 @@ class MoveDispatcher:
         self.awake.forget(mid)
         short = type(event) is ev.MoveAcked and self.recorder.commits_inline and len(self.state.inflight) == 1
         recorded = [(self.recorder.record(e, correlation=mv.session, causation=mid, fold_later=short), e)
-                    for e in moves.settle_events(mv, event, self.cfg.moves)]
+                    for e in moves.settle_events(mv, event, self.cfg.moves, self.state)]
         self.traces.mark(mid, "recorded")
         if type(event) is not ev.MoveLateAcked:
             waiter = self.book.settled(mid)

@@ -45,6 +45,12 @@ class InvalidAsk(Exception):
     block already busy in another move). Nothing is recorded; the asker gets the reason."""
 
 
+class NothingToMove(InvalidAsk):
+    """An ask for every block of a session on a tier where the session has none: the session is
+    already where the verb would put it (a park of a parked session). Nothing is recorded, and
+    that is the answer, not an error; the message says where the session's blocks are."""
+
+
 def move_id(epoch: int, n: int) -> str:
     """Unique across restarts: the control epoch is part of it."""
     return f"m-{epoch:x}-{n}"
@@ -89,6 +95,9 @@ def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] |
             _raise_unknown(msg.worker, wb, blocks)
             raise
         if not proposals:
+            if not msg.blocks and all("device" in wb[b].tiers for b in blocks):
+                raise NothingToMove(f"session {msg.session!r} is already on the device "
+                                    f"({_where(wb, blocks)}); nothing moved")
             raise InvalidAsk(f"nothing to restore: blocks {blocks[:16]} are on the device or have no copy"
                              f"{' on ' + msg.src if msg.src else ''}")
     else:
@@ -108,6 +117,13 @@ def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] |
         # algebra walks the smaller side (a few busy blocks, not the 1024 asked)
         _check_not_busy(a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
     return proposals
+
+
+def _where(wb: dict, blocks: list[int]) -> str:
+    """'3 blocks on host, 1 on disk': how many of ``blocks`` have a copy on each tier."""
+    counts = {t: sum(1 for b in blocks if t in wb[b].tiers) for t in ev.TIERS}
+    parts = [f"{n} on {t}" for t, n in counts.items() if n]
+    return f"{len(blocks)} blocks: " + ", ".join(parts) if parts else f"{len(blocks)} blocks, no copy"
 
 
 def _raise_unknown(worker: int, wb: dict, blocks: list[int]) -> None:
@@ -149,6 +165,9 @@ def _split(msg: AskMove, origin: str, wb: dict, on_src, on_dst, blocks: list[int
     if msg.blocks and no_src:
         raise InvalidAsk(f"blocks {no_src[:16]} have no copy on {src}")
     if not to_copy and not already:
+        if not msg.blocks:      # every block of the session on src: there are none, so none to move
+            raise NothingToMove(f"session {msg.session!r} has no blocks on {src} ({_where(wb, blocks)}); "
+                                f"nothing moved")
         raise InvalidAsk(f"session {msg.session!r} has no blocks on {src}")
     proposals = []
     if to_copy:
@@ -274,7 +293,7 @@ def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event
     return UNKNOWN, None
 
 
-def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
+def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig, state: State | None = None) -> list[ev.Event]:
     """What to record for a move's outcome: the outcome itself, then the facts it implies.
 
     A release's ack, on time or late, becomes ``CopiesReleased(bytes=measured)``: 0 measured is
@@ -282,11 +301,11 @@ def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Ev
     """
     if mv.src == mv.dst and type(event) in (ev.MoveAcked, ev.MoveLateAcked):
         return [ev.CopiesReleased(move_id=mv.move_id, worker=mv.worker, tier=mv.src, blocks=list(mv.blocks),
-                                  bytes=event.bytes_freed_src)]      # the why is on the MoveRequested (causation)
-    return [event, *followups(mv, event, cfg)]
+                                  bytes=event.bytes_freed_src, session=mv.session)]      # the why is on the MoveRequested (causation)
+    return [event, *followups(mv, event, cfg, state)]
 
 
-def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:
+def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig, state: State | None = None) -> list[ev.Event]:
     """Session facts an acked park or restore implies (recorded right after the ack)."""
     if mv.session is None or type(event) not in (ev.MoveAcked, ev.MoveLateAcked):
         return []
@@ -295,9 +314,26 @@ def followups(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]
                                  move_id=mv.move_id)]
     if mv.kind == "restore" and mv.dst == "device" and event.checksum_ok:
         return [ev.SessionRestored(session=mv.session, worker=mv.worker,
-                                   restored_tokens=len(mv.blocks) * cfg.page_tokens, computed_tokens=0,
+                                   restored_tokens=restored_tokens(mv, cfg.page_tokens, state), computed_tokens=0,
                                    move_id=mv.move_id)]
     return []
+
+
+def restored_tokens(mv: MoveState, page_tokens: int, state: State | None) -> int:
+    """Positions a restore of a session's pages brought back: a full page holds ``page_tokens``;
+    the session's partial last page (the one page with no content key) holds what the session's
+    last commit said it holds beyond its full pages. Unknown (no state, blocks without keys, a
+    session that never said): every page counts whole."""
+    whole = len(mv.blocks) * page_tokens
+    sess = state.sessions.get(mv.session) if state is not None else None
+    if sess is None or sess.num_tokens is None:
+        return whole
+    wb = state.blocks.get(mv.worker, {})
+    partial = [b for b in mv.blocks if (st := wb.get(b)) is not None and not st.key]
+    if len(partial) != 1:
+        return whole
+    in_tail = sess.num_tokens % page_tokens
+    return whole - (page_tokens - in_tail if in_tail else 0)
 
 
 # ------------------------------------------------------------------ control-side bookkeeping

@@ -88,6 +88,7 @@ class SessionState(msgspec.Struct, kw_only=True):
     num_restores: int = 0
     restored_tokens: int = 0
     computed_tokens: int = 0
+    num_tokens: int | None = None     # positions its pages held at its last commit (None: never said)
 
 
 class RebindState(msgspec.Struct, kw_only=True):

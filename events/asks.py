@@ -54,6 +54,7 @@ class AskReleaseBlocks(Message):
     tier: Tier
     blocks: list[int]
     reason: str = "operator"
+    session: str | None = None        # whose pages these are, recorded on the release
 
 
 class AskSetBudget(Message):

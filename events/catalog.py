@@ -117,6 +117,7 @@ class BlocksCommitted(Event):
     blocks: list[int]
     keys: list[str]                   # content keys ("" for a partial block)
     bytes: int
+    session_tokens: int | None = None  # positions the session's pages hold once these are in (None: not known)
 
 
 class BlocksFreed(Event):
@@ -167,6 +168,7 @@ class CopiesReleased(Event):
     tier: Tier
     blocks: list[int]
     bytes: int
+    session: str | None = None        # the session whose pages were freed (its MoveRequested's), if any
 
 
 class MoveDispatched(Event):
@@ -263,6 +265,17 @@ class SessionRestored(Event):
     restored_tokens: int
     computed_tokens: int
     move_id: str | None = None
+
+
+class SessionDeleted(Event):
+    """Every copy of a session's pages was freed by its releases (recorded before this) and the
+    session is forgotten: its next turn starts from nothing. ``bytes_freed`` sums the releases'
+    ``CopiesReleased``; ``reason`` says who asked (an operator, the retention budget)."""
+
+    session: str
+    worker: int | None
+    bytes_freed: int
+    reason: str
 
 
 # ---------------------------------------------------------------- requests
@@ -396,7 +409,7 @@ AnyEvent = Union[
     BlocksCommitted, BlocksFreed,
     MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,
     MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased,
-    SessionParked, SessionRestored,
+    SessionParked, SessionRestored, SessionDeleted,
     RequestAdmitted, RequestRefused, RequestFinished,
     StepCompleted,
     RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized,

@@ -42,7 +42,7 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.MoveRefused: lambda e: (None, e.worker, e.session, e.tier, None, e.asked_bytes),
     c.MoveStranded: lambda e: (e.move_id, e.worker, None, None, e.why, e.bytes_at_risk),
     c.MoveAbandoned: lambda e: (e.move_id, e.worker, None, None, e.why, None),
-    c.CopiesReleased: lambda e: (e.move_id, e.worker, None, e.tier, "release", e.bytes),
+    c.CopiesReleased: lambda e: (e.move_id, e.worker, e.session, e.tier, "release", e.bytes),
     # blocks
     c.BlocksCommitted: lambda e: (None, e.worker, e.session, e.tier, None, e.bytes),
     c.BlocksFreed: lambda e: (None, e.worker, None, e.tier, e.reason, e.bytes),
@@ -58,6 +58,7 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     # sessions and requests
     c.SessionParked: lambda e: (e.move_id, e.worker, e.session, e.tier, None, e.bytes),
     c.SessionRestored: lambda e: (e.move_id, e.worker, e.session, None, None, None),
+    c.SessionDeleted: lambda e: (None, e.worker, e.session, None, None, None),    # its bytes are the releases'
     c.RequestAdmitted: lambda e: (None, None, e.session, None, None, None),
     # steps, pools, weights
     c.StepCompleted: lambda e: (None, e.worker, None, None, None, None),

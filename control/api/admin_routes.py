@@ -24,6 +24,7 @@ def session_json(info: SessionInfo) -> dict:
     return {
         "session_id": info.session, "tier": info.tier, "num_blocks": info.num_blocks, "num_tokens": info.num_tokens,
         "bytes": info.bytes, "busy": info.busy, "last_used_ns": info.last_used_ns, "move_id": info.move_id,
+        "blocks_by_tier": info.blocks_by_tier, "note": info.note,
     }
 
 

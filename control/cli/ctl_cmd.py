@@ -10,6 +10,8 @@
 
 The answer is what the ledger recorded: acked with the bytes the worker measured, refused with the
 budget's arithmetic, failed or rejected with the reason, stranded with the bytes at risk.
+A session already where the verb would put it (a park of a parked session) is done: nothing is
+recorded and the answer says where its blocks are.
 Exit status: 0 done, 1 refused/failed/rejected/stranded/abandoned, 2 the ask was invalid or nobody answered.
 """
 from __future__ import annotations
@@ -215,9 +217,12 @@ def run(args) -> int:
         raise UserError(f"{reply.error}: {reply.detail}")
     if args.json:
         print(json.dumps({"ask_id": reply.ask_id, "move_ids": reply.move_ids,
-                          "events": [dict(seq=s, **event_to_display_obj(e)) for s, e in zip(reply.seqs, reply.events)]},
+                          "events": [dict(seq=s, **event_to_display_obj(e)) for s, e in zip(reply.seqs, reply.events)],
+                          "detail": reply.detail or None},
                          indent=2))
     else:
         for seq, e in zip(reply.seqs, reply.events):
             print(describe(seq, e))
+        if not reply.events and reply.detail:       # nothing to do (a park of a parked session)
+            print(reply.detail)
     return 1 if any(type(e).__name__ in BAD for e in reply.events) else 0

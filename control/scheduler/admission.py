@@ -132,7 +132,7 @@ class Admission:
         if plan.decision is not None:
             log.info("prefix_decision", request_id=r.request_id, session=r.session, choice=plan.decision.choice,
                      reason=plan.decision.reason)
-        self.asker.release(r.worker, plan.drop, "superseded")
+        self.asker.release(r.worker, plan.drop, "superseded", r.session)
         if plan.restore:
             r.phase = "restoring"
             blocks = [b for bl in plan.restore.values() for b in bl]
@@ -179,7 +179,7 @@ class Admission:
             log.warning("restore_failed_recomputing", request_id=r.request_id, session=r.session, why=why,
                         detail=ans.detail)
             admit = self.workers.sched.recompute_instead(self.proc.state, r.request_id)
-            self.asker.release(r.worker, admit.drop, "restore_failed")
+            self.asker.release(r.worker, admit.drop, "restore_failed", r.session)
             r.admit = admit
         self._run(r)
 

@@ -36,13 +36,13 @@ class Asker:
     def new_id(self, what: str) -> str:
         return f"serving-{what}-{next(self._ids)}"
 
-    def release(self, worker: int, by_tier: dict[str, list[int]], reason: str) -> None:
-        """Free pages a request no longer needs, tier by tier; a failure is only logged, since
-        the request goes on without them."""
+    def release(self, worker: int, by_tier: dict[str, list[int]], reason: str, session: str | None = None) -> None:
+        """Free pages a request no longer needs (``session``'s, if it names one), tier by tier; a
+        failure is only logged, since the request goes on without them."""
         for tier, blocks in by_tier.items():
             if blocks:
                 self.ask(AskReleaseBlocks(ask_id=self.new_id("release"), worker=worker, tier=tier, blocks=blocks,
-                                          reason=reason), "serving",
+                                          reason=reason, session=session), "serving",
                          lambda ans, t=tier: ans.error and log.warning("release_failed", tier=t, error=ans.error,
                                                                        detail=ans.detail))
 

@@ -294,6 +294,22 @@ class Scheduler:
                 r.written.append(b)
                 r.written_keys.append(k)
 
+    def positions_written(self, request_id: str, num_generated: int, prompt_tokens: int) -> int:
+        """Positions of a running request whose KV is written: the prompt and every generated
+        token but the last (sampled, not yet fed back); while the prompt is still prefilling, the
+        full pages reported so far."""
+        if num_generated:
+            return prompt_tokens + num_generated - 1
+        r = self.running.get(request_id)
+        return (len(r.reused) + len(r.written)) * self.cfg.page_tokens if r is not None else 0
+
+    def progress(self, request_id: str, num_tokens: int) -> None:
+        """A running session turn wrote more KV: its session holds ``num_tokens`` positions now."""
+        r = self.running.get(request_id)
+        entry = self.sessions.get(r.session) if r is not None and r.session is not None else None
+        if entry is not None and entry.busy == request_id:
+            entry.num_tokens = num_tokens
+
     def finish(self, request_id: str, reason: str, num_tokens: int, now_ns: int) -> None:
         """The request ended (``reason``: stop, length, cancelled, error). A session turn that
         finished keeps its pages for the next turn; otherwise the session keeps only the prefix it
@@ -348,7 +364,17 @@ class Scheduler:
                 keys = [wb[b].key for b in blocks]
                 full = next((i for i, k in enumerate(keys) if not k), len(keys))
                 self.sessions[session] = SessionEntry(session=session, worker=w, blocks=blocks, keys=keys,
-                                                      num_tokens=full * self.cfg.page_tokens)
+                                                      num_tokens=self._held_tokens(state, session, full, len(blocks)))
+
+    def _held_tokens(self, state: State, session: str, num_full: int, num_pages: int) -> int:
+        """Positions a rebuilt session's pages hold: its full pages, plus what its partial last
+        page holds when the ledger said (its last commit's ``session_tokens``)."""
+        P = self.cfg.page_tokens
+        sess = state.sessions.get(session)
+        said = sess.num_tokens if sess is not None else None
+        if num_pages == num_full + 1 and said is not None and num_full * P < said <= (num_full + 1) * P:
+            return said
+        return num_full * P
 
     def prune(self, state: State, now_ns: int, idle_ns: int) -> list[str]:
         """Forget sessions that hold no page any more and have been idle ``idle_ns``."""

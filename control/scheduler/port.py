@@ -89,6 +89,8 @@ class SessionInfo:
     busy: bool
     last_used_ns: int
     move_id: str | None = None    # the move the admin call caused, if any
+    blocks_by_tier: dict[str, int] = field(default_factory=dict)   # pages with a copy on each tier
+    note: str | None = None       # what the admin call did when it moved nothing, or what stayed and why
 
 
 @dataclass

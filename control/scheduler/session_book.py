@@ -14,6 +14,7 @@ from residency.control.scheduler.retain import is_retained, retained_bytes
 from residency.control.scheduler.sessions import tier_of
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
+from residency.events.catalog import TIERS
 from residency.events.asks import AskAnswered, AskMove, AskReleaseBlocks
 
 log = structlog.get_logger("control.serving")
@@ -40,12 +41,12 @@ class SessionBook:
         entry = self._entry(session)
         return (entry.worker if entry else None), []
 
-    def info(self, session: str, move_id: str | None = None) -> SessionInfo:
+    def info(self, session: str, move_id: str | None = None, note: str | None = None) -> SessionInfo:
         w, pages = self._session_pages(session)
         entry = self._entry(session)
         if entry is None and not pages:
             raise UnknownSession(session)
-        return self._describe(session, w, pages, move_id)
+        return self._describe(session, w, pages, move_id, note)
 
     def list_sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
         """Every session the ledger or the scheduler knows (the most recently used first, up to
@@ -63,13 +64,17 @@ class SessionBook:
         infos.sort(key=lambda i: (-i.last_used_ns, i.session))
         return infos[:limit], len(infos)
 
-    def _describe(self, session: str, w: int | None, pages: list[int], move_id: str | None = None) -> SessionInfo:
+    def _describe(self, session: str, w: int | None, pages: list[int], move_id: str | None = None,
+                  note: str | None = None) -> SessionInfo:
         entry = self._entry(session)
         ws = self.proc.state.workers.get(w) if w is not None else None
+        wb = self.proc.state.blocks.get(w, {}) if w is not None else {}
+        by_tier = {t: sum(1 for b in pages if t in wb[b].tiers) for t in TIERS}
         return SessionInfo(
             session=session, tier=tier_of(self.proc.state, w, pages) if pages else None, num_blocks=len(pages),
             num_tokens=entry.num_tokens if entry else 0, bytes=len(pages) * (ws.block_bytes if ws else 0),
-            busy=bool(entry and entry.busy), last_used_ns=entry.last_used_ns if entry else 0, move_id=move_id)
+            busy=bool(entry and entry.busy), last_used_ns=entry.last_used_ns if entry else 0, move_id=move_id,
+            blocks_by_tier=by_tier, note=note)
 
     def park(self, session: str, tier: str, done) -> None:
         self.info(session)
@@ -103,7 +108,11 @@ class SessionBook:
                 self.asker.ask(AskMove(ask_id=self.asker.new_id("demote"), kind="demote", worker=w,
                                        blocks=on_host, session=session), "operator", step)
             else:
-                done(self.info(session, moved[-1] if moved else None))
+                where = self.info(session)
+                off = "on the device" if tier == "host" else "on the device or only on host"
+                note = None if moved else (f"nothing moved: no page of {session!r} is {off} "
+                                           f"(pages by tier: {where.blocks_by_tier})")
+                done(self.info(session, moved[-1] if moved else None, note))
         step(None)
 
     def _not_read(self, session: str, worker: int | None, pages: list[int], what: str) -> None:
@@ -181,9 +190,12 @@ class SessionBook:
             if left:
                 t = left.pop()
                 self.asker.ask(AskReleaseBlocks(ask_id=self.asker.new_id("delete"), worker=w, tier=t,
-                                                blocks=by_tier[t], reason=why or f"session {session} deleted"),
+                                                blocks=by_tier[t], reason=why or f"session {session} deleted",
+                                                session=session),
                                "operator", step)
                 return
+            self.proc.record(ev.SessionDeleted(session=session, worker=w, bytes_freed=freed[0],
+                                               reason=why or "operator"), correlation=session)
             if self.workers.sched is not None:
                 self.workers.sched.forget_session(session)
             done((info, freed[0]))
@@ -195,7 +207,7 @@ class SessionBook:
         wb = self.proc.state.blocks.get(w, {})
         off = [b for b in pages if "device" not in wb[b].tiers]
         if not off:
-            done(self.info(session))
+            done(self.info(session, note=f"nothing moved: every page of {session!r} is already on the device"))
             return
         if self.workers.sched is not None:
             # NOTE: the budget authority funds a restore against acked bytes only; the pages that

@@ -41,10 +41,12 @@ class GenerationStreams:
         sched = self.workers.sched
         bb = self.proc.state.workers[link.worker].block_bytes
         if msg.blocks_written:
+            sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
             self.proc.record(ev.BlocksCommitted(worker=link.worker, session=session, tier="device",
                                                 blocks=list(msg.blocks_written), keys=list(msg.keys_written),
-                                                bytes=len(msg.blocks_written) * bb), correlation=msg.request_id)
-            sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
+                                                bytes=len(msg.blocks_written) * bb,
+                                                session_tokens=self._session_tokens(r, msg)),
+                             correlation=msg.request_id)
         if r is None:
             if msg.finish_reason is None:
                 self._cancel_orphan(link.worker, msg.request_id)
@@ -58,6 +60,7 @@ class GenerationStreams:
             return
         r.num_generated += len(msg.token_ids)
         if msg.finish_reason is None:
+            sched.progress(r.request_id, sched.positions_written(r.request_id, r.num_generated, len(r.token_ids)))
             if msg.token_ids or msg.text:
                 r.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs)))
             return
@@ -89,6 +92,14 @@ class GenerationStreams:
             self.orphans_cancelled.add(request_id)
             log.info("orphan_cancelled", request_id=request_id, worker=worker)
             self.proc.send_to_worker(worker, CancelGenerate(request_id=request_id, reason="control_lost"))
+
+    def _session_tokens(self, r, msg: TokensGenerated) -> int | None:
+        """Positions the session's pages hold once ``msg``'s pages are in; None outside a session
+        and for a turn that ends without keeping them."""
+        if r is None or r.session is None or msg.finish_reason not in (None, "stop", "length"):
+            return None
+        return self.workers.sched.positions_written(r.request_id, r.num_generated + len(msg.token_ids),
+                                                    len(r.token_ids))
 
     def cancel(self, request_id: str, reason: str) -> None:
         r = self.requests.get(request_id)

@@ -53,11 +53,28 @@ def paged_prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, 
     vh = v.transpose(0, 1).unsqueeze(0)
     if start_pos == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale, enable_gqa=gqa)
-    else:
+    elif q.is_cuda:
+        # NOTE: torch's CausalBias reaches the flash / memory-efficient kernels with a lower-right
+        # mask on CUDA; importing it imports torch._dynamo (seconds on a busy host), which the
+        # runner pays when it is built on a GPU (``ModelRunner``), not on a first reused prefix.
         from torch.nn.attention.bias import causal_lower_right
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(M, ctx_len),
                                            scale=sm_scale, enable_gqa=gqa)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=lower_right_mask(M, ctx_len, q.device),
+                                           scale=sm_scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+def lower_right_mask(num_queries: int, ctx_len: int, device) -> torch.Tensor:
+    """[num_queries, ctx_len] bool: query i, at position ctx_len - num_queries + i, sees keys
+    0..that position. The mask torch's CausalBias builds for SDPA off CUDA, built here without
+    importing it.
+
+        ctx_len = 6, num_queries = 2:   1 1 1 1 1 0
+                                        1 1 1 1 1 1
+    """
+    return torch.ones(num_queries, ctx_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len - num_queries)
 
 
 def paged_attention_invariant(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_table: torch.Tensor,

@@ -98,6 +98,8 @@ class ModelRunner:
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.sm_scale = 1.0 / math.sqrt(config.head_dim)
         self._gpu = self.device.type == "cuda"
+        if self._gpu:       # a long prefill over cached pages uses it; imported at load, not mid-request
+            from torch.nn.attention.bias import causal_lower_right  # noqa: F401, PLC0415
 
     # ------------------------------------------------------------ pool
     def kv_pool_shape(self, num_blocks: int, page_tokens: int) -> tuple[int, ...]:

@@ -50,6 +50,9 @@ def test_serve_ctl_status_and_a_clean_stop_on_sigterm(tmp_path, short_dir):
         assert r.returncode == 0, r
         assert "acked" in r.stdout and "moved 128.0 KiB, freed 128.0 KiB at the source" in r.stdout
         assert "session chat-1 parked on host: 128.0 KiB" in r.stdout
+        r = cli("ctl", "park", "--session", "chat-1", run_dir=short_dir, url=url)      # again: nothing to do
+        assert r.returncode == 0 and r.stdout.strip() == (
+            "session 'chat-1' has no blocks on device (8 blocks: 8 on host); nothing moved"), r
         r = cli("ctl", "budget", "--tier", "device", "--floor", "16MiB", run_dir=short_dir, url=url)
         assert r.returncode == 0 and "floor 16.0 MiB" in r.stdout, r
         r = cli("ctl", "restore", "--session", "chat-1", run_dir=short_dir, url=url)

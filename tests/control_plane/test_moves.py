@@ -105,6 +105,20 @@ def test_invalid_asks_are_named_and_record_nothing():
             moves.resolve(b.state, msg, "operator")
 
 
+def test_a_session_ask_with_nothing_on_its_source_is_done_not_invalid():
+    b = Book()
+    b.commit([1, 2], 0, session="s")
+    b.move("p", "park", "device", "host", [1, 2], 1, session="s")
+    with pytest.raises(moves.NothingToMove, match=re.escape("no blocks on device (2 blocks: 2 on host)")):
+        moves.resolve(b.state, AskMove(ask_id="x", kind="park", worker=0, session="s"), "operator")
+    b.move("r", "restore", "host", "device", [1, 2], 2, session="s")
+    with pytest.raises(moves.NothingToMove, match=re.escape("already on the device (2 blocks: 2 on device)")):
+        moves.resolve(b.state, AskMove(ask_id="x", kind="restore", worker=0, session="s"), "operator")
+    with pytest.raises(moves.InvalidAsk) as named:        # named blocks that are not there stay a mistake
+        moves.resolve(b.state, AskMove(ask_id="x", kind="restore", worker=0, blocks=[1]), "operator")
+    assert type(named.value) is moves.InvalidAsk
+
+
 def _resolve_ref(state, msg, asker, busy):
     """The plain version of ``moves.resolve`` for named blocks (one list per check, every ask
     validated in full): the single-pass resolve must say exactly what this says."""

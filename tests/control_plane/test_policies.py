@@ -182,6 +182,34 @@ def test_an_idle_session_is_parked_whole_and_a_recent_one_is_not():
     assert plan(b.state, b.recency, 100 * S, cfg) == []
 
 
+def test_pages_restored_for_the_last_turn_are_parked_with_the_rest_of_the_session():
+    b = Book(device=10, host=20)
+    b.commit([0, 1, 2, 3], t_s=0, session="s")
+    b.move("p", "park", "device", "host", [0, 1, 2, 3], t_s=10, session="s")
+    b.move("r", "restore", "host", "device", [0, 1], t_s=20, session="s")       # its next turn reuses two
+    b.commit([4, 5], t_s=21, session="s")
+    cfg = PolicyConfig(pressure=False, park_idle_s=5, cooldown_s=60)            # 0 and 1 are still cooling
+    asks = plan(b.state, b.recency, 28 * S, cfg)
+    assert [(a.kind, a.session, sorted(a.blocks)) for a in asks] == [("park", "s", [0, 1, 4, 5])]
+
+
+def test_a_session_with_a_busy_device_page_is_not_parked_in_part():
+    b = Book(device=10, host=20)
+    b.commit([0, 1, 2], t_s=0, session="s")
+    cfg = PolicyConfig(pressure=False, park_idle_s=5)
+    assert plan(b.state, b.recency, 30 * S, cfg, busy={0: {1}}) == []
+    assert [sorted(a.blocks) for a in plan(b.state, b.recency, 30 * S, cfg, busy={})] == [[0, 1, 2]]
+
+
+def test_a_session_bigger_than_one_move_is_parked_whole_in_several_moves():
+    b = Book(device=10, host=20)
+    b.commit(range(7), t_s=0, session="s")
+    cfg = PolicyConfig(pressure=False, park_idle_s=5, max_blocks_per_move=3)
+    asks = plan(b.state, b.recency, 30 * S, cfg)
+    assert all(len(a.blocks) <= 3 and a.kind == "park" for a in asks)
+    assert sorted(x for a in asks for x in a.blocks) == list(range(7))
+
+
 def test_a_refused_policy_ask_is_not_repeated_until_something_changed():
     b = Book(device=10, host=2)
     b.commit(range(10), t_s=0)

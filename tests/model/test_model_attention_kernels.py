@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from residency.dataplane.model.attention import paged_attention_invariant, paged_prefill_attention
+from residency.dataplane.model.attention import lower_right_mask, paged_attention_invariant, paged_prefill_attention
 from residency.kernels._common import KernelInputError
 from residency.kernels.attention import (
     SPLIT_TOKENS,
@@ -115,6 +115,34 @@ def test_prefill_paths_match_float64_attention(gen, attend, start, new, page):
     v = torch.stack([pool[table[p // page], 0, 1, p % page] for p in range(ctx)])
     want = naive_attention(q, k, v, torch.arange(start, ctx))
     assert (got.double() - want).abs().max() < 2e-5
+
+
+def test_the_cpu_lower_right_mask_is_the_one_torchs_causal_bias_builds(gen):
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+    for m, ctx in ((1, 1), (3, 17), (12, 332), (40, 41)):
+        assert torch.equal(lower_right_mask(m, ctx, "cpu"), causal_lower_right(m, ctx)._materialize(torch.device("cpu")))
+        q, k, v = (torch.randn(1, 6, n, 16, generator=gen) for n in (m, ctx, ctx))
+        k, v = k[:, :2], v[:, :2]
+        ours = F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_mask(m, ctx, "cpu"), enable_gqa=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, ctx), enable_gqa=True)
+        assert torch.equal(ours, theirs), (m, ctx)
+
+
+def test_a_cpu_prefill_over_cached_pages_does_not_import_torch_dynamo():
+    """A first reused prefix once paid this import (seconds on a busy host) mid-request."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch\n"
+        "from residency.dataplane.model.attention import paged_prefill_attention\n"
+        "pool = torch.randn(4, 1, 2, 8, 2, 16)\n"
+        "paged_prefill_attention(torch.randn(5, 6, 16), pool, 0, torch.tensor([2, 0, 3]), 15, 20, 0.25)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_rope_and_cache_kernel_matches_reference(gen):

@@ -204,6 +204,43 @@ def generating(s: Stack, session: str) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def test_a_session_counts_its_tokens_while_it_generates(stack):
+    s = stack()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("count me", session="c", max_tokens=200)))
+    t.start()
+    seen = []
+    deadline = time.monotonic() + 30
+    while t.is_alive() and time.monotonic() < deadline:
+        got = s.client.get("/admin/sessions/c")          # 404 until the turn is admitted
+        if got.status_code == 200 and got.json()["busy"]:
+            seen.append(got.json()["num_tokens"])
+        time.sleep(0.005)
+    t.join(30)
+    u = out["r"].json()["usage"]
+    assert seen and max(seen) > 0, seen                     # not 0 until the turn ends
+    assert seen == sorted(seen) and max(seen) <= u["prompt_tokens"] + u["completion_tokens"] - 1
+    assert s.session("c")["num_tokens"] == u["prompt_tokens"] + u["completion_tokens"] - 1
+
+
+def test_a_restored_session_and_a_rebuilt_one_count_its_tokens_not_its_page_slots(stack):
+    from residency.control.scheduler.config import SchedulerConfig
+    from residency.control.scheduler.core import Scheduler
+    s = stack()
+    u = s.chat("an odd number of tokens", session="odd", max_tokens=6).json()["usage"]
+    held = u["prompt_tokens"] + u["completion_tokens"] - 1
+    assert held % P and s.session("odd")["num_tokens"] == held       # a partial last page
+    assert s.client.post("/admin/sessions/odd/park").status_code == 200
+    assert s.client.post("/admin/sessions/odd/restore").status_code == 200
+    recorded, state = read_ledger(s.url)                # as a control restarting now would fold it
+    restored = [r.event for r in recorded if type(r.event).__name__ == "SessionRestored"]
+    assert [e.restored_tokens for e in restored] == [held]             # not pages * P
+    assert state.sessions["odd"].restored_tokens == held
+    rebuilt = Scheduler(SchedulerConfig(page_tokens=P, max_context=256))
+    rebuilt.rebuild(state)
+    assert rebuilt.sessions["odd"].num_tokens == held
+
+
 def test_a_turn_on_a_busy_session_is_409(stack):
     s = stack()
     t, out = generating(s, "busy")
@@ -276,6 +313,20 @@ def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stac
     assert [x["session_id"] for x in s.client.get("/admin/sessions?limit=1").json()["data"]] == ["newer"]
 
 
+def test_parking_a_parked_session_moves_nothing_and_says_so(stack):
+    s = stack()
+    assert s.chat("a turn to park " * 3, session="p", max_tokens=4).status_code == 200
+    first = s.client.post("/admin/sessions/p/park").json()
+    assert first["move_id"] is not None and first["note"] is None
+    assert first["blocks_by_tier"] == {"device": 0, "host": first["num_blocks"], "disk": 0}
+    again = s.client.post("/admin/sessions/p/park")
+    assert again.status_code == 200 and again.json()["move_id"] is None
+    assert again.json()["note"].startswith("nothing moved: no page of 'p' is on the device")
+    assert s.client.post("/admin/sessions/p/restore").json()["note"] is None
+    back = s.client.post("/admin/sessions/p/restore").json()
+    assert back["move_id"] is None and "already on the device" in back["note"]
+
+
 def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
     s = stack(share_prefixes=False)       # "busy" must not restore a page of "gone" to share it
     assert s.chat("a first turn " * 3, session="gone", max_tokens=6).status_code == 200
@@ -293,6 +344,33 @@ def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
     assert sum(e.bytes for e in freed) == held["bytes"]
     asked = [e for e in events if type(e).__name__ == "MoveRequested" and "session gone deleted" in e.reason]
     assert asked and all(e.src == e.dst for e in asked)
+
+
+def test_a_deleted_session_is_recorded_as_its_own_so_audit_timeline_and_status_see_it(stack):
+    from residency.control.cli.audit_cmd import query
+    from residency.control.timeline import timeline
+    s = stack(share_prefixes=False)
+    assert s.chat("a turn to delete " * 3, session="gone", max_tokens=6).status_code == 200
+    assert s.client.post("/admin/sessions/gone/park").status_code == 200
+    held = s.session("gone")
+    assert s.client.delete("/admin/sessions/gone").json()["bytes_freed"] == held["bytes"]
+    s.close()
+    events, state = s.ledger()
+    assert "gone" not in state.sessions                 # what `status` and `replay` list
+    deleted = [e for e in events if type(e).__name__ == "SessionDeleted"]
+    assert [(e.session, e.bytes_freed) for e in deleted] == [("gone", held["bytes"])]
+    released = [e for e in events if type(e).__name__ == "CopiesReleased"]
+    assert released and {e.session for e in released} == {"gone"}
+    store = LedgerStore.open(s.url)
+    try:
+        totals, _ = query(store, "reclaimed", "session", None, None, 5)
+        seen = [type(r.event).__name__ for r in timeline(store.read(), "session", "gone")]
+    finally:
+        store.close()
+    by_session = {g: b for g, b, _ in totals}
+    assert None not in by_session or by_session[None] == 0, totals
+    assert by_session["gone"] >= 2 * held["bytes"]        # the park freed the device, the delete the host
+    assert seen[-3:] == ["MoveRequested", "CopiesReleased", "SessionDeleted"]
 
 
 def test_a_session_generating_cannot_be_deleted(stack):
@@ -370,6 +448,27 @@ def test_the_idle_policy_parks_an_idle_session(stack):
     while s.session("quiet")["tier"] != "host":
         assert time.monotonic() < deadline, "the idle session was never parked"
         time.sleep(0.05)
+
+
+def test_an_idle_park_takes_the_pages_the_last_turn_restored_too(stack):
+    s = stack(restore_policy="restore", policy=PolicyConfig(pressure=False, park=True, park_idle_s=0.3, cooldown_s=60))
+    convo = [{"role": "user", "content": "a first question long enough for pages"}]
+    r1 = s.chat(convo, session="twice").json()
+
+    def parked_whole() -> dict:
+        deadline = time.monotonic() + 15
+        while (info := s.session("twice"))["blocks_by_tier"]["device"]:
+            assert time.monotonic() < deadline, f"pages stayed on the device: {info}"
+            time.sleep(0.05)
+        return info
+    parked_whole()
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "and then?"}]
+    u = s.chat(convo, session="twice").json()["usage"]
+    assert u["restored_tokens"] > 0                           # these pages are cooling for a minute
+    assert u["prompt_tokens_details"]["cached_tokens"] + u["computed_tokens"] == u["prompt_tokens"]
+    info = parked_whole()
+    assert info["tier"] == "host" and info["blocks_by_tier"]["host"] == info["num_blocks"]
 
 
 def test_device_pressure_spills_cold_pages_but_never_pages_a_running_turn_uses(stack):
