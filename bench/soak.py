@@ -41,8 +41,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from commit import ROOT, git_commit  # noqa: E402
-from soak_checks import (audit_stranded_bytes, diagnose_findings, ledger_counts, log_errors, replay_summary,  # noqa: E402
-                         verify)  # noqa: E402
+from soak_checks import (audit_stranded_bytes, diagnose_findings, disk_claims, ledger_counts, log_errors,  # noqa: E402
+                         replay_summary, verify)  # noqa: E402
 from soak_clients import HOSTILE_KINDS, MODEL, Client, Outcome, Sessions  # noqa: E402
 
 ADMIN_KEY = "soak"
@@ -213,13 +213,17 @@ def print_table(doc: dict) -> list[str]:
                 f"{doc['serve_starts']} times")
     led, rep = doc["ledger"], doc["replay"]
     rows.append(f"ledger: {led['num_events']} events, {led['requests_admitted']} requests admitted, "
-                f"{led['requests_unclosed']} never closed, {led['requests_closed_control_lost']} closed by recovery")
+                f"{led['requests_unclosed']} never closed ({led['requests_unclosed_before_a_restart']} of them before a "
+                f"restart), {led['requests_closed_control_lost']} closed by recovery")
     rows.append(f"stranded bytes: audit {doc['stranded_audit_bytes']}, view {led['stranded_view_bytes']}, "
                 f"replay {rep.get('stranded_bytes')}, each block once {led['stranded_once_bytes']} "
                 f"(counted twice: {led['stranded_double_counted_bytes']})")
     rows.append(f"ledger verify: {'ok' if doc['verify']['ok'] else 'FAILED'}: {' | '.join(doc['verify']['output'][-2:])}")
     rows.append(f"diagnose: {doc['diagnose'] or 'no findings'}")
     rows.append(f"error lines in the serve logs: {doc['log_errors'] or 'none'}")
+    claims = [c for c in doc["disk_claims"] if c["kept"] or c["dropped"]]
+    rows.append("disk files found by starting workers: " + ("; ".join(
+        f"kept {c['kept']}, dropped {c['dropped']}" for c in claims) or "none"))
     for name, v in doc["targets"].items():
         rows.append(f"target {name}: {v['measured']} (target {v['target']}) {'met' if v['met'] else 'MISSED'}")
     print("\n".join(rows), flush=True)
@@ -285,7 +289,11 @@ def main() -> int:
     stuck = [t.name for t in threads if t.is_alive()]
     load_run = os.getloadavg()
 
-    if serve.proc.poll() is not None:        # the last kill may have come as the run ended
+    died_unasked = None
+    if serve.proc.poll() is not None:        # only a kill of ours may have stopped it
+        if serve.proc.returncode != -signal.SIGKILL:
+            died_unasked = serve.proc.returncode
+            log(f"residency serve exited by itself with {died_unasked}; starting it again")
         serve.start()
     ready_s = serve.ready(deadline_s=180)
     final = final_request(serve.url, timeout_s=args.client_timeout)
@@ -314,12 +322,14 @@ def main() -> int:
                     "loadavg_after": os.getloadavg(), "device": "cpu"},
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "keep_dir")} | {"hostile": hostile},
         "first_ready_s": first_ready_s, "serve_starts": serve.num_starts, "serve_last_returncode": rc,
+        "serve_exited_unasked_returncode": died_unasked,
         "workers_left_after_stop": leftover, "threads_stuck": stuck,
         "requests_sent": len(outcomes), "result_columns": result_columns,
         "requests_by_result": dict(Counter(o.result for o in outcomes)), "requests_by_kind": by_class(outcomes),
         "examples": examples(outcomes), "kills": killer.kills,
         **figures, "diagnose": diagnose_findings(serve.ledger),
         "log_errors": log_errors(sorted(work.glob("serve-*.log"))),
+        "disk_claims": disk_claims(sorted(work.glob("serve-*.log"))),
     }
     doc["targets"] = judge(doc)
     doc["table"] = print_table(doc)

@@ -77,13 +77,16 @@ def ledger_counts(url: str) -> dict:
     requested: dict[str, tuple[int, int, list[int]]] = {}  # move -> (worker, incarnation, blocks)
     stranded: dict[str, tuple[int, int, str]] = {}         # move -> (bytes at risk, seq, why), while unresolved
     lost: dict[tuple[int, int], tuple[set[int], int, int]] = {}   # (worker, incarnation) -> (blocks, bytes, seq)
+    starts: list[int] = []                                 # seqs of ServerStarted
     num_events = 0
     with LedgerStore.open(url) as store, store.engine.connect() as conn:
         view_bytes = int(conn.execute(text("SELECT COALESCE(SUM(bytes), 0) FROM residency_stranded")).scalar_one())
         for rec in store.read():
             num_events += 1
             e, seq = rec.event, rec.envelope.seq
-            if isinstance(e, ev.RequestAdmitted):
+            if isinstance(e, ev.ServerStarted):
+                starts.append(seq)
+            elif isinstance(e, ev.RequestAdmitted):
                 admitted.setdefault(e.request_id, seq)
             elif isinstance(e, ev.RequestFinished):
                 finished[e.request_id] = e.reason
@@ -119,7 +122,9 @@ def ledger_counts(url: str) -> dict:
         "requests_admitted": len(admitted),
         "requests_finished_by_reason": _count(finished.values()),
         "requests_unclosed": len(unclosed),
-        "requests_unclosed_first": [{"admitted_seq": s, "request_id": r} for s, r in unclosed[:10]],
+        "requests_unclosed_first": [{"admitted_seq": s, "request_id": r, "next_server_started_seq": _after(starts, s)}
+                                    for s, r in unclosed[:10]],
+        "requests_unclosed_before_a_restart": sum(1 for s, _ in unclosed if _after(starts, s) is not None),
         "requests_closed_control_lost": sum(1 for r in finished.values() if r == "control_lost"),
         "requests_refused_in_ledger": len(refused),
         "worker_lost_events": sum(incarnation.values()),
@@ -131,6 +136,10 @@ def ledger_counts(url: str) -> dict:
     }
 
 
+def _after(seqs: list[int], seq: int) -> int | None:
+    return next((s for s in seqs if s > seq), None)
+
+
 def _count(values) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for v in values:
@@ -139,17 +148,41 @@ def _count(values) -> dict[str, int]:
 
 
 def log_errors(logs) -> dict[str, int]:
-    """Error-level lines of the serve logs (JSON lines), by event name and the exception's last line:
-    a client that hangs up, or a worker lost, is not an error the server failed to handle."""
+    """Error-level lines of the serve logs, by event name and the exception's last line: JSON lines
+    from structlog, and the tracebacks uvicorn prints itself for an exception that escaped the app.
+    A client that hangs up, or a worker lost, is not an error the server failed to handle."""
     found: dict[str, int] = defaultdict(int)
     for path in logs:
+        in_traceback = False
         for line in path.read_text(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
+                rec = None
+            if not isinstance(rec, dict):
+                if line.startswith("Exception in ASGI application"):
+                    in_traceback = True
+                elif in_traceback and line and not line[0].isspace() and not line.startswith("Traceback"):
+                    found[f"uncaught in ASGI ({line[:120]})"] += 1
+                    in_traceback = False
                 continue
-            if not isinstance(rec, dict) or rec.get("level") not in ("error", "critical"):
+            if rec.get("level") not in ("error", "critical"):
                 continue
             exc = (rec.get("exception") or "").strip().splitlines()
             found[rec.get("event", "?") + (f" ({exc[-1][:120]})" if exc else "")] += 1
     return dict(sorted(found.items()))
+
+
+def disk_claims(logs) -> list[dict]:
+    """What each starting worker did with the disk-tier files it found (logged ``disk_claimed``)."""
+    out = []
+    for path in logs:
+        for line in path.read_text(errors="replace").splitlines():
+            if '"disk_claimed"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            out.append({k: rec.get(k) for k in ("timestamp", "worker", "kept", "dropped", "bytes_dropped")})
+    return sorted(out, key=lambda r: r["timestamp"] or "")
