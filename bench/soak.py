@@ -315,7 +315,9 @@ def main() -> int:
     figures["stranded_agree"] = (figures["stranded_audit_bytes"] == figures["ledger"]["stranded_view_bytes"]
                                  == figures["replay"].get("stranded_bytes") == figures["ledger"]["stranded_rows_bytes"])
     figures["requests_unanswered"] = sum(1 for o in outcomes if o.result == "unanswered")
-    result_columns = ["2xx", "4xx", "5xx", "no_server", "cut", "stream_cut", "client_closed", "unanswered"]
+    result_columns = ["2xx", "4xx", "500", "5xx", "stream_error", "no_server", "cut", "stream_cut", "client_closed",
+                      "unanswered"]
+    result_columns += sorted({o.result for o in outcomes} - set(result_columns))     # 1xx, 3xx: shown, never hidden
     doc = {
         "bench": "soak", "date": date.today().isoformat(), "git_commit": git_commit(),
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_during": load_run,

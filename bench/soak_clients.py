@@ -4,6 +4,9 @@ Every call returns one ``Outcome``: what was sent (``kind``) and how it ended (`
 
   2xx, 4xx, 5xx   the server answered with that status class (a stream counts as answered when its
                   last event, ``[DONE]``, arrived; ``stream_cut`` otherwise)
+  500             apart from the other 5xx: an error the server did not expect (a lost worker, for
+                  one, should be a 503 the client may retry)
+  stream_error    a stream that began and then carried an error event (answered, with the reason)
   no_server       nobody listened on the port (the control process was down): never received
   cut             the connection broke before an answer (the server process died under it)
   client_closed   this client hung up on purpose (a stream dropped after its first chunks)
@@ -58,7 +61,7 @@ class Sessions:
 
 
 def _classify_status(code: int) -> str:
-    return f"{code // 100}xx"
+    return "500" if code == 500 else f"{code // 100}xx"
 
 
 class Client:
@@ -170,7 +173,7 @@ class Client:
                 chunk = json.loads(line[6:])
                 rid = chunk.get("id", rid)
                 if chunk.get("error"):
-                    return Outcome("", "5xx", 200, detail=f"error in stream: {str(chunk['error'])[:160]}",
+                    return Outcome("", "stream_error", 200, detail=f"error in stream: {str(chunk['error'])[:160]}",
                                    request_id=rid)
                 for ch in chunk.get("choices") or []:
                     text.append((ch.get("delta") or {}).get("content") or "")

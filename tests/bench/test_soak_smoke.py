@@ -21,10 +21,10 @@ TARGETS = {"unanswered", "unclosed", "verify_ok", "stranded_double_counted_bytes
 
 def test_the_soak_kills_the_control_process_once_and_writes_its_figures_and_targets(tmp_path):
     out = tmp_path / "soak.json"
-    p = subprocess.run([sys.executable, "bench/soak.py", "--duration", "8", "--clients", "2",
+    p = subprocess.run([sys.executable, "bench/soak.py", "--duration", "5", "--clients", "2",
                         "--hostile", "malformed_json,unknown_fields,park_session,delete_session",
-                        "--hostile-fraction", "0.4", "--kill-every", "5", "--control-share", "1",
-                        "--client-timeout", "20", "--think", "0.5", "--seed", "5", "--out", str(out)],
+                        "--hostile-fraction", "0.4", "--kill-every", "3", "--control-share", "1",
+                        "--client-timeout", "20", "--think", "0.5", "--seed", "7", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     res = json.loads(out.read_text())
