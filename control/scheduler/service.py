@@ -214,6 +214,7 @@ class ServingService:
         """Its process exited and its loss waits for the next incarnation to say which disk files
         survived: nothing more is routed there, and what ran there is answered now, as a loss
         would (the WorkerLost that follows finds these requests already ended)."""
+        self.workers.wedge.forget(worker)
         self.workers.lost(worker)
         self.streams.worker_lost(worker)
 
