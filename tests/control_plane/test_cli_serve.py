@@ -92,7 +92,7 @@ def test_after_a_clean_stop_replay_shows_the_worker_stopped_and_the_next_start_w
     from residency.control.views import render_text, summarize
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    client = AskClient(ask_endpoint(short_dir), timeout_s=5)
+    client = ServeClient(short_dir, timeout_s=5)
 
     def linked():
         try:
