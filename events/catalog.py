@@ -272,6 +272,24 @@ class RequestFinished(Event):
     completion_tokens: int
 
 
+class RequestQueued(Event):
+    """A request the scheduler could not admit yet waits for room; recorded once, when it starts
+    waiting (not at each retry). It ends in ``RequestAdmitted``, ``RequestRefused`` (its wait timed
+    out, its worker was lost, the server stopped) or ``RequestFinished`` (its client went away).
+    ``waiting_for`` is the scheduler's reason in words; ``needed_blocks``/``free_blocks`` its
+    device-page arithmetic when room is what it waits for (0/0 otherwise); ``parks`` the idle
+    sessions whose park was asked to make that room."""
+
+    request_id: str
+    session: str | None
+    worker: int
+    prompt_tokens: int
+    waiting_for: str
+    needed_blocks: int = 0
+    free_blocks: int = 0
+    parks: list[str] = []
+
+
 # ---------------------------------------------------------------- steps
 class StepCompleted(Event):
     worker: int
@@ -374,7 +392,7 @@ AnyEvent = Union[
     MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,
     MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased,
     SessionParked, SessionRestored,
-    RequestAdmitted, RequestRefused, RequestFinished,
+    RequestAdmitted, RequestRefused, RequestFinished, RequestQueued,
     StepCompleted,
     RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized,
     WeightsLoaded, FlipRequested, FlipCompleted, FlipFailed,

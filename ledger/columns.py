@@ -50,6 +50,7 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.SessionParked: lambda e: (e.move_id, e.worker, e.session, e.tier, None, e.bytes),
     c.SessionRestored: lambda e: (e.move_id, e.worker, e.session, None, None, None),
     c.RequestAdmitted: lambda e: (None, None, e.session, None, None, None),
+    c.RequestQueued: lambda e: (None, e.worker, e.session, None, None, None),
     # steps, pools, weights
     c.StepCompleted: lambda e: (None, e.worker, None, None, None, None),
     c.RebindRequested: lambda e: (None, e.worker, None, None, None, None),

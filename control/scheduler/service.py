@@ -78,6 +78,7 @@ class ServingService:
                                   (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
+        proc.add_stop_hook(self.admission.stop_waiting)
         proc.blocks_in_use = self.workers.blocks_in_use
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()

@@ -82,8 +82,11 @@ class GenerationStreams:
         r.cancelled = reason
         if r.phase == "running":
             self.proc.send_to_worker(r.worker, CancelGenerate(request_id=request_id, reason=reason))
-        elif r.phase in ("new", "tokenizing", "waiting"):
-            self.requests.forget(r)              # never admitted: nothing to record
+        elif r.phase == "waiting":               # queued in the ledger: closed there too
+            self.admission.end_waiting(r, reason, BackendError(499, "the client went away", code="client_disconnected"),
+                                       client_left=True)
+        elif r.phase in ("new", "tokenizing"):
+            self.requests.forget(r)              # never admitted nor queued: nothing to record
             r.reject(BackendError(499, "the client went away", code="client_disconnected"))
         # restoring: the restore's answer sees it and ends the request (Admission)
 
@@ -98,6 +101,9 @@ class GenerationStreams:
                                                     completion_tokens=r.num_generated), correlation=r.request_id)
                 self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
                 self.requests.forget(r)
-            elif r.phase in ("tokenizing", "waiting"):
+            elif r.phase == "waiting":
+                self.admission.end_waiting(r, "worker_lost", BackendError(
+                    503, f"worker {worker} was lost", type="server_error", code="worker_lost"))
+            elif r.phase == "tokenizing":
                 self.requests.forget(r)
                 r.reject(BackendError(503, f"worker {worker} was lost", type="server_error", code="worker_lost"))
