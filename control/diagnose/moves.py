@@ -274,6 +274,7 @@ class Pendulum:
             if st is None:
                 states[b] = [direction, ts, seq]
                 self.num_tracked += 1
+                swung = True                # its first sighting may become the first swing
                 continue
             last = st[0]
             if (last == self.IN) == (direction == self.IN):
@@ -297,6 +298,9 @@ class Pendulum:
                 marked.append((b, st))
         if swung or marked:
             self.swung[seq] = (ts, ev.bytes_planned, cause.partition(":")[0] or "unknown")
+            if len(self.swung) > self.sweep_at:
+                for q in [q for q, (t, _, _) in self.swung.items() if t < horizon]:
+                    del self.swung[q]
         if marked:
             self._mark(ev, rec, marked)
         if self.num_tracked >= self.sweep_at:

@@ -196,11 +196,13 @@ class TierFull:
         ep = self.open.get(key)
         if ep is None:
             ep = self.open[key] = {"worker": ev.worker, "tier": ev.tier, "onset_ns": ts, "onset_seq": rec.envelope.seq,
-                                   "count": 0, "seqs": [], "callers": {}, "sessions": set(), "hurried": set()}
+                                   "count": 0, "seqs": [], "callers": {}, "repeats": {}, "sessions": set(),
+                                   "hurried": set()}
         ep["count"] += 1
         if len(ep["seqs"]) < MAX_PROOF_SEQS:
             ep["seqs"].append(rec.envelope.seq)
-        times = ep["callers"].setdefault(ev.ask, [])
+        ep["callers"][ev.ask] = ep["callers"].get(ev.ask, 0) + 1
+        times = ep["repeats"].setdefault((ev.ask, ev.session), [])     # one caller asking again for one thing
         times.append(ts)
         del times[:-self.storm_need]
         if len(times) == self.storm_need and times[-1] - times[0] <= self.storm_window:
