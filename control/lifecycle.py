@@ -58,11 +58,6 @@ class MoveDispatcher:
         self.faults = faults
         self.metrics = metrics
         self.blocks_in_use = blocks_in_use
-        # stranded moves their worker has answered for with a failure (or "never received"):
-        # they will never land, so they hold neither blocks nor room. The ledger has no event for
-        # that answer (only a late ack or a release's CopiesReleased resolves a stranding), so they stay
-        # listed stranded there.
-        self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
         self._num_moves = 0
         self._unsent: dict[int, list[ev.MoveRequested]] = {}     # committed, but the worker was not linked
@@ -152,8 +147,6 @@ class MoveDispatcher:
             self.traces.mark(msg.move_id, "decoded")
         verdict, event = moves.classify(self.state, link.worker, msg)
         self.metrics[f"outcome_{verdict}"] += 1
-        if verdict == moves.LATE_FAILURE:
-            self._stranded_answered(msg.move_id)
         if event is None:
             log.info("outcome_not_recorded", verdict=verdict, move_id=msg.move_id, worker=link.worker,
                      type=type(msg).__name__, why=getattr(msg, "reason", None) or getattr(msg, "error", None))
@@ -175,24 +168,13 @@ class MoveDispatcher:
         for verdict, event in settled:
             self.metrics[f"reconciled_{verdict}"] += 1
             self.settle(event.move_id, event)
-        for mid in [*msg.unknown, *(o.move_id for o in msg.outcomes if type(o) is not ev.MoveAcked)]:
-            mv = self.state.stranded.get(mid)
-            if mv is not None and mv.worker == link.worker:   # answered for: it will never run now
-                self._stranded_answered(mid)
         link.queried.difference_update(msg.unknown)
         link.queried.difference_update(o.move_id for o in msg.outcomes)
         if settled:
             log.info("moves_reconciled", worker=link.worker, settled=len(settled), unknown=len(msg.unknown))
 
-    def _stranded_answered(self, mid: str) -> None:
-        mv = self.state.stranded.get(mid)
-        if mv is not None and mid not in self.answered_stranded:
-            self.answered_stranded.add(mid)
-            self.busy.remove(mv.worker, mv.blocks)
-            log.warning("stranded_move_never_landed", move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned)
-
     def reserved_bytes(self) -> dict[tuple[int, str], int]:
-        return budget.stranded_toward(self.state, self.answered_stranded)
+        return budget.stranded_toward(self.state)
 
     def settle(self, mid: str, event: ev.Event) -> None:
         """Record a move's terminal (or late) event, its session follow-ups, and tell its asker.
@@ -215,7 +197,7 @@ class MoveDispatcher:
         recorded = [(self.recorder.record(e, correlation=mv.session, causation=mid, fold_later=short), e)
                     for e in moves.settle_events(mv, event, self.cfg.moves)]
         self.traces.mark(mid, "recorded")
-        if type(event) is not ev.MoveLateAcked:
+        if type(event) not in (ev.MoveLateAcked, ev.MoveLateFailed):   # its asker heard the stranding
             waiter = self.book.settled(mid)
             if waiter is not None:
                 waiter.events.extend(recorded)
@@ -246,8 +228,7 @@ class MoveDispatcher:
         """Query workers about their stranded moves: a dropped ack comes back as MoveLateAcked."""
         stranded: dict[int, list[str]] = {}
         for mid, mv in self.state.stranded.items():
-            if mid not in self.answered_stranded:
-                stranded.setdefault(mv.worker, []).append(mid)
+            stranded.setdefault(mv.worker, []).append(mid)
         for w, mids in stranded.items():
             link = self.workers.by_worker.get(w)
             if link is not None:

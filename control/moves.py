@@ -7,8 +7,9 @@
                       ExecuteMove (or ReleaseBlocks)  ──►  worker
         ◄──────────── MoveAcked | MoveFailed | MoveRejected   (idempotent by move_id)
         ──classify──► the terminal event, once; a duplicate is ignored; an ack for a stranded
-                      move becomes MoveLateAcked; park/restore acks are followed by
-                      SessionParked / SessionRestored; a release's ack is CopiesReleased
+                      move becomes MoveLateAcked, its rejection or failure MoveLateFailed;
+                      park/restore acks are followed by SessionParked / SessionRestored;
+                      a release's ack is CopiesReleased
 
 ``MoveBook`` holds what the control process knows about moves that the ledger does not: which
 requests are still waiting for their commit (not sent yet), which were sent, and who is waiting
@@ -247,7 +248,7 @@ Outcome = ev.MoveAcked | ev.MoveFailed | ev.MoveRejected
 
 TERMINAL = "terminal"           # the move was in flight: record the outcome as it came
 LATE = "late"                   # the move was stranded and this is its ack: record MoveLateAcked
-LATE_FAILURE = "late_failure"   # stranded, then reported failed: the stranding stands (logged)
+LATE_FAILURE = "late_failure"   # stranded, then rejected or failed: record MoveLateFailed
 DUPLICATE = "duplicate"         # the move already has its outcome: nothing to record
 UNKNOWN = "unknown_move"        # never requested in this ledger
 WRONG_WORKER = "wrong_worker"   # requested of another worker
@@ -268,10 +269,16 @@ def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event
             return LATE, ev.MoveLateAcked(
                 move_id=mid, worker=worker, bytes_moved=outcome.bytes_moved, bytes_freed_src=outcome.bytes_freed_src,
                 checksum_ok=outcome.checksum_ok, started_ns=outcome.started_ns, finished_ns=outcome.finished_ns)
-        return LATE_FAILURE, None
+        return LATE_FAILURE, late_failure(mid, worker, type(outcome).__name__,
+                                          getattr(outcome, "reason", None) or getattr(outcome, "error", ""))
     if mid in state.outcomes:
         return DUPLICATE, None
     return UNKNOWN, None
+
+
+def late_failure(mid: str, worker: int, answer: str, reason: str) -> ev.MoveLateFailed:
+    """The event that closes a stranding the worker says never landed."""
+    return ev.MoveLateFailed(move_id=mid, worker=worker, answer=answer, reason=reason)
 
 
 def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig) -> list[ev.Event]:

@@ -225,6 +225,19 @@ class MoveAbandoned(Event):
     why: str
 
 
+class MoveLateFailed(Event):
+    """A stranded move's late answer saying nothing landed: the worker rejected it (its deadline
+    had passed before it ran), reported it failed, or never received it and has tombstoned its id.
+    It settles the stranding as ``MoveLateAcked`` does, but moves no copy: the source copies stand
+    and the bytes that were at risk are no longer. ``answer`` is the worker's outcome type
+    ("MoveRejected", "MoveFailed") or "unknown"; ``reason`` its words."""
+
+    move_id: str
+    worker: int
+    answer: str
+    reason: str
+
+
 # ---------------------------------------------------------------- sessions
 class SessionParked(Event):
     session: str
@@ -390,7 +403,7 @@ AnyEvent = Union[
     BudgetSet, PinnedRegistered, PinnedReleased,
     BlocksCommitted, BlocksFreed,
     MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,
-    MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased,
+    MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased, MoveLateFailed,
     SessionParked, SessionRestored,
     RequestAdmitted, RequestRefused, RequestFinished, RequestQueued,
     StepCompleted,
@@ -403,8 +416,9 @@ AnyEvent = Union[
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}
 
 # Terminal outcomes of a MoveRequested (MoveStranded is terminal but may be followed by
-# exactly one MoveLateAcked, which re-accounts the stranded bytes). A release's CopiesReleased is
-# its terminal outcome, or its late answer after a MoveStranded.
+# exactly one late answer: MoveLateAcked, which re-accounts the stranded bytes, or MoveLateFailed,
+# which releases them). A release's CopiesReleased is its terminal outcome, or its late answer
+# after a MoveStranded.
 TERMINAL_MOVE_EVENTS = ("MoveAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
 
 

@@ -19,6 +19,7 @@ from residency.events import (
     MoveAcked,
     MoveFailed,
     MoveLateAcked,
+    MoveLateFailed,
     MoveRejected,
     MoveRequested,
     MoveStranded,
@@ -86,6 +87,7 @@ class Accounting:
             MoveRequested: self._requested,
             MoveAcked: self._acked,
             MoveLateAcked: self._late_acked,
+            MoveLateFailed: self._late_failed,
             CopiesReleased: self._released,
             MoveFailed: self._ended,
             MoveRejected: self._ended,
@@ -176,6 +178,11 @@ class Accounting:
         self.ended_stranding, self.ended = hit if hit is not None else (None, None)
         if hit is not None and rec.event.worker not in self.lost:
             self._arrive(hit[1].event, rec)
+
+    def _late_failed(self, rec: Recorded) -> None:
+        """A stranding closed by its worker: it never landed, so nothing arrives."""
+        hit = self.stranded.pop(rec.event.move_id, None)
+        self.ended_stranding, self.ended = hit if hit is not None else (None, None)
 
     def _released(self, rec: Recorded) -> None:
         """A release answered: settled like an ack (late when it was stranded), then its copies

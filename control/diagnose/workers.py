@@ -15,6 +15,7 @@ from residency.events import (
     MoveAcked,
     MoveFailed,
     MoveLateAcked,
+    MoveLateFailed,
     MoveRejected,
     MoveStranded,
     Recorded,
@@ -46,6 +47,7 @@ class WorkerSilence:
             MoveFailed: self._alive,
             MoveRejected: self._alive,
             MoveLateAcked: self._late_acked,
+            MoveLateFailed: self._late_acked,    # its stranding closed: nothing at risk
             CopiesReleased: self._late_acked,     # a release answered (on time: the same as alive)
             WorkerJoined: self._joined,
             WorkerLost: self._lost,

@@ -4,8 +4,8 @@ Series are kept as change points (``array('q')`` of ts and values: compact, appe
 binned once at the end (``control.report.bins``). Audit totals follow the design's definitions:
 reclaimed bytes come from acks (``bytes_freed_src``), ``BlocksFreed`` and ``CopiesReleased``, never
 from plans;
-stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late ack, plus the bytes that
-were only on a lost worker.
+stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late answer (``MoveLateAcked``,
+``MoveLateFailed``, a late ``CopiesReleased``), plus the bytes that were only on a lost worker.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from residency.events import (
     MoveAcked,
     MoveFailed,
     MoveLateAcked,
+    MoveLateFailed,
     MoveRefused,
     MoveRejected,
     MoveRequested,
@@ -32,7 +33,8 @@ from residency.events import (
 )
 from residency.control.diagnose.accounting import Accounting
 
-OUTCOMES = ("MoveAcked", "MoveLateAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
+OUTCOMES = ("MoveAcked", "MoveLateAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned",
+            "MoveLateFailed")
 
 
 class Changes:
@@ -88,6 +90,7 @@ class ReportCollector:
             MoveRequested: self._requested,
             MoveAcked: self._acked,
             MoveLateAcked: self._late_acked,
+            MoveLateFailed: self._late_failed,
             MoveFailed: self._ended,
             MoveRejected: self._ended,
             MoveAbandoned: self._ended,
@@ -161,6 +164,12 @@ class ReportCollector:
         if req is not None:
             self._reclaim(req.event.src, req.event.kind, rec.event.bytes_freed_src)
         self.bytes_moved += rec.event.bytes_moved
+
+    def _late_failed(self, rec: Recorded) -> None:
+        self.outcomes["MoveLateFailed"].ts.append(rec.envelope.ts_ns)
+        stranding = self.acct.ended_stranding
+        if stranding is not None:
+            self._stranded_changed(rec.envelope.ts_ns, stranding.event.why, -stranding.event.bytes_at_risk)
 
     def _lost(self, rec: Recorded) -> None:
         if rec.event.bytes_lost:
