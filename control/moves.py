@@ -107,7 +107,7 @@ def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] |
         _check_route(state, a)
         # one proposal of every block (the usual case): the set made above is its blocks, and set-to-set
         # algebra walks the smaller side (a few busy blocks, not the 1024 asked)
-        _check_not_busy(a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
+        _check_not_busy(state, a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
     return proposals
 
 
@@ -180,7 +180,7 @@ def validate(state: State, proposal: Proposal, busy: dict[int, set[int]] | None 
         raise InvalidAsk(f"blocks {bad[:16]} have no copy on {src} of worker {proposal.worker}")
     if there:
         raise InvalidAsk(f"blocks {there[:16]} already have a copy on {dst}")
-    _check_not_busy(proposal, busy if busy is not None else busy_blocks(state))
+    _check_not_busy(state, proposal, busy if busy is not None else busy_blocks(state))
 
 
 def _check_route(state: State, proposal: Proposal) -> None:
@@ -196,12 +196,33 @@ def _check_route(state: State, proposal: Proposal) -> None:
         raise InvalidAsk("no blocks")
 
 
-def _check_not_busy(proposal: Proposal, busy: dict[int, set[int]], block_set: set[int] | None = None) -> None:
+def _check_not_busy(state: State, proposal: Proposal, busy: dict[int, set[int]],
+                    block_set: set[int] | None = None) -> None:
     """``block_set``: the proposal's blocks as a set, when the caller has it."""
     taken = busy.get(proposal.worker)
     if taken and not taken.isdisjoint(proposal.blocks if block_set is None else block_set):
         clash = [b for b in proposal.blocks if b in taken]
-        raise InvalidAsk(f"blocks {clash[:16]} are busy in another move that has no outcome yet")
+        raise InvalidAsk(f"blocks {clash[:16]} are busy: {_holders(state, proposal.worker, clash)}")
+
+
+def _holders(state: State, worker: int, clash: list[int]) -> str:
+    """The moves that hold ``clash`` in words; a stranded one says why it still holds them (the
+    asker can do nothing until its worker answers, so telling it to retry later is not enough)."""
+    wanted = set(clash)
+    named: list[str] = []
+    for mv in (*state.inflight.values(), *state.stranded.values()):
+        if mv.worker != worker or wanted.isdisjoint(mv.blocks):
+            continue
+        what = f"move {mv.move_id} ({mv.kind} {mv.src} -> {mv.dst}, requested at seq {mv.requested_seq})"
+        if mv.status == "stranded":
+            what += (f" is stranded: worker {worker} never answered it by its deadline; its blocks stay held"
+                     f" until the worker acks or rejects it")
+        else:
+            what += " has no outcome yet"
+        named.append(what)
+        if len(named) == 3:
+            break
+    return "; ".join(named) or "in use by a running request or a move that has no outcome yet"
 
 
 def fund(state: State, proposals: list[Proposal], reserved: dict[tuple[int, str], int] | None = None) -> Refusal | None:

@@ -89,6 +89,10 @@ def test_a_stranded_move_holds_its_destination_room_until_its_worker_answers_for
     (refused,) = ans.events
     assert type(refused) is ev.MoveRefused and refused.available_bytes == 14 * bb
     assert f"held for stranded moves {50 * bb}" in refused.reason
+    # an ask for its blocks is told which move holds them and why, not only that they are busy
+    busy = proc.submit(AskMove(ask_id="r1b", kind="restore", worker=0, blocks=blocks[:2])).result(5)
+    assert busy.error == "invalid_ask" and not busy.events
+    assert f"move {cmd.move_id} (restore host -> device" in busy.detail and "is stranded" in busy.detail
     # the worker answers: it refused to start it (its deadline had passed): the room is free again
     fw.send(ev.MoveRejected(move_id=cmd.move_id, worker=0, reason="deadline: passed before the move could start",
                             asked_bytes=50 * bb))
