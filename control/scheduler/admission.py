@@ -166,6 +166,8 @@ class Admission:
             self._park_backoff[session] = time.time_ns() + int(self.park_backoff_s * 1e9)
 
     def _restored(self, r: RequestState, ans: AskAnswered) -> None:
+        if r.phase == "done":           # ended while its pages were restored (the server stopped)
+            return
         acked = [e for e in ans.events if type(e) is ev.MoveAcked or type(e) is ev.CopiesReleased]
         ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(
             type(e) is ev.CopiesReleased or e.checksum_ok for e in acked)      # a release checks no bytes

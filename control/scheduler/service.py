@@ -79,6 +79,7 @@ class ServingService:
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
         proc.add_stop_hook(self.admission.stop_waiting)
+        proc.add_stop_hook(self.streams.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()
