@@ -50,16 +50,16 @@ def available_bytes(acc: TierAccount, reserved_bytes: int = 0) -> int:
     return max(0, limit_bytes(acc) - acc.floor_bytes - acc.used_bytes - acc.inflight_in_bytes - reserved_bytes)
 
 
-def stranded_toward(state: State) -> dict[tuple[int, str], int]:
+def stranded_toward(state: State, answered: frozenset[str] | set[str] = frozenset()) -> dict[tuple[int, str], int]:
     """Bytes of stranded moves that may still land, per (worker, destination tier).
 
     NOTE: a stranded move is no longer "in flight" for the fold, but its copy may still arrive (a late
-    ack adds it). Until its worker has answered for it (MoveLateAcked or MoveLateFailed end the
-    stranding), its destination bytes stay reserved, or a late ack could take a tier past its capacity.
+    ack adds it). Until its worker has answered for it (``answered``: it failed, or never ran), its
+    destination bytes stay reserved, or a late ack could take a tier past its capacity.
     """
     out: dict[tuple[int, str], int] = {}
-    for mv in state.stranded.values():
-        if mv.src != mv.dst:
+    for mid, mv in state.stranded.items():
+        if mv.src != mv.dst and mid not in answered:
             key = (mv.worker, mv.dst)
             out[key] = out.get(key, 0) + mv.bytes_planned
     return out

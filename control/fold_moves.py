@@ -160,7 +160,7 @@ def _move_late_failed(s: State, e: ev.MoveLateFailed, seq: int) -> None:
     s.outcomes[e.move_id] = "MoveLateFailed"
     s.num_moves["MoveLateFailed"] = s.num_moves.get("MoveLateFailed", 0) + 1
     ws = s.workers.get(mv.worker)
-    if ws is not None:
+    if ws is not None and mv.status == "stranded":      # only a stranding that still counts its bytes
         ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
 
 

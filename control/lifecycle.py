@@ -58,6 +58,11 @@ class MoveDispatcher:
         self.faults = faults
         self.metrics = metrics
         self.blocks_in_use = blocks_in_use
+        # stranded moves their worker says it never received: it tombstones them, so they will never
+        # land and hold neither blocks nor room. Not recorded: the worker that answers may be a new
+        # incarnation, which cannot speak for the command its lost predecessor had (a rejection or
+        # failure, which only the worker that had the command can send, is: MoveLateFailed).
+        self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
         self._num_moves = 0
         self._unsent: dict[int, list[ev.MoveRequested]] = {}     # committed, but the worker was not linked
@@ -168,13 +173,24 @@ class MoveDispatcher:
         for verdict, event in settled:
             self.metrics[f"reconciled_{verdict}"] += 1
             self.settle(event.move_id, event)
+        for mid in msg.unknown:
+            mv = self.state.stranded.get(mid)
+            if mv is not None and mv.worker == link.worker:   # answered for: it will never run now
+                self._stranded_answered(mid)
         link.queried.difference_update(msg.unknown)
         link.queried.difference_update(o.move_id for o in msg.outcomes)
         if settled:
             log.info("moves_reconciled", worker=link.worker, settled=len(settled), unknown=len(msg.unknown))
 
+    def _stranded_answered(self, mid: str) -> None:
+        mv = self.state.stranded.get(mid)
+        if mv is not None and mid not in self.answered_stranded:
+            self.answered_stranded.add(mid)
+            self.busy.remove(mv.worker, mv.blocks)
+            log.warning("stranded_move_never_landed", move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned)
+
     def reserved_bytes(self) -> dict[tuple[int, str], int]:
-        return budget.stranded_toward(self.state)
+        return budget.stranded_toward(self.state, self.answered_stranded)
 
     def settle(self, mid: str, event: ev.Event) -> None:
         """Record a move's terminal (or late) event, its session follow-ups, and tell its asker.
@@ -228,7 +244,8 @@ class MoveDispatcher:
         """Query workers about their stranded moves: a dropped ack comes back as MoveLateAcked."""
         stranded: dict[int, list[str]] = {}
         for mid, mv in self.state.stranded.items():
-            stranded.setdefault(mv.worker, []).append(mid)
+            if mid not in self.answered_stranded:
+                stranded.setdefault(mv.worker, []).append(mid)
         for w, mids in stranded.items():
             link = self.workers.by_worker.get(w)
             if link is not None:

@@ -16,8 +16,7 @@ What a report settles (``reconcile``):
     in flight, the worker never saw it           -> MoveAbandoned (the worker tombstones the id, so
                                                     a command still in a pipe is refused, never run)
     stranded, the worker acked it                -> MoveLateAcked (re-accounts the stranded bytes)
-    stranded, the worker rejected, failed or     -> MoveLateFailed (its bytes are no longer at risk)
-        never saw it
+    stranded, the worker rejected it or failed   -> MoveLateFailed (its bytes are no longer at risk)
     in flight, not in the report                 -> still running there: its ack will come
 """
 from __future__ import annotations
@@ -121,15 +120,8 @@ def reconcile(state: State, worker: int, report: MovesReport, queried: list[str]
             out.append((verdict, event))
     queried_set = set(queried)
     for mid in report.unknown:
-        if mid not in queried_set:
-            continue
         mv = state.inflight.get(mid)
-        if mv is not None and mv.worker == worker:
+        if mid in queried_set and mv is not None and mv.worker == worker:
             out.append((moves.TERMINAL, ev.MoveAbandoned(
                 move_id=mid, worker=worker, why="the worker never received the command (control restarted)")))
-            continue
-        mv = state.stranded.get(mid)
-        if mv is not None and mv.worker == worker:   # tombstoned there: it can never run now
-            out.append((moves.LATE_FAILURE, moves.late_failure(
-                mid, worker, "unknown", "the worker never received the command")))
     return out
