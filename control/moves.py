@@ -214,7 +214,7 @@ def _holders(state: State, worker: int, clash: list[int]) -> str:
         if mv.worker != worker or wanted.isdisjoint(mv.blocks):
             continue
         what = f"move {mv.move_id} ({mv.kind} {mv.src} -> {mv.dst}, requested at seq {mv.requested_seq})"
-        if mv.status == "stranded":
+        if mv.move_id in state.stranded:
             what += (f" is stranded: worker {worker} never answered it by its deadline; its blocks stay held"
                      f" until the worker acks or rejects it")
         else:
