@@ -38,10 +38,17 @@ def waiting(server: Server) -> float:
     raise AssertionError("no residency_requests_waiting metric")
 
 
-def test_a_request_waiting_on_a_park_the_host_budget_refuses_is_named_with_the_arithmetic(tmp_path):
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger(request) -> str | None:
+    """None: the server's own SQLite file; else a fresh PostgreSQL schema (skipped without one)."""
+    return request.getfixturevalue("pg_schema_url") if request.param == "postgresql" else None
+
+
+def test_a_request_waiting_on_a_park_the_host_budget_refuses_is_named_with_the_arithmetic(tmp_path, ledger):
     # a session fills most of a small device pool and sits idle; the host tier is too small to park
     # it, so the next request waits with nothing running: the KV-pressure wedge
-    s = Server(tmp_path, "--device-blocks", "48", "--host-bytes", "2MiB", "--drain-s", "0", name="kv").wait_ready()
+    s = Server(tmp_path, "--device-blocks", "48", "--host-bytes", "2MiB", "--drain-s", "0", name="kv",
+               ledger=ledger).wait_ready()
     try:
         assert chat(s, "Tell me about the sea. " * 12, 200, session="idle").status_code == 200
         out: dict = {}
