@@ -95,7 +95,12 @@ class GenerationStreams:
         not yet admitted with a 503."""
         for r in self.requests.on_worker(worker):
             if r.phase == "running":
-                self._end_running(r, "error", f"worker {worker} was lost")
+                r.push(Chunk(text="", finish_reason="error", error=f"worker {worker} was lost",
+                             usage=Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated)))
+                self.proc.record(ev.RequestFinished(request_id=r.request_id, reason="error",
+                                                    completion_tokens=r.num_generated), correlation=r.request_id)
+                self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
+                self.requests.forget(r)
             elif r.phase == "waiting":
                 self.admission.end_waiting(r, "worker_lost", BackendError(
                     503, f"worker {worker} was lost", type="server_error", code="worker_lost"))
@@ -111,20 +116,15 @@ class GenerationStreams:
         message = f"the server stopped ({reason}) before this request finished"
         for r in list(self.requests.by_id.values()):
             if r.phase == "running":
-                self._end_running(r, "server_stopped", message)
+                r.push(Chunk(text="", finish_reason="error", error=message,
+                             usage=Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated)))
+                self.proc.record(ev.RequestFinished(request_id=r.request_id, reason="server_stopped",
+                                                    completion_tokens=r.num_generated), correlation=r.request_id)
+                self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
+                self.requests.forget(r)
             elif r.phase == "restoring":    # admitted, never started: its restore's answer will find it done
                 self.admission.end_unstarted(r, "server_stopped", BackendError(
                     503, message, type="server_error", code="server_stopped"))
             elif r.phase in ("new", "tokenizing"):     # not in the ledger yet: only answered
                 self.requests.forget(r)
                 r.reject(BackendError(503, message, type="server_error", code="server_stopped"))
-
-    def _end_running(self, r, why: str, error: str) -> None:
-        """A running request that will get no more tokens: its stream ends with ``error``, and the
-        ledger records it finished with ``why``."""
-        r.push(Chunk(text="", finish_reason="error", error=error,
-                     usage=Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated)))
-        self.proc.record(ev.RequestFinished(request_id=r.request_id, reason=why, completion_tokens=r.num_generated),
-                         correlation=r.request_id)
-        self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
-        self.requests.forget(r)
