@@ -1,6 +1,7 @@
 """The fold of moves: a request books bytes in flight toward the destination; its outcome settles
 them. Only an ack (MoveAcked, or MoveLateAcked after a stranding) changes where copies are: the
-destination gains its copy and the source loses its own unless the move keeps it. Part of the fold
+destination gains its copy and the source loses its own unless the move keeps it. A stranding's
+other late answer, MoveLateFailed, only releases the bytes it had put at risk. Part of the fold
 (control/fold.py): deterministic, no I/O; a surprising event is noted as an anomaly, never raised.
 """
 from __future__ import annotations
@@ -169,6 +170,19 @@ def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
             _apply_arrival(s, mv, e.bytes_freed_src, e.checksum_ok, seq)
 
 
+def _move_late_failed(s: State, e: ev.MoveLateFailed, seq: int) -> None:
+    """A stranded move that never landed: its bytes stop being at risk; no copy moves."""
+    mv = s.stranded.pop(e.move_id, None)
+    if mv is None:
+        _anomaly(s, seq, f"MoveLateFailed for move {e.move_id} that is not stranded")
+        return
+    s.outcomes[e.move_id] = "MoveLateFailed"
+    s.num_moves["MoveLateFailed"] = s.num_moves.get("MoveLateFailed", 0) + 1
+    ws = s.workers.get(mv.worker)
+    if ws is not None and mv.status == "stranded":      # only a stranding that still counts its bytes
+        ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
+
+
 def _copies_released(s: State, e: ev.CopiesReleased, seq: int) -> None:
     """A release's answer. It settles the release as its ack would (on time, or late after a
     stranding), then frees the copies with the bytes the worker measured: the very steps, in the
@@ -209,4 +223,5 @@ HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.MoveLateAcked: _move_late_acked,
     ev.MoveAbandoned: _move_abandoned,
     ev.CopiesReleased: _copies_released,
+    ev.MoveLateFailed: _move_late_failed,
 }

@@ -58,10 +58,10 @@ class MoveDispatcher:
         self.faults = faults
         self.metrics = metrics
         self.blocks_in_use = blocks_in_use
-        # stranded moves their worker has answered for with a failure (or "never received"):
-        # they will never land, so they hold neither blocks nor room. The ledger has no event for
-        # that answer (only a late ack or a release's CopiesReleased resolves a stranding), so they stay
-        # listed stranded there.
+        # stranded moves their worker says it never received: it tombstones them, so they will never
+        # land and hold neither blocks nor room. Not recorded: the worker that answers may be a new
+        # incarnation, which cannot speak for the command its lost predecessor had (a rejection or
+        # failure, which only the worker that had the command can send, is: MoveLateFailed).
         self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
         self._num_moves = 0
@@ -152,8 +152,6 @@ class MoveDispatcher:
             self.traces.mark(msg.move_id, "decoded")
         verdict, event = moves.classify(self.state, link.worker, msg)
         self.metrics[f"outcome_{verdict}"] += 1
-        if verdict == moves.LATE_FAILURE:
-            self._stranded_answered(msg.move_id)
         if event is None:
             log.info("outcome_not_recorded", verdict=verdict, move_id=msg.move_id, worker=link.worker,
                      type=type(msg).__name__, why=getattr(msg, "reason", None) or getattr(msg, "error", None))
@@ -175,7 +173,7 @@ class MoveDispatcher:
         for verdict, event in settled:
             self.metrics[f"reconciled_{verdict}"] += 1
             self.settle(event.move_id, event)
-        for mid in [*msg.unknown, *(o.move_id for o in msg.outcomes if type(o) is not ev.MoveAcked)]:
+        for mid in msg.unknown:
             mv = self.state.stranded.get(mid)
             if mv is not None and mv.worker == link.worker:   # answered for: it will never run now
                 self._stranded_answered(mid)
@@ -215,7 +213,7 @@ class MoveDispatcher:
         recorded = [(self.recorder.record(e, correlation=mv.session, causation=mid, fold_later=short), e)
                     for e in moves.settle_events(mv, event, self.cfg.moves, self.state)]
         self.traces.mark(mid, "recorded")
-        if type(event) is not ev.MoveLateAcked:
+        if type(event) not in (ev.MoveLateAcked, ev.MoveLateFailed):   # its asker heard the stranding
             waiter = self.book.settled(mid)
             if waiter is not None:
                 waiter.events.extend(recorded)

@@ -7,8 +7,9 @@
                       ExecuteMove (or ReleaseBlocks)  ──►  worker
         ◄──────────── MoveAcked | MoveFailed | MoveRejected   (idempotent by move_id)
         ──classify──► the terminal event, once; a duplicate is ignored; an ack for a stranded
-                      move becomes MoveLateAcked; park/restore acks are followed by
-                      SessionParked / SessionRestored; a release's ack is CopiesReleased
+                      move becomes MoveLateAcked, its rejection or failure MoveLateFailed;
+                      park/restore acks are followed by SessionParked / SessionRestored;
+                      a release's ack is CopiesReleased
 
 ``MoveBook`` holds what the control process knows about moves that the ledger does not: which
 requests are still waiting for their commit (not sent yet), which were sent, and who is waiting
@@ -115,7 +116,7 @@ def resolve(state: State, msg: AskMove, origin: str, busy: dict[int, set[int]] |
         _check_route(state, a)
         # one proposal of every block (the usual case): the set made above is its blocks, and set-to-set
         # algebra walks the smaller side (a few busy blocks, not the 1024 asked)
-        _check_not_busy(a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
+        _check_not_busy(state, a, busy, block_set if len(proposals) == 1 and len(a.blocks) == len(block_set) else None)
     return proposals
 
 
@@ -198,7 +199,7 @@ def validate(state: State, proposal: Proposal, busy: dict[int, set[int]] | None 
         raise InvalidAsk(f"blocks {bad[:16]} have no copy on {src} of worker {proposal.worker}")
     if there:
         raise InvalidAsk(f"blocks {there[:16]} already have a copy on {dst}")
-    _check_not_busy(proposal, busy if busy is not None else busy_blocks(state))
+    _check_not_busy(state, proposal, busy if busy is not None else busy_blocks(state))
 
 
 def _check_route(state: State, proposal: Proposal) -> None:
@@ -214,12 +215,33 @@ def _check_route(state: State, proposal: Proposal) -> None:
         raise InvalidAsk("no blocks")
 
 
-def _check_not_busy(proposal: Proposal, busy: dict[int, set[int]], block_set: set[int] | None = None) -> None:
+def _check_not_busy(state: State, proposal: Proposal, busy: dict[int, set[int]],
+                    block_set: set[int] | None = None) -> None:
     """``block_set``: the proposal's blocks as a set, when the caller has it."""
     taken = busy.get(proposal.worker)
     if taken and not taken.isdisjoint(proposal.blocks if block_set is None else block_set):
         clash = [b for b in proposal.blocks if b in taken]
-        raise InvalidAsk(f"blocks {clash[:16]} are busy in another move that has no outcome yet")
+        raise InvalidAsk(f"blocks {clash[:16]} are busy: {_holders(state, proposal.worker, clash)}")
+
+
+def _holders(state: State, worker: int, clash: list[int]) -> str:
+    """The moves that hold ``clash`` in words; a stranded one says why it still holds them (the
+    asker can do nothing until its worker answers, so telling it to retry later is not enough)."""
+    wanted = set(clash)
+    named: list[str] = []
+    for mv in (*state.inflight.values(), *state.stranded.values()):
+        if mv.worker != worker or wanted.isdisjoint(mv.blocks):
+            continue
+        what = f"move {mv.move_id} ({mv.kind} {mv.src} -> {mv.dst}, requested at seq {mv.requested_seq})"
+        if mv.move_id in state.stranded:
+            what += (f" is stranded: worker {worker} never answered it by its deadline; its blocks stay held"
+                     f" until the worker acks or rejects it")
+        else:
+            what += " has no outcome yet"
+        named.append(what)
+        if len(named) == 3:
+            break
+    return "; ".join(named) or "in use by a running request or a move that has no outcome yet"
 
 
 def fund(state: State, proposals: list[Proposal], reserved: dict[tuple[int, str], int] | None = None) -> Refusal | None:
@@ -266,7 +288,7 @@ Outcome = ev.MoveAcked | ev.MoveFailed | ev.MoveRejected
 
 TERMINAL = "terminal"           # the move was in flight: record the outcome as it came
 LATE = "late"                   # the move was stranded and this is its ack: record MoveLateAcked
-LATE_FAILURE = "late_failure"   # stranded, then reported failed: the stranding stands (logged)
+LATE_FAILURE = "late_failure"   # stranded, then rejected or failed: record MoveLateFailed
 DUPLICATE = "duplicate"         # the move already has its outcome: nothing to record
 UNKNOWN = "unknown_move"        # never requested in this ledger
 WRONG_WORKER = "wrong_worker"   # requested of another worker
@@ -287,10 +309,16 @@ def classify(state: State, worker: int, outcome: Outcome) -> tuple[str, ev.Event
             return LATE, ev.MoveLateAcked(
                 move_id=mid, worker=worker, bytes_moved=outcome.bytes_moved, bytes_freed_src=outcome.bytes_freed_src,
                 checksum_ok=outcome.checksum_ok, started_ns=outcome.started_ns, finished_ns=outcome.finished_ns)
-        return LATE_FAILURE, None
+        return LATE_FAILURE, late_failure(mid, worker, type(outcome).__name__,
+                                          getattr(outcome, "reason", None) or getattr(outcome, "error", ""))
     if mid in state.outcomes:
         return DUPLICATE, None
     return UNKNOWN, None
+
+
+def late_failure(mid: str, worker: int, answer: str, reason: str) -> ev.MoveLateFailed:
+    """The event that closes a stranding the worker says never landed."""
+    return ev.MoveLateFailed(move_id=mid, worker=worker, answer=answer, reason=reason)
 
 
 def settle_events(mv: MoveState, event: ev.Event, cfg: MoveConfig, state: State | None = None) -> list[ev.Event]:

@@ -99,6 +99,7 @@ class ControlProc:
         self._beat_ns = time.monotonic_ns()
         self._handlers: dict[type, Callable] = {}           # worker message type -> handler (the parts')
         self._listeners: list[Callable[[int, ev.Event], None]] = []
+        self._stop_hooks: list[Callable[[str], None]] = []
         self._router: WorkerRouter | None = None
         self._ask_server: AskServer | None = None
         self._writer = None
@@ -214,6 +215,11 @@ class ControlProc:
         """``fn(seq, event)`` on the loop thread after each event is folded (before its commit)."""
         self._listeners.append(fn)
 
+    def add_stop_hook(self, fn: Callable[[str], None]) -> None:
+        """``fn(reason)`` on the loop thread once the loop stops, before the shutdown settles the
+        moves and records ``ServerStopped``: what a part still holds is closed by the book there."""
+        self._stop_hooks.append(fn)
+
     def record(self, event: ev.Event, correlation: str | None = None, causation: str | None = None) -> int:
         """Fold ``event`` into the live state and queue it for the ledger; returns its seq (loop
         thread only: handlers, ``call``)."""
@@ -249,6 +255,8 @@ class ControlProc:
                 self._tick()
                 self.recorder.flush()
                 self._commits()
+            for hook in self._stop_hooks:
+                hook(self._stop_reason)
             shut_down(self._stop_reason, self.cfg, self.state, self.recorder, self._writer, self.workers,
                       self.moves, self.answers, self._serve_until)
             if self.anchoring is not None:

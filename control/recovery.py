@@ -16,6 +16,7 @@ What a report settles (``reconcile``):
     in flight, the worker never saw it           -> MoveAbandoned (the worker tombstones the id, so
                                                     a command still in a pipe is refused, never run)
     stranded, the worker acked it                -> MoveLateAcked (re-accounts the stranded bytes)
+    stranded, the worker rejected it or failed   -> MoveLateFailed (its bytes are no longer at risk)
     in flight, not in the report                 -> still running there: its ack will come
 
 Requests admitted and never finished were served by the process that is gone: each is closed with

@@ -250,6 +250,19 @@ class MoveAbandoned(Event):
     why: str
 
 
+class MoveLateFailed(Event):
+    """A stranded move's late answer saying nothing landed: the worker rejected it (its deadline
+    had passed before it ran), reported it failed, or never received it and has tombstoned its id.
+    It settles the stranding as ``MoveLateAcked`` does, but moves no copy: the source copies stand
+    and the bytes that were at risk are no longer. ``answer`` is the worker's outcome type
+    ("MoveRejected", "MoveFailed") or "unknown"; ``reason`` its words."""
+
+    move_id: str
+    worker: int
+    answer: str
+    reason: str
+
+
 # ---------------------------------------------------------------- sessions
 class SessionParked(Event):
     session: str
@@ -306,6 +319,24 @@ class RequestFinished(Event):
     request_id: str
     reason: str                       # "stop", "length", "disconnected", "error"
     completion_tokens: int
+
+
+class RequestQueued(Event):
+    """A request the scheduler could not admit yet waits for room; recorded once, when it starts
+    waiting (not at each retry). It ends in ``RequestAdmitted``, ``RequestRefused`` (its wait timed
+    out, its worker was lost, the server stopped) or ``RequestFinished`` (its client went away).
+    ``waiting_for`` is the scheduler's reason in words; ``needed_blocks``/``free_blocks`` its
+    device-page arithmetic when room is what it waits for (0/0 otherwise); ``parks`` the idle
+    sessions whose park was asked to make that room."""
+
+    request_id: str
+    session: str | None
+    worker: int
+    prompt_tokens: int
+    waiting_for: str
+    needed_blocks: int = 0
+    free_blocks: int = 0
+    parks: list[str] = []
 
 
 # ---------------------------------------------------------------- steps
@@ -408,9 +439,9 @@ AnyEvent = Union[
     BudgetSet, PinnedRegistered, PinnedReleased,
     BlocksCommitted, BlocksFreed,
     MoveRequested, MoveDispatched, MoveAcked, MoveFailed, MoveRejected, MoveRefused,
-    MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased,
+    MoveStranded, MoveLateAcked, MoveAbandoned, CopiesReleased, MoveLateFailed,
     SessionParked, SessionRestored, SessionDeleted,
-    RequestAdmitted, RequestRefused, RequestFinished,
+    RequestAdmitted, RequestRefused, RequestFinished, RequestQueued,
     StepCompleted,
     RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized,
     WeightsLoaded, FlipRequested, FlipCompleted, FlipFailed,
@@ -421,8 +452,9 @@ AnyEvent = Union[
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}
 
 # Terminal outcomes of a MoveRequested (MoveStranded is terminal but may be followed by
-# exactly one MoveLateAcked, which re-accounts the stranded bytes). A release's CopiesReleased is
-# its terminal outcome, or its late answer after a MoveStranded.
+# exactly one late answer: MoveLateAcked, which re-accounts the stranded bytes, or MoveLateFailed,
+# which releases them). A release's CopiesReleased is its terminal outcome, or its late answer
+# after a MoveStranded.
 TERMINAL_MOVE_EVENTS = ("MoveAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
 
 

@@ -7,7 +7,8 @@ The payload is the truth; these columns copy a few of its fields out so an audit
 
 ``kind`` is the event's category where it has one: the move kind on ``MoveRequested``, the free
 reason on ``BlocksFreed`` ("release" on ``CopiesReleased``, as the BlocksFreed of a release in older
-ledgers), the ``why`` of a stranding or abandonment, the reason of a lost worker.
+ledgers), the ``why`` of a stranding or abandonment, the worker's answer on ``MoveLateFailed``, the
+reason of a lost worker.
 ``bytes`` is the byte count the audit definitions sum for that event (e.g. ``bytes_freed_src`` on
 an ack, ``bytes_at_risk`` on a stranding). ``None`` means "this event has no such field", never 0;
 a ``MoveFailed`` that did not measure its bytes stays ``None``.
@@ -43,6 +44,7 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.MoveStranded: lambda e: (e.move_id, e.worker, None, None, e.why, e.bytes_at_risk),
     c.MoveAbandoned: lambda e: (e.move_id, e.worker, None, None, e.why, None),
     c.CopiesReleased: lambda e: (e.move_id, e.worker, e.session, e.tier, "release", e.bytes),
+    c.MoveLateFailed: lambda e: (e.move_id, e.worker, None, None, e.answer, None),
     # blocks
     c.BlocksCommitted: lambda e: (None, e.worker, e.session, e.tier, None, e.bytes),
     c.BlocksFreed: lambda e: (None, e.worker, None, e.tier, e.reason, e.bytes),
@@ -60,6 +62,7 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.SessionRestored: lambda e: (e.move_id, e.worker, e.session, None, None, None),
     c.SessionDeleted: lambda e: (None, e.worker, e.session, None, None, None),    # its bytes are the releases'
     c.RequestAdmitted: lambda e: (None, None, e.session, None, None, None),
+    c.RequestQueued: lambda e: (None, e.worker, e.session, None, None, None),
     # steps, pools, weights
     c.StepCompleted: lambda e: (None, e.worker, None, None, None, None),
     c.RebindRequested: lambda e: (None, e.worker, None, None, None, None),

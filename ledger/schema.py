@@ -61,6 +61,8 @@ Index("ix_events_move_late_acked", events.c.move_id,
       sqlite_where=text("type = 'MoveLateAcked'"), postgresql_where=text("type = 'MoveLateAcked'"))
 Index("ix_events_copies_released", events.c.move_id,
       sqlite_where=text("type = 'CopiesReleased'"), postgresql_where=text("type = 'CopiesReleased'"))
+Index("ix_events_move_late_failed", events.c.move_id,
+      sqlite_where=text("type = 'MoveLateFailed'"), postgresql_where=text("type = 'MoveLateFailed'"))
 Index("ix_events_worker_lost", events.c.worker,
       sqlite_where=text("type = 'WorkerLost'"), postgresql_where=text("type = 'WorkerLost'"))
 

@@ -75,15 +75,37 @@ def _sampling(body, max_tokens: int | None) -> SamplingParams:
 
 
 async def _start(request: Request, reqs: list[GenerateRequest]) -> Choices:
-    """Admit every choice; if one is refused, the ones admitted are cancelled and the refusal raised."""
+    """Admit every choice; if one is refused, the ones admitted are cancelled and the refusal raised.
+
+    A request may wait a long time for room before it is admitted: a client that leaves meanwhile
+    cancels it there and then (the backend closes it in the ledger), rather than when it is admitted."""
     streams: list[GenerationStream] = []
+    left = anyio.Event()
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left.set()
+        scope.cancel()          # the backend's submit, cancelled, withdraws the request
+
+    refused: Exception | None = None
     try:
-        for req in reqs:
-            streams.append(await request.app.state.backend.submit(req))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            try:
+                for req in reqs:
+                    streams.append(await request.app.state.backend.submit(req))
+            except Exception as e:      # raised below as it is, not wrapped in the task group's ExceptionGroup
+                refused = e
+            tg.cancel_scope.cancel()
     except BaseException:
         for st in streams:
-            st.cancel("a sibling choice was refused")
+            st.cancel("the request was cancelled")
         raise
+    if refused is not None or left.is_set():
+        for st in streams:
+            st.cancel("a sibling choice was refused" if refused is not None else "disconnected")
+        raise refused or ApiError(499, "client disconnected", code="client_disconnected")
     return Choices(streams)
 
 

@@ -20,6 +20,9 @@ and ``diagnose(events, at_ns)`` runs all of them in one pass (a million events i
     device_below_floor  device free bytes under the budget's floor                 budgets
     group_divergence    ranks of a group whose step digests differ                 groups
     wedged_worker       pings answered, no engine step while requests run          wedged
+    queued              requests waiting for room, and why none comes              waiting
+    tier_full           a tier refusing every ask, none funded, for T              waiting
+    crash               a start with no stop before it: adoption, orphans closed   crash
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from typing import Iterable
 
 from residency.events import Recorded
 from residency.control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
+from residency.control.diagnose.crash import Crash
 from residency.control.diagnose.scan import Diagnosis, detect_with, diagnose, run_pass
 from residency.control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
 from residency.control.diagnose.groups import GroupDivergence
@@ -36,11 +40,12 @@ from residency.control.diagnose.rebind import TornRebind
 from residency.control.diagnose.refusals import RefusalStorm, RetriedSmaller
 from residency.control.diagnose.stall import Hole, Stall
 from residency.control.diagnose.wedged import WedgedWorker
+from residency.control.diagnose.waiting import Queued, TierFull
 from residency.control.diagnose.workers import WorkerSilence
 
 ALL_DETECTORS = (
     OverdueMoves, Stall, WorkerSilence, Pendulum, RefusalStorm, RetriedSmaller,
-    TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence, WedgedWorker,
+    TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence, WedgedWorker, Queued, TierFull, Crash,
 )
 
 _Events = Iterable[Recorded]
@@ -94,6 +99,18 @@ def detect_wedged_workers(events: _Events, at_ns: int, params: DiagnoseParams | 
     return detect_with(WedgedWorker, events, at_ns, params)
 
 
+def detect_queued(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(Queued, events, at_ns, params)
+
+
+def detect_tier_full(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(TierFull, events, at_ns, params)
+
+
+def detect_crashes(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(Crash, events, at_ns, params)
+
+
 __all__ = [
     "ALL_DETECTORS", "DiagnoseParams", "Diagnosis", "Finding", "diagnose", "run_pass", "sort_findings",
     "fmt_bytes", "fmt_duration",
@@ -101,4 +118,5 @@ __all__ = [
     "detect_refusal_storms", "detect_retried_smaller", "detect_torn_rebinds",
     "detect_pinned_over_budget", "detect_device_below_floor", "detect_holes", "detect_group_divergence",
     "detect_wedged_workers",
+    "detect_queued", "detect_tier_full", "detect_crashes",
 ]

@@ -1,5 +1,5 @@
 """Light bookkeeping the detectors share: block copies per (worker, tier), moves in flight,
-stranded moves, requests waiting.
+stranded moves, requests in hand and queued, and the server's starts and stops.
 
 NOTE: this is deliberately not ``control.fold``. The fold is the authority (hash-checked state,
 integrity invariants); diagnosing a million events in seconds needs only byte counts, so this
@@ -19,13 +19,20 @@ from residency.events import (
     MoveAcked,
     MoveFailed,
     MoveLateAcked,
+    MoveLateFailed,
     MoveRejected,
     MoveRequested,
     MoveStranded,
     Recorded,
     RequestAdmitted,
     RequestFinished,
+    RequestQueued,
     RequestRefused,
+    ServerStarted,
+    ServerStopped,
+    StateCheckpoint,
+    StepCompleted,
+    WorkerHeartbeatMissed,
     WorkerJoined,
     WorkerLost,
 )
@@ -44,6 +51,14 @@ class Accounting:
         self.inflight: dict[str, Recorded] = {}            # move_id -> its MoveRequested
         self.stranded: dict[str, tuple[Recorded, Recorded]] = {}  # move_id -> (MoveStranded, MoveRequested)
         self.waiting: dict[str, Recorded] = {}             # request_id -> its RequestAdmitted
+        self.queued: dict[str, Recorded] = {}              # request_id -> its RequestQueued, until it leaves the queue
+        # NOTE: a request admitted before the server stopped or crashed cannot progress after it: it
+        # is no longer waiting (so no stall counts it) but orphaned, until recovery closes it.
+        self.orphaned: dict[str, Recorded] = {}            # request_id -> its RequestAdmitted
+        self.running = False                                # a ServerStarted with no ServerStopped since
+        self.last_life_ns: int | None = None                # the latest event that shows a process at work
+        self.before_start_ns: int | None = None             # at a ServerStarted: the one before it
+        self.after_crash = False                            # at a ServerStarted: no ServerStopped came before it
         self.usage_listeners: list[UsageListener] = []
         # NOTE: the move a terminal event just ended (and its stranding, for a late ack), so that
         # detectors registered after this class can still see what was asked.
@@ -72,6 +87,7 @@ class Accounting:
             MoveRequested: self._requested,
             MoveAcked: self._acked,
             MoveLateAcked: self._late_acked,
+            MoveLateFailed: self._late_failed,
             CopiesReleased: self._released,
             MoveFailed: self._ended,
             MoveRejected: self._ended,
@@ -80,6 +96,12 @@ class Accounting:
             RequestAdmitted: self._admitted,
             RequestFinished: self._finished,
             RequestRefused: self._finished,
+            RequestQueued: self._queued,
+            ServerStarted: self._started,
+            ServerStopped: self._stopped,
+            StepCompleted: self._life,
+            StateCheckpoint: self._life,
+            WorkerHeartbeatMissed: self._life,
         }
 
     def _changed(self, rec: Recorded, worker: int, tier: str) -> None:
@@ -137,6 +159,7 @@ class Accounting:
 
     def _requested(self, rec: Recorded) -> None:
         self.inflight[rec.event.move_id] = rec
+        self.last_life_ns = rec.envelope.ts_ns
 
     def _arrive(self, req: MoveRequested, rec: Recorded) -> None:
         self._copies(req.worker, req.dst).update(req.blocks)
@@ -155,6 +178,11 @@ class Accounting:
         self.ended_stranding, self.ended = hit if hit is not None else (None, None)
         if hit is not None and rec.event.worker not in self.lost:
             self._arrive(hit[1].event, rec)
+
+    def _late_failed(self, rec: Recorded) -> None:
+        """A stranding closed by its worker: it never landed, so nothing arrives."""
+        hit = self.stranded.pop(rec.event.move_id, None)
+        self.ended_stranding, self.ended = hit if hit is not None else (None, None)
 
     def _released(self, rec: Recorded) -> None:
         """A release answered: settled like an ack (late when it was stranded), then its copies
@@ -180,6 +208,38 @@ class Accounting:
 
     def _admitted(self, rec: Recorded) -> None:
         self.waiting[rec.event.request_id] = rec
+        self.queued.pop(rec.event.request_id, None)
+        self.last_life_ns = rec.envelope.ts_ns
 
     def _finished(self, rec: Recorded) -> None:
-        self.waiting.pop(rec.event.request_id, None)
+        rid = rec.event.request_id
+        self.waiting.pop(rid, None)
+        self.queued.pop(rid, None)
+        self.orphaned.pop(rid, None)
+        self.last_life_ns = rec.envelope.ts_ns
+
+    def _queued(self, rec: Recorded) -> None:
+        self.queued[rec.event.request_id] = rec
+        self.last_life_ns = rec.envelope.ts_ns
+
+    def _life(self, rec: Recorded) -> None:
+        self.last_life_ns = rec.envelope.ts_ns
+
+    def _orphan_all(self) -> None:
+        """Whatever was in hand belonged to a process that is gone: its queue (memory only) is
+        dropped, its admitted requests are orphaned."""
+        self.orphaned.update(self.waiting)
+        self.waiting.clear()
+        self.queued.clear()
+
+    def _started(self, rec: Recorded) -> None:
+        self.before_start_ns = self.last_life_ns
+        self.after_crash = self.running
+        self._orphan_all()
+        self.running = True
+        self.last_life_ns = rec.envelope.ts_ns
+
+    def _stopped(self, rec: Recorded) -> None:
+        self._orphan_all()
+        self.running = False
+        self.last_life_ns = rec.envelope.ts_ns

@@ -222,9 +222,15 @@ class Pendulum:
     A block's direction is "out" for a move from the device, "in" for a move to it. Each change of
     direction is a swing; ``pendulum_round_trips`` round trips (twice as many swings) within
     ``pendulum_window_ns`` marks the block. Marked blocks on one worker, close in time, are one episode.
+
+    NOTE: an idle session parked (``policy:park``, "idle ...") and restored by the serving path for
+    a request that needs it (its own next turn, or a turn reusing a retained prefix) is the design
+    working, not a swing: that round trip is not counted. A restore after a spill, an eviction or a
+    park made for someone else's room is.
     """
 
     name = "pendulum"
+    OUT, IN, IDLE_OUT = 0, 1, 2
 
     def __init__(self, acct: Accounting, params: DiagnoseParams) -> None:
         self.params = params
@@ -233,6 +239,7 @@ class Pendulum:
         self.blocks: dict[int, dict[int, list]] = {}      # worker -> block -> [last_dir, ts, seq, ts, seq, ...]
         self.num_tracked = 0
         self.sweep_at = 1 << 16
+        self.swung: dict[int, tuple[int, int, str]] = {}    # seq -> (ts, bytes planned, who asked) of moves that swung
         self.open: dict[int, dict] = {}                    # worker -> episode
         self.done: list[dict] = []
 
@@ -241,10 +248,14 @@ class Pendulum:
 
     def _requested(self, rec: Recorded) -> None:
         ev: MoveRequested = rec.event
+        cause = rec.envelope.causation or ""
+        demand = False
         if ev.src == "device" and ev.dst != "device":
-            direction = 0
+            idle = ev.kind == "park" and (cause == "policy:park" or ev.reason.startswith("idle"))
+            direction = self.IDLE_OUT if idle else self.OUT
         elif ev.dst == "device" and ev.src != "device":
-            direction = 1
+            direction = self.IN
+            demand = ev.kind == "restore" and cause.startswith("serving")
         else:
             return
         ts, seq = rec.envelope.ts_ns, rec.envelope.seq
@@ -254,6 +265,7 @@ class Pendulum:
         horizon = ts - self.window
         full = 1 + 2 * self.need
         marked = []
+        swung = False
         # NOTE: the hot loop of the pendulum (a million block moves per million events). A block's
         # state is one flat list, no deque and no tuples:
         #     [last_dir, ts, seq, ts, seq, ...]   the last `need` direction changes inside the window
@@ -262,18 +274,33 @@ class Pendulum:
             if st is None:
                 states[b] = [direction, ts, seq]
                 self.num_tracked += 1
+                swung = True                # its first sighting may become the first swing
                 continue
-            if st[0] == direction:
+            last = st[0]
+            if (last == self.IN) == (direction == self.IN):
+                continue
+            if demand and last == self.IDLE_OUT:
+                st[0] = direction           # an idle park undone by demand: drop the park's swing
+                if len(st) > 3:
+                    del st[-2:]
+                else:
+                    st[1], st[2] = ts, seq
                 continue
             st[0] = direction
             st.append(ts)
             st.append(seq)
+            swung = True
             if len(st) > full:
                 del st[1:3]
             while st[1] < horizon:
                 del st[1:3]
             if len(st) == full:
                 marked.append((b, st))
+        if swung or marked:
+            self.swung[seq] = (ts, ev.bytes_planned, cause.partition(":")[0] or "unknown")
+            if len(self.swung) > self.sweep_at:
+                for q in [q for q, (t, _, _) in self.swung.items() if t < horizon]:
+                    del self.swung[q]
         if marked:
             self._mark(ev, rec, marked)
         if self.num_tracked >= self.sweep_at:
@@ -286,6 +313,8 @@ class Pendulum:
                 del states[b]
         self.num_tracked = sum(len(s) for s in self.blocks.values())
         self.sweep_at = max(1 << 16, 2 * self.num_tracked)
+        for seq in [q for q, (ts, _, _) in self.swung.items() if ts < horizon]:
+            del self.swung[seq]
 
     def _mark(self, ev: MoveRequested, rec: Recorded, marked: list) -> None:
         ts = rec.envelope.ts_ns
@@ -296,13 +325,20 @@ class Pendulum:
         if ep is None:
             ep = self.open[ev.worker] = {"worker": ev.worker, "onset_ns": min(st[1] for _, st in marked),
                                          "blocks": set(), "seqs": [], "num_swings": 0, "bytes": 0,
-                                         "sessions": set(), "last_ns": ts}
+                                         "sessions": set(), "last_ns": ts, "moves": set(), "callers": {}}
         ep["blocks"].update(b for b, _ in marked)
-        if len(ep["seqs"]) < 64:
-            for _, st in marked:
-                ep["seqs"].extend(st[2::2])
+        for _, st in marked:
+            for q in st[2::2]:
+                if q in ep["moves"]:
+                    continue
+                ep["moves"].add(q)
+                hit = self.swung.get(q)
+                if hit is not None:         # every move that swung a marked block, counted once
+                    ep["bytes"] += hit[1]
+                    ep["callers"][hit[2]] = ep["callers"].get(hit[2], 0) + 1
+                if len(ep["seqs"]) < 64:
+                    ep["seqs"].append(q)
         ep["num_swings"] += 1
-        ep["bytes"] += ev.bytes_planned
         if ev.session:
             ep["sessions"].add(ev.session)
         ep["last_ns"] = ts
@@ -313,12 +349,13 @@ class Pendulum:
             ongoing = at_ns - ep["last_ns"] <= self.window
             sessions = sorted(ep["sessions"])
             who = f" (sessions {', '.join(sessions[:3])}{'…' if len(sessions) > 3 else ''})" if sessions else ""
+            asked = ", ".join(f"{c} ({n})" for c, n in sorted(ep["callers"].items(), key=lambda kv: -kv[1])) or "unknown"
             out.append(Finding(
                 detector=self.name,
                 severity="warning",
                 title=(f"{len(ep['blocks'])} block(s) on worker {ep['worker']} swung between device and a slower "
                        f"tier {self.params.pendulum_round_trips}+ times within {fmt_duration(self.window)}{who}; "
-                       f"{fmt_bytes(ep['bytes'])} moved by the swinging moves"),
+                       f"{len(ep['moves'])} swinging moves planned {fmt_bytes(ep['bytes'])}, asked by {asked}"),
                 seqs=proof(ep["seqs"]),
                 subject=f"worker {ep['worker']}",
                 onset_ns=ep["onset_ns"],
@@ -326,6 +363,7 @@ class Pendulum:
                 suggestion="the policy evicts blocks it needs again: raise the device floor for hot sessions or add hysteresis to spill decisions",
                 detail={"worker": ep["worker"], "num_blocks": len(ep["blocks"]),
                         "blocks": sorted(ep["blocks"])[:32], "sessions": sessions[:32],
-                        "bytes_moved": ep["bytes"]},
+                        "bytes_moved": ep["bytes"], "num_moves": len(ep["moves"]),
+                        "asked_by": sorted(ep["callers"])},
             ))
         return out

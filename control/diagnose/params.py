@@ -31,3 +31,7 @@ class DiagnoseParams(msgspec.Struct, frozen=True, kw_only=True):
     merge_gap_ns: int = 5 * SECOND
     # a worker's heartbeat reported missing, with no sign of life since, for this long
     silent_after_ns: int = 0
+    # queued: requests waiting for room, the oldest of them for this long
+    queued_after_ns: int = 5 * SECOND
+    # tier_full: every ask into a tier refused over at least this long (a budget that never moves)
+    tier_full_after_ns: int = 10 * SECOND

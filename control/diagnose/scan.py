@@ -41,6 +41,7 @@ class PassSummary(msgspec.Struct, kw_only=True):
     first_ts_ns: int | None = None
     last_ts_ns: int | None = None
     counts: dict[str, int] = {}       # events by type name
+    last_type: str | None = None      # the last event's type name
 
 
 class Diagnosis(msgspec.Struct, kw_only=True):
@@ -80,6 +81,7 @@ def run_pass(events: Iterable[Recorded], observers: Iterable[Observer]) -> PassS
     if rec is not None:
         summary.last_seq = rec.envelope.seq
         summary.last_ts_ns = rec.envelope.ts_ns
+        summary.last_type = rec.event.__class__.__name__
     summary.counts = {cls.__name__: n for cls, n in counts.items()}
     summary.num_events = sum(counts.values())
     return summary
@@ -107,6 +109,11 @@ def diagnose(
     summary = run_pass(events, [acct, *observers, *dets])
     if at_ns is None:
         at_ns = summary.last_ts_ns if summary.last_ts_ns is not None else 0
+    elif summary.last_type == "ServerStopped" and at_ns > summary.last_ts_ns:
+        # NOTE: a ledger that ends with a clean stop is closed: no time passes for a server that
+        # is not running, so judging it later (``--at now``) must find what judging it at the stop
+        # finds. A ledger that ends any other way may belong to a live server and is judged as asked.
+        at_ns = summary.last_ts_ns
     findings: list[Finding] = []
     for det in dets:
         findings.extend(det.finish(at_ns))

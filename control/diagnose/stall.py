@@ -5,6 +5,10 @@ A stall is seen from the ledger alone: requests admitted and not finished, and f
 arriving during a stall (every process is alive), so they are not progress; only
 ``StepCompleted``, ``MoveAcked`` and ``MoveLateAcked`` are.
 
+A stall ends where the server does: at a ``ServerStopped``, or at the last sign of life before a
+``ServerStarted`` that no stop preceded (a crash: the ``crash`` detector names it and the requests
+it orphaned; they are not counted as waiting afterwards).
+
 A hole is narrower: device bytes were freed while requests waited, and nothing was allocated on
 that device for ``hole_after_ns`` afterwards: the memory the queue needed sat there unused.
 """
@@ -20,6 +24,8 @@ from residency.events import (
     RequestAdmitted,
     RequestFinished,
     RequestRefused,
+    ServerStarted,
+    ServerStopped,
     StepCompleted,
     WorkerLost,
 )
@@ -51,7 +57,22 @@ class Stall:
             RequestAdmitted: self._admitted,
             RequestFinished: self._left,
             RequestRefused: self._left,
+            ServerStarted: self._server_edge,
+            ServerStopped: self._server_edge,
         }
+
+    def _server_edge(self, rec: Recorded) -> None:
+        """Nothing progresses while no server runs: an open episode ends at the stop, or, after a
+        crash, at the last event the dead process wrote (the downtime is the crash's, not a stall)."""
+        if self.onset_ns is None:
+            return
+        end_ns = rec.envelope.ts_ns
+        if type(rec.event) is ServerStarted and self.acct.before_start_ns is not None:
+            end_ns = max(self.onset_ns, self.acct.before_start_ns)
+        f = self._close(rec, end_ns, num_still=0)
+        if f is not None:
+            self.done.append(f)
+        self.onset_ns = None
 
     def _open(self, rec: Recorded) -> None:
         # O(1): this runs at every step; the proof is gathered only if the episode becomes a finding
@@ -61,12 +82,12 @@ class Stall:
         self.ep_oldest = next(iter(waiting.values())).envelope.seq if waiting else None
         self.ep_seqs = []
 
-    def _close(self, rec: Recorded | None, at_ns: int) -> Finding | None:
+    def _close(self, rec: Recorded | None, at_ns: int, num_still: int = MAX_PROOF_SEQS) -> Finding | None:
         onset = self.onset_ns
         if onset is None or at_ns - onset < self.after:
             return None
         end_seq = rec.envelope.seq if rec is not None else None
-        still = [r.envelope.seq for _, r in zip(range(MAX_PROOF_SEQS), self.acct.waiting.values())]
+        still = [r.envelope.seq for _, r in zip(range(num_still), self.acct.waiting.values())]
         key = [s for s in (self.ep_oldest, rec.envelope.seq if rec is not None else None,
                            self.last_progress.envelope.seq if self.last_progress is not None else None)
                if s is not None]
@@ -143,6 +164,8 @@ class Hole:
             CopiesReleased: self._released,
             RequestFinished: self._left,
             RequestRefused: self._left,
+            ServerStarted: self._left,       # the queue died with the process (Accounting)
+            ServerStopped: self._left,
             WorkerLost: self._lost,
         }
 

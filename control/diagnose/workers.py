@@ -15,6 +15,7 @@ from residency.events import (
     MoveAcked,
     MoveFailed,
     MoveLateAcked,
+    MoveLateFailed,
     MoveRejected,
     MoveStranded,
     Recorded,
@@ -46,6 +47,7 @@ class WorkerSilence:
             MoveFailed: self._alive,
             MoveRejected: self._alive,
             MoveLateAcked: self._late_acked,
+            MoveLateFailed: self._late_acked,    # its stranding closed: nothing at risk
             CopiesReleased: self._late_acked,     # a release answered (on time: the same as alive)
             WorkerJoined: self._joined,
             WorkerLost: self._lost,
@@ -69,10 +71,15 @@ class WorkerSilence:
         ongoing = rec is None
         inflight = [r for r in self.acct.inflight.values() if r.event.worker == worker]
         at_risk = sum(r.event.bytes_planned for r in inflight)
+        # a worker frozen mid-move has its move stranded at the deadline, not in flight: name those too
+        stranded = [hit for hit in self.acct.stranded.values() if hit[0].event.worker == worker] if ongoing else []
+        stranded_bytes = sum(st.event.bytes_at_risk for st, _ in stranded)
         resident = sum(self.acct.used_bytes(worker, tier) for (w, tier) in self.acct.copies if w == worker)
         if ongoing:
+            named = ", ".join(st.event.move_id for st, _ in stranded[:4]) + (", ..." if len(stranded) > 4 else "")
+            also = f", {len(stranded)} stranded there ({fmt_bytes(stranded_bytes)}: {named})" if stranded else ""
             title = (f"worker {worker} silent for {fmt_duration(at_ns - s['onset_ns'])}: {len(inflight)} move(s) "
-                     f"in flight on it ({fmt_bytes(at_risk)}), {fmt_bytes(resident)} resident there")
+                     f"in flight on it ({fmt_bytes(at_risk)}){also}, {fmt_bytes(resident)} resident there")
             suggestion = (f"check worker {worker}'s process and its link; if it is gone, record it lost so its "
                           f"moves are stranded with their bytes named")
         else:
@@ -82,13 +89,16 @@ class WorkerSilence:
             detector=self.name,
             severity="warning" if ongoing else "info",
             title=title,
-            seqs=proof(s["seqs"] + [r.envelope.seq for r in inflight], key=[rec.envelope.seq] if rec else []),
+            seqs=proof(s["seqs"] + [r.envelope.seq for r in inflight] + [st.envelope.seq for st, _ in stranded],
+                       key=[rec.envelope.seq] if rec else []),
             subject=f"worker {worker}",
             onset_ns=s["onset_ns"],
             until_ns=None if ongoing else at_ns,
             suggestion=suggestion,
             detail={"worker": worker, "silent_ms": s["silent_ms"], "bytes_in_flight": at_risk if ongoing else None,
-                    "bytes_resident": resident if ongoing else None},
+                    "bytes_resident": resident if ongoing else None,
+                    "bytes_stranded": stranded_bytes if ongoing else None,
+                    "stranded_moves": [st.event.move_id for st, _ in stranded][:32]},
         )
 
     def _alive(self, rec: Recorded) -> None:

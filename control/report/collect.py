@@ -4,8 +4,9 @@ Series are kept as change points (``array('q')`` of ts and values: compact, appe
 binned once at the end (``control.report.bins``). Audit totals follow the design's definitions:
 reclaimed bytes come from acks (``bytes_freed_src``), ``BlocksFreed`` and ``CopiesReleased``, never
 from plans;
-stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late ack, plus the bytes that
-were only on a lost worker; a stranding whose worker is lost later counts with the loss, once.
+stranded bytes are ``MoveStranded.bytes_at_risk`` not resolved by a late answer (``MoveLateAcked``,
+``MoveLateFailed``, a late ``CopiesReleased``), plus the bytes that were only on a lost worker; a
+stranding whose worker is lost later counts with the loss, once.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from residency.events import (
     MoveAcked,
     MoveFailed,
     MoveLateAcked,
+    MoveLateFailed,
     MoveRefused,
     MoveRejected,
     MoveRequested,
@@ -32,7 +34,8 @@ from residency.events import (
 )
 from residency.control.diagnose.accounting import Accounting
 
-OUTCOMES = ("MoveAcked", "MoveLateAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned")
+OUTCOMES = ("MoveAcked", "MoveLateAcked", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned",
+            "MoveLateFailed")
 
 
 class Changes:
@@ -92,6 +95,7 @@ class ReportCollector:
             MoveRequested: self._requested,
             MoveAcked: self._acked,
             MoveLateAcked: self._late_acked,
+            MoveLateFailed: self._late_failed,
             MoveFailed: self._ended,
             MoveRejected: self._ended,
             MoveAbandoned: self._ended,
@@ -176,6 +180,11 @@ class ReportCollector:
         if req is not None:
             self._reclaim(req.event.src, req.event.kind, rec.event.bytes_freed_src)
         self.bytes_moved += rec.event.bytes_moved
+
+    def _late_failed(self, rec: Recorded) -> None:
+        self.outcomes["MoveLateFailed"].ts.append(rec.envelope.ts_ns)
+        if self.acct.ended_stranding is not None:
+            self._unstranded(rec)
 
     def _lost(self, rec: Recorded) -> None:
         self._lost_seq[rec.event.worker] = rec.envelope.seq

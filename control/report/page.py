@@ -18,7 +18,8 @@ MAX_FINDINGS_LISTED = 500
 MAX_MARKERS = 60
 
 _OUTCOME_COLORS = {"MoveAcked": "#59a14f", "MoveLateAcked": "#76b7b2", "MoveFailed": "#e15759",
-                   "MoveRejected": "#f28e2b", "MoveStranded": "#b07aa1", "MoveAbandoned": "#9c755f"}
+                   "MoveRejected": "#f28e2b", "MoveStranded": "#b07aa1", "MoveAbandoned": "#9c755f",
+                   "MoveLateFailed": "#bab0ac"}
 
 CSS = """
 :root{--fg:#1d2330;--muted:#6b7385;--line:#e3e6ee;--bg:#f6f7fa;--card:#fff}

@@ -150,6 +150,11 @@ class Admission:
             r.phase, r.wait_since_ns = "waiting", now
             self.requests.wait(r)
             log.info("request_waiting", request_id=r.request_id, reason=plan.reason, park=plan.park)
+            # once per request: the retries that follow change nothing the ledger needs to know
+            self.proc.record(ev.RequestQueued(request_id=r.request_id, session=r.session, worker=r.worker,
+                                              prompt_tokens=len(r.token_ids), waiting_for=plan.reason,
+                                              needed_blocks=plan.needed_blocks, free_blocks=plan.free_blocks,
+                                              parks=list(plan.park)), correlation=r.request_id)
         r.wait_code, r.wait_reason = plan.code, plan.reason
         for s in plan.park:
             if s not in r.parks_asked and self._park_backoff.get(s, 0) <= now:
@@ -168,6 +173,8 @@ class Admission:
             self._park_backoff[session] = time.time_ns() + int(self.park_backoff_s * 1e9)
 
     def _restored(self, r: RequestState, ans: AskAnswered) -> None:
+        if r.phase == "done":           # ended while its pages were restored (the server stopped)
+            return
         acked = [e for e in ans.events if type(e) is ev.MoveAcked or type(e) is ev.CopiesReleased]
         ok = ans.error is None and len(acked) == len(ans.move_ids) > 0 and all(
             type(e) is ev.CopiesReleased or e.checksum_ok for e in acked)      # a release checks no bytes
@@ -244,6 +251,27 @@ class Admission:
         for r in list(self.requests.waiting):
             if r.phase == "waiting" and not r.cancelled:
                 self.admit(r)
+
+    def end_waiting(self, r: RequestState, why: str, error: BackendError, *, client_left: bool = False) -> None:
+        """A queued request that will never be admitted (its client left, its worker was lost, the
+        server stops): closed in the ledger, so no ``RequestQueued`` stays open, and answered. A
+        client that left finished it; anything else refused it."""
+        if client_left:
+            self.proc.record(ev.RequestFinished(request_id=r.request_id, reason=why, completion_tokens=0),
+                             correlation=r.request_id)
+        else:
+            self.proc.record(ev.RequestRefused(request_id=r.request_id, reason=f"{why}: {error.message}"),
+                             correlation=r.request_id)
+        self.requests.forget(r)
+        r.reject(error)
+
+    def stop_waiting(self, reason: str) -> None:
+        """The server stops: every request still queued is refused by the book (503, retryable elsewhere)."""
+        for r in list(self.requests.waiting):
+            if r.phase == "waiting":
+                self.end_waiting(r, "server_stopped", BackendError(
+                    503, f"the server stopped ({reason}) before room came for this request",
+                    type="server_error", code="server_stopped"))
 
     def expire_waits(self, now_ns: int) -> None:
         """Refuse the requests that waited for room longer than ``wait_timeout_s``."""

@@ -84,6 +84,8 @@ class ServingService:
                                   (Pong, self._on_pong)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
+        proc.add_stop_hook(self.admission.stop_waiting)
+        proc.add_stop_hook(self.streams.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
         proc.worker_gone = self._on_worker_gone
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)

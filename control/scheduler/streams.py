@@ -108,8 +108,11 @@ class GenerationStreams:
         r.cancelled = reason
         if r.phase == "running":
             self.proc.send_to_worker(r.worker, CancelGenerate(request_id=request_id, reason=reason))
-        elif r.phase in ("new", "tokenizing", "waiting"):
-            self.requests.forget(r)              # never admitted: nothing to record
+        elif r.phase == "waiting":               # queued in the ledger: closed there too
+            self.admission.end_waiting(r, reason, BackendError(499, "the client went away", code="client_disconnected"),
+                                       client_left=True)
+        elif r.phase in ("new", "tokenizing"):
+            self.requests.forget(r)              # never admitted nor queued: nothing to record
             r.reject(BackendError(499, "the client went away", code="client_disconnected"))
         # restoring: the restore's answer sees it and ends the request (Admission)
 
@@ -142,7 +145,31 @@ class GenerationStreams:
                                                     completion_tokens=r.num_generated), correlation=r.request_id)
                 self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
                 self.requests.forget(r)
+            elif r.phase == "waiting":       # queued in the ledger: closed there too
+                self.admission.end_waiting(r, code, BackendError(
+                    503, message, type="server_error", code=code, retry_after_s=RETRY_AFTER_S))
             else:
                 self.requests.forget(r)
                 r.reject(BackendError(503, message, type="server_error", code=code, retry_after_s=RETRY_AFTER_S))
         return ended
+
+    def stop(self, reason: str) -> None:
+        """The server stops with requests still in hand (the drain was cut): each admitted one is
+        closed in the ledger (``RequestFinished(reason="server_stopped")``) before ``ServerStopped``,
+        so none stays open there, and every client gets an answer instead of a reset connection.
+        Runs after ``Admission.stop_waiting`` (the queued ones are closed there)."""
+        message = f"the server stopped ({reason}) before this request finished"
+        for r in list(self.requests.by_id.values()):
+            if r.phase == "running":
+                r.push(Chunk(text="", finish_reason="error", error=message, status=503, code="server_stopped",
+                             usage=Usage(prompt_tokens=len(r.token_ids), completion_tokens=r.num_generated)))
+                self.proc.record(ev.RequestFinished(request_id=r.request_id, reason="server_stopped",
+                                                    completion_tokens=r.num_generated), correlation=r.request_id)
+                self.workers.sched.finish(r.request_id, "error", 0, time.time_ns())
+                self.requests.forget(r)
+            elif r.phase == "restoring":    # admitted, never started: its restore's answer will find it done
+                self.admission.end_unstarted(r, "server_stopped", BackendError(
+                    503, message, type="server_error", code="server_stopped"))
+            elif r.phase in ("new", "tokenizing"):     # not in the ledger yet: only answered
+                self.requests.forget(r)
+                r.reject(BackendError(503, message, type="server_error", code="server_stopped"))

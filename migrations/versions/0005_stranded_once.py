@@ -14,9 +14,11 @@ not rewritten, the view reads them this way.
 
 residency_stranded   as 0004, less the strandings whose worker was lost after their move was
     requested; the loss is looked up by its own partial index (worker WHERE type = 'WorkerLost').
+    A stranding is also resolved by a later ``MoveLateFailed`` of its move (the worker answered
+    that it never landed: rejected past its deadline, failed), by its own partial index.
 residency_reclaimed  unchanged.
 
-Downgrade restores the 0004 view and drops the index.
+Downgrade restores the 0004 view and drops the two indexes.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ SELECT s.seq AS seq, s.ts_ns AS ts_ns, s.worker AS worker, r.tier AS tier, r.ses
                     WHERE l.move_id = s.move_id AND l.type = 'MoveLateAcked' AND l.seq > s.seq)
    AND NOT EXISTS (SELECT 1 FROM events c
                     WHERE c.move_id = s.move_id AND c.type = 'CopiesReleased' AND c.seq > s.seq)
+   AND NOT EXISTS (SELECT 1 FROM events f
+                    WHERE f.move_id = s.move_id AND f.type = 'MoveLateFailed' AND f.seq > s.seq)
    AND NOT EXISTS (SELECT 1 FROM events w
                     WHERE w.worker = s.worker AND w.type = 'WorkerLost' AND w.seq > COALESCE(r.seq, s.seq))
 UNION ALL
@@ -71,6 +75,8 @@ SELECT w.seq, w.ts_ns, w.worker, CAST(NULL AS TEXT), CAST(NULL AS TEXT), CAST(NU
 def upgrade() -> None:
     where = sa.text("type = 'WorkerLost'")
     op.create_index("ix_events_worker_lost", "events", ["worker"], sqlite_where=where, postgresql_where=where)
+    where = sa.text("type = 'MoveLateFailed'")
+    op.create_index("ix_events_move_late_failed", "events", ["move_id"], sqlite_where=where, postgresql_where=where)
     op.execute("DROP VIEW IF EXISTS residency_stranded")
     op.execute(STRANDED)
 
@@ -78,4 +84,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP VIEW IF EXISTS residency_stranded")
     op.execute(OLD_STRANDED)
+    op.drop_index("ix_events_move_late_failed", table_name="events")
     op.drop_index("ix_events_worker_lost", table_name="events")

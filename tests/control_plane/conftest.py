@@ -62,6 +62,9 @@ def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'ledger.db'}"
 
 
+LATE = {"MoveLateAcked", "MoveLateFailed"}    # a stranding's late answers (at most one)
+
+
 def check_ledger(store, *, allow_inflight: bool = False) -> State:
     """Replay everything; check the invariants named in the module docstring; return the state."""
     state = State()
@@ -75,7 +78,7 @@ def check_ledger(store, *, allow_inflight: bool = False) -> State:
             requested.add(e.move_id)
         elif t == "CopiesReleased":                      # a release's answer: its ack, or its late ack
             terminals[e.move_id].append("MoveLateAcked" if e.move_id in stranded_at else "MoveAcked")
-        elif t in TERMINAL or t == "MoveLateAcked":
+        elif t in TERMINAL or t in LATE:
             terminals[e.move_id].append(t)
             if t == "MoveStranded":
                 stranded_at[e.move_id] = e.bytes_at_risk
@@ -83,19 +86,19 @@ def check_ledger(store, *, allow_inflight: bool = False) -> State:
     check_integrity(state)
     for mid in requested:
         outs = terminals.get(mid, [])
-        first = [o for o in outs if o != "MoveLateAcked"]
-        late = [o for o in outs if o == "MoveLateAcked"]
+        first = [o for o in outs if o not in LATE]
+        late = [o for o in outs if o in LATE]
         if not outs:
             assert allow_inflight and mid in state.inflight, f"move {mid} has no terminal outcome"
             continue
         assert len(first) == 1, f"move {mid} has {len(first)} terminal outcomes: {outs}"
-        assert len(late) <= 1, f"move {mid} late-acked {len(late)} times"
+        assert len(late) <= 1, f"move {mid} answered late {len(late)} times: {outs}"
         if late:
-            assert first[0] == "MoveStranded" and outs.index("MoveLateAcked") > outs.index("MoveStranded"), outs
+            assert first[0] == "MoveStranded" and outs.index(late[0]) > outs.index("MoveStranded"), outs
     assert not set(terminals) - requested, f"outcomes for moves never requested: {sorted(set(terminals) - requested)[:5]}"
     # stranded bytes are listed with their moves
     listed = {mid: mv.bytes_planned for mid, mv in state.stranded.items()}
-    unresolved = {mid: b for mid, b in stranded_at.items() if "MoveLateAcked" not in terminals[mid]}
+    unresolved = {mid: b for mid, b in stranded_at.items() if not LATE.intersection(terminals[mid])}
     assert listed == unresolved
     per_tier = collections.Counter()
     for mv in state.stranded.values():

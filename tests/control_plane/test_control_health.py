@@ -90,15 +90,25 @@ def test_a_stranded_move_holds_its_destination_room_until_its_worker_answers_for
     (refused,) = ans.events
     assert type(refused) is ev.MoveRefused and refused.available_bytes == 14 * bb
     assert f"held for stranded moves {50 * bb}" in refused.reason
+    # an ask for its blocks is told which move holds them and why, not only that they are busy
+    busy = proc.submit(AskMove(ask_id="r1b", kind="restore", worker=0, blocks=blocks[:2])).result(5)
+    assert busy.error == "invalid_ask" and not busy.events
+    assert f"move {cmd.move_id} (restore host -> device" in busy.detail and "is stranded" in busy.detail
     # the worker answers: it refused to start it (its deadline had passed): the room is free again
     fw.send(ev.MoveRejected(move_id=cmd.move_id, worker=0, reason="deadline: passed before the move could start",
                             asked_bytes=50 * bb))
-    wait_for(lambda: proc.call(lambda p: cmd.move_id in p.moves.answered_stranded).result(5), what="answered")
+    wait_for(lambda: proc.call(lambda p: cmd.move_id not in p.state.stranded).result(5), what="answered")
     fut = proc.submit(AskMove(ask_id="r3", kind="restore", worker=0, blocks=blocks[50:80]))
     fw.send(fw.ack(fw.expect(ExecuteMove)))
     assert type(fut.result(5).events[0]) is ev.MoveAcked
     state = check_ledger(store)
-    assert cmd.move_id in state.stranded        # the ledger has no event for "never landed": still listed
+    # the rejection closed the stranding in the ledger: nothing is at risk any more, no copy moved
+    (closed,) = [r.event for r in store.read() if type(r.event) is ev.MoveLateFailed]
+    assert (closed.move_id, closed.answer) == (cmd.move_id, "MoveRejected")
+    assert "deadline" in closed.reason
+    assert cmd.move_id not in state.stranded and state.stranded_bytes_total() == 0
+    assert state.outcomes[cmd.move_id] == "MoveLateFailed"
+    assert all("device" not in state.blocks[0][b].tiers for b in blocks[:50])
 
 
 def test_past_its_deadline_the_workers_own_refusal_is_awaited_before_stranding(make_control, fake_worker, sqlite_url):

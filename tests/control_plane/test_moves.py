@@ -38,7 +38,7 @@ def test_an_outcome_from_another_worker_is_not_taken():
     assert moves.classify(b.state, 1, _acked("m")) == (moves.WRONG_WORKER, None)
 
 
-def test_an_ack_after_stranding_is_a_late_ack_and_a_failure_after_stranding_records_nothing():
+def test_an_ack_after_stranding_is_a_late_ack_and_a_failure_after_stranding_closes_it():
     b = Book()
     b.commit([1, 2], 0)
     b.move("a", "evict", "device", "host", [1], 1, ack=False)
@@ -48,7 +48,8 @@ def test_an_ack_after_stranding_is_a_late_ack_and_a_failure_after_stranding_reco
     verdict, e = moves.classify(b.state, 0, _acked("a"))
     assert verdict == moves.LATE and type(e) is ev.MoveLateAcked and e.bytes_moved == BB
     fail = ev.MoveFailed(move_id="f", worker=0, error="x", bytes_moved=None)
-    assert moves.classify(b.state, 0, fail) == (moves.LATE_FAILURE, None)
+    assert moves.classify(b.state, 0, fail) == (
+        moves.LATE_FAILURE, ev.MoveLateFailed(move_id="f", worker=0, answer="MoveFailed", reason="x"))
 
 
 def test_a_release_answered_with_zero_is_recorded_as_zero_freed():
@@ -241,6 +242,29 @@ def test_a_report_settles_what_the_worker_did_and_abandons_what_it_never_saw():
     out = {e.move_id: (v, type(e).__name__) for v, e in recovery.reconcile(b.state, 0, report, asked)}
     assert out == {"done": (moves.TERMINAL, "MoveAcked"), "never": (moves.TERMINAL, "MoveAbandoned"),
                    "was-stranded": (moves.LATE, "MoveLateAcked")}       # "running" stays in flight
+
+
+def test_a_stranded_move_its_worker_rejected_is_closed_and_its_bytes_no_longer_at_risk():
+    b = Book()
+    b.commit([1, 2, 3], 0)
+    for mid, blk in (("rejected", 1), ("unseen", 2), ("acked", 3)):
+        b.move(mid, "evict", "device", "host", [blk], 1, ack=False)
+        b.add(ev.MoveStranded(move_id=mid, worker=0, bytes_at_risk=BB, why="deadline"))
+    asked = recovery.to_query(b.state, 0, moves.MoveBook())
+    rejected = ev.MoveRejected(move_id="rejected", worker=0, reason="deadline: passed", asked_bytes=BB)
+    report = MovesReport(worker=0, outcomes=[rejected, _acked("acked")], unknown=["unseen"])
+    settled = recovery.reconcile(b.state, 0, report, asked)
+    # "never received" is not recorded: the worker answering may be a new incarnation, which cannot
+    # speak for the command its lost predecessor had (the control process only stops holding room for it)
+    assert {e.move_id: (v, type(e).__name__, getattr(e, "answer", None)) for v, e in settled} == {
+        "rejected": (moves.LATE_FAILURE, "MoveLateFailed", "MoveRejected"),
+        "acked": (moves.LATE, "MoveLateAcked", None)}
+    for _, e in settled:
+        b.add(e)
+    b.state.check_integrity()
+    assert list(b.state.stranded) == ["unseen"] and b.state.stranded_bytes_total() == BB
+    wb = b.state.blocks[0]
+    assert (wb[1].tiers, wb[2].tiers, wb[3].tiers) == (["device"], ["device"], ["host"])   # only the ack moved a copy
 
 
 def test_join_causation_round_trips_and_epochs_only_grow():

@@ -104,3 +104,42 @@ def test_two_round_trips_are_not_yet_a_pendulum(L):
     _swing(L, 0, L.commit(0, 3), times=2, gap_s=1)
     assert detect_pendulum(L.events, at_ns=L.now) == []
     assert MS  # (units used by the builders)
+
+
+def _idle_park_then_demand_restore(L, w, blocks, session, think_s):
+    mid, _ = L.request_move(w, "park", "device", "host", blocks, session=session, reason="idle 2 s",
+                            causation="policy:park")
+    L.ack(mid, w, len(blocks) * L.block_bytes[w])
+    L.wait(think_s)
+    mid, _ = L.request_move(w, "restore", "host", "device", blocks, session=session, reason="serving:restore",
+                            causation="serving:restore")
+    L.ack(mid, w, len(blocks) * L.block_bytes[w])
+    L.wait(L.rng.uniform(0.5, 2.0))
+
+
+def test_idle_parks_restored_for_their_own_next_turn_are_not_a_pendulum(L):
+    from residency.control.diagnose import diagnose
+    L.worker(0)
+    users = {L.uid("s"): L.commit(0, L.rng.randrange(2, 9)) for _ in range(2)}
+    for _ in range(20):                       # two users chatting with 4-6 s of think time
+        for s, blocks in users.items():
+            _idle_park_then_demand_restore(L, 0, blocks, s, L.rng.uniform(2.0, 4.0))
+    d = diagnose(L.events, at_ns=L.now)
+    assert [f for f in d.findings if f.severity != "info"] == []
+
+
+def test_a_pendulum_names_who_asked_and_counts_every_swinging_move(L):
+    from residency.control.diagnose import detect_pendulum
+    L.worker(0)
+    blocks = L.commit(0, 4)
+    mids = []
+    for _ in range(3):
+        mid, _ = L.request_move(0, "spill", "device", "host", blocks, causation="policy:pressure")
+        L.ack(mid, 0, len(blocks) * L.block_bytes[0])
+        mids.append(mid)
+        mid, _ = L.request_move(0, "restore", "host", "device", blocks, causation="serving:restore")
+        L.ack(mid, 0, len(blocks) * L.block_bytes[0])
+        mids.append(mid)
+    [f] = detect_pendulum(L.events, at_ns=L.now)
+    assert f.detail["num_moves"] == 6 and f.detail["bytes_moved"] == 6 * len(blocks) * L.block_bytes[0]
+    assert f.detail["asked_by"] == ["policy", "serving"] and "policy (3)" in f.title

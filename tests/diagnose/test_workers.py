@@ -19,6 +19,22 @@ def test_a_silent_worker_is_named_with_the_moves_in_flight_on_it(L):
     assert f.detail["bytes_resident"] == 10 * L.block_bytes[1]
 
 
+def test_a_silent_worker_names_the_move_it_froze_on_after_that_move_was_stranded(L):
+    L.worker(0)
+    blocks = L.commit(0, L.rng.randrange(2, 9))
+    mid, req = L.request_move(0, "park", "device", "host", blocks, deadline_ms=500)
+    L.chatter(1)
+    nbytes = len(blocks) * L.block_bytes[0]
+    stranded = L.add(ev.MoveStranded(move_id=mid, worker=0, bytes_at_risk=nbytes, why="deadline"))
+    L.add(ev.WorkerHeartbeatMissed(worker=0, silent_ms=3000))
+    L.chatter(5)
+    [f] = detect_worker_silence(L.events, at_ns=L.now)
+    assert f.severity == "warning" and f.detail["bytes_in_flight"] == 0
+    assert "1 stranded there" in f.title and mid in f.title
+    assert f.detail["bytes_stranded"] == nbytes and f.detail["stranded_moves"] == [mid]
+    assert stranded.seq in f.seqs
+
+
 def test_a_worker_that_answers_after_a_silence_has_an_ended_episode_not_a_warning(L):
     L.worker(0)
     L.add(ev.WorkerHeartbeatMissed(worker=0, silent_ms=3000))

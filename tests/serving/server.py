@@ -22,12 +22,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra: str, name: str = "serve"):
+    def __init__(self, tmp: Path, *extra: str, name: str = "serve", ledger: str | None = None):
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.ledger = f"sqlite:///{self.dir / 'ledger.db'}"
+        self.ledger = ledger or f"sqlite:///{self.dir / 'ledger.db'}"
         self.log_path = self.dir / "serve.log"
         argv = [sys.executable, "-m", "residency.control.cli.main", "serve", "--ledger", self.ledger, "--port", str(self.port),
                 "--run-dir", str(self.dir / "run"), "--device-blocks", "192", "--host-bytes", "256MiB",

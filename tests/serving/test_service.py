@@ -299,6 +299,9 @@ def test_requests_beyond_what_the_worker_batches_wait_for_a_slot_and_all_finish(
     s.close()
     events, _ = s.ledger()
     assert names(events).count("RequestFinished") == 6 and "RequestRefused" not in names(events)
+    queued = {e.request_id for e in events if type(e).__name__ == "RequestQueued"}
+    admitted = [e.request_id for e in events if type(e).__name__ == "RequestAdmitted"]
+    assert queued and queued <= set(admitted) and len(admitted) == 6     # recorded once each, every one admitted
 
 
 def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stack):
@@ -406,6 +409,10 @@ def test_a_request_waits_while_an_idle_session_is_parked_to_make_room(stack):
     admitted = [i for i, e in enumerate(events) if type(e).__name__ == "RequestAdmitted"]
     assert events[park].session == "idle" and events[park].reason.startswith("serving")
     assert admitted[0] < park < admitted[1], "the second request was admitted only after the park"
+    [queued] = [i for i, e in enumerate(events) if type(e).__name__ == "RequestQueued"]
+    q = events[queued]
+    assert admitted[0] < queued < park and q.parks == ["idle"] and q.needed_blocks > q.free_blocks
+    assert q.request_id == events[admitted[1]].request_id and q.waiting_for.startswith("needs")
 
 
 def test_a_parked_prefix_is_recomputed_when_the_policy_says_so(stack):
