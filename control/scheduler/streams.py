@@ -41,7 +41,8 @@ class GenerationStreams:
         sched = self.workers.sched
         bb = self.proc.state.workers[link.worker].block_bytes
         if msg.blocks_written:
-            sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
+            if sched is not None:     # None: an adopted worker reports before serving is ready here
+                sched.written(msg.request_id, msg.blocks_written, msg.keys_written)
             self.proc.record(ev.BlocksCommitted(worker=link.worker, session=session, tier="device",
                                                 blocks=list(msg.blocks_written), keys=list(msg.keys_written),
                                                 bytes=len(msg.blocks_written) * bb,
