@@ -63,6 +63,7 @@ class Supervisor:
         self.children: dict[int, WorkerChild] = {}
         self.starts: dict[int, list[float]] = {}
         self.gave_up: set[int] = set()
+        self.adopted_gone: set[tuple[int, int]] = set()     # (worker, epoch) reported exited
 
     def tick(self) -> None:
         for w, child in list(self.children.items()):
@@ -71,6 +72,7 @@ class Supervisor:
                 del self.children[w]
                 log.warning("worker_exited", worker=w, epoch=child.epoch, returncode=rc)
                 self.proc.worker_exited(w, child.epoch, rc)
+        self._watch_adopted()
         missing = self.proc.call(lambda p: p.missing_workers()).result(timeout=10)
         for w, child in self.children.items():
             child.joined = child.joined or w not in missing
@@ -89,6 +91,24 @@ class Supervisor:
                     log.error("worker_restart_limit", worker=w, restarts=len(recent), window_s=self.window_s)
                 continue
             self.start(w)
+
+    def _watch_adopted(self) -> None:
+        """A worker adopted after a control restart is not our child, so its exit is not ours to
+        wait for: its pid file names its process, and a process that is gone is reported exited
+        as a child's would be (its disk copies then wait for the next incarnation instead of being
+        dropped after a heartbeat silence)."""
+        for pid_file in self.run_dir.glob("worker-*.pid"):
+            try:
+                w = int(pid_file.stem.split("-", 1)[1])
+                pid_s, epoch_s = pid_file.read_text().split()[:2]
+                pid, epoch = int(pid_s), int(epoch_s)
+            except (OSError, ValueError, IndexError):
+                continue
+            if w in self.children or (w, epoch) in self.adopted_gone or not _gone(pid):
+                continue
+            self.adopted_gone.add((w, epoch))
+            log.warning("worker_exited", worker=w, epoch=epoch, pid=pid, adopted=True)
+            self.proc.worker_exited(w, epoch, None)
 
     def start(self, w: int) -> None:
         epoch = time.time_ns() // 1000
@@ -127,6 +147,21 @@ class Supervisor:
             if not pids:
                 return True
             deadline = time.monotonic() + 3.0
+        return False
+
+
+def _gone(pid: int) -> bool:
+    """The process is gone, or a zombie nobody reaped (a container's first process may not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
         return False
 
 

@@ -169,3 +169,42 @@ def test_after_a_kill_of_the_worker_alone_its_replacement_keeps_the_disk_copies_
     assert lost.bytes_kept == 3 * state.workers[0].block_bytes
     claims = [json.loads(line) for line in s.log_path.read_text().splitlines() if '"disk_claimed"' in line]
     assert [(c["kept"], c["dropped"]) for c in claims] == [(3, 0)]
+
+
+def test_a_worker_adopted_after_a_control_crash_and_then_killed_keeps_its_disk_copies(tmp_path):
+    """kill -9 of the control; the restarted control adopts the surviving worker; then kill -9 of
+    that worker. It is not the new supervisor's child, yet its exit is seen (its pid file's process
+    is gone), so its disk copies wait for the next incarnation and are kept, not dropped after a
+    heartbeat silence; the session's next turn reads them."""
+    import json
+    import os
+    import signal
+    import time
+    s = Server(tmp_path, "--park-after-s", "600").wait_ready()
+    first = chat(s, TURN1, "fern")
+    assert s.admin("POST", "/admin/sessions/fern/park", json={"tier": "disk"}).status_code == 200
+    pid_file = s.dir / "run" / "worker-0.pid"
+    old_pid = int(pid_file.read_text().split()[0])
+    os.killpg(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(10)
+    s.log.close()
+    s2 = Server(tmp_path, "--park-after-s", "600").wait_ready()    # the same worker, adopted
+    try:
+        assert int(pid_file.read_text().split()[0]) == old_pid
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while int(pid_file.read_text().split()[0]) == old_pid:     # the supervisor starts the next one
+            assert time.monotonic() < deadline, s2.tail()
+            time.sleep(0.2)
+        s2.wait_ready()
+        again = chat(s2, turn2(first), "fern")
+    finally:
+        assert s2.stop() == 0
+    assert again["usage"]["restored_tokens"] == 32
+    events, state = read_ledger(s2.ledger)
+    state.check_integrity()
+    [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
+    assert lost.reason.startswith("worker process exited (adopted") and lost.blocks_lost == []
+    assert len(lost.kept_on_disk) == 3 and lost.bytes_kept == 3 * state.workers[0].block_bytes
+    claims = [json.loads(line) for line in s2.log_path.read_text().splitlines() if '"disk_claimed"' in line]
+    assert [(c["kept"], c["dropped"]) for c in claims] == [(3, 0)]
