@@ -363,7 +363,7 @@ class WorkerRegistry:
         if self.roster.get(worker) != epoch or ws is None or not ws.alive or worker in self._replacing:
             return      # an incarnation already replaced, lost, or waited for
         why = (f"worker process exited with code {returncode}" if returncode is not None else
-               "worker process exited (adopted after a control restart: its exit code is not ours to read)")
+               "worker process exited (started before this control: its exit code is not ours to read)")
         if self._holds_disk(worker):
             self._await_replacement(worker, why, time.monotonic_ns())
         else:

@@ -89,9 +89,9 @@ def test_without_keep_disk_a_clean_stop_frees_the_disk_copies_and_the_next_turn_
 
 
 def test_after_a_crash_of_every_process_the_disk_copies_wait_for_the_new_worker_and_are_kept(tmp_path):
-    """kill -9 of the control and its worker: the restarted control gives the worker its adopt
-    grace, then (it held disk copies) waits for the next incarnation's Hello instead of counting
-    them lost, and keeps what that one found."""
+    """kill -9 of the control and its worker: the restarted control sees the worker's process is
+    gone (its pid file) without waiting out the adopt grace, then (it held disk copies) waits for
+    the next incarnation's Hello instead of counting them lost, and keeps what that one found."""
     import os
     import signal
     s = Server(tmp_path, "--park-after-s", "600").wait_ready()
@@ -111,7 +111,7 @@ def test_after_a_crash_of_every_process_the_disk_copies_wait_for_the_new_worker_
     events, state = read_ledger(s2.ledger)
     state.check_integrity()
     [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
-    assert lost.reason.startswith("not back after the control restart") and lost.blocks_lost == []
+    assert lost.reason.startswith("worker process exited (started before this control") and lost.blocks_lost == []
     assert len(lost.kept_on_disk) == 3 and "worker_awaiting_replacement" in s2.log_path.read_text()
 
 
@@ -204,7 +204,7 @@ def test_a_worker_adopted_after_a_control_crash_and_then_killed_keeps_its_disk_c
     events, state = read_ledger(s2.ledger)
     state.check_integrity()
     [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
-    assert lost.reason.startswith("worker process exited (adopted") and lost.blocks_lost == []
+    assert lost.reason.startswith("worker process exited (started before this control") and lost.blocks_lost == []
     assert len(lost.kept_on_disk) == 3 and lost.bytes_kept == 3 * state.workers[0].block_bytes
     claims = [json.loads(line) for line in s2.log_path.read_text().splitlines() if '"disk_claimed"' in line]
     assert [(c["kept"], c["dropped"]) for c in claims] == [(3, 0)]
