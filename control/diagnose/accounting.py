@@ -57,7 +57,9 @@ class Accounting:
         self.orphaned: dict[str, Recorded] = {}            # request_id -> its RequestAdmitted
         self.running = False                                # a ServerStarted with no ServerStopped since
         self.last_life_ns: int | None = None                # the latest event that shows a process at work
+        self.last_life_seq: int | None = None               # ... and its seq
         self.before_start_ns: int | None = None             # at a ServerStarted: the one before it
+        self.before_start_seq: int | None = None
         self.after_crash = False                            # at a ServerStarted: no ServerStopped came before it
         self.usage_listeners: list[UsageListener] = []
         # NOTE: the move a terminal event just ended (and its stranding, for a late ack), so that
@@ -159,7 +161,7 @@ class Accounting:
 
     def _requested(self, rec: Recorded) -> None:
         self.inflight[rec.event.move_id] = rec
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq
 
     def _arrive(self, req: MoveRequested, rec: Recorded) -> None:
         self._copies(req.worker, req.dst).update(req.blocks)
@@ -209,21 +211,21 @@ class Accounting:
     def _admitted(self, rec: Recorded) -> None:
         self.waiting[rec.event.request_id] = rec
         self.queued.pop(rec.event.request_id, None)
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq
 
     def _finished(self, rec: Recorded) -> None:
         rid = rec.event.request_id
         self.waiting.pop(rid, None)
         self.queued.pop(rid, None)
         self.orphaned.pop(rid, None)
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq
 
     def _queued(self, rec: Recorded) -> None:
         self.queued[rec.event.request_id] = rec
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq
 
     def _life(self, rec: Recorded) -> None:
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq
 
     def _orphan_all(self) -> None:
         """Whatever was in hand belonged to a process that is gone: its queue (memory only) is
@@ -233,13 +235,13 @@ class Accounting:
         self.queued.clear()
 
     def _started(self, rec: Recorded) -> None:
-        self.before_start_ns = self.last_life_ns
+        self.before_start_ns, self.before_start_seq = self.last_life_ns, self.last_life_seq
         self.after_crash = self.running
         self._orphan_all()
         self.running = True
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq
 
     def _stopped(self, rec: Recorded) -> None:
         self._orphan_all()
         self.running = False
-        self.last_life_ns = rec.envelope.ts_ns
+        self.last_life_ns, self.last_life_seq = rec.envelope.ts_ns, rec.envelope.seq

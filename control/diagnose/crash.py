@@ -2,7 +2,8 @@
 
 What the ledger shows of a crash and its recovery, all named in one finding:
 
-    onset    the last event the dead process wrote (its last sign of life)
+    onset    the dead process's last sign of life: the latest step, checkpoint, admission, finish
+             or move it recorded (``detail.onset_seq``)
     until    the ``ServerStarted`` of the process that replaced it
     adopted  workers alive at the crash that the new process kept (no WorkerJoined, no WorkerLost:
              adoption records nothing, so a later step or move of theirs is the proof)
@@ -59,6 +60,7 @@ class Crash:
         alive = [w for w in self.acct.workers() if w not in self.acct.lost]
         self.current = {
             "start": rec, "onset_ns": self.acct.before_start_ns or rec.envelope.ts_ns,
+            "onset_seq": self.acct.before_start_seq or rec.envelope.seq,
             "orphans": {rid: r.envelope.seq for rid, r in self.acct.orphaned.items()},
             "closed": {}, "closed_other": {}, "alive": alive, "adopted": {}, "rejoined": {}, "lost": {},
         }
@@ -109,7 +111,7 @@ class Crash:
             if still:
                 orphan_words += f", {len(still)} never closed ({', '.join(still[:3])})"
             down_ns = start.envelope.ts_ns - c["onset_ns"]
-            key = [start.envelope.seq] + [orphans[r] for r in still[:4]]
+            key = [c["onset_seq"], start.envelope.seq] + [orphans[r] for r in still[:4]]
             seqs = ([*orphans.values()][:MAX_PROOF_SEQS // 2] + [*c["closed"].values()][:MAX_PROOF_SEQS // 4]
                     + [*c["adopted"].values(), *c["rejoined"].values(), *c["lost"].values()])
             out.append(Finding(
@@ -125,7 +127,7 @@ class Crash:
                             "for an OOM kill) for why it died" if not still else
                             "the restarted process did not close the requests the crash orphaned: they are not "
                             "running; upgrade to a recovery that closes them (RequestFinished control_lost)"),
-                detail={"restart_seq": start.envelope.seq, "down_ns": down_ns,
+                detail={"onset_seq": c["onset_seq"], "restart_seq": start.envelope.seq, "down_ns": down_ns,
                         "adopted": sorted(c["adopted"]), "rejoined": sorted(c["rejoined"]),
                         "lost": sorted(c["lost"]), "silent": silent, "num_orphaned": len(orphans),
                         "num_closed_by_recovery": len(c["closed"]), "never_closed": still[:32]},
