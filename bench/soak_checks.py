@@ -7,7 +7,9 @@ here from the raw events so that they do not share code with what they check:
   stranded once       the bytes at risk, each block counted once. A stranded move's blocks belong to
                       the incarnation of its worker that was running when it was requested; if the
                       ``WorkerLost`` that ended that incarnation lists the same blocks as lost, both
-                      rows carry those bytes, and the overlap is what the books count twice.
+                      rows carry those bytes (the overlap in the rows). The books (audit, view,
+                      replay) must equal the rows less that overlap; what they count beyond it is
+                      counted twice.
 """
 from __future__ import annotations
 
@@ -98,8 +100,8 @@ def ledger_counts(url: str) -> dict:
                 requested[e.move_id] = (e.worker, incarnation[e.worker], list(e.blocks))
             elif isinstance(e, ev.MoveStranded):
                 stranded[e.move_id] = (e.bytes_at_risk, seq, e.why)
-            elif isinstance(e, (ev.MoveLateAcked, ev.CopiesReleased)):
-                stranded.pop(e.move_id, None)
+            elif isinstance(e, (ev.MoveLateAcked, ev.MoveLateFailed, ev.CopiesReleased)):
+                stranded.pop(e.move_id, None)      # a late answer ends the stranding
             elif isinstance(e, ev.WorkerLost):
                 lost[(e.worker, incarnation[e.worker])] = (set(e.blocks_lost), e.bytes_lost, seq)
                 incarnation[e.worker] += 1
@@ -131,8 +133,8 @@ def ledger_counts(url: str) -> dict:
         "stranded_view_bytes": view_bytes,
         "stranded_rows_bytes": rows_bytes,
         "stranded_once_bytes": rows_bytes - double,
-        "stranded_double_counted_bytes": double,
-        "stranded_double_counted_moves": double_moves[:10],
+        "stranded_overlap_in_rows_bytes": double,
+        "stranded_overlap_moves": double_moves[:10],
     }
 
 

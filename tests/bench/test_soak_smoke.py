@@ -35,9 +35,10 @@ def test_the_soak_kills_the_control_process_once_and_writes_its_figures_and_targ
     assert sum(res["requests_by_result"].values()) == res["requests_sent"]
     assert [k["target"] for k in res["kills"]] == ["control"] and res["serve_starts"] == 2
     assert res["verify"]["returncode"] is not None and res["ledger"]["requests_admitted"] > 0
-    for key in ("stranded_view_bytes", "stranded_once_bytes", "stranded_double_counted_bytes", "requests_unclosed",
+    for key in ("stranded_view_bytes", "stranded_once_bytes", "stranded_overlap_in_rows_bytes", "requests_unclosed",
                 "requests_closed_control_lost"):
         assert isinstance(res["ledger"][key], int), key
     assert isinstance(res["stranded_audit_bytes"], int) and "stranded_bytes" in res["replay"]
+    assert isinstance(res["stranded_double_counted_bytes"], int)
     assert res["final_request"]["ok"] is True       # the server answers after the run: a liveness check
     assert "target serving_after:" in p.stdout and "ledger verify:" in p.stdout
