@@ -154,13 +154,22 @@ def _move_stranded(s: State, e: ev.MoveStranded, seq: int) -> None:
         ws.tiers[mv.src].stranded_bytes += e.bytes_at_risk
 
 
-def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
-    mv = s.stranded.pop(e.move_id, None)
+def _end_stranding(s: State, move_id: str, answer: str, seq: int) -> MoveState | None:
+    """A stranded move's late answer: it is stranded no more and has this outcome. None (and an
+    anomaly noted) when the move is not stranded."""
+    mv = s.stranded.pop(move_id, None)
     if mv is None:
-        _anomaly(s, seq, f"MoveLateAcked for move {e.move_id} that is not stranded")
+        _anomaly(s, seq, f"{answer} for move {move_id} that is not stranded")
+        return None
+    s.outcomes[move_id] = answer
+    s.num_moves[answer] = s.num_moves.get(answer, 0) + 1
+    return mv
+
+
+def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
+    mv = _end_stranding(s, e.move_id, "MoveLateAcked", seq)
+    if mv is None:
         return
-    s.outcomes[e.move_id] = "MoveLateAcked"
-    s.num_moves["MoveLateAcked"] = s.num_moves.get("MoveLateAcked", 0) + 1
     ws = s.workers.get(mv.worker)
     if ws is not None:
         if mv.status == LOST:       # the incarnation that moved them is gone, and its copies with it
@@ -172,12 +181,9 @@ def _move_late_acked(s: State, e: ev.MoveLateAcked, seq: int) -> None:
 
 def _move_late_failed(s: State, e: ev.MoveLateFailed, seq: int) -> None:
     """A stranded move that never landed: its bytes stop being at risk; no copy moves."""
-    mv = s.stranded.pop(e.move_id, None)
+    mv = _end_stranding(s, e.move_id, "MoveLateFailed", seq)
     if mv is None:
-        _anomaly(s, seq, f"MoveLateFailed for move {e.move_id} that is not stranded")
         return
-    s.outcomes[e.move_id] = "MoveLateFailed"
-    s.num_moves["MoveLateFailed"] = s.num_moves.get("MoveLateFailed", 0) + 1
     ws = s.workers.get(mv.worker)
     if ws is not None and mv.status == "stranded":      # only a stranding that still counts its bytes
         ws.tiers[mv.src].stranded_bytes -= mv.bytes_planned
