@@ -28,7 +28,7 @@ from residency.events.catalog import StateCheckpoint
 from residency.events.envelope import Envelope
 from residency.events.codec import PAYLOAD_ERRORS, DecodeError, current_decoders, decode_event, decode_packed
 from residency.control.fold import fold_decoded, fold_run
-from residency.control.state import State, decode_state, encode_state, state_hash
+from residency.control.state import State, decode_state, encode_state, state_hash, this_fold
 from residency.ledger.schema import PackedRun, PayloadRun
 
 
@@ -184,10 +184,16 @@ def write_snapshots(store, every: int = 100_000, progress=None) -> list[int]:
     return saved
 
 
+def older_checkpoints(checkpoints) -> int:
+    """How many of (seq, through, hash) an earlier fold version wrote (they are not compared)."""
+    return sum(1 for _seq, _through, h in checkpoints if not this_fold(h))
+
+
 def check_checkpoints(store, checkpoints, progress=None) -> list[str]:
-    """Fold once from zero and compare each recorded StateCheckpoint; return the mismatches."""
+    """Fold once from zero and compare each StateCheckpoint this fold version wrote; return the
+    mismatches."""
     problems: list[str] = []
-    wanted = sorted((through, seq, h) for seq, through, h in checkpoints)
+    wanted = sorted((through, seq, h) for seq, through, h in checkpoints if this_fold(h))
     state, pos = State(), 0
     for through, seq, h in wanted:
         if through > pos:

@@ -177,10 +177,24 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 
+# The version of the fold, written into every state hash ("f2:<sha256>"). A StateCheckpoint from
+# another version hashed another state (version 1, the bare hex of earlier ledgers: before
+# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss),
+# so it cannot be compared with this fold's replay; `ledger verify` says how many it left.
+FOLD_VERSION = 2
+_HASH_PREFIX = f"f{FOLD_VERSION}:"
+
+
 def state_hash(state: State) -> str:
-    """SHA-256 of the state's content (not of where the fold stands: last_seq, checkpoints)."""
+    """SHA-256 of the state's content (not of where the fold stands: last_seq, checkpoints),
+    prefixed with the fold's version."""
     content = msgspec.structs.replace(state, last_seq=0, last_ts_ns=0, checkpoints=[], copies=None)
-    return hashlib.sha256(_hash_encoder.encode(content)).hexdigest()
+    return _HASH_PREFIX + hashlib.sha256(_hash_encoder.encode(content)).hexdigest()
+
+
+def this_fold(digest: str) -> bool:
+    """A state hash this fold can reproduce (written by the same fold version)."""
+    return digest.startswith(_HASH_PREFIX)
 
 
 def encode_state(state: State) -> bytes:

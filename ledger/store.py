@@ -415,6 +415,6 @@ def _check_schema(engine, u: URL) -> None:
         return
     if migrate.is_known(rev):
         raise SchemaOutOfDate(f"the ledger at {masked(u)} is at schema revision {rev} but this code needs {head}; "
-                              f"run `residency ledger upgrade {masked(u)}`")
+                              f"run `residency ledger upgrade --db {masked(u)}`")
     raise SchemaOutOfDate(f"the ledger at {masked(u)} is at schema revision {rev}, which this code does not know "
                           f"(written by a newer Residency?); upgrade Residency to open it")

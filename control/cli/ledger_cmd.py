@@ -6,7 +6,7 @@ import sys
 
 from residency.control.cli.common import add_db_arg, check_sqlite_path, open_store, progress_bar
 from residency.control.cli.main import UserError
-from residency.control.replay import check_checkpoints, write_snapshots
+from residency.control.replay import check_checkpoints, older_checkpoints, write_snapshots
 
 
 def register(sub) -> None:
@@ -137,9 +137,11 @@ def _verify(args) -> int:
             print(f"FAILED: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
                   file=sys.stderr)
             return 1
+        older = older_checkpoints(report.checkpoints)
         print(f"ok: {report.num_events} events, seqs 1..{report.num_events} gapless, hash chain intact, "
               f"every payload decodes and matches its audit columns, "
-              f"{len(report.checkpoints)} state checkpoints match replay"
+              f"{len(report.checkpoints) - older} state checkpoints match replay"
+              + (f" ({older} written by an earlier version of the fold, not compared)" if older else "")
               + (f", {len(anchors)} anchors agree" if anchors else ""))
         print(f"head {report.num_events}:{report.last_hash.hex()}")
     return 0
