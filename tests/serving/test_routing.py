@@ -7,7 +7,7 @@ import random
 import pytest
 
 from residency.control.scheduler.routing import PREFIX_ROUTE_SLACK, by_load, by_prefix
-from tests.serving.test_service import P, stack  # noqa: F401 - the fixture
+from tests.serving.stack import P, stack  # noqa: F401 - the fixture
 from tests.serving.test_service_sharing import SYSTEM
 
 

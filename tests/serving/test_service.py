@@ -8,137 +8,14 @@ parks of idle sessions, refusals, busy sessions and restore-or-recompute are exe
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from fastapi.testclient import TestClient
 
-from residency.control.api import ApiConfig, create_app
-from residency.control.moves import MoveConfig
 from residency.control.policy import PolicyConfig
-from residency.control.proc import ControlConfig, ControlProc
-from residency.control.scheduler.service import ServingService
-from residency.dataplane.mover import Mover
-from residency.dataplane.model import ModelConfig, block_content_keys, random_model
-from residency.dataplane.pools import DataPlaneError, KVLayout
-from residency.dataplane.proc import WorkerProc
-from residency.dataplane.serving import ServingLoop
-from residency.dataplane.serving_worker import attach
-from residency.dataplane.worker import WorkerCore, WorkerFaults
-from residency.ledger import LedgerStore
 from tests.serving.server import read_ledger
-
-P = 4
-TINY = ModelConfig(name="tiny", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128,
-                   vocab_size=300, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5, max_position=256,
-                   tie_embeddings=True)
-
-
-class ByteTokenizer:
-    """Bytes as tokens (1..256), a visible chat template, and no end-of-turn: the random model
-    always generates max_tokens."""
-
-    eos_token_ids: set[int] = set()
-    max_token_bytes = 1
-
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        return [b + 1 for b in text.encode()]
-
-    def surely_over(self, text: str, max_tokens: int) -> bool:
-        return len(text.encode()) > max_tokens
-
-    def decode(self, ids, skip_special: bool = False) -> str:
-        return bytes(i - 1 for i in ids if 0 < i <= 256).decode(errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-
-
-class Stack:
-    def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
-                 policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
-                 max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0, workers: int = 1):
-        self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
-        self.url = f"sqlite:///{self.dir / 'ledger.db'}"
-        self.store = LedgerStore.open(self.url, create=True)
-        policy = policy or PolicyConfig(pressure=False, park=park_idle_s is not None,
-                                        park_idle_s=park_idle_s or 30.0, cooldown_s=0.0)
-        cfg = ControlConfig(worker_endpoint=f"ipc://{self.dir}/w.sock", expected_workers=list(range(workers)),
-                            policy=policy, moves=MoveConfig(page_tokens=P), shutdown_grace_s=1.0)
-        self.proc = ControlProc(self.store, cfg)
-        self.service = ServingService(self.proc, restore_policy=restore_policy, wait_timeout_s=10.0,
-                                      share_prefixes=share_prefixes, retain_fraction=retain_fraction)
-        self.app = create_app(self.service, ApiConfig(admin_key=None))
-        self.proc.start()
-        model = random_model(TINY, seed=0)
-        kv = KVLayout(TINY.num_layers, P, TINY.num_kv_heads, TINY.head_dim, dtype=torch.float32)
-        host = host_blocks * kv.block_bytes
-        self.workers, self.threads = [], []
-        for w in range(workers):             # one model, one worker thread each (as one process per GPU)
-            mover = Mover(kv, device_blocks, host, self.dir / f"disk{w}",
-                           Mover.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
-            core = WorkerCore(mover, w, WorkerFaults(), expected_errors=(DataPlaneError,))
-            loop = ServingLoop(worker=w, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(),
-                               device_pool=mover.device_pool, model_id="tiny", model_digest=model.kv_digest,
-                               page_tokens=P, keys_fn=block_content_keys, max_seqs=max_seqs)
-            attach(core, loop, kv.block_bytes)
-            self.workers.append(WorkerProc(worker=w, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
-                                           block_bytes=kv.block_bytes, faults=WorkerFaults()))
-            self.threads.append(threading.Thread(target=self.workers[-1].run, daemon=True))
-            self.threads[-1].start()
-        self.worker, self.thread = self.workers[0], self.threads[0]
-        self.client = TestClient(self.app)
-        deadline = time.monotonic() + 20
-        while len(self.service.workers.ready) < workers:
-            assert time.monotonic() < deadline, "a worker never said ServingReady"
-            time.sleep(0.02)
-
-    def chat(self, text: str | list, session: str | None = None, max_tokens: int = 6, **kw):
-        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
-        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
-        if session:
-            body["session_id"] = session
-        return self.client.post("/v1/chat/completions", json=body)
-
-    def session(self, name: str) -> dict:
-        return self.client.get(f"/admin/sessions/{name}").json()
-
-    def close(self):
-        self.client.close()
-        self.service.close()
-        self.proc.stop("test done")
-        for w, t in zip(self.workers, self.threads):
-            w.stop("test done")
-            t.join(10)
-        self.store.close()
-
-    def ledger(self):
-        events, state = read_ledger(self.url)
-        state.check_integrity()
-        return [r.event for r in events], state
-
-
-@pytest.fixture
-def stack():
-    made = []
-
-    def make(**kw) -> Stack:
-        made.append(Stack(**kw))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
-        shutil.rmtree(s.dir, ignore_errors=True)
-
-
-def names(events) -> list[str]:
-    return [type(e).__name__ for e in events]
+from tests.serving.stack import P, ByteTokenizer, Stack, generating, names, stack  # noqa: F401 - stack: the fixture
 
 
 def test_a_chat_runs_through_the_whole_stack_and_is_recorded(stack):
@@ -191,17 +68,6 @@ def test_the_next_turn_reuses_the_sessions_pages(stack):
     assert r2["usage"]["computed_tokens"] == r2["usage"]["prompt_tokens"] - cached
     assert s.session("s1")["tier"] == "device"
 
-
-def generating(s: Stack, session: str) -> tuple[threading.Thread, dict]:
-    """A long turn of ``session`` running in a thread, once the session says it is busy."""
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session=session, max_tokens=60)))
-    t.start()
-    deadline = time.monotonic() + 10
-    while not s.session(session).get("busy"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    return t, out
 
 
 def test_a_session_counts_its_tokens_while_it_generates(stack):
@@ -302,87 +168,6 @@ def test_requests_beyond_what_the_worker_batches_wait_for_a_slot_and_all_finish(
     queued = {e.request_id for e in events if type(e).__name__ == "RequestQueued"}
     admitted = [e.request_id for e in events if type(e).__name__ == "RequestAdmitted"]
     assert queued and queued <= set(admitted) and len(admitted) == 6     # recorded once each, every one admitted
-
-
-def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stack):
-    s = stack()
-    for name in ("older", "newer"):
-        assert s.chat(f"hello from {name}", session=name, max_tokens=3).status_code == 200
-    assert s.client.post("/admin/sessions/older/park", json={"tier": "disk"}).status_code == 200
-    listed = s.client.get("/admin/sessions").json()
-    assert listed["total"] == 2 and [x["session_id"] for x in listed["data"]] == ["newer", "older"]
-    assert [x["tier"] for x in listed["data"]] == ["device", "disk"]
-    assert listed["data"][1] == s.session("older")
-    assert [x["session_id"] for x in s.client.get("/admin/sessions?limit=1").json()["data"]] == ["newer"]
-
-
-def test_parking_a_parked_session_moves_nothing_and_says_so(stack):
-    s = stack()
-    assert s.chat("a turn to park " * 3, session="p", max_tokens=4).status_code == 200
-    first = s.client.post("/admin/sessions/p/park").json()
-    assert first["move_id"] is not None and first["note"] is None
-    assert first["blocks_by_tier"] == {"device": 0, "host": first["num_blocks"], "disk": 0}
-    again = s.client.post("/admin/sessions/p/park")
-    assert again.status_code == 200 and again.json()["move_id"] is None
-    assert again.json()["note"].startswith("nothing moved: no page of 'p' is on the device")
-    assert s.client.post("/admin/sessions/p/restore").json()["note"] is None
-    back = s.client.post("/admin/sessions/p/restore").json()
-    assert back["move_id"] is None and "already on the device" in back["note"]
-
-
-def test_deleting_a_session_frees_its_pages_on_every_tier_by_the_book(stack):
-    s = stack(share_prefixes=False)       # "busy" must not restore a page of "gone" to share it
-    assert s.chat("a first turn " * 3, session="gone", max_tokens=6).status_code == 200
-    assert s.client.post("/admin/sessions/gone/park", json={"tier": "disk"}).status_code == 200
-    assert s.chat("another", session="busy", max_tokens=3).status_code == 200
-    held = s.session("gone")
-    r = s.client.delete("/admin/sessions/gone")
-    assert r.status_code == 200 and r.json()["bytes_freed"] == held["bytes"] > 0 and r.json()["tier"] == "disk"
-    assert s.client.get("/admin/sessions/gone").status_code == 404
-    again = s.chat("a first turn " * 3, session="gone", max_tokens=6).json()
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and again["usage"]["restored_tokens"] == 0
-    s.close()
-    events, state = s.ledger()
-    freed = [e for e in events if type(e).__name__ == "CopiesReleased" and e.tier == "disk"]
-    assert sum(e.bytes for e in freed) == held["bytes"]
-    asked = [e for e in events if type(e).__name__ == "MoveRequested" and "session gone deleted" in e.reason]
-    assert asked and all(e.src == e.dst for e in asked)
-
-
-def test_a_deleted_session_is_recorded_as_its_own_so_audit_timeline_and_status_see_it(stack):
-    from residency.control.cli.audit_cmd import query
-    from residency.control.timeline import timeline
-    s = stack(share_prefixes=False)
-    assert s.chat("a turn to delete " * 3, session="gone", max_tokens=6).status_code == 200
-    assert s.client.post("/admin/sessions/gone/park").status_code == 200
-    held = s.session("gone")
-    assert s.client.delete("/admin/sessions/gone").json()["bytes_freed"] == held["bytes"]
-    s.close()
-    events, state = s.ledger()
-    assert "gone" not in state.sessions                 # what `status` and `replay` list
-    deleted = [e for e in events if type(e).__name__ == "SessionDeleted"]
-    assert [(e.session, e.bytes_freed) for e in deleted] == [("gone", held["bytes"])]
-    released = [e for e in events if type(e).__name__ == "CopiesReleased"]
-    assert released and {e.session for e in released} == {"gone"}
-    store = LedgerStore.open(s.url)
-    try:
-        totals, _ = query(store, "reclaimed", "session", None, None, 5)
-        seen = [type(r.event).__name__ for r in timeline(store.read(), "session", "gone")]
-    finally:
-        store.close()
-    by_session = {g: b for g, b, _ in totals}
-    assert None not in by_session or by_session[None] == 0, totals
-    assert by_session["gone"] >= 2 * held["bytes"]        # the park freed the device, the delete the host
-    assert seen[-3:] == ["MoveRequested", "CopiesReleased", "SessionDeleted"]
-
-
-def test_a_session_generating_cannot_be_deleted(stack):
-    s = stack()
-    t, out = generating(s, "live")
-    r = s.client.delete("/admin/sessions/live")
-    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
-    t.join(30)
-    assert out["r"].status_code == 200 and s.client.delete("/admin/sessions/live").status_code == 200
 
 
 def test_a_request_that_can_never_fit_is_refused_with_the_numbers(stack):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.serving.test_service import P, stack  # noqa: F401 - the fixture
+from tests.serving.stack import P, stack  # noqa: F401 - the fixture
 
 SYSTEM = {"role": "system", "content": "You are terse. Rules: one line, no lists, cite nothing. " * 2}
 

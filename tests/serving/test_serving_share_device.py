@@ -17,7 +17,7 @@ from residency.dataplane.model import ModelConfig, block_content_keys, random_mo
 from residency.dataplane.pools import KVLayout
 from residency.dataplane.serving import ServingLoop
 from residency.events.commands import Generate, SamplingParams, TokensGenerated
-from tests.serving.test_service import ByteTokenizer
+from tests.serving.stack import ByteTokenizer
 
 P = 8
 CFG = ModelConfig(name="tiny-share", num_layers=3, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32,
