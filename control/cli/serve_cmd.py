@@ -90,6 +90,9 @@ def register(sub) -> None:
     p.add_argument("--heartbeat-lost-s", type=float, default=5.0, help="a worker silent this many seconds is recorded lost (default 5)")
     p.add_argument("--adopt-grace-s", type=float, default=3.0,
                    help="after a crash: how long workers have to come back before they are recorded lost")
+    p.add_argument("--replace-wait-s", type=float, default=120.0,
+                   help="a worker that exits holding disk copies: how long its loss waits for the next "
+                        "incarnation to say which files it verified, before they are counted lost (default 120)")
     p.add_argument("--orphan-exit-s", type=float, default=60.0,
                    help="a worker whose control process is silent this long exits")
     _serving_args(p)
@@ -208,7 +211,7 @@ def build_config(args, run_dir: Path, devices: list[str], peer_key: bytes | None
         worker_endpoint=args.worker_endpoint or worker_endpoint(run_dir), ask_endpoint=ask_endpoint(run_dir),
         expected_workers=list(range(len(devices))), peer_key=peer_key, worker_lost_s=args.heartbeat_lost_s,
         heartbeat_missed_s=min(1.5, args.heartbeat_lost_s / 2), adopt_grace_s=args.adopt_grace_s,
-        durability=args.durability, config_digest=digest, keep_disk=args.keep_disk,
+        replace_wait_s=args.replace_wait_s, durability=args.durability, config_digest=digest, keep_disk=args.keep_disk,
         anchor_file=args.anchor, anchor_key_file=args.anchor_key, anchor_every_events=args.anchor_every,
         keep_awake=args.keep_awake == "on" or (args.keep_awake == "auto" and any(d.startswith("cuda") for d in devices)),
         moves=MoveConfig(deadline_base_s=args.move_deadline_s, page_tokens=page_tokens),

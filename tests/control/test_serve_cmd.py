@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
@@ -24,6 +25,13 @@ def test_one_option_sets_when_an_idle_session_is_parked(tmp_path):
 def test_the_old_second_spelling_of_the_park_delay_is_gone():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--park-idle-s", "5"])
+
+
+def test_the_wait_for_a_dead_workers_next_incarnation_is_an_option(tmp_path):
+    wait = random.uniform(1, 500)
+    args = build_parser().parse_args(["serve", "--replace-wait-s", str(wait)])
+    assert build_config(args, tmp_path, ["cpu"]).replace_wait_s == wait
+    assert build_config(build_parser().parse_args(["serve"]), tmp_path, ["cpu"]).replace_wait_s == 120.0
 
 
 def _serve_args(*argv: str):
