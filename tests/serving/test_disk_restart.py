@@ -29,6 +29,18 @@ def turn2(first: dict) -> list[dict]:
                     {"role": "user", "content": "And the capital of Italy?"}]
 
 
+def _restored_after_a_dead_worker_was_replaced(server: Server, again: dict):
+    """The session's three parked pages came back from disk, and the one loss in the ledger is of a
+    worker started before this control, keeping those pages."""
+    assert again["usage"]["restored_tokens"] == 32
+    events, state = read_ledger(server.ledger)
+    state.check_integrity()
+    [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
+    assert lost.reason.startswith("worker process exited (started before this control") and lost.blocks_lost == []
+    assert len(lost.kept_on_disk) == 3
+    return lost, state
+
+
 def test_sessions_parked_to_disk_survive_a_clean_restart_and_a_bad_file_is_named_lost(tmp_path):
     s = Server(tmp_path, "--park-after-s", "600").wait_ready()
     try:
@@ -107,12 +119,8 @@ def test_after_a_crash_of_every_process_the_disk_copies_wait_for_the_new_worker_
         again = chat(s2, turn2(first), "dora")
     finally:
         assert s2.stop() == 0
-    assert again["usage"]["restored_tokens"] == 32
-    events, state = read_ledger(s2.ledger)
-    state.check_integrity()
-    [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
-    assert lost.reason.startswith("worker process exited (started before this control") and lost.blocks_lost == []
-    assert len(lost.kept_on_disk) == 3 and "worker_awaiting_replacement" in s2.log_path.read_text()
+    lost, _ = _restored_after_a_dead_worker_was_replaced(s2, again)
+    assert "worker_awaiting_replacement" in s2.log_path.read_text()
 
 
 def test_after_a_kill_of_the_worker_alone_its_replacement_keeps_the_disk_copies_and_the_session_restores(tmp_path):
@@ -200,11 +208,7 @@ def test_a_worker_adopted_after_a_control_crash_and_then_killed_keeps_its_disk_c
         again = chat(s2, turn2(first), "fern")
     finally:
         assert s2.stop() == 0
-    assert again["usage"]["restored_tokens"] == 32
-    events, state = read_ledger(s2.ledger)
-    state.check_integrity()
-    [lost] = [r.event for r in events if type(r.event) is ev.WorkerLost]
-    assert lost.reason.startswith("worker process exited (started before this control") and lost.blocks_lost == []
-    assert len(lost.kept_on_disk) == 3 and lost.bytes_kept == 3 * state.workers[0].block_bytes
+    lost, state = _restored_after_a_dead_worker_was_replaced(s2, again)
+    assert lost.bytes_kept == 3 * state.workers[0].block_bytes
     claims = [json.loads(line) for line in s2.log_path.read_text().splitlines() if '"disk_claimed"' in line]
     assert [(c["kept"], c["dropped"]) for c in claims] == [(3, 0)]
