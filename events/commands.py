@@ -98,6 +98,25 @@ class CommandAhead(Message):
     command: ExecuteMove | None = None
 
 
+class ResizePool(Message):
+    """Resize a worker's pool on ``tier`` (the device KV pool) to ``num_slots`` and rebind every
+    reader of it in the worker to generation ``to_gen`` (the dial: control/dial.py).
+
+    Write-ahead: the control records ``RebindRequested`` before it sends this. Before a shrink the
+    control has already moved out (spilled, evicted) every block that will not fit below
+    ``num_slots``; the worker relocates the live blocks that sit in slots at or above it into
+    free slots below it (device to device), makes the new tensor, copies what it keeps, lets the
+    old one go, and measures what the allocator and the driver say afterwards. It never drops a
+    block: if the blocks it holds do not fit in ``num_slots`` it refuses (``PoolRebound.error``)
+    and changes nothing. The worker answers with ``PoolRebound``."""
+
+    rebind_id: str
+    tier: Tier
+    num_slots: int
+    to_gen: int
+    deadline_ns: int
+
+
 # ---------------------------------------------------------------- worker -> control
 class Hello(Message):
     worker: int
@@ -112,6 +131,10 @@ class Hello(Message):
     # Blocks whose files this incarnation found on its disk at start, each verified (a worker run
     # with --keep-disk), until the control's ClaimDisk says which of them the ledger still has.
     disk_blocks: list[int] = []
+    # The dial: the generation its device pool carries (a new incarnation starts at 0 again), and
+    # the readers of that pool it has so far (ServingReady adds the serving loop's).
+    pool_gen: int = 0
+    readers: list[str] = []
 
 
 class Pong(Message):
@@ -142,6 +165,36 @@ class BlocksReleased(Message):
     tier: Tier
     blocks: list[int]
     bytes_freed: int                  # measured by the pool; 0 is an accounting, silence is not
+
+
+class PoolRebound(Message):
+    """A worker's answer to ``ResizePool``: what it did and measured, and which of its readers
+    now carry the new generation (``stamps``: reader -> gen). A reader missing from ``stamps``, or
+    at another gen, did not stamp: the control records ``RebindTorn`` naming it. ``refused``:
+    readers that refused to bind (a pool of the wrong shape), with why.
+
+    ``error`` non-empty: nothing changed (e.g. the live blocks do not fit); the pool and every
+    reader stay at ``from_gen``. Bytes are the pool's bytes; ``measured_freed_bytes`` is what the
+    driver counts free afterwards less before (a grow: negative), None when it cannot be measured
+    (a CPU host); ``allocator_freed_bytes`` the same from the allocator's counters."""
+
+    rebind_id: str
+    worker: int
+    tier: Tier
+    from_gen: int
+    to_gen: int
+    from_slots: int
+    to_slots: int
+    from_bytes: int
+    to_bytes: int
+    stamps: dict[str, int] = {}
+    refused: dict[str, str] = {}
+    blocks_relocated: int = 0
+    measured_freed_bytes: int | None = None
+    allocator_freed_bytes: int | None = None
+    started_ns: int = 0
+    finished_ns: int = 0
+    error: str = ""
 
 
 class MovesReport(Message):
@@ -234,6 +287,7 @@ class MoveTimed(Message):
 # ``unknown_worker`` after a control restart, which the worker answers with Hello).
 ToWorker = Union[
     ExecuteMove, CommitBlocks, ReleaseBlocks, QueryMoves, Ping, Shutdown, QueryInventory, ClaimDisk, CommandAhead,
+    ResizePool,
     Tokenize, Generate, CancelGenerate,
     ErrorReply,
 ]
@@ -241,7 +295,7 @@ ToWorker = Union[
 FromWorker = Union[
     Hello, LaneHello, Pong, MovesReport, ErrorReply,
     MoveAcked, MoveFailed, MoveRejected, MoveNearlyDone, BlocksWritten, BlocksReleased, CommandFailed,
-    Inventory, DiskClaimed,
+    Inventory, DiskClaimed, PoolRebound,
     Tokenized, ServingReady, TokensGenerated, StepCompleted,
     MoveTimed,
 ]
@@ -249,7 +303,7 @@ AnyMessage = Union[ToWorker, FromWorker]
 
 __all__ = [
     "Message", "ExecuteMove", "CommitBlocks", "ReleaseBlocks", "QueryMoves", "Ping", "Shutdown", "QueryInventory",
-    "ClaimDisk", "CommandAhead",
+    "ClaimDisk", "CommandAhead", "ResizePool", "PoolRebound",
     "Hello", "LaneHello", "Pong", "BlocksWritten", "BlocksReleased", "MovesReport", "ErrorReply", "CommandFailed",
     "Inventory", "DiskClaimed", "MoveNearlyDone", "MoveTimed",
     "ChatTurn", "MAX_LOGPROBS", "SamplingParams", "TokenChoice", "TokenLogprobs", "Tokenize", "Tokenized",

@@ -80,6 +80,8 @@ class ServingReady(Message):
     device_blocks: int                # logical blocks the device pool can hold
     eos_token_ids: list[int]
     max_seqs: int = 0                 # sequences it batches at once (0: not said; no limit kept)
+    pool_gen: int = 0                 # generation of its device pool (the dial: every resize adds one)
+    readers: list[str] = []           # its readers of the device pool, each stamped on a rebind
 
 
 class Generate(Message):
