@@ -33,6 +33,7 @@ import torch
 from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from residency.dataplane.pools import DataPlaneError
+from residency.dataplane.serving_graphs import StepGraphs
 from residency.dataplane.serving_text import TextStream
 from residency.events.catalog import StepCompleted
 from residency.events.commands import (
@@ -84,6 +85,7 @@ class ServingLoop:
         max_step_tokens: int = 256,
         max_seqs: int = 64,
         clock: Callable[[], int] = time.time_ns,
+        graphs: StepGraphs | None = None,
     ):
         self.worker = worker
         self.runner = runner
@@ -100,6 +102,7 @@ class ServingLoop:
         self.max_positions = runner.max_positions
         self.vocab_size = runner.config.vocab_size
         self.seqs: dict[str, _Seq] = {}           # running, in arrival order (decodes and prefills)
+        self.graphs = graphs or StepGraphs(runner)  # the forward: a captured decode graph or eager
         self.num_steps = 0
         self.log = log.bind(worker=worker)
         if tuple(device_pool.tensor.shape[1:]) != runner.kv_pool_shape(1, page_tokens)[1:]:
@@ -112,6 +115,7 @@ class ServingLoop:
             worker=self.worker, model=self.model_id, model_digest=self.model_digest,
             max_context=self.max_positions, page_tokens=self.page, block_bytes=block_bytes,
             device_blocks=self.pool.num_slots, eos_token_ids=sorted(self.eos), max_seqs=self.max_seqs,
+            decode_graph_sizes=list(self.graphs.sizes), decode_graph_bytes=self.graphs.graph_bytes,
         )
 
     def has_work(self) -> bool:
@@ -274,7 +278,7 @@ class ServingLoop:
                     s.num_allocated = pages
                 batch.append(SeqInput(s.tokens[s.num_computed:end], s.num_computed,
                                       self.pool.slots_of(s.cmd.block_ids[:pages])))
-            logits = self.runner.forward(batch, self.pool.tensor)
+            logits, path = self.graphs.forward(batch, self.pool.tensor)
         except Exception as e:  # noqa: BLE001 - a failed step fails its sequences, never the worker
             self.log.error("step_failed", error=repr(e), num_seqs=len(plan))
             for s, _ in plan:
@@ -285,7 +289,8 @@ class ServingLoop:
         digest = hashlib.blake2b(";".join(f"{s.request_id}:{s.num_computed}+{n}" for s, n in plan).encode(),
                                  digest_size=8).hexdigest()
         out.append(StepCompleted(worker=self.worker, step=self.num_steps, batch_digest=digest, num_seqs=len(plan),
-                                 num_tokens=sum(n for _, n in plan), duration_ns=duration))
+                                 num_tokens=sum(n for _, n in plan), duration_ns=duration,
+                                 decode_path=path.path))
         ready = []
         for i, (s, n) in enumerate(plan):
             s.num_computed += n

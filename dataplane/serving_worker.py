@@ -27,6 +27,7 @@ from residency.events.commands import CancelGenerate, CommandFailed, ExecuteMove
 
 log = structlog.get_logger("dataplane.serving")
 DTYPES = ("bfloat16", "float16", "float32")
+MAX_SEQS = 64          # sequences one step batches (and the largest decode graph captured)
 
 
 def add_serving_args(p) -> None:
@@ -57,6 +58,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
+    from residency.dataplane.serving_graphs import StepGraphs  # noqa: PLC0415
 
     device = args.device
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
@@ -73,10 +75,13 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     mover = Mover(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
                     disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
+    # captured once the pool exists, before the first request: every decode batch up to max_seqs
+    graphs = StepGraphs.capture(model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
+                                max_blocks_per_seq=-(-model.runner.max_positions // args.page_tokens))
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
-                       max_step_tokens=args.max_step_tokens)
+                       max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs)
     attach(core, loop, kv.block_bytes)
     log.info("serving_model_loaded", model=loop.model_id, source=model.source, dtype=str(dtype),
              max_context=loop.max_positions, device_blocks=args.device_blocks, block_bytes=kv.block_bytes)

@@ -347,6 +347,7 @@ class StepCompleted(Event):
     num_seqs: int
     num_tokens: int
     duration_ns: int
+    decode_path: str = ""             # "graph" (a captured CUDA graph replayed) | "eager"; "": not said
 
 
 # ---------------------------------------------------------------- rebind

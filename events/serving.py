@@ -82,6 +82,9 @@ class ServingReady(Message):
     max_seqs: int = 0                 # sequences it batches at once (0: not said; no limit kept)
     pool_gen: int = 0                 # generation of its device pool (the dial: every resize adds one)
     readers: list[str] = []           # its readers of the device pool, each stamped on a rebind
+    decode_graph_sizes: list[int] = []     # batch sizes of its captured decode graphs ([]: none, e.g. on CPU)
+    decode_graph_bytes: int | None = None  # device memory the graphs hold (None: none captured, not measured)
+    restore_overlap: bool = False          # a turn's prefill starts while its restore lands, layer by layer
 
 
 class Generate(Message):

@@ -103,14 +103,16 @@ def _rope_and_cache_kernel(
         kvh = h - NUM_HEADS
         slot = tl.load(slot_ptr + t).to(tl.int64)
         off = tl.load(off_ptr + t).to(tl.int64)
+        wm = dm & (slot >= 0)                          # slot -1: a padding row of a graph writes nothing
+        slot = tl.maximum(slot, 0)
         dst = pool_ptr + slot * stride_pb + off * stride_pt + kvh * stride_ph
-        tl.store(dst + d, o1.to(pool_ptr.dtype.element_ty), mask=dm)
-        tl.store(dst + HALF + d, o2.to(pool_ptr.dtype.element_ty), mask=dm)
+        tl.store(dst + d, o1.to(pool_ptr.dtype.element_ty), mask=wm)
+        tl.store(dst + HALF + d, o2.to(pool_ptr.dtype.element_ty), mask=wm)
         vrow = row + NUM_KV_HEADS * (2 * HALF)         # V head kvh sits NUM_KV_HEADS heads after K head kvh
         v1 = tl.load(vrow + d, mask=dm, other=0.0)
         v2 = tl.load(vrow + HALF + d, mask=dm, other=0.0)
-        tl.store(dst + stride_pkv + d, v1.to(pool_ptr.dtype.element_ty), mask=dm)
-        tl.store(dst + stride_pkv + HALF + d, v2.to(pool_ptr.dtype.element_ty), mask=dm)
+        tl.store(dst + stride_pkv + d, v1.to(pool_ptr.dtype.element_ty), mask=wm)
+        tl.store(dst + stride_pkv + HALF + d, v2.to(pool_ptr.dtype.element_ty), mask=wm)
 
 
 _rope_and_cache = dual_mode_kernel(_rope_and_cache_kernel)
@@ -127,6 +129,8 @@ def rope_and_cache(
     ``qkv`` [T, (num_heads + 2·num_kv_heads)·head_dim] (rows Q|K|V, heads contiguous), ``cos``/
     ``sin`` [max_pos, head_dim/2] float32, ``positions``/``slots``/``offsets`` [T] ints.
     Rotation is transformers' (halves): (x1, x2) -> (x1·c − x2·s, x2·c + x1·s), in float32.
+    A token whose slot is -1 writes no K/V (its Q is still rotated): the padding rows of a
+    CUDA graph captured for a larger batch than the step runs.
     """
     op = "rope_and_cache"
     _check_pool(op, kv_pool, layer)
@@ -181,6 +185,9 @@ def rope_and_cache_ref(
         q_out = torch.empty(T, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
     q_out.copy_(rot[:, :num_heads])
     sl, of = slots.long(), offsets.long()
+    keep = sl >= 0                                     # slot -1 writes nothing (graph padding)
+    if not bool(keep.all()):
+        sl, of, rot, x = sl[keep], of[keep], rot[keep], x[keep]
     kv_pool[sl, layer, 0, of] = rot[:, num_heads:].to(kv_pool.dtype)
     kv_pool[sl, layer, 1, of] = x[:, num_heads + num_kv:].to(kv_pool.dtype)
     return q_out

@@ -7,7 +7,10 @@ replays them without the Python and driver cost per launch. Graphs are captured 
     dev (int32):  rows 0..4 = token, position, slot, offset, context_len   [5, max_batch]
                   then block tables                                         [max_batch, max_blocks]
 Each step fills a pinned host twin with numpy, copies it in one transfer, and replays.
-Padding rows decode a dummy token into ``scratch_slot`` (a pool block the caller reserves).
+Padding rows decode a dummy token into ``scratch_slot`` (a pool block the caller reserves), or,
+with ``scratch_slot=-1``, write no K/V at all (``rope_and_cache`` skips slot -1) and read slot 0
+for their one-token context: a pool whose every block belongs to the control process needs no
+block of its own for the padding.
 
 NOTE: a graph holds the pool's address. After a rebind (a new pool generation) the graphs must
 be recaptured: ``step`` refuses a pool other than the one captured.
@@ -27,6 +30,8 @@ class DecodeGraphs:
         if runner.device.type != "cuda":
             raise BatchError("CUDA graphs need a runner on a CUDA device")
         runner.check_pool(kv_pool)
+        if not -1 <= scratch_slot < kv_pool.shape[0]:
+            raise BatchError(f"scratch_slot {scratch_slot} is neither -1 nor a slot of the pool's {kv_pool.shape[0]}")
         self.runner, self.pool = runner, kv_pool
         self.page = kv_pool.shape[3]
         self.sizes = tuple(sorted(batch_sizes))
@@ -56,7 +61,7 @@ class DecodeGraphs:
         rows[:] = 0
         rows[2] = self.scratch
         rows[4] = 1
-        h[5 * self.max_batch:] = self.scratch
+        h[5 * self.max_batch:] = max(self.scratch, 0)        # read only: slot -1 must never be read
 
     def _capture(self, bs: int) -> None:
         plan = self._views(bs)
