@@ -33,6 +33,7 @@ import torch
 from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from residency.dataplane.pools import DataPlaneError
+from residency.dataplane.restore_layers import join_layers
 from residency.dataplane.serving_graphs import StepGraphs
 from residency.dataplane.serving_text import TextStream
 from residency.events.catalog import StepCompleted
@@ -58,6 +59,9 @@ class _Seq:
     sampling: ModelSampling
     generator: torch.Generator | None
     num_generated: int = 0
+    # per layer, the wait for its reused pages still landing (a pipelined restore); dropped after
+    # the first step that reads them (they are in place once that step's layer l has run)
+    layer_ready: list | None = None
     t_start_ns: int = field(default_factory=time.monotonic_ns)
 
     @property
@@ -176,7 +180,9 @@ class ServingLoop:
         return Tokenized(request_id=msg.request_id, worker=self.worker, token_ids=ids,
                          keys=self.keys_fn(ids, self.page, self.model_digest))
 
-    def start(self, cmd: Generate) -> list:
+    def start(self, cmd: Generate, layer_ready: Sequence | None = None) -> list:
+        """A sequence joins. ``layer_ready``: per layer, the wait for its reused pages, which a
+        restore is still landing layer by layer (dataplane/restore_layers.py); None: in place."""
         P = self.page
         n = len(cmd.token_ids)
         max_tokens = cmd.sampling.max_tokens
@@ -228,6 +234,7 @@ class ServingLoop:
             cmd=cmd, tokens=list(cmd.token_ids), num_prompt=n, num_computed=cmd.num_cached_tokens,
             num_allocated=cached_pages, num_reported=first_new, first_new=first_new,
             text=TextStream(self.tokenizer, cmd.sampling.stop), sampling=sampling, generator=generator,
+            layer_ready=list(layer_ready) if layer_ready is not None else None,
         )
         return []
 
@@ -262,6 +269,15 @@ class ServingLoop:
                 budget -= n
         return plan
 
+    def _layer_waits(self, plan: list[tuple[_Seq, int]]) -> list | None:
+        """The step's per-layer waits for pages still landing (taken: the next step reads them in place)."""
+        per_seq = []
+        for s, _ in plan:
+            if s.layer_ready is not None:
+                per_seq.append(s.layer_ready)
+                s.layer_ready = None
+        return join_layers(per_seq, self.runner.config.num_layers)
+
     def step(self) -> list:
         plan = self._plan()
         if not plan:
@@ -278,7 +294,7 @@ class ServingLoop:
                     s.num_allocated = pages
                 batch.append(SeqInput(s.tokens[s.num_computed:end], s.num_computed,
                                       self.pool.slots_of(s.cmd.block_ids[:pages])))
-            logits, path = self.graphs.forward(batch, self.pool.tensor)
+            logits, path = self.graphs.forward(batch, self.pool.tensor, self._layer_waits(plan))
         except Exception as e:  # noqa: BLE001 - a failed step fails its sequences, never the worker
             self.log.error("step_failed", error=repr(e), num_seqs=len(plan))
             for s, _ in plan:

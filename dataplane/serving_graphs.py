@@ -43,12 +43,14 @@ class DecodePath:
 
 
 def decode_path(*, on_cuda: bool, sizes: Sequence[int], new_tokens: Sequence[int], table_widths: Sequence[int],
-                max_blocks: int, pool_current: bool, batch_invariant: bool = False) -> DecodePath:
+                max_blocks: int, pool_current: bool, batch_invariant: bool = False,
+                layers_landing: bool = False) -> DecodePath:
     """Which path one step takes. Pure: the step's shape and what was captured in, the choice out.
 
     ``new_tokens[i]``: new tokens of sequence i this step; ``table_widths[i]``: pages its block
     table covers; ``sizes``: captured batch sizes (empty: none captured); ``max_blocks``: table
-    width they were captured for; ``pool_current``: the pool is the one they were captured on.
+    width they were captured for; ``pool_current``: the pool is the one they were captured on;
+    ``layers_landing``: a restore is still landing pages the step reads (its layers wait in turn).
     """
     n = len(new_tokens)
     if not on_cuda:
@@ -62,6 +64,8 @@ def decode_path(*, on_cuda: bool, sizes: Sequence[int], new_tokens: Sequence[int
     longer = sum(1 for t in new_tokens if t != 1)
     if longer:
         return DecodePath("eager", f"prefill: {longer} of {n} sequences take more than one token")
+    if layers_landing:
+        return DecodePath("eager", "pages still landing layer by layer")
     largest = max(sizes)
     if n > largest:
         return DecodePath("eager", f"batch {n} > largest graph {largest}")
@@ -120,7 +124,7 @@ class StepGraphs:
                  graph_bytes=graph_bytes, seconds=round(time.perf_counter() - t0, 2))
         return cls(runner, graphs, graph_bytes=graph_bytes)
 
-    def choose(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor) -> DecodePath:
+    def choose(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor, layers_landing: bool = False) -> DecodePath:
         page = kv_pool.shape[3]
         return decode_path(
             on_cuda=self.runner.device.type == "cuda", sizes=self.sizes,
@@ -128,12 +132,14 @@ class StepGraphs:
             table_widths=[-(-(s.start_pos + len(s.token_ids)) // page) for s in batch],
             max_blocks=self.max_blocks,
             pool_current=self.graphs is not None and self.graphs.pool.data_ptr() == kv_pool.data_ptr(),
-            batch_invariant=self.runner.batch_invariant)
+            batch_invariant=self.runner.batch_invariant, layers_landing=layers_landing)
 
-    def forward(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor) -> tuple[torch.Tensor, DecodePath]:
+    def forward(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor, layer_ready: Sequence | None = None
+                ) -> tuple[torch.Tensor, DecodePath]:
         """Logits [B, vocab] float32 of the step, and the path that made them. A graph's logits are
-        a view into its output buffer: consumed (sampled) before the next step."""
-        path = self.choose(batch, kv_pool)
+        a view into its output buffer: consumed (sampled) before the next step. ``layer_ready``:
+        per layer, the wait for pages a restore is still landing (the eager forward waits in turn)."""
+        path = self.choose(batch, kv_pool, layers_landing=layer_ready is not None)
         if path.path == "graph":
             page = kv_pool.shape[3]
             n = len(batch)
@@ -144,7 +150,7 @@ class StepGraphs:
             logits = self.graphs.step(np.fromiter((s.token_ids[0] for s in batch), np.int64, n),
                                       np.fromiter((s.start_pos for s in batch), np.int64, n), tables, kv_pool)
         else:
-            logits = self.runner.forward(batch, kv_pool)
+            logits = self.runner.forward(batch, kv_pool, layer_ready)
         self.num_steps[path.path] += 1
         self.last = path
         return logits, path

@@ -55,6 +55,7 @@ def test_without_cuda_the_same_selection_answers_eager_no_cuda():
     (dict(pool_current=False), "the pool moved to another generation since capture"),
     (dict(sizes=()), "no graphs captured"),
     (dict(batch_invariant=True), "a batch-invariant runner has no graph"),
+    (dict(layers_landing=True), "pages still landing layer by layer"),
 ])
 def test_a_step_a_graph_cannot_serve_runs_eager_and_names_why(kw, why):
     got = choose(**kw)
