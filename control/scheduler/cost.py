@@ -61,6 +61,13 @@ class CostModel:
         return PrefixDecision(choice=choice, restore_s=restore, recompute_s=recompute, transfer_s=transfer,
                               hidden_s=hidden, reason=reason)
 
+    # ------------------------------------------------------------------ what the workers can do
+    def observe_overlap(self, can_overlap: list[bool]) -> None:
+        """The serving workers' ``ServingReady.restore_overlap``: a restore is priced as hidden
+        behind the new tokens' prefill only when every one of them starts that prefill while the
+        pages land (a request may go to any of them); none known: not hidden."""
+        self.overlap = bool(can_overlap) and all(can_overlap)
+
     # ------------------------------------------------------------------ measurements
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new

@@ -41,6 +41,7 @@ class ServingWorkers:
                       expected=self.sched.cfg.page_tokens)
             return
         self.ready[link.worker] = msg
+        self.cost.observe_overlap([r.restore_overlap for r in self.ready.values()])
         self.sched.set_max_seqs(link.worker, msg.max_seqs)
         log.info("serving_ready", worker=link.worker, model=msg.model, max_context=msg.max_context,
                  device_blocks=msg.device_blocks, max_seqs=msg.max_seqs)
@@ -65,6 +66,7 @@ class ServingWorkers:
     def lost(self, worker: int) -> None:
         """The worker is gone: nothing more is routed to it."""
         self.ready.pop(worker, None)
+        self.cost.observe_overlap([r.restore_overlap for r in self.ready.values()])
 
     def lost_pages(self, worker: int, kept: set[int]) -> None:
         """Cut each session of a lost worker at its first page that did not survive on disk."""

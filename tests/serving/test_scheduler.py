@@ -183,6 +183,39 @@ def test_a_transfer_hidden_behind_the_prefill_of_new_tokens_is_priced_at_its_rem
     assert d.choice == "restore" and d.restore_s == pytest.approx(0.5) and d.hidden_s == pytest.approx(2.5)
 
 
+def test_restores_are_priced_hidden_only_when_every_serving_worker_overlaps_them():
+    from residency.control.scheduler.workers import ServingWorkers
+    from residency.events.commands import ServingReady
+
+    class Link:
+        def __init__(self, worker):
+            self.worker = worker
+
+    class Proc:
+        state = None
+
+        def allocate_block_ids(self, n):
+            return list(range(n))
+
+    cost = CostModel(host_to_device_bytes_per_s=1000.0, prefill_tokens_per_s=100.0, fixed_restore_s=0.0)
+    workers = ServingWorkers(Proc(), cost, restore_policy="cost", share_prefixes=False)
+    workers.sched = Scheduler(SchedulerConfig(page_tokens=16, max_context=4096), cost)
+
+    def ready(w, overlap):
+        return ServingReady(worker=w, model="m", model_digest="d", max_context=4096, page_tokens=16, block_bytes=1,
+                            device_blocks=8, eos_token_ids=[], restore_overlap=overlap)
+
+    workers.on_ready(Link(0), ready(0, True))
+    assert cost.overlap and cost.decide(cached_tokens=100, new_tokens=250, bytes_by_tier={"host": 3000}).hidden_s > 0
+    workers.on_ready(Link(1), ready(1, False))
+    assert not cost.overlap
+    assert cost.decide(cached_tokens=100, new_tokens=250, bytes_by_tier={"host": 3000}).hidden_s == 0
+    workers.lost(1)
+    assert cost.overlap
+    workers.lost(0)
+    assert not cost.overlap
+
+
 def test_disk_pages_cost_the_disk_read_and_the_copy_up():
     cost = CostModel(host_to_device_bytes_per_s=1000.0, disk_to_host_bytes_per_s=500.0, fixed_restore_s=0.0)
     assert cost.transfer_s({"disk": 1000}) == pytest.approx(3.0)
