@@ -184,6 +184,9 @@ def test_the_quiet_ledger_replays_clean_and_the_reference_never_moved(quiet):
     assert kinds.count(("restore", "disk", "device")) == 2
     names = [type(e.event).__name__ for e in events]
     assert names.count("SessionRestored") == 2 and names.count("RequestAdmitted") == names.count("RequestFinished")
+    # every forward step names its path: on this CPU host no graph exists, so each one is eager
+    steps = [e.event for e in events if type(e.event).__name__ == "StepCompleted"]
+    assert steps and {s.decode_path for s in steps} == {"eager"}
     restored = [e.event for e in events if type(e.event).__name__ == "SessionRestored"]
     assert all(r.session == "moved" and r.restored_tokens > 0 for r in restored)
     # byte for byte: every copy of a page carries the checksum the page had when it was parked
