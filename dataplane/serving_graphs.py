@@ -33,6 +33,11 @@ from residency.dataplane.model.runner import ModelRunner, SeqInput
 log = structlog.get_logger("dataplane.serving_graphs")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Block tables of a graph cover at most this many positions. The decode kernel launches its
+# programs for the captured width (splits past a sequence's context return at once), so a graph
+# captured for a 128k-token window would launch ~16x the programs of one for 8k on every step; a
+# longer context than this decodes eagerly instead (decode_path says "block table of ... pages").
+GRAPH_MAX_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,11 @@ def graph_sizes_for(max_seqs: int) -> tuple[int, ...]:
     """Powers of two below ``max_seqs``, and ``max_seqs`` itself: every batch pads up to one."""
     sizes = [s for s in GRAPH_BATCH_SIZES if s < max_seqs]
     return tuple(sizes + [max_seqs]) if max_seqs >= 1 else ()
+
+
+def graph_table_width(max_positions: int, page_tokens: int) -> int:
+    """Pages a captured block table covers: the model's window, at most ``GRAPH_MAX_TOKENS``."""
+    return -(-min(max_positions, GRAPH_MAX_TOKENS) // page_tokens)
 
 
 class StepGraphs:
@@ -156,4 +166,5 @@ class StepGraphs:
         return logits, path
 
 
-__all__ = ["DecodePath", "StepGraphs", "decode_path", "graph_sizes_for", "GRAPH_BATCH_SIZES"]
+__all__ = ["DecodePath", "StepGraphs", "decode_path", "graph_sizes_for", "graph_table_width", "GRAPH_BATCH_SIZES",
+           "GRAPH_MAX_TOKENS"]

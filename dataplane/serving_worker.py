@@ -58,7 +58,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
-    from residency.dataplane.serving_graphs import StepGraphs  # noqa: PLC0415
+    from residency.dataplane.serving_graphs import StepGraphs, graph_table_width  # noqa: PLC0415
 
     device = args.device
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
@@ -77,7 +77,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     # captured once the pool exists, before the first request: every decode batch up to max_seqs
     graphs = StepGraphs.capture(model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
-                                max_blocks_per_seq=-(-model.runner.max_positions // args.page_tokens))
+                                max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,

@@ -17,7 +17,9 @@ from residency.dataplane.model.runner import SeqInput
 from residency.dataplane.mover import Mover
 from residency.dataplane.pools import KVLayout
 from residency.dataplane.serving import ServingLoop
-from residency.dataplane.serving_graphs import StepGraphs, decode_path, graph_sizes_for
+from residency.dataplane.serving_graphs import (
+    GRAPH_MAX_TOKENS, StepGraphs, decode_path, graph_sizes_for, graph_table_width,
+)
 from residency.events.catalog import StepCompleted
 from residency.events.commands import Generate, SamplingParams, TokensGenerated
 from residency.kernels.attention import rope_and_cache, rope_and_cache_ref
@@ -60,6 +62,11 @@ def test_without_cuda_the_same_selection_answers_eager_no_cuda():
 def test_a_step_a_graph_cannot_serve_runs_eager_and_names_why(kw, why):
     got = choose(**kw)
     assert (got.path, got.why, got.batch_size) == ("eager", why, 0)
+
+
+def test_a_graph_table_covers_the_models_window_up_to_a_cap():
+    assert graph_table_width(2048, 16) == 128 and graph_table_width(2049, 16) == 129
+    assert graph_table_width(131072, 16) == GRAPH_MAX_TOKENS // 16
 
 
 def test_captured_sizes_cover_every_batch_up_to_max_seqs():
