@@ -134,6 +134,29 @@ class StepGraphs:
                  graph_bytes=graph_bytes, seconds=round(time.perf_counter() - t0, 2))
         return cls(runner, graphs, graph_bytes=graph_bytes)
 
+    # ------------------------------------------------------------ a reader of the device pool
+    name = "graphs"
+    gen = -1
+
+    def bind(self, pool, gen: int) -> None:
+        """Carry ``pool`` at ``gen``. The same tensor (a rebind in place): nothing to do. Another
+        tensor: the graphs are captured again on it; if that capture fails they are dropped and
+        every step runs eagerly. Either way no graph keeps the old pool's address, so this
+        reader always stamps."""
+        t = pool.tensor
+        old = self.graphs
+        if old is not None and (t.data_ptr() != old.pool.data_ptr() or tuple(t.shape) != tuple(old.pool.shape)):
+            self.graphs, self.graph_bytes = None, None         # the old pool's address is gone first
+            sizes, width = old.sizes, old.max_blocks
+            del old
+            try:
+                fresh = StepGraphs.capture(self.runner, t, max_seqs=max(sizes), max_blocks_per_seq=width)
+                self.graphs, self.graph_bytes = fresh.graphs, fresh.graph_bytes
+            except Exception as e:  # noqa: BLE001 - no graphs is a slower path, not a torn pool
+                log.warning("decode_graphs_dropped", gen=gen, error=repr(e))
+        self.gen = gen
+        pool.stamp(self.name, gen)
+
     def choose(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor, layers_landing: bool = False) -> DecodePath:
         page = kv_pool.shape[3]
         return decode_path(

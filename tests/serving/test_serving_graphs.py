@@ -190,3 +190,35 @@ def test_a_pool_other_than_the_captured_one_is_served_eagerly(tmp_path):
     moved = loop.graphs.choose(one, torch.empty_like(mover.device_pool.tensor))
     assert (moved.path, moved.why) == ("eager", "the pool moved to another generation since capture")
     assert loop.graphs.choose(one, mover.device_pool.tensor).path == "graph"
+
+
+class _Pool:
+    """The two things a reader touches on a rebind: the new tensor and the stamp."""
+
+    def __init__(self, tensor):
+        self.tensor, self.stamps = tensor, {}
+
+    def stamp(self, reader: str, gen: int) -> None:
+        self.stamps[reader] = gen
+
+
+def test_without_graphs_a_rebind_stamps_with_nothing_to_capture():
+    model = random_model(CFG, "cpu", torch.float32, seed=2)
+    sg = StepGraphs(model.runner)
+    pool = _Pool(torch.empty(4, *model.runner.kv_pool_shape(1, P)[1:]))
+    sg.bind(pool, 5)
+    assert pool.stamps == {"graphs": 5} and sg.gen == 5 and sg.graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_rebind_to_another_tensor_captures_the_graphs_again(tmp_path):
+    model = random_model(CFG, "cuda", torch.bfloat16, seed=4)
+    mover, loop = make_loop(model, tmp_path, graphs=True)
+    old = mover.device_pool.tensor
+    pool = _Pool(torch.empty(old.shape[0] * 2, *old.shape[1:], dtype=old.dtype, device=old.device))
+    loop.graphs.bind(pool, 1)
+    one = [SeqInput([7], 20, [0, 1])]
+    assert pool.stamps == {"graphs": 1} and loop.graphs.sizes == (1, 2, 4, 8)
+    assert loop.graphs.choose(one, pool.tensor).path == "graph" and loop.graphs.choose(one, old).path == "eager"
+    loop.graphs.bind(pool, 2)                                  # the same tensor again: kept as captured
+    assert pool.stamps == {"graphs": 2} and loop.graphs.choose(one, pool.tensor).path == "graph"
