@@ -14,7 +14,8 @@ sequence's K/V; once the LM head. So
 with experts_hit counted from the routing of the very steps measured (an instrumented pass over
 the same states) and the bandwidth measured in the same run (a device copy, read + write counted).
 Three engines decode the same prompts side by side:
-  fused        the runner with ``kernels.moe.fused_moe`` (one grouped GEMM launch per projection)
+  fused        the runner with ``kernels.moe.fused_moe`` (one grouped GEMM launch per projection);
+               on the GPU also replayed as CUDA graphs (``DecodeGraphs``, no launch cost)
   loop         the same runner with the MoE MLP as a loop of dense matmuls over the hit experts
                (``fused_moe_ref``: what the fused kernel replaces)
   transformers ``OlmoeForCausalLM.generate`` over the same weights (views, no copy)
@@ -113,6 +114,38 @@ def decode_run(model, prompts: list[list[int]], steps: int, moe_fn, timer: Timer
         runner_mod.fused_moe = fused_moe
 
 
+def graph_decode_run(model, prompts: list[list[int]], steps: int, timer: Timer):
+    """The fused engine replayed as one CUDA graph per step (``DecodeGraphs``, as the GPU serving
+    path decodes): (seconds of the decode steps, tokens per sequence), or the capture's error."""
+    import numpy as np
+
+    from residency.dataplane.model.graphs import DecodeGraphs
+
+    runner = model.runner
+    b, P = len(prompts), len(prompts[0])
+    per_seq = -(-(P + steps + 1) // PAGE)
+    pool = runner.allocate_kv_pool(b * per_seq + 1, PAGE)
+    tables = np.array([list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)], dtype=np.int32)
+    chunk = max(1, 4096 // P)
+    last = []
+    for i in range(0, b, chunk):
+        lg = runner.forward([SeqInput(prompts[j], 0, tables[j].tolist()) for j in range(i, min(b, i + chunk))], pool)
+        last.extend(lg.argmax(-1).tolist())
+    try:
+        graphs = DecodeGraphs(runner, pool, max_blocks_per_seq=per_seq, scratch_slot=0, batch_sizes=(b,))
+    except Exception as e:  # noqa: BLE001 - reported in the result, the other engines still run
+        return None, f"{type(e).__name__}: {e}"
+    out = [[t] for t in last]
+    timer.sync()
+    t0 = time.perf_counter()
+    for s in range(steps):
+        lg = graphs.step(np.array([o[-1] for o in out], dtype=np.int32), np.full(b, P + s, dtype=np.int64), tables)
+        for j, t in enumerate(lg.argmax(-1).tolist()):
+            out[j].append(t)
+    timer.sync()
+    return time.perf_counter() - t0, out
+
+
 def hf_decode_seconds(hf, prompts: list[list[int]], steps: int, timer: Timer) -> tuple[float, list[list[int]]]:
     """transformers' generate: (time of ``steps`` decode steps, i.e. generate(steps+1) − generate(1))."""
     ids = torch.tensor(prompts, device=hf.device)
@@ -192,6 +225,13 @@ def main() -> None:
                "fused_fraction_of_roofline": roof / (t_fused / steps),
                "loop_tok_s": b * steps / t_loop, "loop_fraction_of_roofline": roof / (t_loop / steps),
                "fused_equals_loop_tokens": toks == toks_loop}
+        if a.gpu:
+            t_graph, toks_graph = graph_decode_run(model, prompts, steps, timer)
+            if t_graph is None:
+                row["graphs_error"] = toks_graph
+            else:
+                row.update({"graphs_tok_s": b * steps / t_graph, "graphs_fraction_of_roofline": roof / (t_graph / steps),
+                            "graphs_equal_fused_tokens": toks_graph == toks})
         if hf is not None:
             t_hf, toks_hf = hf_decode_seconds(hf, prompts, steps, timer)
             row.update({"transformers_tok_s": b * steps / t_hf,
@@ -209,6 +249,12 @@ def main() -> None:
         log(f"{r['batch']:>5} {r['experts_hit_per_layer']:>13.1f} {r['roofline_ms']:>11.3f} {r['fused_tok_s']:>11.1f} "
             f"{r['fused_fraction_of_roofline']:>5.2f} {r['loop_tok_s']:>10.1f} {r['loop_fraction_of_roofline']:>5.2f} "
             f"{r.get('transformers_tok_s', float('nan')):>9.1f} {r.get('transformers_fraction_of_roofline', float('nan')):>5.2f}")
+    for r in rows:
+        if "graphs_tok_s" in r:
+            log(f"batch {r['batch']}: fused in CUDA graphs {r['graphs_tok_s']:.1f} tok/s, "
+                f"{r['graphs_fraction_of_roofline']:.2f} of the roofline")
+        elif "graphs_error" in r:
+            log(f"batch {r['batch']}: CUDA graph capture failed: {r['graphs_error']}")
     log(f"\n{'batch':>5} {'hit':>4} {'layer fused us':>14} {'loop us':>9} {'roofline us':>11} {'frac':>5} {'speedup':>7}")
     for r in layers:
         log(f"{r['batch']:>5} {r['experts_hit']:>4} {r['fused_us']:>14.1f} {r['loop_us']:>9.1f} {r['roofline_us']:>11.1f} "
@@ -227,6 +273,9 @@ def main() -> None:
     if hf is not None:
         target(f"decode_b{big}_speedup_over_transformers",
                by_b[big]["fused_tok_s"] / by_b[big]["transformers_tok_s"], 2.0)
+    if "graphs_tok_s" in by_b[min(batches)]:
+        target(f"decode_b{min(batches)}_graphs_fraction_of_roofline",
+               by_b[min(batches)]["graphs_fraction_of_roofline"], 0.5)
     target("fused_and_loop_decode_the_same_tokens", float(all(r["fused_equals_loop_tokens"] for r in rows)), 1.0)
     log("")
     for k, v in targets.items():
