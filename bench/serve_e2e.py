@@ -53,7 +53,7 @@ TIERING_OFF = ["--restore-policy", "recompute", "--no-share-prefixes", "--retain
 # sizes: (cpu, gpu, smoke)
 PRESETS = {
     "cpu": dict(levels=[1, 4], system_tokens=96, turn_tokens=96, max_tokens=12, turns=3, max_history=512,
-                think_s=3.0, park_after_s=1.5, runner_context=256, runner_steps=16, hf_batches=[1, 4],
+                think_s=3.0, park_after_s=1.5, runner_context=256, runner_steps=8, hf_batches=[1],
                 serve=["--device", "cpu", "--device-blocks", "1024", "--host-bytes", "512MiB", "--disk-bytes", "512MiB"]),
     "smoke": dict(levels=[2], system_tokens=48, turn_tokens=32, max_tokens=4, turns=2, max_history=256,
                   think_s=2.0, park_after_s=1.0, runner_context=64, runner_steps=4, hf_batches=[1],
@@ -96,6 +96,7 @@ def run_variant(name: str, extra: list[str], args, cfg: dict, model_arg: list[st
             windows[str(c)] = (a, time.time_ns())
             after = scrape(server.url)
             row = summarize(turns, wall)
+            row["loadavg_after"] = os.getloadavg()
             row["prefix_decisions"] = counter_diff(before, after, "residency_prefix_decisions", "decision")
             row["moves"] = counter_diff(before, after, "residency_moves", "*")
             row["prompt_tokens_by_source"] = counter_diff(before, after, "residency_prompt_tokens", "source")
@@ -257,6 +258,7 @@ def main() -> int:
         doc["baselines"] = baselines(model_path, dev, dtype, sorted(set(cfg["levels"])), cfg["hf_batches"],
                                      cfg["runner_context"], cfg["runner_steps"])
         doc["baselines"]["wall_s"] = time.monotonic() - t0
+        doc["baselines"]["loadavg_after"] = os.getloadavg()      # a CPU baseline under load is a lower bound
         log(f"baselines in {doc['baselines']['wall_s']:.0f} s: runner {doc['baselines']['runner']}")
 
     rng = random.Random(args.seed)
