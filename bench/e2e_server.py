@@ -126,18 +126,22 @@ class LagSampler:
 
 # ------------------------------------------------------------------ the ledger, after the run
 def moved_bytes(db_path: Path, windows: dict[str, tuple[int, int]]) -> dict[str, dict]:
-    """Per window (ts_ns bounds): {move kind: {"moves", "bytes_moved"}} of the moves requested in
-    it that were acked (bytes_moved as the worker measured it), and how many were not acked."""
+    """Per window (ts_ns bounds): {move kind: {...}} of the moves requested in it: ``bytes_moved``
+    as the workers measured it in their acks (late acks included), ``bytes_released`` of the
+    evictions (which end with CopiesReleased: nothing is copied), and ``open``: moves with no
+    such ending in the ledger (failed, stranded or still in flight when the server stopped)."""
     from residency.events.codec import decode_event
 
     con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
         req = {mid: (kind, ts) for mid, kind, ts in con.execute(
             "SELECT move_id, kind, ts_ns FROM events WHERE type = 'MoveRequested'")}
-        acked = {}
+        acked, released = {}, {}
         for mid, payload, typ, ver in con.execute(
                 "SELECT move_id, payload, type, schema_version FROM events WHERE type IN ('MoveAcked', 'MoveLateAcked')"):
             acked[mid] = decode_event(payload, typ, ver).bytes_moved
+        for mid, nbytes in con.execute("SELECT move_id, bytes FROM events WHERE type = 'CopiesReleased'"):
+            released[mid] = released.get(mid, 0) + (nbytes or 0)
     finally:
         con.close()
     out: dict[str, dict] = {}
@@ -145,11 +149,13 @@ def moved_bytes(db_path: Path, windows: dict[str, tuple[int, int]]) -> dict[str,
         per: dict[str, dict] = {}
         for mid, (kind, ts) in req.items():
             if a <= ts <= b:
-                row = per.setdefault(kind, {"moves": 0, "bytes_moved": 0, "not_acked": 0})
+                row = per.setdefault(kind, {"moves": 0, "bytes_moved": 0, "bytes_released": 0, "open": 0})
                 row["moves"] += 1
                 if mid in acked:
                     row["bytes_moved"] += acked[mid]
+                elif mid in released:
+                    row["bytes_released"] += released[mid]
                 else:
-                    row["not_acked"] += 1
+                    row["open"] += 1
         out[name] = per
     return out
