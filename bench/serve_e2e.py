@@ -63,11 +63,11 @@ PRESETS = {
     # two turns (the second returns at ~7.8k tokens) keep both variants within ~8 minutes: with
     # tiering off every returning turn recomputes its whole history
     "gpu": dict(levels=[1, 8, 32, 64], system_tokens=3840, turn_tokens=1920, max_tokens=64, turns=2,
-                max_history=8192, think_s=3.0, park_after_s=2.0, runner_context=4096, runner_steps=32,
+                max_history=8192, think_s=3.0, park_after_s=2.0, runner_context=2048, runner_steps=32,
                 hf_batches=[1],
                 # 24,000 blocks of 16 tokens: 47 GiB of KV beside 15 GiB of weights on an 80 GB card
                 serve=["--device", "cuda", "--dtype", "bfloat16", "--max-context", "8192", "--device-blocks", "24000",
-                       "--host-bytes", "48GiB", "--disk-bytes", "16GiB"]),
+                       "--host-bytes", "48GiB", "--disk-bytes", "4GiB"]),
 }
 
 
@@ -252,6 +252,12 @@ def main() -> int:
         model_path, model_arg, dev, dtype = None, [], "cpu", torch.float32
         doc["model"] = {"path": "embedded", "shape": "SmolLM2-135M-Instruct (Q4_1 GGUF, served in float32)"}
 
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:                  # after every stage: a run cut short keeps what it measured
+        out_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    save()
     if not args.no_baselines:
         from e2e_baselines import baselines
         t0 = time.monotonic()
@@ -260,6 +266,7 @@ def main() -> int:
         doc["baselines"]["wall_s"] = time.monotonic() - t0
         doc["baselines"]["loadavg_after"] = os.getloadavg()      # a CPU baseline under load is a lower bound
         log(f"baselines in {doc['baselines']['wall_s']:.0f} s: runner {doc['baselines']['runner']}")
+        save()
 
     rng = random.Random(args.seed)
     texts_of = Texts(tok, rng)
@@ -268,13 +275,13 @@ def main() -> int:
                        for _ in range(max(cfg["levels"]))]}
     for name, extra in (("shipped", []), ("tiering_off", TIERING_OFF)):
         doc["variants"][name] = run_variant(name, extra, args, cfg, model_arg, texts, work)
+        save()
     doc["machine"]["loadavg_after"] = os.getloadavg()
     doc["wall_s"] = time.monotonic() - t_all
     doc["targets"] = judge(doc, cfg)
     doc["table"] = table(doc)
     print("\n".join(doc["table"]), flush=True)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    save()
     log(f"wrote {out_path} ({doc['wall_s']:.0f} s in all)")
     if args.keep_dir:
         log(f"ledgers and logs kept in {work}")
