@@ -40,6 +40,9 @@ class WorkerJoined(Event):
     device: str                       # "cuda:0", "cpu"
     tiers: dict[str, int]             # tier -> capacity_bytes
     block_bytes: int
+    # device bytes outside the KV pool by owner ("weights", "scratch"): on the device's books,
+    # never as blocks
+    device_owned: dict[str, int] = {}
 
 
 class WorkerHeartbeatMissed(Event):
@@ -387,7 +390,8 @@ class WeightsLoaded(Event):
     worker: int
     arena: str
     model: str
-    bytes: int
+    bytes: int                         # the parameter tensors' nbytes, summed
+    allocator_bytes: int | None = None  # the device allocator's growth over the load (None: not measured)
 
 
 class FlipRequested(Event):
