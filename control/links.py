@@ -301,7 +301,8 @@ class WorkerRegistry:
             log.info("worker_adopted", worker=w, epoch=msg.epoch)
         else:
             self.recorder.record(ev.WorkerJoined(worker=w, device=msg.device, tiers=dict(msg.tiers),
-                                                 block_bytes=msg.block_bytes, device_owned=dict(msg.device_owned)),
+                                                 block_bytes=msg.block_bytes, device_owned=dict(msg.device_owned),
+                                                 pinned_limit_bytes=msg.pinned_limit_bytes),
                                  causation=recovery.join_causation(w, msg.epoch))
             self.roster[w] = msg.epoch
             self._record_memory(w, msg)

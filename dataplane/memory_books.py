@@ -57,7 +57,8 @@ class MemoryBooks:
             self._changes.clear()        # in this snapshot
             self._said_hello = True
             return dict(pinned=self.pinned_by_owner(), device_owned=dict(self.device_owned), model=self.model,
-                        weights_allocator_bytes=self.weights_allocator_bytes, sizing=self.sizing)
+                        weights_allocator_bytes=self.weights_allocator_bytes, sizing=self.sizing,
+                        pinned_limit_bytes=self.budget.limit_bytes if self.budget is not None else None)
 
     def take_changes(self) -> list[PinnedChanged]:
         with self._lock:

@@ -43,6 +43,9 @@ class WorkerJoined(Event):
     # device bytes outside the KV pool by owner ("weights", "scratch"): on the device's books,
     # never as blocks
     device_owned: dict[str, int] = {}
+    # the limit of the worker's pinned budget (host pool and rings; None: not said): the bytes it may
+    # pin without a host ceiling set
+    pinned_limit_bytes: int | None = None
 
 
 class WorkerHeartbeatMissed(Event):

@@ -164,6 +164,7 @@ class Hello(Message):
     model: str = ""
     weights_allocator_bytes: int | None = None
     sizing: PoolSizing | None = None
+    pinned_limit_bytes: int | None = None
 
 
 class Pong(Message):
