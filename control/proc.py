@@ -391,6 +391,8 @@ class ControlProc:
         for req in self.moves.book.committed(committed):
             self.moves.dispatch(req)
             acted = True
+        if acted:      # their MoveDispatched rows, after the commands have left (never before)
+            self.recorder.flush()
         acted = self.answers.send_committed(committed) or acted
         self.checkpoints.save_committed(committed)
         if self.anchoring is not None:
