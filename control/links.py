@@ -297,6 +297,7 @@ class WorkerRegistry:
         adopted = ws is not None and ws.alive and self.roster.get(w) == msg.epoch
         self._adopting.pop(w, None)
         self._replacing.pop(w, None)
+        self.sizing[w] = msg.sizing            # an adopted worker's too (its books are in the ledger already)
         if adopted:
             log.info("worker_adopted", worker=w, epoch=msg.epoch)
         else:
@@ -321,7 +322,6 @@ class WorkerRegistry:
                                                   allocator_bytes=msg.weights_allocator_bytes))
         for owner, nbytes in msg.pinned.items():
             self.recorder.record(ev.PinnedRegistered(worker=w, owner=owner, bytes=nbytes))
-        self.sizing[w] = msg.sizing
 
     def on_pinned_changed(self, link: WorkerLink, msg: PinnedChanged) -> None:
         """A grant made or given back after Hello (a resize grows or shrinks the index buffers)."""
