@@ -6,6 +6,7 @@ socket) and their answers.
     AskSetBudget     BudgetSet (checked first)
     AskCommitBlocks  block ids allocated here; CommitBlocks to the worker; BlocksCommitted on its answer
     AskStatus        the live state and health, at once
+    AskMemory        the memory view, once every worker's probe answered or timed out (control/memory_probes.py)
 An answer leaves only once everything recorded for its ask is committed (``Answers``).
 Loop thread only.
 """
@@ -20,7 +21,7 @@ import structlog
 
 from residency.events import catalog as ev
 from residency.events.asks import (
-    AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, StatusReport,
+    AskAnswered, AskCommitBlocks, AskMemory, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, StatusReport,
 )
 from residency.events.commands import BlocksWritten, CommandFailed, CommitBlocks
 from residency.control import budget, moves
@@ -54,7 +55,8 @@ class AskHandler:
 
     def __init__(self, cfg: ControlConfig, state: State, epoch: int, crashed: bool, recorder: Recorder,
                  server: AskServer | None, workers: WorkerRegistry, dispatcher: MoveDispatcher, answers: Answers,
-                 metrics: collections.Counter, stopping: Callable[[], bool], health: Callable):
+                 metrics: collections.Counter, stopping: Callable[[], bool], health: Callable,
+                 memory: Callable | None = None):
         self.cfg = cfg
         self.state = state
         self.epoch = epoch
@@ -67,6 +69,7 @@ class AskHandler:
         self.metrics = metrics
         self.stopping = stopping
         self.health = health
+        self.memory = memory             # AskMemory: memory(ask, reply) probes the workers, then replies
         self.asked_ns = 0                # wall clock when the loop took the current ask (traces)
         self._pending: dict[str, PendingCommit] = {}    # commit ref -> its ask
         self._num_refs = 0
@@ -104,6 +107,12 @@ class AskHandler:
         self.asked_ns = time.time_ns()
         if type(msg) is AskStatus:
             reply(self.status_report(ask_id, msg.include_state))
+            return
+        if type(msg) is AskMemory:
+            if self.memory is None:
+                reply(AskAnswered(ask_id=ask_id, error=INVALID_ASK, detail="this control keeps no memory view"))
+            else:
+                self.memory(msg, reply)
             return
         waiter = moves.AskWaiter(ask_id, lambda events, mids, error, detail: reply(AskAnswered(
             ask_id=ask_id, events=[e for _, e in events], seqs=[s for s, _ in events], move_ids=mids,

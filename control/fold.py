@@ -105,7 +105,8 @@ def _server_stopped(s: State, e: ev.ServerStopped, seq: int) -> None:
 def _worker_joined(s: State, e: ev.WorkerJoined, seq: int) -> None:
     ws = s.workers.get(e.worker)
     if ws is None:
-        s.workers[e.worker] = new_worker(e.worker, e.device, e.tiers, e.block_bytes)
+        s.workers[e.worker] = ws = new_worker(e.worker, e.device, e.tiers, e.block_bytes)
+        ws.device_owned = dict(e.device_owned)
         return
     # A worker coming back: same accounts, fresh capacities. Copies it lost were named by
     # the WorkerLost / BlocksFreed events before this one.
@@ -115,6 +116,7 @@ def _worker_joined(s: State, e: ev.WorkerJoined, seq: int) -> None:
     ws.block_bytes = e.block_bytes
     for t, cap in e.tiers.items():
         ws.tiers[t].capacity_bytes = cap
+    ws.device_owned = dict(e.device_owned)
 
 
 def _heartbeat_missed(s: State, e: ev.WorkerHeartbeatMissed, seq: int) -> None:
@@ -138,6 +140,7 @@ def _worker_lost(s: State, e: ev.WorkerLost, seq: int) -> None:
     if s.copies is not None:
         s.copies.pop(e.worker, None)
     ws.pinned = {}
+    ws.device_owned = {}
     if e.kept_on_disk:
         kept = {}
         for bid in e.kept_on_disk:

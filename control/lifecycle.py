@@ -136,6 +136,9 @@ class MoveDispatcher:
         if self.workers.send(link, moves.command_for(req)):
             self.traces.mark(req.move_id, "sent")
             self.book.sent(req.move_id, time.monotonic_ns())
+            # NOTE: not write-ahead: the command has left already, and nothing waits for this
+            # row's commit (it rides the next group commit, before the move's outcome can)
+            self.recorder.record(ev.MoveDispatched(move_id=req.move_id, worker=req.worker), causation=req.move_id)
             self.faults.hit("crash_after_dispatch", delay_s=0.05)
 
     def worker_joined(self, worker: int) -> None:

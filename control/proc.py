@@ -304,6 +304,7 @@ class ControlProc:
                                     self.cfg.anchor_every_events, rec.last_seq) if self.cfg.anchor_file else None)
         self.awake, self.keep_awake = parts.awake, parts.keep_awake
         self.workers, self.moves, self.asks = parts.workers, parts.moves, parts.asks
+        self.memory = parts.memory
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
         self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))
@@ -390,6 +391,8 @@ class ControlProc:
         for req in self.moves.book.committed(committed):
             self.moves.dispatch(req)
             acted = True
+        if acted:      # their MoveDispatched rows, after the commands have left (never before)
+            self.recorder.flush()
         acted = self.answers.send_committed(committed) or acted
         self.checkpoints.save_committed(committed)
         if self.anchoring is not None:
@@ -417,6 +420,7 @@ class ControlProc:
         if now >= nxt["watchdog"]:
             nxt["watchdog"] = now + 10 * MS
             self.asks.watch_commits()
+            self.memory.tick(now)
             self.moves.watch_deadlines()
         if now >= nxt["ping"]:
             nxt["ping"] = now + int(self.cfg.ping_interval_s * S)

@@ -17,9 +17,10 @@ import structlog
 from residency.events import catalog as ev
 from residency.events.commands import (
     BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
-    MoveTimed, Pong,
+    MemoryReport, MoveTimed, PinnedChanged, Pong,
 )
 from residency.control import moves, recovery
+from residency.control.memory_probes import MemoryProbes
 from residency.control.answers import Answers
 from residency.control.asking import AskHandler
 from residency.control.awake_poll import AwakePoll
@@ -76,10 +77,12 @@ class Parts:
                                       lambda w: self.moves.worker_joined(w), worker_gone)
         self.moves = MoveDispatcher(cfg, state, recency, epoch, recorder, book, busy, self.workers, self.answers,
                                     self.awake, self.keep_awake, traces, faults, metrics, blocks_in_use)
+        self.memory = MemoryProbes(lambda: state, self.workers, blocks_in_use)
         self.asks = AskHandler(cfg, state, epoch, rec.crashed, recorder, ask_server, self.workers, self.moves,
-                               self.answers, metrics, stopping, health)
+                               self.answers, metrics, stopping, health, self.memory.begin)
         for types, handler in (
                 ((Hello,), self.workers.on_hello), ((Pong,), self.workers.on_pong),
+                ((PinnedChanged,), self.workers.on_pinned_changed), ((MemoryReport,), self.memory.on_report),
                 ((ErrorReply,), self.workers.on_worker_error), ((DiskClaimed,), self.workers.on_disk_claimed),
                 ((ev.MoveAcked, ev.MoveFailed, ev.MoveRejected), self.moves.on_outcome),
                 ((BlocksReleased,), self.moves.on_released), ((MovesReport,), self.moves.on_report),
@@ -115,6 +118,7 @@ def shut_down(reason: str, cfg: ControlConfig, state: State, recorder: Recorder,
         for mid, mv in list(state.inflight.items()):   # unanswered releases: silence is not zero
             dispatcher.settle(mid, ev.MoveStranded(move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned,
                                                    why="silent_release"))
+    workers.release_pinned(reason)
     recorder.record(ev.ServerStopped(reason=reason))
     recorder.flush()
     writer.flush(timeout=30)

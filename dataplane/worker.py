@@ -87,6 +87,8 @@ class WorkerCore:
         # an early-started move (``start_ahead``): its command, and when it began (wall ns)
         self.ahead: ExecuteMove | None = None
         self.ahead_ns = 0
+        # the memory books (dataplane/memory_books.py): sizing, weights, pinned grants, the probe
+        self.books = None
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the device thread; ``handler(cmd)`` returns the replies."""

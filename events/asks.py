@@ -100,10 +100,27 @@ class StatusReport(Message):
     state: bytes = b""
 
 
-AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus]
-AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply]
+class AskMemory(Message):
+    """The memory view (control/memory.py): the books of every worker and tier, with a fresh
+    probe of each worker's counters. A worker that does not answer within ``probe_timeout_ms``
+    is shown with its probe unknown."""
+
+    ask_id: str = ""
+    probe_timeout_ms: int = 1000
+
+
+class MemoryAnswer(Message):
+    """``view``: the view as JSON (control/memory.py ``MemoryView``; JSON so the API hands it on
+    as it is and ``ctl memory`` prints it)."""
+
+    ask_id: str
+    view: bytes
+
+
+AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskMemory]
+AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply, MemoryAnswer]
 
 __all__ = [
     "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskOutcome",
-    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply",
+    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply", "AskMemory", "MemoryAnswer",
 ]

@@ -40,6 +40,12 @@ class WorkerJoined(Event):
     device: str                       # "cuda:0", "cpu"
     tiers: dict[str, int]             # tier -> capacity_bytes
     block_bytes: int
+    # device bytes outside the KV pool by owner ("weights", "scratch"): on the device's books,
+    # never as blocks
+    device_owned: dict[str, int] = {}
+    # the limit of the worker's pinned budget (host pool and rings; None: not said): the bytes it may
+    # pin without a host ceiling set
+    pinned_limit_bytes: int | None = None
 
 
 class WorkerHeartbeatMissed(Event):
@@ -387,7 +393,8 @@ class WeightsLoaded(Event):
     worker: int
     arena: str
     model: str
-    bytes: int
+    bytes: int                         # the parameter tensors' nbytes, summed
+    allocator_bytes: int | None = None  # the device allocator's growth over the load (None: not measured)
 
 
 class FlipRequested(Event):

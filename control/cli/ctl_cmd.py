@@ -78,6 +78,9 @@ def register(sub) -> None:
                           help="keep the source copy (default: spill and promote keep it, the others free it)")
         keep.add_argument("--free-source", dest="keep", action="store_false", help="free the source copy once the copy lands")
         v.set_defaults(func=run, kind=kind)
+    from residency.control.cli import memory_cmd  # noqa: PLC0415
+
+    memory_cmd.register(verbs, add_target_args)
     b = verbs.add_parser("budget", help="set a tier's floor and ceiling")
     add_target_args(b)
     b.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")

@@ -35,6 +35,7 @@ import time
 
 import structlog
 
+from residency.events.asks import AskMemory, MemoryAnswer
 from residency.control.scheduler.admission import Admission
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState, Stream
@@ -137,6 +138,18 @@ class ServingService:
 
     async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
         return await self._on_loop(lambda done: done(self.book.list_sessions(limit)))
+
+    async def memory(self, probe_timeout_ms: int) -> bytes:
+        fut = self.proc.submit(AskMemory(ask_id=f"api-memory-{time.monotonic_ns()}", probe_timeout_ms=probe_timeout_ms))
+        try:
+            answer = await asyncio.wait_for(asyncio.wrap_future(fut), probe_timeout_ms / 1000 + 10)
+        except asyncio.TimeoutError:
+            raise BackendError(503, "the control process did not answer the memory ask in time", type="server_error",
+                               code="memory_timeout") from None
+        if not isinstance(answer, MemoryAnswer):
+            raise BackendError(503, f"the memory ask was not answered: {getattr(answer, 'detail', answer)!r}",
+                               type="server_error", code="memory_unavailable")
+        return answer.view
 
     def stats(self) -> BackendStats:
         try:
