@@ -24,6 +24,7 @@ from residency.dataplane.pools.readers import check_fits
 from residency.events.commands import PoolRebound, ResizePool
 
 log = structlog.get_logger("dataplane.rebind")
+KEEP_ANSWERS = 64          # answers kept for a ResizePool sent again
 
 
 class MoverReader:
@@ -92,6 +93,7 @@ class Rebinder:
         self.worker = worker
         self.miss_stamp = miss_stamp
         self.clock = clock
+        self._answers: dict[str, PoolRebound] = {}      # rebind_id -> its answer, the last few
         self.log = log.bind(worker=worker)
 
     def status(self) -> tuple[int, list[str]]:
@@ -99,7 +101,14 @@ class Rebinder:
         return self.pool.gen, sorted(self.pool.readers)
 
     def handle(self, cmd: ResizePool) -> list:
-        return [self.resize(cmd)]
+        """The answer to ``cmd``; a ResizePool sent again (same rebind_id) gets the same answer and
+        resizes nothing twice."""
+        done = self._answers.get(cmd.rebind_id)
+        if done is None:
+            done = self._answers[cmd.rebind_id] = self.resize(cmd)
+            while len(self._answers) > KEEP_ANSWERS:
+                self._answers.pop(next(iter(self._answers)))
+        return [done]
 
     def resize(self, cmd: ResizePool) -> PoolRebound:
         pool, started = self.pool, self.clock()
