@@ -124,6 +124,11 @@ class Rebinder:
             return refuse(f"only the device pool can be resized, not {cmd.tier!r}")
         if self.mover.num_inflight:
             return refuse(f"{self.mover.num_inflight} moves in flight: resize refused, nothing changed")
+        if cmd.to_gen <= pool.gen:
+            return refuse(f"to_gen {cmd.to_gen} does not move forward from gen {pool.gen}")
+        _, refused = pool.resize_refusal(cmd.num_slots)
+        if refused is not None:
+            return refuse(str(refused))
         grow = self.mover.tiers.scratch_growth_bytes(cmd.num_slots)
         refused = self.mover.pinned.refusal("device-pool-scratch", grow) if grow else None
         if refused is not None:
