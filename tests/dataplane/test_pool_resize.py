@@ -254,3 +254,18 @@ def test_a_worker_without_a_resizable_pool_answers_resize_with_an_error():
         pass
     (out,) = WorkerCore(NoPool(), 3).run(resize_cmd(8, 1))
     assert out.worker == 3 and "no resizable device pool" in out.error
+
+
+def test_captured_graphs_bind_a_rebind_in_place_and_refuse_a_new_tensor(tmp_path):
+    from residency.dataplane.model.graphs import DecodeGraphs
+    with make_mover(tmp_path, device_blocks=12) as m:
+        graphs = object.__new__(DecodeGraphs)            # capture needs CUDA: only the pool it captured on
+        graphs.pool = m.device_pool.tensor
+        m.device_pool.add_reader(graphs)
+        rb = Rebinder(m, 0)
+        in_place = rb.resize(resize_cmd(12, 1))
+        assert in_place.stamps == {"mover": 1, "staging": 1, "graphs": 1}
+        moved = rb.resize(resize_cmd(8, 2))
+        assert moved.stamps == {"mover": 2, "staging": 2} and "recapture after a rebind" in moved.refused["graphs"]
+        assert m.device_pool.behind() == {"graphs": 1}
+        assert "graphs at gen 1" in m.execute(move("evict", "device", "host", [])).reason
