@@ -20,10 +20,10 @@ import structlog
 
 from residency.events import catalog as ev
 from residency.events.asks import (
-    AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, StatusReport,
+    AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskResize, AskSetBudget, AskStatus, StatusReport,
 )
 from residency.events.commands import BlocksWritten, CommandFailed, CommitBlocks
-from residency.control import budget, moves
+from residency.control import budget, dial, moves
 from residency.control.answers import Answers
 from residency.control.config import ControlConfig
 from residency.control.errors import ControlError, LedgerDiverged
@@ -54,7 +54,7 @@ class AskHandler:
 
     def __init__(self, cfg: ControlConfig, state: State, epoch: int, crashed: bool, recorder: Recorder,
                  server: AskServer | None, workers: WorkerRegistry, dispatcher: MoveDispatcher, answers: Answers,
-                 metrics: collections.Counter, stopping: Callable[[], bool], health: Callable):
+                 metrics: collections.Counter, stopping: Callable[[], bool], health: Callable, dialer=None):
         self.cfg = cfg
         self.state = state
         self.epoch = epoch
@@ -67,6 +67,7 @@ class AskHandler:
         self.metrics = metrics
         self.stopping = stopping
         self.health = health
+        self.dial = dialer               # control/dialing.py Dial: AskResize
         self.asked_ns = 0                # wall clock when the loop took the current ask (traces)
         self._pending: dict[str, PendingCommit] = {}    # commit ref -> its ask
         self._num_refs = 0
@@ -128,6 +129,9 @@ class AskHandler:
                 waiter.events.append((self.recorder.record(e, causation=f"{asker}:budget"), e))
             elif type(msg) is AskCommitBlocks:
                 self._ask_commit(msg, waiter)
+            elif type(msg) is AskResize and self.dial is not None:
+                self.dial.ask(msg, f"{asker}:resize", waiter)
+                return          # the dial answers it after commit
             else:
                 raise moves.InvalidAsk(f"{type(msg).__name__} is not an ask")
         except moves.NothingToMove as e:       # already where it was asked to go: done, said so
@@ -149,7 +153,8 @@ class AskHandler:
         if msg.blocks and msg.kind != "release":
             self.dispatcher.wake_lane(msg.worker, len(msg.blocks))
         proposals = moves.resolve(self.state, msg, origin, self.dispatcher.busy.by_worker)
-        refusal = moves.fund(self.state, proposals, self.dispatcher.reserved_bytes())
+        refusal = dial.refuse_moves(self.state, proposals) or moves.fund(self.state, proposals,
+                                                                          self.dispatcher.reserved_bytes())
         if refusal is not None:
             e = refusal.event(origin, msg.session)
             log.info("move_refused", origin=origin, worker=refusal.worker, tier=refusal.tier,

@@ -20,7 +20,7 @@ import structlog
 
 from residency.events import catalog as ev
 from residency.events.commands import BlocksReleased, CommandAhead, MovesReport, MoveTimed
-from residency.control import budget, moves, recovery, watchdog
+from residency.control import budget, dial, moves, recovery, watchdog
 from residency.control.answers import Answers
 from residency.control.awake_poll import AwakePoll
 from residency.control.config import ControlConfig
@@ -264,6 +264,8 @@ class MoveDispatcher:
         elif cfg.park:
             self._next_park = mono + S
         for proposal in plan(self.state, self.recency, now, cfg, self.memo, busy):
+            if dial.refuse_moves(self.state, [proposal]) is not None:
+                continue        # a closed pool (rebinding, torn): the policies wait, unrecorded
             try:
                 moves.validate(self.state, proposal, busy)
             except moves.InvalidAsk:
