@@ -139,6 +139,11 @@ class ServingService:
     async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
         return await self._on_loop(lambda done: done(self.book.list_sessions(limit)))
 
+    async def ask_control(self, ask):
+        """Hand an operator's ask (e.g. ``AskResize``) to the control process; its ``AskAnswered``
+        once what it recorded is committed."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.proc.submit(ask, "operator")), self.api_timeout_s)
+
     def stats(self) -> BackendStats:
         try:
             snapshot = self.proc.call(lambda _proc: self.serving_stats.collect(self.draining))
