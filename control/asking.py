@@ -23,7 +23,7 @@ from residency.events.asks import (
     AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskResize, AskSetBudget, AskStatus, StatusReport,
 )
 from residency.events.commands import BlocksWritten, CommandFailed, CommitBlocks
-from residency.control import budget, dial, moves
+from residency.control import budget, moves
 from residency.control.answers import Answers
 from residency.control.config import ControlConfig
 from residency.control.errors import ControlError, LedgerDiverged
@@ -153,8 +153,8 @@ class AskHandler:
         if msg.blocks and msg.kind != "release":
             self.dispatcher.wake_lane(msg.worker, len(msg.blocks))
         proposals = moves.resolve(self.state, msg, origin, self.dispatcher.busy.by_worker)
-        refusal = dial.refuse_moves(self.state, proposals) or moves.fund(self.state, proposals,
-                                                                          self.dispatcher.reserved_bytes())
+        refusal = (self.dial.refuse_moves(proposals) if self.dial is not None else None) or moves.fund(
+            self.state, proposals, self.dispatcher.reserved_bytes())
         if refusal is not None:
             e = refusal.event(origin, msg.session)
             log.info("move_refused", origin=origin, worker=refusal.worker, tier=refusal.tier,

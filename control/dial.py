@@ -221,14 +221,15 @@ def torn_at_recovery(state: State) -> list[ev.RebindTorn]:
             for rb in state.rebinds.values() if rb.status == "requested"]
 
 
-def refuse_moves(state: State, proposals: list[Proposal]) -> Refusal | None:
+def refuse_moves(state: State, proposals: list[Proposal], holds=None) -> Refusal | None:
     """The refusal of moves into or out of a closed device pool (a rebind in progress, or torn),
     naming the rebind; releases pass (they free pages, and a finished request must not keep its
-    pages held). None when every move may go."""
+    pages held). None when every move may go. ``holds(worker)``: (code, reason) of a pool held
+    closed for a reason the state does not show yet (a resize moving blocks out first)."""
     for p in proposals:
         if p.is_release or DEVICE not in (p.src, p.dst):
             continue
-        why = closed(state, p.worker)
+        why = holds(p.worker) if holds is not None else closed(state, p.worker)
         if why is not None:
             acc = state.workers[p.worker].tiers[p.dst]
             asked = len(p.blocks) * state.workers[p.worker].block_bytes

@@ -47,7 +47,7 @@ class Run:
         self.rid, self.worker, self.origin, self.plan, self.waiter = rid, worker, origin, plan, waiter
         self.req: ev.RebindRequested | None = None
         self.deadline_ns = 0          # wall clock: the rebind's answer is due by then
-        self.phase = "moving"         # moving (evictions) | rebinding (ResizePool sent)
+        self.phase = "moving"         # moving (evictions) | draining (others' moves end) | rebinding
 
 
 class Dial:
@@ -77,13 +77,17 @@ class Dial:
         self.readers[name] = fn
 
     def holds(self, worker: int) -> tuple[str, str] | None:
-        """(code, reason) when ``worker``'s device pool takes no new request now: a resize of it is
-        moving blocks out or rebinding, or it is torn."""
+        """(code, reason) when ``worker``'s device pool takes no new request and no move now: a
+        resize of it is moving blocks out, waiting for moves to end, or rebinding; or it is torn."""
         run = self.runs.get(worker)
-        if run is not None and run.phase == "moving":
+        if run is not None and run.phase != "rebinding":
             return ("pool_rebinding", f"the device pool of worker {worker} is being resized by {run.rid} "
-                                      f"(moving blocks out first)")
+                                      f"({'moving blocks out' if run.phase == 'moving' else 'waiting for its moves to end'} first)")
         return dial.closed(self.state, worker)
+
+    def refuse_moves(self, proposals) -> Refusal | None:
+        """The refusal of moves into or out of a held or closed device pool (``dial.refuse_moves``)."""
+        return dial.refuse_moves(self.state, proposals, self.holds)
 
     # ------------------------------------------------------------------ asks
     def ask(self, msg: AskResize, origin: str, waiter: moves.AskWaiter) -> None:
@@ -160,6 +164,11 @@ class Dial:
 
     # ------------------------------------------------------------------ the rebind
     def _rebind(self, run: Run) -> None:
+        # NOTE: the worker refuses a resize while any move of its runs (a slot may be mid-copy):
+        # the pool is held from the start, so only moves asked before it can still be running
+        if any(mv.worker == run.worker for mv in self.state.inflight.values()):
+            run.phase = "draining"          # watch() tries again as they end
+            return
         link = self.workers.by_worker.get(run.worker)
         if link is None:
             log.warning("resize_stopped", rebind_id=run.rid, worker=run.worker, why="worker not linked")
@@ -214,6 +223,10 @@ class Dial:
         """Tear the rebinds with no answer by their deadline, or whose worker went."""
         now = time.time_ns() if now_ns is None else now_ns
         for run in list(self.runs.values()):
+            if run.phase == "draining":
+                if not any(mv.worker == run.worker for mv in self.state.inflight.values()):
+                    self._rebind(run)
+                continue
             if run.phase != "rebinding":
                 continue
             ws = self.state.workers.get(run.worker)

@@ -79,6 +79,7 @@ class Parts:
                                     self.awake, self.keep_awake, traces, faults, metrics, blocks_in_use)
         self.dial = Dial(state, recency, epoch, recorder, self.workers, self.moves, self.answers, blocks_in_use,
                          pool_readers, cfg.rebind_deadline_s)
+        self.moves.holds = self.dial.holds
         self.asks = AskHandler(cfg, state, epoch, rec.crashed, recorder, ask_server, self.workers, self.moves,
                                self.answers, metrics, stopping, health, self.dial)
         for types, handler in (

@@ -179,3 +179,20 @@ def test_the_plan_evicts_exactly_what_does_not_fit_on_random_states():
             continue
         out = [b for p in got.evict for b in p.blocks]
         assert len(out) == max(0, n - slots) and not set(out) & in_use
+
+
+def test_the_scheduler_places_nothing_on_a_rebinding_or_torn_pool():
+    from residency.control.scheduler import PendingRequest, Scheduler, SchedulerConfig
+    from residency.control.scheduler.core import Admit, Wait
+
+    led = Ledger()
+    sched = Scheduler(SchedulerConfig(page_tokens=4, max_context=64))
+    req = PendingRequest(request_id="r1", session=None, worker=0, prompt_tokens=8, prompt_keys=["a", "b"],
+                         max_tokens=4)
+    assert isinstance(sched.plan(led.state, req), Admit)
+    rb = led.add(dial.requested(led.state, "rb-1", 0, 0, [dial.SCHEDULER], ["serving"]))
+    got = sched.plan(led.state, req)
+    assert isinstance(got, Wait) and got.code == "pool_rebinding" and "rb-1" in got.reason
+    led.add(dial.unanswered(rb))
+    got = sched.plan(led.state, req)
+    assert isinstance(got, Wait) and got.code == "pool_torn" and "rb-1" in got.reason
