@@ -41,13 +41,14 @@ Reader = Callable[[State, int, int, int], int]
 class Run:
     """A resize in progress on one worker."""
 
-    __slots__ = ("rid", "worker", "origin", "plan", "waiter", "req", "deadline_ns", "phase")
+    __slots__ = ("rid", "worker", "origin", "plan", "waiter", "req", "deadline_ns", "phase", "epoch")
 
     def __init__(self, rid: str, worker: int, origin: str, plan: dial.ResizePlan, waiter: moves.AskWaiter):
         self.rid, self.worker, self.origin, self.plan, self.waiter = rid, worker, origin, plan, waiter
         self.req: ev.RebindRequested | None = None
         self.deadline_ns = 0          # wall clock: the rebind's answer is due by then
         self.phase = "moving"         # moving (evictions) | draining (others' moves end) | rebinding
+        self.epoch = -1               # the worker incarnation the ResizePool went to
 
 
 class Dial:
@@ -175,7 +176,7 @@ class Dial:
             self._finish(run)
             return
         req = dial.requested(self.state, run.rid, run.worker, link.pool_gen, list(self.readers), link.readers)
-        run.req, run.phase = req, "rebinding"
+        run.req, run.phase, run.epoch = req, "rebinding", link.epoch
         nbytes = abs(run.plan.from_bytes - run.plan.to_bytes)
         run.deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
         seq = self.recorder.record(req, causation=run.origin)
@@ -230,7 +231,8 @@ class Dial:
             if run.phase != "rebinding":
                 continue
             ws = self.state.workers.get(run.worker)
-            gone = ws is None or not ws.alive or run.worker not in self.workers.by_worker
+            link = self.workers.by_worker.get(run.worker)
+            gone = ws is None or not ws.alive or link is None or link.epoch != run.epoch
             if now < run.deadline_ns and not gone:
                 continue
             e = dial.unanswered(run.req)
@@ -238,6 +240,15 @@ class Dial:
             run.waiter.events.append((self.recorder.record(e, causation=run.rid), e))
             self._finish(run)
         self.problems = tuple(dial.torn_pools(self.state))
+
+    def stop(self, reason: str) -> None:
+        """The control stops: a rebind still unanswered is torn (its readers unknown), and every
+        resize's asker hears what was recorded for it."""
+        for run in list(self.runs.values()):
+            if run.phase == "rebinding":
+                e = dial.unanswered(run.req)
+                run.waiter.events.append((self.recorder.record(e, causation=f"control:stop: {reason}"), e))
+            self._finish(run)
 
     def _finish(self, run: Run) -> None:
         if self.runs.get(run.worker) is run:

@@ -78,7 +78,7 @@ def _rebind_committed(s: State, e: ev.RebindCommitted, seq: int) -> None:
 
 def _rebind_torn(s: State, e: ev.RebindTorn, seq: int) -> None:
     rb = s.rebinds.get(e.rebind_id)
-    if rb is not None:
+    if rb is not None and rb.status != "superseded":    # a pool gone with its worker stays gone
         rb.status = "torn"
 
 

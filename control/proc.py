@@ -327,6 +327,7 @@ class ControlProc:
             self.recorder.record(e, causation="control:recovery")
             log.error("rebind_torn_at_start", rebind_id=e.rebind_id, readers=e.readers_behind)
         self.dial.problems = tuple(dial.torn_pools(self.state))
+        self._stop_hooks.append(self.dial.stop)
         self.recorder.flush()
 
     def _close(self) -> None:
