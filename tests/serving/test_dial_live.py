@@ -34,10 +34,14 @@ def text_of(r: httpx.Response) -> str:
 
 
 def metric(server: Server, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"{name}{{{want}}}" if want else f"{name} "):
-            return float(line.split()[-1])
+        head, _, value = line.rpartition(" ")
+        metric_name, _, rest = head.partition("{")
+        if metric_name != name:
+            continue
+        have = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
+        if all(have.get(k, "").strip('"') == str(v) for k, v in labels.items()):
+            return float(value)
     raise AssertionError(f"no metric {name} {labels}")
 
 
