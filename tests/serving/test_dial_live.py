@@ -82,7 +82,7 @@ def verify(server: Server) -> None:
 
 
 def test_the_device_pool_shrinks_and_grows_live_under_sessions_and_a_stream(tmp_path):
-    s = Server(tmp_path, "--drain-s", "0", name="dial").wait_ready()
+    s = Server(tmp_path, "--drain-s", "0", "--park-after-s", "600", name="dial").wait_ready()   # pages stay until the dial moves them
     try:
         story = "Write a long story about a lighthouse keeper and the sea. "
         before = text_of(chat(s, story, 120))                    # the reference, no resize near it
