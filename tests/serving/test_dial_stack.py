@@ -77,3 +77,19 @@ def test_bad_resize_bodies_are_answered_400_with_the_reason(stack):
         assert why in r.text, (body, r.text)
     events, _ = s.ledger()
     assert not [e for e in events if type(e).__name__.startswith("Rebind") or type(e) is ev.MoveRefused]
+
+
+def test_a_resize_above_what_the_machine_holds_is_refused_by_the_worker_and_changes_nothing(stack):
+    s = stack(device_blocks=16)
+    bb = block_bytes(s)
+    r = resize(s, 1 << 50)
+    assert r.status_code == 409 and r.json()["outcome"] == "refused", r.text
+    kinds = [e["type"] for e in r.json()["events"]]
+    assert kinds == ["RebindRequested", "RebindRefused"]
+    assert "does not fit" in r.json()["events"][-1]["error"]
+    assert s.client.get("/health").status_code == 200          # refused, not torn: the pool serves on
+    assert s.chat("still serving", max_tokens=4).status_code == 200
+    events, state = s.ledger()
+    assert state.workers[0].tiers["device"].capacity_bytes == 16 * bb
+    assert [e.status for e in state.rebinds.values()] == ["refused"]
+    live_equals_replay(s)
