@@ -21,7 +21,8 @@ import structlog
 
 from residency.events import catalog as ev
 from residency.events.asks import (
-    AskAnswered, AskCommitBlocks, AskMemory, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, StatusReport,
+    AskAnswered, AskCommitBlocks, AskMemory, AskMove, AskReleaseBlocks, AskResize, AskSetBudget, AskStatus,
+    StatusReport,
 )
 from residency.events.commands import BlocksWritten, CommandFailed, CommitBlocks
 from residency.control import budget, moves
@@ -56,7 +57,7 @@ class AskHandler:
     def __init__(self, cfg: ControlConfig, state: State, epoch: int, crashed: bool, recorder: Recorder,
                  server: AskServer | None, workers: WorkerRegistry, dispatcher: MoveDispatcher, answers: Answers,
                  metrics: collections.Counter, stopping: Callable[[], bool], health: Callable,
-                 memory: Callable | None = None):
+                 memory: Callable | None = None, dialer=None):
         self.cfg = cfg
         self.state = state
         self.epoch = epoch
@@ -70,6 +71,7 @@ class AskHandler:
         self.stopping = stopping
         self.health = health
         self.memory = memory             # AskMemory: memory(ask, reply) probes the workers, then replies
+        self.dial = dialer               # control/dialing.py Dial: AskResize
         self.asked_ns = 0                # wall clock when the loop took the current ask (traces)
         self._pending: dict[str, PendingCommit] = {}    # commit ref -> its ask
         self._num_refs = 0
@@ -137,6 +139,9 @@ class AskHandler:
                 waiter.events.append((self.recorder.record(e, causation=f"{asker}:budget"), e))
             elif type(msg) is AskCommitBlocks:
                 self._ask_commit(msg, waiter)
+            elif type(msg) is AskResize and self.dial is not None:
+                self.dial.ask(msg, f"{asker}:resize", waiter)
+                return          # the dial answers it after commit
             else:
                 raise moves.InvalidAsk(f"{type(msg).__name__} is not an ask")
         except moves.NothingToMove as e:       # already where it was asked to go: done, said so
@@ -158,7 +163,8 @@ class AskHandler:
         if msg.blocks and msg.kind != "release":
             self.dispatcher.wake_lane(msg.worker, len(msg.blocks))
         proposals = moves.resolve(self.state, msg, origin, self.dispatcher.busy.by_worker)
-        refusal = moves.fund(self.state, proposals, self.dispatcher.reserved_bytes())
+        refusal = (self.dial.refuse_moves(proposals) if self.dial is not None else None) or moves.fund(
+            self.state, proposals, self.dispatcher.reserved_bytes())
         if refusal is not None:
             e = refusal.event(origin, msg.session)
             log.info("move_refused", origin=origin, worker=refusal.worker, tier=refusal.tier,

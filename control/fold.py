@@ -26,6 +26,7 @@ from residency.events.envelope import Recorded
 from residency.control import fold_moves, fold_serving
 from residency.control.fold_base import anomaly as _anomaly, free_copies, worker_or_anomaly as _worker
 from residency.control.fold_moves import lose_moves
+from residency.control.fold_serving import close_rebinds_of
 from residency.control.state import (
     BlockState,
     copy_set,
@@ -108,6 +109,7 @@ def _worker_joined(s: State, e: ev.WorkerJoined, seq: int) -> None:
         s.workers[e.worker] = ws = new_worker(e.worker, e.device, e.tiers, e.block_bytes)
         ws.device_owned = dict(e.device_owned)
         return
+    close_rebinds_of(s, e.worker)
     # A worker coming back: same accounts, fresh capacities. Copies it lost were named by
     # the WorkerLost / BlocksFreed events before this one.
     ws.alive, ws.lost_reason, ws.device, ws.silent_ms = True, None, e.device, 0

@@ -67,7 +67,7 @@ class WorkerLink:
     heard, and the move ids it has been queried about (QueryMoves) and not yet answered for."""
 
     __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "queried", "last_query_ns", "device",
-                 "lane", "lane_up", "held", "lane_by_ns")
+                 "lane", "lane_up", "held", "lane_by_ns", "pool_gen", "readers")
 
     def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int, lane: bytes | None = None):
         self.worker, self.identity, self.epoch, self.device = worker, identity, epoch, device
@@ -79,6 +79,8 @@ class WorkerLink:
         self.lane_up = False          # its LaneHello came: commands may go there
         self.held: list = []          # device-thread commands waiting for the lane to come up
         self.lane_by_ns = 0           # when the lane must be up (monotonic), or it is given up
+        self.pool_gen = 0             # the generation its device pool carries (Hello, then each rebind)
+        self.readers: list[str] = []  # its readers of that pool (Hello, ServingReady): each stamps a rebind
 
 
 class WorkerRegistry:
@@ -246,6 +248,7 @@ class WorkerRegistry:
     # ------------------------------------------------------------------ Hello and adoption
     def on_hello(self, link: WorkerLink, msg: Hello) -> None:
         if msg.epoch == link.epoch:      # the worker thought we restarted; query it again
+            link.pool_gen, link.readers = msg.pool_gen, list(msg.readers)
             self._claim_disk(link, msg)
             self.query(link, recovery.to_query(self.state, link.worker, self.book))
             return
@@ -288,6 +291,7 @@ class WorkerRegistry:
             return
         lane = msg.lane.encode() if msg.lane else None
         link = WorkerLink(w, identity, msg.epoch, msg.device, now, lane)
+        link.pool_gen, link.readers = msg.pool_gen, list(msg.readers)
         self._links[identity] = self.by_worker[w] = link
         if lane is not None:
             link.lane_by_ns = now + int(self.cfg.lane_wait_s * S)

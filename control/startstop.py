@@ -17,7 +17,7 @@ import structlog
 from residency.events import catalog as ev
 from residency.events.commands import (
     BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
-    MemoryReport, MoveTimed, PinnedChanged, Pong,
+    MemoryReport, MoveTimed, PinnedChanged, PoolRebound, Pong,
 )
 from residency.control import moves, recovery
 from residency.control.memory_probes import MemoryProbes
@@ -25,6 +25,7 @@ from residency.control.answers import Answers
 from residency.control.asking import AskHandler
 from residency.control.awake_poll import AwakePoll
 from residency.control.config import ControlConfig
+from residency.control.dialing import Dial
 from residency.control.keep_awake import AwakeWhileMoving, KeepAwake
 from residency.control.lifecycle import MoveDispatcher
 from residency.control.links import WorkerRegistry
@@ -59,7 +60,7 @@ class Parts:
                  ask_server: AskServer | None, traces: MoveTraces, faults: ControlFaults,
                  metrics: collections.Counter, listeners: list, handlers: dict[type, Callable],
                  blocks_in_use: Callable[[], dict[int, set[int]]], stopping: Callable[[], bool], health: Callable,
-                 worker_gone: Callable[[int], None] = lambda w: None):
+                 worker_gone: Callable[[int], None] = lambda w: None, pool_readers: dict | None = None):
         state, recency, epoch, now = rec.state, rec.recency, rec.epoch, time.monotonic_ns()
         self.recorder = recorder = Recorder(store, writer, state, recency, epoch, faults, cfg.durability,
                                             1000 if cfg.commit_inline else 0, listeners, metrics)
@@ -78,8 +79,11 @@ class Parts:
         self.moves = MoveDispatcher(cfg, state, recency, epoch, recorder, book, busy, self.workers, self.answers,
                                     self.awake, self.keep_awake, traces, faults, metrics, blocks_in_use)
         self.memory = MemoryProbes(lambda: state, self.workers, blocks_in_use)
+        self.dial = Dial(state, recency, epoch, recorder, self.workers, self.moves, self.answers, blocks_in_use,
+                         pool_readers, cfg.rebind_deadline_s)
+        self.moves.holds = self.dial.holds
         self.asks = AskHandler(cfg, state, epoch, rec.crashed, recorder, ask_server, self.workers, self.moves,
-                               self.answers, metrics, stopping, health, self.memory.begin)
+                               self.answers, metrics, stopping, health, memory=self.memory.begin, dialer=self.dial)
         for types, handler in (
                 ((Hello,), self.workers.on_hello), ((Pong,), self.workers.on_pong),
                 ((PinnedChanged,), self.workers.on_pinned_changed), ((MemoryReport,), self.memory.on_report),
@@ -87,7 +91,8 @@ class Parts:
                 ((ev.MoveAcked, ev.MoveFailed, ev.MoveRejected), self.moves.on_outcome),
                 ((BlocksReleased,), self.moves.on_released), ((MovesReport,), self.moves.on_report),
                 ((MoveTimed,), self.moves.on_timed), ((MoveNearlyDone,), self.awake.on_nearly_done),
-                ((BlocksWritten,), self.asks.on_written), ((CommandFailed,), self.asks.on_command_failed)):
+                ((BlocksWritten,), self.asks.on_written), ((CommandFailed,), self.asks.on_command_failed),
+                ((PoolRebound,), self.dial.on_rebound)):
             for t in types:
                 handlers.setdefault(t, handler)    # one registered before start (on_worker_message) wins
         if self.workers.adopting:

@@ -99,7 +99,8 @@ class RebindState(msgspec.Struct, kw_only=True):
     from_gen: int
     to_gen: int
     readers: dict[str, int]           # reader -> generation it carries
-    status: str = "requested"         # requested | committed | torn
+    status: str = "requested"         # requested | committed | torn | refused (nothing changed) |
+                                      # superseded (its worker's next incarnation has a new pool)
 
 
 class ArenaState(msgspec.Struct, kw_only=True):
@@ -183,7 +184,9 @@ _snapshot_decoder = msgspec.msgpack.Decoder(State)
 # SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss),
 # so it cannot be compared with this fold's replay; `ledger verify` says how many it left.
 # Version 3: WorkerState.device_owned (the weights and scratch on the device's books).
-FOLD_VERSION = 3
+# Version 4: a rebind refused by its worker, and a worker's open rebinds closed when a new
+# incarnation joins (control/fold_serving.py).
+FOLD_VERSION = 4
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 

@@ -386,6 +386,19 @@ class PoolResized(Event):
     from_bytes: int
     to_bytes: int
     gen: int
+    # what the driver counts free after the resize less before (a grow: negative), as the worker
+    # measured it; None: not measurable there (a CPU host), never 0 for "unknown"
+    measured_freed_bytes: int | None = None
+
+
+class RebindRefused(Event):
+    """The pool's worker refused a rebind and changed nothing (``error`` says why, with its
+    arithmetic: e.g. more than the card holds): the pool and every reader stay at ``from_gen``,
+    usable. Closes the rebind without tearing it."""
+
+    rebind_id: str
+    worker: int
+    error: str
 
 
 # ---------------------------------------------------------------- weights and flip
@@ -450,7 +463,7 @@ AnyEvent = Union[
     SessionParked, SessionRestored, SessionDeleted,
     RequestAdmitted, RequestRefused, RequestFinished, RequestQueued,
     StepCompleted,
-    RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized,
+    RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized, RebindRefused,
     WeightsLoaded, FlipRequested, FlipCompleted, FlipFailed,
     GroupDiverged, GroupStopped,
     StateCheckpoint,

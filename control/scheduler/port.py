@@ -171,3 +171,7 @@ class Backend(Protocol):
     def stats(self) -> BackendStats: ...
 
     def health(self) -> Health: ...
+
+    async def ask_control(self, ask):
+        """An operator's ask of the control process (e.g. ``AskResize``, the admin resize route);
+        its ``AskAnswered`` once what it recorded is committed."""
