@@ -63,11 +63,15 @@ def plan_rotation(out_bytes: int, in_bytes: int, in_offset: int, chunk_bytes: in
     else:
         return FlipRefused(f"incoming image at slab offset {in_offset}: a rotation with a ring of {ring_depth} "
                            f"x {chunk_bytes} bytes needs it at 0 or {ring}", in_offset, ring)
-    need = max(in_offset + in_bytes, out_offset + out_bytes)
+    # the slab must reach past the incoming image's end and past the outgoing one's; the farther
+    # end is the need, spelled as the incoming image plus the overshoot (ring, size asymmetry)
+    in_end, out_end = in_offset + in_bytes, out_offset + out_bytes
+    need = max(in_end, out_end)
     if need > slab_capacity:
-        terms = {"larger image": max(in_bytes, out_bytes), "ring": ring}
-        if out_bytes > in_bytes:
-            terms = {"incoming image": in_bytes, "size asymmetry": out_bytes - in_bytes, "ring": ring}
+        if in_end >= out_end:
+            terms = {"ring": in_offset, "incoming image": in_bytes}
+        else:
+            terms = {"ring": out_offset, "incoming image": in_bytes, "size asymmetry": out_bytes - in_bytes}
         return FlipRefused("host slab smaller than one image plus the overshoot", need, slab_capacity, terms)
     n = -(-max(out_bytes, in_bytes) // chunk_bytes)
     order = range(n) if forward else range(n - 1, -1, -1)
