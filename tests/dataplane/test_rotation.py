@@ -18,19 +18,20 @@ from residency.events.codec import decode_event, encode_event
 from tests.dataplane.flip_helpers import image_of, packed
 
 CHUNK = 1024
+DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 
 
 class Rig:
     """Model A in the arena, model B in the slab, a budget that counts every pinned byte."""
 
     def __init__(self, a_layers=3, a_hidden=24, b_layers=3, b_hidden=24, ring_depth=2, chunk=CHUNK,
-                 slab_bytes=None):
+                 slab_bytes=None, device="cpu"):
         self.a, self.ma = image_of(101, "a", a_layers, a_hidden)
         self.b, self.mb = image_of(202, "b", b_layers, b_hidden)
-        self.budget = PinnedBudget(64 << 20, pin=False)
+        self.budget = PinnedBudget(64 << 20, pin=device != "cpu")
         cap = slab_bytes or HostSlab.capacity_for([self.ma.nbytes, self.mb.nbytes], chunk, ring_depth)
         self.slab = HostSlab(self.budget, cap)
-        self.arena = WeightsArena.sized_for([self.ma, self.mb])
+        self.arena = WeightsArena.sized_for([self.ma, self.mb], device)
         self.slab.store("A", self.ma, self.a, chunk_bytes=CHUNK)
         self.arena.load(self.slab)
         self.slab.store("B", self.mb, self.b, chunk_bytes=CHUNK)
@@ -39,7 +40,7 @@ class Rig:
 
     def assert_holds(self, on_device: str, on_host: str):
         assert self.arena.image.model == on_device and self.slab.image.model == on_host
-        assert torch.equal(self.arena.image_bytes(), self.bytes[on_device])
+        assert torch.equal(self.arena.image_bytes().cpu(), self.bytes[on_device])
         assert torch.equal(self.slab.image_bytes(), self.bytes[on_host])
 
 
@@ -51,10 +52,11 @@ SIZES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ring_depth", [1, 2, 3])
 @pytest.mark.parametrize("sizes", list(SIZES))
-def test_a_flip_swaps_the_images_byte_for_byte(sizes, ring_depth):
-    rig = Rig(ring_depth=ring_depth, **SIZES[sizes])
+def test_a_flip_swaps_the_images_byte_for_byte(sizes, ring_depth, device):
+    rig = Rig(ring_depth=ring_depth, device=device, **SIZES[sizes])
     if sizes == "not_chunk_multiples":
         assert rig.ma.nbytes % CHUNK and rig.mb.nbytes % CHUNK
     r = rig.ex.flip()
@@ -95,24 +97,31 @@ def test_a_literal_duplex_in_place_corrupts_bytes_and_the_executor_does_not(h2d_
     rig.assert_holds("B", "A")
 
 
-def test_a_ring_of_depth_one_never_overlaps_and_stays_byte_correct():
-    rig = Rig(ring_depth=1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_ring_of_depth_one_never_overlaps_and_stays_byte_correct(device):
+    rig = Rig(ring_depth=1, device=device)
     r = rig.ex.flip()
-    assert r.overlapped_steps == 0 and r.overlapped_steps_seen is None and r.steps > 3
+    assert r.overlapped_steps == 0 and r.steps > 3
+    assert r.overlapped_steps_seen == (None if device == "cpu" else 0)
     rig.assert_holds("B", "A")
 
 
-def test_a_deeper_ring_enqueues_each_outgoing_chunk_while_an_incoming_one_is_in_flight():
-    rig = Rig(ring_depth=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_deeper_ring_enqueues_each_outgoing_chunk_while_an_incoming_one_is_in_flight(device):
+    rig = Rig(ring_depth=2, device=device)
     r = rig.ex.flip()
     # every step but the first has the previous step's H2D not yet retired
     assert r.overlapped_steps == r.steps - 1 > 0
     rig.assert_holds("B", "A")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sizes", ["outgoing_larger", "incoming_larger"])
-def test_three_full_cycles_leave_host_and_device_memory_where_they_started(sizes):
-    rig = Rig(**SIZES[sizes])
+def test_three_full_cycles_leave_host_and_device_memory_where_they_started(sizes, device):
+    rig = Rig(device=device, **SIZES[sizes])
+    rig.ex.flip()
+    rig.ex.flip()                       # the first cycle warms what CUDA caches (streams, the checksum kernel)
+    allocated = torch.cuda.memory_allocated() if device != "cpu" else None
     in_use, grants = rig.budget.in_use_bytes, [g.grant_id for g in rig.budget.grants()]
     arena_ptr, slab_ptr = rig.arena.buffer.data_ptr(), rig.slab.bytes.data_ptr()
     ids = (id(rig.arena.buffer), id(rig.slab.bytes))
@@ -124,6 +133,8 @@ def test_three_full_cycles_leave_host_and_device_memory_where_they_started(sizes
     assert (rig.arena.buffer.data_ptr(), rig.slab.bytes.data_ptr()) == (arena_ptr, slab_ptr)
     assert (id(rig.arena.buffer), id(rig.slab.bytes)) == ids
     assert rig.slab.offset == offset and rig.arena.gen == gen + 6
+    if device != "cpu":
+        assert torch.cuda.memory_allocated() == allocated
     rig.assert_holds("A", "B")
     rig.budget.check_integrity()
 
