@@ -88,6 +88,16 @@ class RotationExecutor:
         self.copies = copies_for(arena.device)
         self.num_flips = 0
 
+    def check_integrity(self) -> None:
+        """The arena and the slab each hold a whole image between flips (a flip that raised in the
+        middle of its copies leaves neither: both are then unusable until reloaded)."""
+        self.arena.check_integrity()
+        self.slab.check_integrity()
+        if self.arena.image is None or self.slab.image is None:
+            raise IntegrityError(f"after {self.num_flips} flips the arena holds "
+                                 f"{getattr(self.arena.image, 'model', None)} and the slab "
+                                 f"{getattr(self.slab.image, 'model', None)}: a flip was torn")
+
     def plan(self) -> RotationPlan | FlipRefused:
         """The next flip's plan, or its refusal. Pure over the arena's and slab's current sizes."""
         if self.arena.image is None or self.slab.image is None:

@@ -66,8 +66,7 @@ def test_a_flip_swaps_the_images_byte_for_byte(sizes, ring_depth, device):
     r = rig.ex.flip()
     assert r.checksum_ok and (r.bytes_out, r.bytes_in) == (rig.mb.nbytes, rig.ma.nbytes)
     rig.assert_holds("A", "B")
-    rig.arena.check_integrity()
-    rig.slab.check_integrity()
+    rig.ex.check_integrity()
 
 
 def naive_duplex(arena: torch.Tensor, host: torch.Tensor, nbytes: int, chunk: int, h2d_first: bool):
@@ -229,3 +228,15 @@ def test_the_plan_orders_chunks_so_each_write_lands_where_an_incoming_chunk_alre
     assert (short.asked_bytes, short.available_bytes) == (7048, 7000)
     odd = plan_rotation(5000, 3000, 512, 1024, 2, 1 << 20, 1 << 20)
     assert isinstance(odd, FlipRefused) and odd.available_bytes == 2048
+
+
+def test_a_flip_that_fails_its_checksum_after_the_copies_binds_no_reader():
+    rig = Rig()
+    reader = ParamsReader.of_manifest("b-runner", rig.mb)
+    rig.ex.copies.h2d = lambda dst, src, after: dst.copy_(src.flip(0))     # a copy engine that scrambles
+    r = rig.ex.flip([reader], verify_before=True)
+    assert not r.checksum_ok and r.to_gen is None and "arena image B" in r.mismatches[0]
+    assert reader.gen is None and rig.arena.image is None
+    assert not r.to_event("f").checksum_ok
+    with pytest.raises(Exception, match="torn"):
+        rig.ex.check_integrity()
