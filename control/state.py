@@ -44,6 +44,7 @@ class WorkerState(msgspec.Struct, kw_only=True):
     pinned: dict[str, int] = {}       # owner -> pinned host bytes registered
     last_step: int = -1
     last_step_ts_ns: int = 0
+    tenants: dict[str, int] = {}      # outside tenant -> device bytes granted it (TenantReclaimed less TenantReleased)
 
 
 class BlockState(msgspec.Struct, kw_only=True, array_like=True, gc=False):
@@ -179,9 +180,10 @@ _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 # The version of the fold, written into every state hash ("f2:<sha256>"). A StateCheckpoint from
 # another version hashed another state (version 1, the bare hex of earlier ledgers: before
-# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss),
-# so it cannot be compared with this fold's replay; `ledger verify` says how many it left.
-FOLD_VERSION = 2
+# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss;
+# version 2, before WorkerState.tenants), so it cannot be compared with this fold's replay;
+# `ledger verify` says how many it left.
+FOLD_VERSION = 3
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 
@@ -261,6 +263,9 @@ def check_integrity(state: State) -> None:
         for owner, b in ws.pinned.items():
             if b < 0:
                 problems.append(f"worker {w}: pinned bytes of {owner} negative ({b})")
+        for tenant, b in ws.tenants.items():
+            if b <= 0:
+                problems.append(f"worker {w}: outside tenant {tenant} holds {b} bytes (a grant is > 0 or gone)")
     want = index_copies(msgspec.structs.replace(state)).copies if state.copies is not None else {}
     for w in set(want) | set(state.copies or {}):
         for t in set(want.get(w, {})) | set(state.copies.get(w, {})):
