@@ -12,7 +12,8 @@ from typing import Union
 
 from residency.events.catalog import (
     BlocksCommitted, BlocksFreed, BudgetSet, CopiesReleased, MoveAbandoned, MoveAcked, MoveFailed, MoveKind, MoveLateAcked,
-    MoveRefused, MoveRejected, MoveStranded, SessionParked, SessionRestored, Tier,
+    MoveRefused, MoveRejected, MoveStranded, SessionParked, SessionRestored, TenantReclaimed, TenantReclaimFailed,
+    TenantReleased, Tier,
 )
 from residency.events.commands import ErrorReply
 from residency.events.message import Message
@@ -65,6 +66,28 @@ class AskSetBudget(Message):
     ceiling_bytes: int
 
 
+class AskReclaim(Message):
+    """An outside tenant (declared with ``serve --tenant``) asks for ``bytes`` of worker
+    ``worker``'s device memory: the control empties pool slots by the tenant's routes, then shrinks
+    the device pool by the ask rounded up to whole pages. Answered with ``TenantReclaimed``, the
+    ``MoveRefused`` of an ask above everything reclaimable (nothing moved), or
+    ``TenantReclaimFailed``; an unknown tenant or a size <= 0 is an invalid ask."""
+
+    ask_id: str
+    tenant: str
+    worker: int
+    bytes: int
+
+
+class AskReleaseTenant(Message):
+    """An outside tenant gives back everything it was granted on ``worker``: the device pool
+    grows back by it. Answered with ``TenantReleased``."""
+
+    ask_id: str
+    tenant: str
+    worker: int
+
+
 class AskStatus(Message):
     ask_id: str = ""
     include_state: bool = True
@@ -73,6 +96,7 @@ class AskStatus(Message):
 AskOutcome = Union[
     MoveAcked, MoveFailed, MoveRejected, MoveRefused, MoveStranded, MoveLateAcked, MoveAbandoned,
     BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored, CopiesReleased,
+    TenantReclaimed, TenantReclaimFailed, TenantReleased,
 ]
 
 
@@ -100,10 +124,11 @@ class StatusReport(Message):
     state: bytes = b""
 
 
-AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus]
+AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskReclaim, AskReleaseTenant]
 AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply]
 
 __all__ = [
     "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskOutcome",
+    "AskReclaim", "AskReleaseTenant",
     "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply",
 ]
