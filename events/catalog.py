@@ -450,7 +450,8 @@ class TenantReclaimed(Event):
 class TenantReclaimFailed(Event):
     """A reclaim that passed its arithmetic but did not end in a grant: a move it needed failed,
     was refused or stranded, or the dial refused the shrink. Nothing was granted; what moved
-    stays where it landed (its own events say so). ``stranded_bytes``/``stranded_moves``: bytes
+    stays where it landed (its own events say so). Also a release whose grow the dial did not
+    commit (``reason`` starts with "release:"): the grant stays the tenant's. ``stranded_bytes``/``stranded_moves``: bytes
     at risk on the way, named, never counted as freed."""
 
     tenant: str

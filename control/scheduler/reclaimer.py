@@ -27,7 +27,7 @@ from residency.control.reclaim import Candidate, Pool, ReclaimRefused, plan_recl
 from residency.control.scheduler.asker import Asker
 from residency.control.scheduler.retain import is_retained
 from residency.control.scheduler.workers import ServingWorkers
-from residency.control.moves import InvalidAsk
+from residency.control.moves import AskWaiter, InvalidAsk
 from residency.control.tenants import Tenant, TenantError, lookup
 from residency.events import catalog as ev
 from residency.events.asks import AskAnswered, AskMove, AskReclaim, AskReleaseBlocks, AskReleaseTenant
@@ -38,12 +38,45 @@ BAD = (ev.MoveFailed, ev.MoveRejected, ev.MoveRefused, ev.MoveStranded, ev.MoveA
 
 @dataclass(frozen=True)
 class DialOutcome:
-    """What the dial answered for one resize: ``error`` None when the pool now has ``to_bytes``."""
+    """What the dial answered for one resize: ``error`` None when the pool now has ``to_bytes``
+    and every reader carries its new generation. ``events``: what the dial recorded, (seq, event)."""
 
     rebind_id: str
     to_bytes: int
     measured_freed_bytes: int | None      # driver's free after less before (a grow: negative); None: not measured
     error: str | None = None
+    events: tuple = ()
+
+
+def dial_of(proc) -> Callable:
+    """The control process's dial (control/dialing.py, made when the loop starts) as the
+    reclaimer calls it: ``resize(worker, to_bytes, origin, then)``; ``then`` gets a DialOutcome
+    once everything the resize recorded is committed."""
+    def resize(worker: int, to_bytes: int, origin: str, then: Callable[[DialOutcome], None]) -> None:
+        def answered(events, _move_ids, error, detail) -> None:
+            then(outcome_of(to_bytes, list(events), error, detail))
+        proc.dial.resize(worker, "device", to_bytes, origin, AskWaiter(f"{origin}:resize", answered),
+                         causation=origin)
+    return resize
+
+
+def outcome_of(to_bytes: int, events: list, error: str | None = None, detail: str = "") -> DialOutcome:
+    """A DialOutcome from what the dial recorded: committed only with a ``RebindCommitted``."""
+    rid = next((e.rebind_id for _, e in events if type(e) is ev.RebindRequested), "")
+    resized = next((e for _, e in events if type(e) is ev.PoolResized), None)
+    measured = getattr(resized, "measured_freed_bytes", None) if resized is not None else None
+    if error is None and any(type(e) is ev.RebindCommitted for _, e in events):
+        return DialOutcome(rebind_id=rid, to_bytes=to_bytes, measured_freed_bytes=measured, events=tuple(events))
+    words = error and f"{error}: {detail}"
+    for _, e in events:
+        t = type(e).__name__
+        if t in ("MoveRefused", "RebindRefused", "RebindTorn", "MoveFailed", "MoveRejected", "MoveStranded"):
+            why = (getattr(e, "reason", "") or getattr(e, "error", "") or getattr(e, "why", "")
+                   or f"readers behind: {getattr(e, 'readers_behind', '')}")
+            words = f"{t}: {why}"
+            break
+    return DialOutcome(rebind_id=rid, to_bytes=to_bytes, measured_freed_bytes=measured,
+                       error=words or "the dial answered without a committed rebind", events=tuple(events))
 
 
 class Reclaimer:
@@ -68,7 +101,20 @@ class Reclaimer:
             raise InvalidAsk(f"busy: {self.busy_with} is under way; ask again when it is answered")
         if self.dial is None:
             raise InvalidAsk("this server has no dial to resize its device pool with")
+        held = self.resizing(worker)
+        if held is not None:
+            raise InvalidAsk(f"busy: {held}; ask again when it is answered")
         return t
+
+    def resizing(self, worker: int) -> str | None:
+        """Why the worker's pool cannot be resized now (a resize under way, a torn pool), or None."""
+        dialer = getattr(self.proc, "dial", None)
+        if dialer is None:
+            return None
+        if worker in dialer.runs:
+            return f"a resize of worker {worker}'s device pool is under way"
+        held = dialer.holds(worker)
+        return None if held is None else held[1]
 
     def on_reclaim(self, msg: AskReclaim, asker: str, waiter) -> None:
         if msg.bytes <= 0:
@@ -112,12 +158,14 @@ class Reclaimer:
         def resized(out: DialOutcome) -> None:
             self.busy_with = None
             if out.error is not None:
-                e = ev.TenantReclaimFailed(tenant=tenant.name, worker=msg.worker, asked_bytes=-held,
-                                           reason=f"the pool could not grow back to {to_bytes}: {out.error}")
+                e = ev.TenantReclaimFailed(tenant=tenant.name, worker=msg.worker, asked_bytes=held,
+                                           reason=f"release: the pool did not grow back to {to_bytes}, the grant "
+                                                  f"stays the tenant's: {out.error}")
             else:
                 taken = None if out.measured_freed_bytes is None else -out.measured_freed_bytes
                 e = ev.TenantReleased(tenant=tenant.name, worker=msg.worker, bytes=held, measured_bytes=taken,
                                       rebind_id=out.rebind_id)
+            waiter.events.extend(out.events)
             waiter.events.append((self.proc.record(e, causation=msg.ask_id or None), e))
             self.proc.finish_ask(waiter, ref)
         self._resize(msg.worker, to_bytes, f"tenant:{tenant.name}", resized)
@@ -210,6 +258,7 @@ class _Run:
     def answered(self, ans: AskAnswered) -> None:
         self.pending -= 1
         self.move_ids.extend(ans.move_ids)
+        self.waiter.events.extend(zip(ans.seqs, ans.events))
         if ans.error is not None:
             self.errors.append(f"{ans.error}: {ans.detail}")
         for e in ans.events:
@@ -246,6 +295,7 @@ class _Run:
         self.owner._resize(w, to_bytes, f"tenant:{self.plan.tenant}", self.resized)
 
     def resized(self, out: DialOutcome) -> None:
+        self.waiter.events.extend(out.events)
         if out.error is not None:
             self.fail(f"the dial did not shrink the pool to {out.to_bytes}: {out.error}")
             return

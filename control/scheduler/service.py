@@ -39,7 +39,7 @@ from residency.control.scheduler.admission import Admission
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState, Stream
 from residency.control.scheduler.cost import CostModel
-from residency.control.scheduler.reclaimer import Reclaimer
+from residency.control.scheduler.reclaimer import Reclaimer, dial_of
 from residency.control.scheduler.port import BackendError, BackendStats, GenerateRequest, Health, ModelCard, SessionInfo
 from residency.control.scheduler.requests import RequestTable
 from residency.control.scheduler.router import Router
@@ -78,6 +78,7 @@ class ServingService:
         self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router)
         # outside tenants' reclaims and releases (serve --tenant); the dial is given to it by serve
         self.reclaimer = Reclaimer(proc, self.workers, self.asker, tenants or {})
+        self.reclaimer.dial = dial_of(proc)
         proc.on_ask(AskReclaim, self.reclaimer.on_reclaim)
         proc.on_ask(AskReleaseTenant, self.reclaimer.on_release)
         self.draining = False             # set by drain(): new requests are refused
