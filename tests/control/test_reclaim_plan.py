@@ -183,3 +183,33 @@ def test_the_grant_is_part_of_the_state_hash():
     grant = ev.TenantReclaimed(tenant="trainer", worker=0, asked_bytes=BB, granted_bytes=BB, freed_bytes=0,
                                measured_bytes=BB, rebind_id="rb-1")
     assert _fold([_joined(), grant]).state_hash() != _fold([_joined()]).state_hash()
+
+
+# ------------------------------------------------------------------ the audit
+def test_audit_tenants_sums_grants_releases_and_what_is_held(tmp_path, capsys):
+    import json
+
+    from residency.control.cli.main import main
+    from residency.ledger import LedgerStore
+
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    events = [_joined(),
+              ev.TenantReclaimed(tenant="trainer", worker=0, asked_bytes=3 * BB - 7, granted_bytes=3 * BB,
+                                 freed_bytes=BB, measured_bytes=None, rebind_id="rb-1"),
+              ev.TenantReclaimFailed(tenant="trainer", worker=0, asked_bytes=BB, reason="stranded",
+                                     stranded_bytes=BB, stranded_moves=["m-9"]),
+              ev.TenantReclaimed(tenant="judge", worker=0, asked_bytes=BB, granted_bytes=BB, freed_bytes=0,
+                                 measured_bytes=BB, rebind_id="rb-2"),
+              ev.TenantReleased(tenant="trainer", worker=0, bytes=3 * BB, measured_bytes=None, rebind_id="rb-3")]
+    store = LedgerStore.open(url, create=True)
+    try:
+        store.append([(Envelope(producer="test", epoch=1, producer_seq=i + 1, ts_ns=i + 1), e)
+                      for i, e in enumerate(events)])
+    finally:
+        store.close()
+    assert main(["audit", "tenants", "--db", url, "--json"]) == 0
+    rows = {r["tenant"]: r for r in json.loads(capsys.readouterr().out)["tenants"]}
+    assert rows["trainer"] == {"tenant": "trainer", "worker": 0, "granted_bytes": 3 * BB, "released_bytes": 3 * BB,
+                               "held_bytes": 0, "num_reclaims": 1, "num_failed": 1}
+    assert rows["judge"]["held_bytes"] == BB
+    assert _fold(events).workers[0].tenants == {"judge": BB}       # the fold agrees
