@@ -164,3 +164,31 @@ def test_the_ledger_verifies_and_replays_to_the_live_state(srv):
     p = subprocess.run([sys.executable, "-m", "residency.control.cli.main", "ledger", "verify", "--db", srv.ledger],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_park_whose_answer_never_comes_is_named_stranded_and_nothing_is_granted(tmp_path, monkeypatch):
+    # every move's outcome is dropped by the worker: the reclaim's park strands at its deadline
+    monkeypatch.setenv("RESIDENCY_WORKER_FAULTS", "drop_ack=1")
+    s = Server(tmp_path, "--no-policies", "--tenant", "trainer", "--retain-prefixes", "0",
+               "--move-deadline-s", "1").wait_ready()
+    try:
+        assert _chat(s, "A conversation that will be parked, about ledgers and pages. " * 3,
+                     session="quiet").status_code == 200
+        _, st = _status(s)
+        dev, bb = st.workers[0].tiers["device"], st.workers[0].block_bytes
+        r = s.admin("POST", "/admin/reclaim",
+                    json={"tenant": "trainer", "bytes": dev.capacity_bytes - dev.used_bytes + bb})
+        assert r.status_code == 503, r.text
+        failure = r.json()["failure"]
+        assert failure["stranded_moves"] and failure["stranded_bytes"] > 0       # named, never counted as zero
+        rep, live = _status(s)
+        assert live.workers[0].tenants == {}
+        assert live.workers[0].tiers["device"].capacity_bytes == dev.capacity_bytes     # the pool kept its size
+        events, replayed = _ledger(s, rep.last_seq)
+        failed = next(e for e in events if type(e) is ev.TenantReclaimFailed)
+        stranded = [e for e in events if type(e) is ev.MoveStranded]
+        assert failed.stranded_moves == [e.move_id for e in stranded][:len(failed.stranded_moves)]
+        assert failed.stranded_bytes == sum(e.bytes_at_risk for e in stranded if e.move_id in failed.stranded_moves)
+        assert replayed.state_hash() == rep.state_hash
+    finally:
+        s.stop()
