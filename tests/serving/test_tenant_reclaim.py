@@ -132,10 +132,14 @@ def test_a_bad_reclaim_is_refused_with_its_reason(srv, body, words):
     assert words in r.json()["error"]["message"]
 
 
-def test_ctl_names_the_declared_tenants_for_an_unknown_one(srv):
-    p = _ctl(srv, "reclaim", "--tenant", "nobody", "--bytes", "1MiB")
-    assert p.returncode == 2
-    assert "judge, trainer" in p.stderr
+def test_ctl_names_the_declared_tenants_for_an_unknown_one(srv, capsys):
+    from residency.control.cli.main import main
+
+    # in this process: `python -m ...cli.main` runs main as __main__, whose UserError is not ctl's
+    code = main(["ctl", "reclaim", "--tenant", "nobody", "--bytes", "1MiB", "--db", srv.ledger,
+                 "--run-dir", str(srv.dir / "run")])
+    assert code == 2
+    assert "judge, trainer" in capsys.readouterr().err
 
 
 def test_a_release_grows_the_pool_back_and_a_request_is_served(srv):
