@@ -340,7 +340,8 @@ def main() -> None:
     print(f"{'(b) reclaim: asked / granted':<34}{mb(b['asked_bytes'])} / {mb(b['granted_bytes'])}"
           f"  measured {mb(b['measured_bytes'])}")
     fb = b.get("first_byte_s")
-    print(f"{'    to first byte (2nd process)':<34}{'n/a (' + b.get('note', '') + ')' if fb is None else f'{fb:.3f} s'}")
+    first = f"n/a ({b.get('note', '')})" if fb is None else f"{fb:.3f} s"
+    print(f"{'    to first byte (2nd process)':<34}{first}")
     print(f"{'    ctl wall':<34}{b['ctl_wall_s']:.3f} s (rc {b['ctl_rc']})")
     for k, v in res["targets"].items():
         print(f"target {k}: measured {v['measured']} target {v['target']} met {v['met']}")
