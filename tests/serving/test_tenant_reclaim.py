@@ -110,7 +110,10 @@ def test_an_ask_above_everything_reclaimable_is_refused_whole_and_nothing_moves(
 
 
 def test_a_route_the_tenant_did_not_declare_is_not_used(srv):
-    # judge may only drop retained prefixes, and this server retains none: only free pages count
+    # judge may only drop retained prefixes, and this server retains none: only free pages count,
+    # not the idle session that a park would empty
+    assert _chat(srv, "An idle conversation judge may not park, about tiers. " * 3,
+                 session="judge-idle").status_code == 200
     _, st = _status(srv)
     dev = st.workers[0].tiers["device"]
     r = srv.admin("POST", "/admin/reclaim",
