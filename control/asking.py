@@ -6,6 +6,7 @@ socket) and their answers.
     AskSetBudget     BudgetSet (checked first)
     AskCommitBlocks  block ids allocated here; CommitBlocks to the worker; BlocksCommitted on its answer
     AskStatus        the live state and health, at once
+    AskMemory        the memory view, once every worker's probe answered or timed out (control/memory_probes.py)
 An answer leaves only once everything recorded for its ask is committed (``Answers``).
 Loop thread only.
 """
@@ -20,7 +21,8 @@ import structlog
 
 from residency.events import catalog as ev
 from residency.events.asks import (
-    AskAnswered, AskCommitBlocks, AskMove, AskReleaseBlocks, AskSetBudget, AskStatus, StatusReport,
+    AskAnswered, AskCommitBlocks, AskMemory, AskMove, AskReleaseBlocks, AskResize, AskSetBudget, AskStatus,
+    StatusReport,
 )
 from residency.events.commands import BlocksWritten, CommandFailed, CommitBlocks
 from residency.control import budget, moves
@@ -54,7 +56,8 @@ class AskHandler:
 
     def __init__(self, cfg: ControlConfig, state: State, epoch: int, crashed: bool, recorder: Recorder,
                  server: AskServer | None, workers: WorkerRegistry, dispatcher: MoveDispatcher, answers: Answers,
-                 metrics: collections.Counter, stopping: Callable[[], bool], health: Callable):
+                 metrics: collections.Counter, stopping: Callable[[], bool], health: Callable,
+                 memory: Callable | None = None, dialer=None):
         self.cfg = cfg
         self.state = state
         self.epoch = epoch
@@ -67,6 +70,8 @@ class AskHandler:
         self.metrics = metrics
         self.stopping = stopping
         self.health = health
+        self.memory = memory             # AskMemory: memory(ask, reply) probes the workers, then replies
+        self.dial = dialer               # control/dialing.py Dial: AskResize
         self.asked_ns = 0                # wall clock when the loop took the current ask (traces)
         self._pending: dict[str, PendingCommit] = {}    # commit ref -> its ask
         self._num_refs = 0
@@ -108,6 +113,12 @@ class AskHandler:
         if type(msg) is AskStatus:
             reply(self.status_report(ask_id, msg.include_state))
             return
+        if type(msg) is AskMemory:
+            if self.memory is None:
+                reply(AskAnswered(ask_id=ask_id, error=INVALID_ASK, detail="this control keeps no memory view"))
+            else:
+                self.memory(msg, reply)
+            return
         waiter = moves.AskWaiter(ask_id, lambda events, mids, error, detail: reply(AskAnswered(
             ask_id=ask_id, events=[e for _, e in events], seqs=[s for s, _ in events], move_ids=mids,
             error=error, detail=detail)), wait=getattr(msg, "wait", True))
@@ -133,6 +144,9 @@ class AskHandler:
                 self._ask_commit(msg, waiter)
             elif type(msg) in self.extra:
                 self.extra[type(msg)](msg, asker, waiter)
+            elif type(msg) is AskResize and self.dial is not None:
+                self.dial.ask(msg, f"{asker}:resize", waiter)
+                return          # the dial answers it after commit
             else:
                 raise moves.InvalidAsk(f"{type(msg).__name__} is not an ask")
         except moves.NothingToMove as e:       # already where it was asked to go: done, said so
@@ -154,7 +168,8 @@ class AskHandler:
         if msg.blocks and msg.kind != "release":
             self.dispatcher.wake_lane(msg.worker, len(msg.blocks))
         proposals = moves.resolve(self.state, msg, origin, self.dispatcher.busy.by_worker)
-        refusal = moves.fund(self.state, proposals, self.dispatcher.reserved_bytes())
+        refusal = (self.dial.refuse_moves(proposals) if self.dial is not None else None) or moves.fund(
+            self.state, proposals, self.dispatcher.reserved_bytes())
         if refusal is not None:
             e = refusal.event(origin, msg.session)
             log.info("move_refused", origin=origin, worker=refusal.worker, tier=refusal.tier,

@@ -21,6 +21,7 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     worker_lost_s: float = 5.0
     lane_wait_s: float = 2.0              # a lane named in Hello but silent this long: use the Hello socket
     adopt_grace_s: float = 3.0            # after a crash: how long workers have to come back
+    rebind_deadline_s: float = 30.0       # a resize's PoolRebound is due within this (plus its bytes at 1 GB/s)
     # ... and then, with keep_disk, how long one that held disk copies waits for its next
     # incarnation to say which it found, before they are counted lost with the rest
     replace_wait_s: float = 120.0

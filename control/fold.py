@@ -26,6 +26,7 @@ from residency.events.envelope import Recorded
 from residency.control import fold_moves, fold_serving, fold_tenants
 from residency.control.fold_base import anomaly as _anomaly, free_copies, worker_or_anomaly as _worker
 from residency.control.fold_moves import lose_moves
+from residency.control.fold_serving import close_rebinds_of
 from residency.control.state import (
     BlockState,
     copy_set,
@@ -105,8 +106,10 @@ def _server_stopped(s: State, e: ev.ServerStopped, seq: int) -> None:
 def _worker_joined(s: State, e: ev.WorkerJoined, seq: int) -> None:
     ws = s.workers.get(e.worker)
     if ws is None:
-        s.workers[e.worker] = new_worker(e.worker, e.device, e.tiers, e.block_bytes)
+        s.workers[e.worker] = ws = new_worker(e.worker, e.device, e.tiers, e.block_bytes)
+        ws.device_owned = dict(e.device_owned)
         return
+    close_rebinds_of(s, e.worker)
     # A worker coming back: same accounts, fresh capacities. Copies it lost were named by
     # the WorkerLost / BlocksFreed events before this one.
     ws.alive, ws.lost_reason, ws.device, ws.silent_ms = True, None, e.device, 0
@@ -115,6 +118,7 @@ def _worker_joined(s: State, e: ev.WorkerJoined, seq: int) -> None:
     ws.block_bytes = e.block_bytes
     for t, cap in e.tiers.items():
         ws.tiers[t].capacity_bytes = cap
+    ws.device_owned = dict(e.device_owned)
 
 
 def _heartbeat_missed(s: State, e: ev.WorkerHeartbeatMissed, seq: int) -> None:
@@ -138,6 +142,7 @@ def _worker_lost(s: State, e: ev.WorkerLost, seq: int) -> None:
     if s.copies is not None:
         s.copies.pop(e.worker, None)
     ws.pinned = {}
+    ws.device_owned = {}
     if e.kept_on_disk:
         kept = {}
         for bid in e.kept_on_disk:

@@ -78,8 +78,24 @@ def _rebind_committed(s: State, e: ev.RebindCommitted, seq: int) -> None:
 
 def _rebind_torn(s: State, e: ev.RebindTorn, seq: int) -> None:
     rb = s.rebinds.get(e.rebind_id)
-    if rb is not None:
+    if rb is not None and rb.status != "superseded":    # a pool gone with its worker stays gone
         rb.status = "torn"
+
+
+def _rebind_refused(s: State, e: ev.RebindRefused, seq: int) -> None:
+    rb = s.rebinds.get(e.rebind_id)
+    if rb is None:
+        _anomaly(s, seq, f"RebindRefused for unknown rebind {e.rebind_id}")
+        return
+    rb.status = "refused"             # nothing changed: every reader is still at from_gen
+
+
+def close_rebinds_of(s: State, worker: int) -> None:
+    """A new incarnation of ``worker`` joined with a new pool: the rebinds of the old one's pool
+    (pending or torn) name memory that is gone, so they no longer hold the worker's pool."""
+    for rb in s.rebinds.values():
+        if rb.worker == worker and rb.status in ("requested", "torn"):
+            rb.status = "superseded"
 
 
 def _pool_resized(s: State, e: ev.PoolResized, seq: int) -> None:
@@ -138,6 +154,7 @@ HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.RebindCommitted: _rebind_committed,
     ev.RebindTorn: _rebind_torn,
     ev.PoolResized: _pool_resized,
+    ev.RebindRefused: _rebind_refused,
     ev.WeightsLoaded: _weights_loaded,
     ev.FlipRequested: _flip_requested,
     ev.FlipCompleted: _flip_completed,

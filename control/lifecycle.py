@@ -20,7 +20,7 @@ import structlog
 
 from residency.events import catalog as ev
 from residency.events.commands import BlocksReleased, CommandAhead, MovesReport, MoveTimed
-from residency.control import budget, moves, recovery, watchdog
+from residency.control import budget, dial, moves, recovery, watchdog
 from residency.control.answers import Answers
 from residency.control.awake_poll import AwakePoll
 from residency.control.config import ControlConfig
@@ -58,6 +58,9 @@ class MoveDispatcher:
         self.faults = faults
         self.metrics = metrics
         self.blocks_in_use = blocks_in_use
+        # (code, reason) of a device pool the dial holds closed (control/dialing.py Dial.holds);
+        # None: only what the state shows (a rebind requested or torn) closes one
+        self.holds: Callable[[int], tuple[str, str] | None] | None = None
         # stranded moves their worker says it never received: it tombstones them, so they will never
         # land and hold neither blocks nor room. Not recorded: the worker that answers may be a new
         # incarnation, which cannot speak for the command its lost predecessor had (a rejection or
@@ -136,6 +139,9 @@ class MoveDispatcher:
         if self.workers.send(link, moves.command_for(req)):
             self.traces.mark(req.move_id, "sent")
             self.book.sent(req.move_id, time.monotonic_ns())
+            # NOTE: not write-ahead: the command has left already, and nothing waits for this
+            # row's commit (it rides the next group commit, before the move's outcome can)
+            self.recorder.record(ev.MoveDispatched(move_id=req.move_id, worker=req.worker), causation=req.move_id)
             self.faults.hit("crash_after_dispatch", delay_s=0.05)
 
     def worker_joined(self, worker: int) -> None:
@@ -264,6 +270,8 @@ class MoveDispatcher:
         elif cfg.park:
             self._next_park = mono + S
         for proposal in plan(self.state, self.recency, now, cfg, self.memo, busy):
+            if dial.refuse_moves(self.state, [proposal], self.holds) is not None:
+                continue        # a closed pool (rebinding, torn): the policies wait, unrecorded
             try:
                 moves.validate(self.state, proposal, busy)
             except moves.InvalidAsk:

@@ -29,7 +29,9 @@ import zmq
 
 from residency.events import catalog as ev
 from residency.events.commands import (
-    ClaimDisk, DiskClaimed, ErrorReply, Hello, LaneHello, Ping, Pong, QueryMoves, Shutdown, Tokenize,
+    ClaimDisk, DiskClaimed, ErrorReply, Hello, LaneHello, PinnedChanged, Ping, Pong, PoolSizing, QueryMemory, QueryMoves,
+    Shutdown,
+    Tokenize,
 )
 from residency.ledger.errors import LedgerError
 from residency.control import recovery, watchdog
@@ -44,10 +46,20 @@ from residency.control.transport import (
 )
 
 log = structlog.get_logger("control.links")
+
+
+def describe_sizing(s: PoolSizing | None) -> str | None:
+    """The pool's sizing in one line (the worker's arithmetic, repeated in the control's log)."""
+    if s is None:
+        return None
+    if s.how == "explicit":
+        return f"{s.num_blocks} blocks (--device-blocks)"
+    return (f"{s.num_blocks} blocks = {s.fraction} x {s.total_bytes} total - {s.in_use_bytes} in use - "
+            f"{s.reserve_bytes} reserve, in blocks of {s.block_bytes}")
 S = 1_000_000_000
 # what a worker's I/O thread answers or hands to its side threads (dataplane/side.py): never sent
 # to its lane
-TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply, Tokenize)
+TO_IO_THREAD = (Ping, QueryMoves, Shutdown, ErrorReply, Tokenize, QueryMemory)
 
 
 class WorkerLink:
@@ -55,7 +67,7 @@ class WorkerLink:
     heard, and the move ids it has been queried about (QueryMoves) and not yet answered for."""
 
     __slots__ = ("worker", "identity", "epoch", "last_heard_ns", "missed", "queried", "last_query_ns", "device",
-                 "lane", "lane_up", "held", "lane_by_ns")
+                 "lane", "lane_up", "held", "lane_by_ns", "pool_gen", "readers")
 
     def __init__(self, worker: int, identity: bytes, epoch: int, device: str, now_ns: int, lane: bytes | None = None):
         self.worker, self.identity, self.epoch, self.device = worker, identity, epoch, device
@@ -67,6 +79,8 @@ class WorkerLink:
         self.lane_up = False          # its LaneHello came: commands may go there
         self.held: list = []          # device-thread commands waiting for the lane to come up
         self.lane_by_ns = 0           # when the lane must be up (monotonic), or it is given up
+        self.pool_gen = 0             # the generation its device pool carries (Hello, then each rebind)
+        self.readers: list[str] = []  # its readers of that pool (Hello, ServingReady): each stamps a rebind
 
 
 class WorkerRegistry:
@@ -101,6 +115,7 @@ class WorkerRegistry:
         self._adopting: dict[int, int] = {w: now + int(cfg.adopt_grace_s * S) for w in alive} if crashed else {}
         # worker -> (until when its disk copies wait for the next incarnation, why the last one went)
         self._replacing: dict[int, tuple[int, str]] = {}
+        self.sizing: dict[int, PoolSizing | None] = {}   # how each incarnation sized its pool (its Hello)
 
     @property
     def adopting(self) -> Collection[int]:
@@ -233,6 +248,7 @@ class WorkerRegistry:
     # ------------------------------------------------------------------ Hello and adoption
     def on_hello(self, link: WorkerLink, msg: Hello) -> None:
         if msg.epoch == link.epoch:      # the worker thought we restarted; query it again
+            link.pool_gen, link.readers = msg.pool_gen, list(msg.readers)
             self._claim_disk(link, msg)
             self.query(link, recovery.to_query(self.state, link.worker, self.book))
             return
@@ -275,6 +291,7 @@ class WorkerRegistry:
             return
         lane = msg.lane.encode() if msg.lane else None
         link = WorkerLink(w, identity, msg.epoch, msg.device, now, lane)
+        link.pool_gen, link.readers = msg.pool_gen, list(msg.readers)
         self._links[identity] = self.by_worker[w] = link
         if lane is not None:
             link.lane_by_ns = now + int(self.cfg.lane_wait_s * S)
@@ -284,18 +301,47 @@ class WorkerRegistry:
         adopted = ws is not None and ws.alive and self.roster.get(w) == msg.epoch
         self._adopting.pop(w, None)
         self._replacing.pop(w, None)
+        self.sizing[w] = msg.sizing            # an adopted worker's too (its books are in the ledger already)
         if adopted:
             log.info("worker_adopted", worker=w, epoch=msg.epoch)
         else:
             self.recorder.record(ev.WorkerJoined(worker=w, device=msg.device, tiers=dict(msg.tiers),
-                                                 block_bytes=msg.block_bytes),
+                                                 block_bytes=msg.block_bytes, device_owned=dict(msg.device_owned),
+                                                 pinned_limit_bytes=msg.pinned_limit_bytes),
                                  causation=recovery.join_causation(w, msg.epoch))
             self.roster[w] = msg.epoch
+            self._record_memory(w, msg)
             log.info("worker_joined", worker=w, epoch=msg.epoch, device=msg.device, tiers=msg.tiers,
-                     block_bytes=msg.block_bytes)
+                     block_bytes=msg.block_bytes, device_owned=msg.device_owned,
+                     pool_sizing=describe_sizing(msg.sizing))
         self._claim_disk(link, msg)
         self.query(link, recovery.to_query(self.state, w, self.book))
         self.on_joined(w)
+
+    def _record_memory(self, w: int, msg: Hello) -> None:
+        """A new incarnation's memory outside its blocks: its weights, and each pinned grant."""
+        weights = msg.device_owned.get("weights")
+        if msg.model and weights is not None:
+            self.recorder.record(ev.WeightsLoaded(worker=w, arena="weights", model=msg.model, bytes=weights,
+                                                  allocator_bytes=msg.weights_allocator_bytes))
+        for owner, nbytes in msg.pinned.items():
+            self.recorder.record(ev.PinnedRegistered(worker=w, owner=owner, bytes=nbytes))
+
+    def on_pinned_changed(self, link: WorkerLink, msg: PinnedChanged) -> None:
+        """A grant made or given back after Hello (a resize grows or shrinks the index buffers)."""
+        e = (ev.PinnedRegistered if msg.registered else ev.PinnedReleased)(worker=link.worker, owner=msg.owner,
+                                                                             bytes=msg.bytes)
+        self.recorder.record(e)
+
+    def release_pinned(self, reason: str) -> None:
+        """A clean stop: every joined worker is told to stop and gives back its pinned grants
+        as it closes its mover; they leave the books here (a worker lost meanwhile is cleared by
+        its WorkerLost)."""
+        for w in list(self.by_worker):
+            ws = self.state.workers.get(w)
+            if ws is not None and ws.alive:
+                for owner, nbytes in list(ws.pinned.items()):
+                    self.recorder.record(ev.PinnedReleased(worker=w, owner=owner, bytes=nbytes))
 
     def _claim_disk(self, link: WorkerLink, msg: Hello) -> None:
         """Files an incarnation found on its disk at start and still offers: keep those the ledger

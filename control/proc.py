@@ -45,7 +45,7 @@ import structlog
 import zmq
 
 from residency.events import catalog as ev
-from residency.control import recovery
+from residency.control import dial, recovery
 from residency.control.anchoring import Anchoring
 from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
@@ -99,6 +99,8 @@ class ControlProc:
         self._beat_ns = time.monotonic_ns()
         self._handlers: dict[type, Callable] = {}           # worker message type -> handler (the parts')
         self._ask_handlers: dict[type, Callable] = {}       # ask type -> handler (the parts')
+        self._pool_readers: dict[str, Callable] = {}        # the control's readers of device pools (the dial)
+        self.dial = None                                    # control/dialing.py Dial, made by _recover()
         self._listeners: list[Callable[[int, ev.Event], None]] = []
         self._stop_hooks: list[Callable[[str], None]] = []
         self._router: WorkerRouter | None = None
@@ -184,6 +186,8 @@ class ControlProc:
             problems.append(f"control loop stalled for {loop_lag // MS} ms")
         if commit_lag > stall:
             problems.append(f"ledger commit lagging {commit_lag // MS} ms (queue {stats.get('queue_depth', 0)})")
+        if self.dial is not None:
+            problems.extend(self.dial.problems)     # a torn pool refuses requests until repaired
         if stats.get("queue_depth", 0) >= self.cfg.max_queue:
             problems.append(f"ledger back-pressure: queue full ({stats['queue_depth']})")
         metrics = {k: float(v) for k, v in dict(self.metrics).items()}
@@ -224,6 +228,12 @@ class ControlProc:
     def add_listener(self, fn: Callable[[int, ev.Event], None]) -> None:
         """``fn(seq, event)`` on the loop thread after each event is folded (before its commit)."""
         self._listeners.append(fn)
+
+    def add_pool_reader(self, name: str, fn: Callable[[State, int, int, int], int]) -> None:
+        """A reader of every device pool in this process, stamped on each rebind (control/dialing.py):
+        ``fn(state, worker, to_gen, to_bytes)`` returns the generation it carries now, called on the
+        loop thread once the pool's PoolResized is folded. Register before ``start``."""
+        self._pool_readers[name] = fn
 
     def add_stop_hook(self, fn: Callable[[str], None]) -> None:
         """``fn(reason)`` on the loop thread once the loop stops, before the shutdown settles the
@@ -308,12 +318,14 @@ class ControlProc:
         self._writer = self._default_writer(self.store)
         parts = Parts(self.store, self.cfg, rec, self._writer, self._router, self._ask_server, self.traces,
                       self.faults, self.metrics, self._listeners, self._handlers, lambda: self.blocks_in_use(),
-                      lambda: self._stop_reason is not None, self.health, lambda w: self.worker_gone(w))
+                      lambda: self._stop_reason is not None, self.health, lambda w: self.worker_gone(w),
+                      self._pool_readers)
         self.recorder, self.checkpoints, self.answers = parts.recorder, parts.checkpoints, parts.answers
         self.anchoring = (Anchoring(self.store, self.cfg.anchor_file, self.cfg.anchor_key_file,
                                     self.cfg.anchor_every_events, rec.last_seq) if self.cfg.anchor_file else None)
         self.awake, self.keep_awake = parts.awake, parts.keep_awake
-        self.workers, self.moves, self.asks = parts.workers, parts.moves, parts.asks
+        self.workers, self.moves, self.asks, self.dial = parts.workers, parts.moves, parts.asks, parts.dial
+        self.memory = parts.memory
         self.asks.extra.update(self._ask_handlers)
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
@@ -323,6 +335,11 @@ class ControlProc:
             self.recorder.record(e, correlation=e.request_id)
         if orphaned:
             log.warning("requests_closed_at_start", num_requests=len(orphaned), reason=recovery.CONTROL_LOST)
+        for e in dial.torn_at_recovery(self.state):     # requested, never answered: its readers unknown
+            self.recorder.record(e, causation="control:recovery")
+            log.error("rebind_torn_at_start", rebind_id=e.rebind_id, readers=e.readers_behind)
+        self.dial.problems = tuple(dial.torn_pools(self.state))
+        self._stop_hooks.append(self.dial.stop)
         self.recorder.flush()
 
     def _close(self) -> None:
@@ -401,6 +418,8 @@ class ControlProc:
         for req in self.moves.book.committed(committed):
             self.moves.dispatch(req)
             acted = True
+        if acted:      # their MoveDispatched rows, after the commands have left (never before)
+            self.recorder.flush()
         acted = self.answers.send_committed(committed) or acted
         self.checkpoints.save_committed(committed)
         if self.anchoring is not None:
@@ -428,7 +447,9 @@ class ControlProc:
         if now >= nxt["watchdog"]:
             nxt["watchdog"] = now + 10 * MS
             self.asks.watch_commits()
+            self.memory.tick(now)
             self.moves.watch_deadlines()
+            self.dial.watch()
         if now >= nxt["ping"]:
             nxt["ping"] = now + int(self.cfg.ping_interval_s * S)
             self.workers.heartbeats(now)

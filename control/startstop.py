@@ -17,13 +17,15 @@ import structlog
 from residency.events import catalog as ev
 from residency.events.commands import (
     BlocksReleased, BlocksWritten, CommandFailed, DiskClaimed, ErrorReply, Hello, MoveNearlyDone, MovesReport,
-    MoveTimed, Pong,
+    MemoryReport, MoveTimed, PinnedChanged, PoolRebound, Pong,
 )
 from residency.control import moves, recovery
+from residency.control.memory_probes import MemoryProbes
 from residency.control.answers import Answers
 from residency.control.asking import AskHandler
 from residency.control.awake_poll import AwakePoll
 from residency.control.config import ControlConfig
+from residency.control.dialing import Dial
 from residency.control.keep_awake import AwakeWhileMoving, KeepAwake
 from residency.control.lifecycle import MoveDispatcher
 from residency.control.links import WorkerRegistry
@@ -58,7 +60,7 @@ class Parts:
                  ask_server: AskServer | None, traces: MoveTraces, faults: ControlFaults,
                  metrics: collections.Counter, listeners: list, handlers: dict[type, Callable],
                  blocks_in_use: Callable[[], dict[int, set[int]]], stopping: Callable[[], bool], health: Callable,
-                 worker_gone: Callable[[int], None] = lambda w: None):
+                 worker_gone: Callable[[int], None] = lambda w: None, pool_readers: dict | None = None):
         state, recency, epoch, now = rec.state, rec.recency, rec.epoch, time.monotonic_ns()
         self.recorder = recorder = Recorder(store, writer, state, recency, epoch, faults, cfg.durability,
                                             1000 if cfg.commit_inline else 0, listeners, metrics)
@@ -76,15 +78,21 @@ class Parts:
                                       lambda w: self.moves.worker_joined(w), worker_gone)
         self.moves = MoveDispatcher(cfg, state, recency, epoch, recorder, book, busy, self.workers, self.answers,
                                     self.awake, self.keep_awake, traces, faults, metrics, blocks_in_use)
+        self.memory = MemoryProbes(lambda: state, self.workers, blocks_in_use)
+        self.dial = Dial(state, recency, epoch, recorder, self.workers, self.moves, self.answers, blocks_in_use,
+                         pool_readers, cfg.rebind_deadline_s)
+        self.moves.holds = self.dial.holds
         self.asks = AskHandler(cfg, state, epoch, rec.crashed, recorder, ask_server, self.workers, self.moves,
-                               self.answers, metrics, stopping, health)
+                               self.answers, metrics, stopping, health, memory=self.memory.begin, dialer=self.dial)
         for types, handler in (
                 ((Hello,), self.workers.on_hello), ((Pong,), self.workers.on_pong),
+                ((PinnedChanged,), self.workers.on_pinned_changed), ((MemoryReport,), self.memory.on_report),
                 ((ErrorReply,), self.workers.on_worker_error), ((DiskClaimed,), self.workers.on_disk_claimed),
                 ((ev.MoveAcked, ev.MoveFailed, ev.MoveRejected), self.moves.on_outcome),
                 ((BlocksReleased,), self.moves.on_released), ((MovesReport,), self.moves.on_report),
                 ((MoveTimed,), self.moves.on_timed), ((MoveNearlyDone,), self.awake.on_nearly_done),
-                ((BlocksWritten,), self.asks.on_written), ((CommandFailed,), self.asks.on_command_failed)):
+                ((BlocksWritten,), self.asks.on_written), ((CommandFailed,), self.asks.on_command_failed),
+                ((PoolRebound,), self.dial.on_rebound)):
             for t in types:
                 handlers.setdefault(t, handler)    # one registered before start (on_worker_message) wins
         if self.workers.adopting:
@@ -115,6 +123,7 @@ def shut_down(reason: str, cfg: ControlConfig, state: State, recorder: Recorder,
         for mid, mv in list(state.inflight.items()):   # unanswered releases: silence is not zero
             dispatcher.settle(mid, ev.MoveStranded(move_id=mid, worker=mv.worker, bytes_at_risk=mv.bytes_planned,
                                                    why="silent_release"))
+    workers.release_pinned(reason)
     recorder.record(ev.ServerStopped(reason=reason))
     recorder.flush()
     writer.flush(timeout=30)

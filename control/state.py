@@ -42,6 +42,7 @@ class WorkerState(msgspec.Struct, kw_only=True):
     silent_ms: int = 0
     tiers: dict[str, TierAccount] = {}
     pinned: dict[str, int] = {}       # owner -> pinned host bytes registered
+    device_owned: dict[str, int] = {}  # owner -> device bytes outside the KV pool (weights, scratch)
     last_step: int = -1
     last_step_ts_ns: int = 0
     tenants: dict[str, int] = {}      # outside tenant -> device bytes granted it (TenantReclaimed less TenantReleased)
@@ -99,7 +100,8 @@ class RebindState(msgspec.Struct, kw_only=True):
     from_gen: int
     to_gen: int
     readers: dict[str, int]           # reader -> generation it carries
-    status: str = "requested"         # requested | committed | torn
+    status: str = "requested"         # requested | committed | torn | refused (nothing changed) |
+                                      # superseded (its worker's next incarnation has a new pool)
 
 
 class ArenaState(msgspec.Struct, kw_only=True):
@@ -178,12 +180,15 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 
-# The version of the fold, written into every state hash ("f2:<sha256>"). A StateCheckpoint from
-# another version hashed another state (version 1, the bare hex of earlier ledgers: before
-# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss;
-# version 2, before WorkerState.tenants), so it cannot be compared with this fold's replay;
-# `ledger verify` says how many it left.
-FOLD_VERSION = 3
+# The version of the fold, written into every state hash ("f5:<sha256>"). A StateCheckpoint from
+# another version hashed another state, so it cannot be compared with this fold's replay; `ledger
+# verify` says how many it left. Version 1 (the bare hex of earlier ledgers): before
+# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss.
+# Version 3: WorkerState.device_owned (the weights and scratch on the device's books).
+# Version 4: a rebind refused by its worker, and a worker's open rebinds closed when a new
+# incarnation joins (control/fold_serving.py). Version 5: outside tenants' grants
+# (WorkerState.tenants).
+FOLD_VERSION = 5
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 

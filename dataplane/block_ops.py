@@ -37,6 +37,8 @@ class BlockOps:
         if len(set(ids)) != len(ids):
             raise AlreadyResident(cmd.tier, [b for b in ids if ids.count(b) > 1])
         self._check_not_busy(cmd.tier, ids)
+        if cmd.tier == "device":
+            self.tiers.device_pool.check_usable("a block commit")     # raises TornPool
         pool = self.tiers.pool(cmd.tier)
         present = [b for b in ids if pool.holds(b)]
         if present:

@@ -1,7 +1,10 @@
 """Building a worker's core from its command line: the KV layout, the mover, or the model (serving)."""
 from __future__ import annotations
 
+from residency.dataplane import sizing as sz
+from residency.events.commands import PoolSizing
 from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.memory_books import MemoryBooks
 from residency.dataplane.worker import WorkerCore
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -21,6 +24,19 @@ def layout_block_bytes(layout: tuple[int, int, int, int, str]) -> int:
     return layers * 2 * page * heads * dim * DTYPE_BYTES[dtype]
 
 
+def pool_sizing(args, meter: sz.Meter, block_bytes: int, weights_bytes: int, min_blocks: int,
+                reserve_bytes: int) -> PoolSizing:
+    """``--device-blocks`` as given, else measured (``meter``, after the weights load) and sized
+    from ``--gpu-memory-fraction``; raises PoolSizingRefused with the arithmetic."""
+    if args.device_blocks is not None:
+        return sz.explicit(args.device, args.device_blocks, block_bytes, weights_bytes)
+    total, in_use = meter.measure()
+    fraction = args.gpu_memory_fraction or sz.default_fraction(args.device)
+    return sz.size_pool(device=args.device, total_bytes=total, in_use_bytes=in_use, fraction=fraction,
+                        reserve_bytes=reserve_bytes, weights_bytes=weights_bytes, block_bytes=block_bytes,
+                        min_blocks=min_blocks)
+
+
 def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     """The worker's core and its block size: a model's (``--model``), else the tier mover's of ``--kv-layout``."""
     if getattr(args, "model", None) not in (None, "", "none"):
@@ -32,12 +48,17 @@ def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
+    meter = sz.Meter(args.device)
     layout = parse_layout(args.kv_layout)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     kv = KVLayout(*layout[:4], dtype=layout[4])
-    pinned = Mover.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
-    mover = Mover(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
+    sizing = pool_sizing(args, meter, kv.block_bytes, 0, sz.MIN_BLOCKS_NO_MODEL,
+                         sz.activation_reserve(args.device, 0))
+    pinned = Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
+    mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, args.device, worker=args.worker,
                   disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
-    return WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,)), kv.block_bytes
+    core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
+    core.books = MemoryBooks(args.worker, args.device, mover.pinned, sizing)
+    return core, kv.block_bytes

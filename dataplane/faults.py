@@ -32,6 +32,8 @@ class WorkerFaults:
                              wait), so a test can kill the worker in the middle of a move
         stall_step=N:MS      the device thread freezes MS ms before its Nth serving step, while
                              the I/O thread goes on answering pings (a wedged engine)
+        miss_stamp=READER    on the next rebind of the device pool, that reader does not stamp
+                             (the pool is torn); one-shot: the rebind after it stamps as usual
         seed=S               the random source of the probabilities above
     """
 
@@ -43,6 +45,7 @@ class WorkerFaults:
         self.crash_after_moves = 0
         self.exec_delay_ms = 0.0
         self.stall_step, self.stall_ms = 0, 0.0
+        self.miss_stamp: str | None = None
         seed = 0
         for part in filter(None, (x.strip() for x in spec.split(","))):
             name, _, value = part.partition("=")
@@ -58,12 +61,17 @@ class WorkerFaults:
             elif name == "stall_step":
                 n, _, ms = value.partition(":")
                 self.stall_step, self.stall_ms = int(n), float(ms or 10_000)
+            elif name == "miss_stamp":
+                if not value:
+                    raise ValueError("miss_stamp needs a reader's name (mover, staging, serving, graphs)")
+                self.miss_stamp = value
             elif name == "seed":
                 seed = int(value)
             else:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
         self.rng = random.Random(seed)
-        self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step)
+        self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step
+                            or self.miss_stamp)
         self.counts: dict[str, int] = {}
         self.num_moves = 0
         self.num_steps = 0
@@ -88,6 +96,13 @@ class WorkerFaults:
         if self.crash_after_moves and self.num_moves == self.crash_after_moves:
             log.warning("fault_injected_crash", fault="crash_after_moves", n=self.num_moves, move_id=move_id)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def take_miss_stamp(self) -> str | None:
+        """The reader that must miss this rebind's stamp, once (device thread only)."""
+        name, self.miss_stamp = self.miss_stamp, None
+        if name is not None:
+            self.counts["miss_stamp"] = self.counts.get("miss_stamp", 0) + 1
+        return name
 
     def before_step(self) -> None:
         """A serving step is about to run: ``stall_step`` freezes the device thread here (device

@@ -24,7 +24,7 @@ from residency.dataplane.side import SideThreads
 from residency.dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError, lane_identity_of
 from residency.dataplane.worker import WorkerCore, WorkerRecord, command_ref
 from residency.events.commands import (
-    CommandAhead, ErrorReply, ExecuteMove, Hello, Ping, Pong, QueryMoves, ReleaseBlocks, Shutdown,
+    CommandAhead, ErrorReply, ExecuteMove, Hello, Ping, Pong, QueryMemory, QueryMoves, ReleaseBlocks, Shutdown,
 )
 
 log = structlog.get_logger("dataplane.io_thread")
@@ -107,9 +107,12 @@ class IOThread:
 
     def hello(self) -> None:
         self._last_hello_ns = time.monotonic_ns()
+        books = self.core.books.hello_fields() if self.core.books is not None else {}
+        pool_gen, readers = self.core.pool_status()
         self.link.send(Hello(worker=self.worker, epoch=self.epoch, device=self.device,
                              tiers=dict(self.core.mover.capacities()), block_bytes=self.block_bytes,
-                             lane=lane_identity_of(self.worker).decode(), disk_blocks=list(self.core.unclaimed_disk)))
+                             lane=lane_identity_of(self.worker).decode(), disk_blocks=list(self.core.unclaimed_disk),
+                             pool_gen=pool_gen, readers=readers, **books))
         for msg in self.core.hello_extras():     # e.g. ServingReady: the control learns the model again
             self.link.send(msg)
         self.device_thread.say_hello()           # after each Hello the lane says it is up
@@ -132,6 +135,9 @@ class IOThread:
     def tick(self) -> None:
         """Held outcomes whose time came; Hello again to a silent control; stop when it is gone."""
         self.out.tick()
+        if self.core.books is not None:
+            for change in self.core.books.take_changes():    # pinned grants made or given back since Hello
+                self.link.send(change)
         now = time.monotonic_ns()
         silent = now - self._last_control_ns
         if silent > self.orphan_exit_ns:
@@ -161,6 +167,11 @@ class IOThread:
             self.link.send(self._pong(cmd))
         elif t is QueryMoves:
             self.link.send(self.record.report(cmd.move_ids))
+        elif t is QueryMemory:
+            if self.core.books is None:
+                self.link.send(ErrorReply(error=UNEXPECTED, detail="this worker keeps no memory books"))
+            else:
+                self.link.send(self.core.books.probe(cmd.nonce))
         elif t is Shutdown:
             self.log.info("shutdown_asked", reason=cmd.reason)
             self.stop(f"asked: {cmd.reason}")

@@ -36,7 +36,8 @@ from residency.dataplane.block_ops import BlockOps, seeded_words
 from residency.dataplane.moves import EXECUTORS, PRIME_CHUNKS, Copier, DeviceStaging, InFlight, MoveContext, validate
 from residency.dataplane.moves.dma import RawDma, TorchDma, dma_issuer
 from residency.dataplane.moves.record import MoveRecord, Outcome
-from residency.dataplane.pools import DataPlaneError, IntegrityError, KVLayout
+from residency.dataplane.pools import DataPlaneError, IntegrityError, KVLayout, TornPool
+from residency.dataplane.rebind import attach_mover_readers
 from residency.dataplane.tiers import TIERS, Tiers
 from residency.dataplane.warm_up import warm_up
 from residency.events.catalog import MoveRejected
@@ -134,6 +135,7 @@ class Mover:
         self._inflight: dict[str, InFlight] = {}
         self._busy: dict[int, str] = {}
         self.blocks = BlockOps(t, self._busy, worker)
+        attach_mover_readers(self)           # the pool's "mover" and "staging" readers (dataplane/rebind.py)
         self.last_phases: dict[str, int] = {}   # host-clock phase marks of the last settled move
         # called with a move's outcome as soon as ``wait`` has it, before the mover's own
         # bookkeeping (unregistering the move, recording the outcome); must not raise
@@ -229,6 +231,11 @@ class Mover:
                 self.log.info("move_duplicate", move_id=cmd.move_id)
             return None
         tiers = {t: self.pool(t) for t in TIERS}
+        torn = self._torn(cmd)
+        if torn is not None:
+            if record:
+                self.record.add(torn)
+            return None
         plan = validate(cmd, tiers, self._busy, self.layout.block_bytes, self.worker, self.clock())
         if isinstance(plan, MoveRejected):
             if record:
@@ -240,6 +247,23 @@ class Mover:
         self._busy.update(dict.fromkeys(plan.blocks, cmd.move_id))
         self._inflight[cmd.move_id] = mv
         return mv
+
+    def _torn(self, cmd: ExecuteMove) -> MoveRejected | None:
+        """The refusal of a move to or from a torn device pool (a reader behind its generation)."""
+        if "device" not in (cmd.src, cmd.dst):
+            return None
+        try:
+            self.device_pool.check_usable("the mover")
+        except TornPool as e:
+            self.log.warning("move_on_torn_pool", move_id=cmd.move_id, behind=e.behind, gen=e.gen)
+            return MoveRejected(move_id=cmd.move_id, worker=self.worker, reason=str(e),
+                                asked_bytes=len(cmd.blocks) * self.layout.block_bytes, blocks=list(cmd.blocks))
+        return None
+
+    @property
+    def num_inflight(self) -> int:
+        """Moves begun and not yet settled (an early start included)."""
+        return len(self._inflight)
 
     def wait(self, ticket: MoveTicket | str) -> Outcome:
         """The move's outcome, waiting for its copies if it is in flight."""

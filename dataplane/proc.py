@@ -35,9 +35,10 @@ from residency.dataplane.faults import WorkerFaults
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
 from residency.dataplane.serving_worker import add_serving_args
+from residency.dataplane.sizing import PoolSizingRefused
 from residency.dataplane.side import SideThreads
 from residency.dataplane.worker import WorkerCore, WorkerRecord, run_guarded
-from residency.events.handshake import PeerKeyError, key_in
+from residency.events.handshake import SIZING_REFUSED_EXIT, PeerKeyError, key_in, refused_file
 
 log = structlog.get_logger("dataplane.proc")
 
@@ -96,7 +97,11 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="pid file and disk tier live here")
     p.add_argument("--device", default="cpu", help="the torch device of the device tier (cpu, cuda:N)")
     p.add_argument("--kv-layout", default="30,16,3,64,bfloat16", help="num_layers,page_tokens,num_kv_heads,head_dim,dtype")
-    p.add_argument("--device-blocks", type=int, default=1024, help="blocks in the device pool")
+    p.add_argument("--device-blocks", type=int, default=None,
+                   help="blocks in the device pool (default: sized from --gpu-memory-fraction after the weights load)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="the most of the device's memory this worker may take in all (default: 0.8 of a CUDA "
+                        "card, 0.2 of the RAM free at start on a CPU host)")
     p.add_argument("--host-bytes", type=int, default=1 << 30, help="bytes of the pinned host tier")
     p.add_argument("--disk-bytes", type=int, default=4 << 30, help="bytes of the disk tier")
     p.add_argument("--disk-fsync", action=argparse.BooleanOptionalAction, default=True,
@@ -133,7 +138,14 @@ def main(argv: list[str] | None = None,
     faults = WorkerFaults(args.faults)
     if faults.enabled:
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
-    core, block_bytes = build(args, faults)
+    try:
+        core, block_bytes = build(args, faults)
+    except PoolSizingRefused as e:
+        # the server stops with these numbers: its supervisor reads the file when we exit so
+        log.error("device_pool_refused", worker=args.worker, detail=str(e))
+        refused_file(run_dir, args.worker).write_text(str(e) + "\n")
+        pid_path.unlink(missing_ok=True)
+        return SIZING_REFUSED_EXIT
     # A GPU worker runs each move path once on scratch blocks before Hello, so its first real move
     # pays no kernel compile or first-touch cost; a CPU worker has none to pay.
     if args.device.startswith("cuda") and hasattr(core.mover, "warm_up"):

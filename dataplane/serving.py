@@ -32,7 +32,8 @@ import torch
 
 from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
-from residency.dataplane.pools import DataPlaneError
+from residency.dataplane.pools import DataPlaneError, TornPool
+from residency.dataplane.pools.readers import check_fits
 from residency.dataplane.serving_text import TextStream
 from residency.events.catalog import StepCompleted
 from residency.events.commands import (
@@ -102,9 +103,30 @@ class ServingLoop:
         self.seqs: dict[str, _Seq] = {}           # running, in arrival order (decodes and prefills)
         self.num_steps = 0
         self.log = log.bind(worker=worker)
-        if tuple(device_pool.tensor.shape[1:]) != runner.kv_pool_shape(1, page_tokens)[1:]:
-            raise DataPlaneError(f"device pool {tuple(device_pool.tensor.shape)} does not fit the model's "
-                                 f"KV pages {runner.kv_pool_shape(1, page_tokens)}")
+        # a reader of the pool (dataplane/pools/readers.py): the tensor the runner gets each step is
+        # the one bound at ``gen``; a pool of another page shape is refused here (ReaderRefused)
+        self.gen = -1
+        self.kv: torch.Tensor | None = None
+        device_pool.add_reader(self)
+
+    # ------------------------------------------------------------------ the pool's reader
+    name = "serving"
+
+    def bind(self, pool, gen: int) -> None:
+        """Carry ``pool`` at generation ``gen``: the runner will read and write its tensor. Raises
+        ReaderRefused (nothing changed) if its pages are not this model's."""
+        want = self.runner.kv_pool_shape(1, self.page)[1:]
+        check_fits(self.name, pool.tensor, want, self.runner.dtype, torch.device(self.runner.device))
+        self.pool, self.kv, self.gen = pool, pool.tensor, gen
+        pool.stamp(self.name, gen)
+
+    def _bound_pool(self) -> torch.Tensor:
+        """The bound tensor, if this loop and every other reader carry the pool's generation;
+        else raises TornPool naming the readers behind."""
+        if self.gen != self.pool.gen:
+            raise TornPool(self.pool.tier, self.pool.gen, {**self.pool.behind(), self.name: self.gen}, "serving")
+        self.pool.check_usable("serving")
+        return self.kv
 
     # ------------------------------------------------------------------ queries
     def ready(self, block_bytes: int) -> ServingReady:
@@ -112,6 +134,7 @@ class ServingLoop:
             worker=self.worker, model=self.model_id, model_digest=self.model_digest,
             max_context=self.max_positions, page_tokens=self.page, block_bytes=block_bytes,
             device_blocks=self.pool.num_slots, eos_token_ids=sorted(self.eos), max_seqs=self.max_seqs,
+            pool_gen=self.pool.gen, readers=sorted(self.pool.readers),
         )
 
     def has_work(self) -> bool:
@@ -196,6 +219,11 @@ class ServingLoop:
             problem = (f"copy_from names {len(cmd.copy_from)} pages; it must name the {cached_pages} cached pages "
                        "and none of block_ids")
         if problem is None:
+            try:
+                self._bound_pool()
+            except TornPool as e:
+                problem = str(e)
+        if problem is None:
             reused = list(cmd.copy_from) or cmd.block_ids[:cached_pages]
             try:
                 self.pool.slots_of(reused)     # resident and verified, or this raises
@@ -266,6 +294,7 @@ class ServingLoop:
         out: list = []
         batch: list[SeqInput] = []
         try:
+            kv = self._bound_pool()          # a torn pool: every sequence of the step fails, named
             for s, n in plan:
                 end = s.num_computed + n
                 pages = -(-end // self.page)
@@ -274,7 +303,7 @@ class ServingLoop:
                     s.num_allocated = pages
                 batch.append(SeqInput(s.tokens[s.num_computed:end], s.num_computed,
                                       self.pool.slots_of(s.cmd.block_ids[:pages])))
-            logits = self.runner.forward(batch, self.pool.tensor)
+            logits = self.runner.forward(batch, kv)
         except Exception as e:  # noqa: BLE001 - a failed step fails its sequences, never the worker
             self.log.error("step_failed", error=repr(e), num_seqs=len(plan))
             for s, _ in plan:

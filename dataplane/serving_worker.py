@@ -58,28 +58,47 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
 
+    from residency.dataplane import sizing as sz  # noqa: PLC0415
+    from residency.dataplane.build import pool_sizing  # noqa: PLC0415
+    from residency.dataplane.memory_books import MemoryBooks  # noqa: PLC0415
+
     device = args.device
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     path = None if args.model in (None, "", "embedded") else args.model
+    meter = sz.Meter(device)
+    cuda = device.startswith("cuda")
+    before = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
     model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
+    weights_bytes = model.runner.w.num_bytes()
+    allocator_bytes = torch.cuda.memory_allocated(torch.device(device)) - before if cuda else None
     c = model.config
     kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
     from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
 
+    reserve = sz.activation_reserve(device, args.max_step_tokens, c.hidden, c.intermediate, c.vocab_size)
+    sizing = pool_sizing(args, meter, kv.block_bytes, weights_bytes,
+                         sz.min_blocks_for(model.runner.max_positions, args.page_tokens), reserve)
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
-    pinned = Mover.pinned_bytes_needed(kv, args.device_blocks, args.host_bytes)
-    mover = Mover(kv, args.device_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
+    pinned = Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
+    mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
+    mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
                     disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+    # device bytes the mover made besides its pool (index and checksum rows): measured on CUDA only
+    scratch = (torch.cuda.memory_allocated(torch.device(device)) - mid - sizing.pool_bytes) if cuda else None
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
                        max_step_tokens=args.max_step_tokens)
     attach(core, loop, kv.block_bytes)
+    core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
+                             weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
+                             scratch_bytes=max(scratch, 0) if scratch is not None else None)
     log.info("serving_model_loaded", model=loop.model_id, source=model.source, dtype=str(dtype),
-             max_context=loop.max_positions, device_blocks=args.device_blocks, block_bytes=kv.block_bytes)
+             max_context=loop.max_positions, device_blocks=sizing.num_blocks, block_bytes=kv.block_bytes,
+             weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing))
     return core, kv.block_bytes
 
 

@@ -65,6 +65,35 @@ class Tiers:
                 + 3 * page_round(2 * 2 * max_blocks * 8)
                 + page_round(max_blocks * 8))
 
+    def scratch_capacity(self, device_slots: int) -> int:
+        """Blocks the index scratch and the landing row must hold for a device pool of this size."""
+        return max(device_slots, self.host_pool.num_slots, 1)
+
+    def scratch_growth_bytes(self, device_slots: int) -> int:
+        """Pinned bytes the scratch would add for a device pool of ``device_slots`` (0: it fits)."""
+        need = self.scratch_capacity(device_slots)
+        grow = 0
+        for up in self.indexes.values():            # each [2 halves, 2 lists x need] int64
+            if 2 * need > up.capacity:
+                grow += page_round(2 * 2 * need * 8) - up.buffer.footprint_bytes
+        if need > self.landing.capacity:
+            grow += page_round(need * 8) - self.landing.buffer.footprint_bytes
+        return max(0, grow)
+
+    def grow_index_scratch(self, device_slots: int) -> None:
+        """Grow the slot-index uploaders for a device pool of ``device_slots`` (never shrinks:
+        they cost little and a later grow would pin them again). Raises PinnedBudgetExceeded."""
+        need = self.scratch_capacity(device_slots)
+        for up in self.indexes.values():
+            if 2 * need > up.capacity:
+                up.regrow(2 * need)
+
+    def grow_landing(self, device_slots: int) -> None:
+        """Grow the checksum landing row for a device pool of ``device_slots`` (never shrinks)."""
+        need = self.scratch_capacity(device_slots)
+        if need > self.landing.capacity:
+            self.landing.regrow(need)
+
     def pool(self, tier: str):
         return {"device": self.device_pool, "host": self.host_pool, "disk": self.disk_tier}[tier]
 

@@ -21,7 +21,7 @@ from residency.dataplane.faults import WorkerFaults
 from residency.events import catalog as ev
 from residency.events.commands import (
     BlocksReleased, ClaimDisk, CommandFailed, ErrorReply, CommitBlocks, DiskClaimed, ExecuteMove, Inventory,
-    MovesReport, QueryInventory, ReleaseBlocks,
+    MovesReport, PoolRebound, QueryInventory, ReleaseBlocks, ResizePool,
 )
 
 log = structlog.get_logger("dataplane.worker")
@@ -66,8 +66,14 @@ class WorkerCore:
         self.faults = faults or WorkerFaults()
         self.handlers: dict[type, Callable[[Any], list]] = {
             ExecuteMove: self.execute, CommitBlocks: self.commit, ReleaseBlocks: self.release,
-            QueryInventory: self.inventory, ClaimDisk: self.claim_disk,
+            QueryInventory: self.inventory, ClaimDisk: self.claim_disk, ResizePool: self.resize_pool,
         }
+        # the dial: ResizePool resizes the device pool and rebinds its readers (dataplane/rebind.py);
+        # a mover without a resizable pool (the benches' no-copy mover) answers it with an error
+        self.rebinder = None
+        if hasattr(getattr(mover, "device_pool", None), "readers"):
+            from residency.dataplane.rebind import Rebinder  # noqa: PLC0415 - torch, only for a real mover
+            self.rebinder = Rebinder(mover, worker, miss_stamp=self.faults.take_miss_stamp)
         # files of an earlier incarnation the mover found on its disk and verified (--keep-disk),
         # offered in Hello until the control's ClaimDisk says which to keep
         report = getattr(mover, "disk_report", None)
@@ -87,6 +93,8 @@ class WorkerCore:
         # an early-started move (``start_ahead``): its command, and when it began (wall ns)
         self.ahead: ExecuteMove | None = None
         self.ahead_ns = 0
+        # the memory books (dataplane/memory_books.py): sizing, weights, pinned grants, the probe
+        self.books = None
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the device thread; ``handler(cmd)`` returns the replies."""
@@ -142,6 +150,19 @@ class WorkerCore:
                 time.sleep(self.faults.exec_delay_ms / 1000)
             outcome = self.mover.execute(cmd)
         return [outcome]
+
+    def resize_pool(self, cmd: ResizePool) -> list:
+        """Resize the device pool and rebind its readers: one PoolRebound (``error``: nothing changed)."""
+        if self.rebinder is None:
+            return [PoolRebound(rebind_id=cmd.rebind_id, worker=self.worker, tier=cmd.tier, from_gen=0,
+                                to_gen=cmd.to_gen, from_slots=0, to_slots=0, from_bytes=0, to_bytes=0,
+                                started_ns=time.time_ns(), finished_ns=time.time_ns(),
+                                error="this worker's mover has no resizable device pool")]
+        return self.rebinder.handle(cmd)
+
+    def pool_status(self) -> tuple[int, list[str]]:
+        """(the device pool's generation, its readers), for Hello and ServingReady."""
+        return self.rebinder.status() if self.rebinder is not None else (0, [])
 
     def commit(self, cmd: CommitBlocks) -> list:
         try:

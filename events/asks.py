@@ -12,8 +12,9 @@ from typing import Union
 
 from residency.events.catalog import (
     BlocksCommitted, BlocksFreed, BudgetSet, CopiesReleased, MoveAbandoned, MoveAcked, MoveFailed, MoveKind, MoveLateAcked,
-    MoveRefused, MoveRejected, MoveStranded, SessionParked, SessionRestored, TenantReclaimed, TenantReclaimFailed,
-    TenantReleased, Tier,
+    MoveRefused, MoveRejected, MoveStranded, PoolResized, ReaderStamped, RebindCommitted, RebindRefused,
+    RebindRequested, RebindTorn, SessionParked, SessionRestored, TenantReclaimed, TenantReclaimFailed, TenantReleased,
+    Tier,
 )
 from residency.events.commands import ErrorReply
 from residency.events.message import Message
@@ -88,6 +89,21 @@ class AskReleaseTenant(Message):
     worker: int
 
 
+class AskResize(Message):
+    """Resize a worker's pool on ``tier`` to ``bytes`` (the dial: control/dial.py), live. A
+    shrink first moves the coldest idle blocks that will not fit to host; then every reader of
+    the pool is rebound to a new generation, all or none. Answered with what was recorded: the
+    moves' outcomes, ``RebindRequested``, a ``ReaderStamped`` per reader, ``PoolResized`` (with
+    the bytes the worker measured) and ``RebindCommitted`` or ``RebindTorn``; or the refusal
+    (``MoveRefused`` with its arithmetic, ``RebindRefused`` with the worker's), never retried
+    smaller. ``bytes`` is rounded down to whole blocks."""
+
+    ask_id: str
+    worker: int
+    tier: Tier
+    bytes: int
+
+
 class AskStatus(Message):
     ask_id: str = ""
     include_state: bool = True
@@ -96,6 +112,7 @@ class AskStatus(Message):
 AskOutcome = Union[
     MoveAcked, MoveFailed, MoveRejected, MoveRefused, MoveStranded, MoveLateAcked, MoveAbandoned,
     BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored, CopiesReleased,
+    RebindRequested, ReaderStamped, PoolResized, RebindCommitted, RebindTorn, RebindRefused,
     TenantReclaimed, TenantReclaimFailed, TenantReleased,
 ]
 
@@ -124,11 +141,28 @@ class StatusReport(Message):
     state: bytes = b""
 
 
-AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskReclaim, AskReleaseTenant]
-AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply]
+class AskMemory(Message):
+    """The memory view (control/memory.py): the books of every worker and tier, with a fresh
+    probe of each worker's counters. A worker that does not answer within ``probe_timeout_ms``
+    is shown with its probe unknown."""
+
+    ask_id: str = ""
+    probe_timeout_ms: int = 1000
+
+
+class MemoryAnswer(Message):
+    """``view``: the view as JSON (control/memory.py ``MemoryView``; JSON so the API hands it on
+    as it is and ``ctl memory`` prints it)."""
+
+    ask_id: str
+    view: bytes
+
+
+AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskMemory, AskResize, AskReclaim,
+               AskReleaseTenant]
+AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply, MemoryAnswer]
 
 __all__ = [
-    "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskOutcome",
-    "AskReclaim", "AskReleaseTenant",
-    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply",
+    "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskResize", "AskOutcome",
+    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply", "AskMemory", "MemoryAnswer", "AskReclaim", "AskReleaseTenant",
 ]

@@ -40,6 +40,12 @@ class WorkerJoined(Event):
     device: str                       # "cuda:0", "cpu"
     tiers: dict[str, int]             # tier -> capacity_bytes
     block_bytes: int
+    # device bytes outside the KV pool by owner ("weights", "scratch"): on the device's books,
+    # never as blocks
+    device_owned: dict[str, int] = {}
+    # the limit of the worker's pinned budget (host pool and rings; None: not said): the bytes it may
+    # pin without a host ceiling set
+    pinned_limit_bytes: int | None = None
 
 
 class WorkerHeartbeatMissed(Event):
@@ -380,6 +386,19 @@ class PoolResized(Event):
     from_bytes: int
     to_bytes: int
     gen: int
+    # what the driver counts free after the resize less before (a grow: negative), as the worker
+    # measured it; None: not measurable there (a CPU host), never 0 for "unknown"
+    measured_freed_bytes: int | None = None
+
+
+class RebindRefused(Event):
+    """The pool's worker refused a rebind and changed nothing (``error`` says why, with its
+    arithmetic: e.g. more than the card holds): the pool and every reader stay at ``from_gen``,
+    usable. Closes the rebind without tearing it."""
+
+    rebind_id: str
+    worker: int
+    error: str
 
 
 # ---------------------------------------------------------------- weights and flip
@@ -387,7 +406,8 @@ class WeightsLoaded(Event):
     worker: int
     arena: str
     model: str
-    bytes: int
+    bytes: int                         # the parameter tensors' nbytes, summed
+    allocator_bytes: int | None = None  # the device allocator's growth over the load (None: not measured)
 
 
 class FlipRequested(Event):
@@ -491,7 +511,7 @@ AnyEvent = Union[
     SessionParked, SessionRestored, SessionDeleted,
     RequestAdmitted, RequestRefused, RequestFinished, RequestQueued,
     StepCompleted,
-    RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized,
+    RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized, RebindRefused,
     WeightsLoaded, FlipRequested, FlipCompleted, FlipFailed,
     GroupDiverged, GroupStopped,
     TenantReclaimed, TenantReclaimFailed, TenantReleased,

@@ -118,6 +118,26 @@ class ResizePool(Message):
 
 
 # ---------------------------------------------------------------- worker -> control
+class PoolSizing(Message):
+    """How a worker's device KV pool got its size (dataplane/sizing.py): ``how`` "fraction"
+    (measured after the weights loaded: pool = fraction x total - in_use - reserve, in whole
+    blocks), "explicit" (``--device-blocks``; nothing measured: the measured fields are None) or
+    "refused" (it did not reach ``min_blocks``)."""
+
+    how: str
+    device: str
+    num_blocks: int
+    block_bytes: int
+    pool_bytes: int
+    weights_bytes: int = 0
+    fraction: float | None = None
+    total_bytes: int | None = None
+    budget_bytes: int | None = None
+    in_use_bytes: int | None = None
+    reserve_bytes: int | None = None
+    min_blocks: int = 0
+
+
 class Hello(Message):
     worker: int
     epoch: int
@@ -135,6 +155,16 @@ class Hello(Message):
     # the readers of that pool it has so far (ServingReady adds the serving loop's).
     pool_gen: int = 0
     readers: list[str] = []
+    # The memory authority: pinned host bytes by owner (each grant of the worker's PinnedBudget,
+    # summed per owner), device bytes held outside the KV pool by owner ("weights", "scratch"),
+    # the model whose weights those are ("" with none), the allocator's growth over the weights
+    # load (CUDA; None: not measured), and how the pool was sized.
+    pinned: dict[str, int] = {}
+    device_owned: dict[str, int] = {}
+    model: str = ""
+    weights_allocator_bytes: int | None = None
+    sizing: PoolSizing | None = None
+    pinned_limit_bytes: int | None = None
 
 
 class Pong(Message):
@@ -282,6 +312,36 @@ class MoveTimed(Message):
     ahead_ns: int = 0
 
 
+class QueryMemory(Message):
+    """What do the device's driver and allocator, and the host, say now? Answered by ``MemoryReport``
+    from the worker's I/O thread (it reads counters only: a busy device thread does not delay it)."""
+
+    nonce: int
+
+
+class MemoryReport(Message):
+    """A worker's probe of its memory: None wherever a counter cannot be read (no CUDA: the
+    device's driver and allocator counters), never 0 in its place."""
+
+    worker: int
+    nonce: int
+    device_total_bytes: int | None = None       # the driver's total (CUDA) or MemTotal (CPU host)
+    device_free_bytes: int | None = None        # the driver's free (CUDA) or MemAvailable (CPU host)
+    allocator_allocated_bytes: int | None = None
+    allocator_reserved_bytes: int | None = None
+    pinned_in_use_bytes: int | None = None      # the PinnedBudget's grants, as the worker counts them
+    pinned_limit_bytes: int | None = None
+
+
+class PinnedChanged(Message):
+    """A pinned grant made or given back after Hello (``registered`` False: released)."""
+
+    worker: int
+    owner: str
+    bytes: int
+    registered: bool
+
+
 # ---------------------------------------------------------------- the unions each side decodes with
 # What the control process may send a worker's sockets: its commands, and a named error (e.g.
 # ``unknown_worker`` after a control restart, which the worker answers with Hello).
@@ -290,6 +350,7 @@ ToWorker = Union[
     ResizePool,
     Tokenize, Generate, CancelGenerate,
     ErrorReply,
+    QueryMemory,
 ]
 # What a worker sends, from either socket.
 FromWorker = Union[
@@ -298,6 +359,7 @@ FromWorker = Union[
     Inventory, DiskClaimed, PoolRebound,
     Tokenized, ServingReady, TokensGenerated, StepCompleted,
     MoveTimed,
+    MemoryReport, PinnedChanged,
 ]
 AnyMessage = Union[ToWorker, FromWorker]
 
@@ -309,5 +371,6 @@ __all__ = [
     "ChatTurn", "MAX_LOGPROBS", "SamplingParams", "TokenChoice", "TokenLogprobs", "Tokenize", "Tokenized",
     "ServingReady", "Generate", "CancelGenerate", "TokensGenerated",
     "ToWorker", "FromWorker", "AnyMessage",
+    "PoolSizing", "QueryMemory", "MemoryReport", "PinnedChanged",
 ]
 

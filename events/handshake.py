@@ -25,6 +25,14 @@ import zmq
 from zmq.utils import z85
 
 KEY_FILE = "peer.key"
+# A worker whose device pool cannot be sized (weights plus the smallest pool do not fit its
+# share) exits with this status (EX_CONFIG) after writing the arithmetic to
+# ``<run dir>/worker-N.refused``: ``residency serve`` then stops with it instead of restarting it.
+SIZING_REFUSED_EXIT = 78
+
+
+def refused_file(run_dir: str | os.PathLike, worker: int) -> Path:
+    return Path(run_dir) / f"worker-{worker}.refused"
 KEY_BYTES = 32
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 

@@ -67,6 +67,7 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.StepCompleted: lambda e: (None, e.worker, None, None, None, None),
     c.RebindRequested: lambda e: (None, e.worker, None, None, None, None),
     c.PoolResized: lambda e: (None, e.worker, None, None, None, e.to_bytes),
+    c.RebindRefused: lambda e: (None, e.worker, None, None, None, None),
     c.WeightsLoaded: lambda e: (None, e.worker, None, None, None, e.bytes),
     c.FlipRequested: lambda e: (None, e.worker, None, None, None, e.bytes_in),
     # outside tenants: ``kind`` is the tenant's name, ``bytes`` what its grant changed by

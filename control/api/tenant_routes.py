@@ -79,7 +79,7 @@ _FINAL = (ev.TenantReclaimed, ev.TenantReclaimFailed, ev.TenantReleased, ev.Move
 
 
 async def _ask(request: Request, msg) -> JSONResponse:
-    status, body = answer_json(await request.app.state.backend.tenant_ask(msg))
+    status, body = answer_json(await request.app.state.backend.ask_control(msg))
     return JSONResponse(body, status_code=status)
 
 

@@ -9,6 +9,7 @@
     residency ctl release --tier T --blocks 1,2,3
     residency ctl reclaim --tenant NAME --bytes 4GiB [--worker W]        (an outside tenant takes device memory)
     residency ctl release --tenant NAME [--worker W]                     (... and gives it back)
+    residency ctl resize  --worker W --tier device --bytes 6GiB             (the pool, live; rebinds its readers)
 
 The answer is what the ledger recorded: acked with the bytes the worker measured, refused with the
 budget's arithmetic, failed or rejected with the reason, stranded with the bytes at risk.
@@ -30,7 +31,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6, "mb": 10**6,
           "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "gi": 1 << 30,
           "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}
-BAD = ("MoveRefused", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned", "TenantReclaimFailed")
+BAD = ("MoveRefused", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned", "RebindTorn", "RebindRefused",
+       "TenantReclaimFailed")
 
 
 def parse_size(text: str) -> int:
@@ -80,6 +82,9 @@ def register(sub) -> None:
                           help="keep the source copy (default: spill and promote keep it, the others free it)")
         keep.add_argument("--free-source", dest="keep", action="store_false", help="free the source copy once the copy lands")
         v.set_defaults(func=run, kind=kind)
+    from residency.control.cli import memory_cmd  # noqa: PLC0415
+
+    memory_cmd.register(verbs, add_target_args)
     b = verbs.add_parser("budget", help="set a tier's floor and ceiling")
     add_target_args(b)
     b.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
@@ -112,14 +117,24 @@ def register(sub) -> None:
     g.add_argument("--tenant", required=True, help="the tenant, as declared with serve --tenant")
     g.add_argument("--bytes", type=parse_size, required=True, metavar="SIZE", help="how much, e.g. 4GiB")
     g.set_defaults(func=run, kind="reclaim")
+    z = verbs.add_parser("resize", help="resize a worker's device pool live (a shrink moves the coldest blocks out first)")
+    add_target_args(z)
+    z.add_argument("--worker", type=int, default=0, help="the worker whose pool is resized (default 0)")
+    z.add_argument("--tier", choices=("device", "host", "disk"), default="device",
+                   help="the pool (only device can be resized; the others are refused with why)")
+    z.add_argument("--bytes", dest="nbytes", type=parse_size, required=True, metavar="SIZE",
+                   help="the pool's new size, rounded down to whole blocks, e.g. 6GiB; its current size rebinds in place")
+    z.set_defaults(func=run, kind="resize")
 
 
 def ask_of(args):
     from residency.events.asks import (  # noqa: PLC0415
-        AskCommitBlocks, AskMove, AskReclaim, AskReleaseBlocks, AskReleaseTenant, AskSetBudget,
+        AskCommitBlocks, AskMove, AskReclaim, AskReleaseBlocks, AskReleaseTenant, AskResize, AskSetBudget,
     )
 
     ask_id = f"ctl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if args.kind == "resize":
+        return AskResize(ask_id=ask_id, worker=args.worker, tier=args.tier, bytes=args.nbytes)
     if args.kind == "budget":
         return AskSetBudget(ask_id=ask_id, worker=args.worker, tier=args.tier, floor_bytes=args.floor,
                             ceiling_bytes=args.ceiling)
@@ -242,6 +257,22 @@ def describe(seq: int, e) -> str:
         measured = "not measured" if e.measured_bytes is None else hb(e.measured_bytes)
         return (f"released by tenant {e.tenant} on worker {e.worker}: the device pool grew back by {hb(e.bytes)} "
                 f"(the driver measured {measured} taken); rebind {e.rebind_id} {at}")
+    if t == "RebindRequested":
+        return (f"rebind {e.rebind_id} of the {e.pool} pool of worker {e.worker} requested: gen {e.from_gen} -> "
+                f"{e.to_gen}, readers {', '.join(e.readers)} {at}")
+    if t == "ReaderStamped":
+        return f"reader {e.reader} stamped gen {e.gen} ({e.rebind_id}) {at}"
+    if t == "PoolResized":
+        freed = "not measured" if e.measured_freed_bytes is None else hb(e.measured_freed_bytes)
+        return (f"{e.pool} pool of worker {e.worker} resized {hb(e.from_bytes)} -> {hb(e.to_bytes)} at gen {e.gen}; "
+                f"measured freed: {freed} {at}")
+    if t == "RebindCommitted":
+        return f"rebind {e.rebind_id} committed: every reader carries the new generation {at}"
+    if t == "RebindTorn":
+        return (f"rebind {e.rebind_id} TORN: readers behind {', '.join(e.readers_behind)}; the pool is refused until "
+                f"a complete resize repairs it {at}")
+    if t == "RebindRefused":
+        return f"rebind {e.rebind_id} refused by worker {e.worker}, nothing changed: {e.error} {at}"
     return f"{t} {at}"
 
 

@@ -46,6 +46,13 @@ def _fraction(v: str) -> float:
     return f
 
 
+def _share(v: str) -> float:
+    f = float(v)
+    if not 0.0 < f <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} is not a fraction in (0, 1]")
+    return f
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the control process and its workers (Ctrl-C stops everything cleanly)")
     add_db_arg(p)
@@ -58,7 +65,12 @@ def register(sub) -> None:
     p.add_argument("--worker-endpoint", help="tcp://HOST:PORT for the workers' socket (default: ipc in the run dir)")
     p.add_argument("--kv-layout", default="30,16,3,64,bfloat16",
                    help="num_layers,page_tokens,num_kv_heads,head_dim,dtype of one KV block")
-    p.add_argument("--device-blocks", type=int, default=1024, help="blocks in each worker's device pool")
+    p.add_argument("--device-blocks", type=int, default=None,
+                   help="blocks in each worker's device pool (default: sized from --gpu-memory-fraction once the "
+                        "weights are loaded)")
+    p.add_argument("--gpu-memory-fraction", type=_share, default=None, metavar="F",
+                   help="the most of each device's memory a worker may take in all: weights, KV pool and "
+                        "activations (default 0.8 of a CUDA card; on a CPU host 0.2 of the RAM free at start)")
     p.add_argument("--host-bytes", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",
                    help="pinned host RAM of each worker's host tier, e.g. 512MiB (default 1GiB)")
     p.add_argument("--disk-bytes", type=parse_size, default=parse_size("4GiB"), metavar="SIZE",
@@ -204,6 +216,14 @@ def _worker_serving_argv(args) -> list[str]:
     return argv
 
 
+def _sizing_argv(args) -> list[str]:
+    if args.device_blocks is not None:
+        return ["--device-blocks", str(args.device_blocks)]
+    if args.gpu_memory_fraction is not None:
+        return ["--gpu-memory-fraction", str(args.gpu_memory_fraction)]
+    return []
+
+
 def build_config(args, run_dir: Path, devices: list[str], peer_key: bytes | None = None):
     from residency.control.moves import MoveConfig  # noqa: PLC0415
     from residency.control.policy import PolicyConfig  # noqa: PLC0415
@@ -253,7 +273,7 @@ def run(args) -> int:
     def argv_for(w: int, epoch: int) -> list[str]:
         return [sys.executable, "-m", "residency.dataplane.proc", "--worker", str(w), "--epoch", str(epoch),
                 "--control", cfg.worker_endpoint, "--run-dir", str(run_dir), "--device", devices[w],
-                "--kv-layout", args.kv_layout, "--device-blocks", str(args.device_blocks),
+                "--kv-layout", args.kv_layout, *_sizing_argv(args),
                 "--host-bytes", str(args.host_bytes), "--disk-bytes", str(args.disk_bytes),
                 "--disk-fsync" if args.disk_fsync else "--no-disk-fsync", "--orphan-exit-s", str(args.orphan_exit_s),
                 "--keep-disk" if args.keep_disk else "--no-keep-disk", *_worker_serving_argv(args)]
@@ -286,12 +306,14 @@ def run(args) -> int:
             if not proc.running:
                 break
             supervisor.tick()
+            if supervisor.refused:
+                break
         if app is not None and reason and proc.running:
             drain(app.state.backend, args.drain_s, hurry, supervisor, proc)
     finally:
         if api is not None:
             api[0].should_exit = True
-        proc.stop(reason[0] if reason else "control loop ended")
+        proc.stop(reason[0] if reason else ("device pool refused" if supervisor.refused else "control loop ended"))
         if supervisor.stop() and proc.fatal is None:
             drop_key(run_dir)       # no worker outlives this run: the next one gets a fresh key
         store.close()
@@ -299,5 +321,8 @@ def run(args) -> int:
     if proc.fatal is not None:
         print(f"residency serve: the control process failed: {proc.fatal}", file=sys.stderr)
         return 3
+    if supervisor.refused:
+        print(f"residency serve: refused to start: {supervisor.refused}", file=sys.stderr)
+        return 4
     log.info("serve_stopped", reason=reason[0] if reason else None)
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import structlog
 
 from residency.control.cli.main import UserError
+from residency.events.handshake import SIZING_REFUSED_EXIT, refused_file
 
 log = structlog.get_logger("control.serve")
 
@@ -64,14 +65,20 @@ class Supervisor:
         self.starts: dict[int, list[float]] = {}
         self.gave_up: set[int] = set()
         self.adopted_gone: set[tuple[int, int]] = set()     # (worker, epoch) reported exited
+        # a worker that could not size its device pool: the arithmetic it left (the server stops)
+        self.refused: str | None = None
 
     def tick(self) -> None:
         for w, child in list(self.children.items()):
             rc = child.popen.poll()
             if rc is not None:
                 del self.children[w]
+                if rc == SIZING_REFUSED_EXIT:
+                    self._refused(w)
                 log.warning("worker_exited", worker=w, epoch=child.epoch, returncode=rc)
                 self.proc.worker_exited(w, child.epoch, rc)
+        if self.refused:
+            return          # a pool that does not fit will not fit on a restart either
         self._watch_adopted()
         missing = self.proc.call(lambda p: p.missing_workers()).result(timeout=10)
         for w, child in self.children.items():
@@ -91,6 +98,14 @@ class Supervisor:
                     log.error("worker_restart_limit", worker=w, restarts=len(recent), window_s=self.window_s)
                 continue
             self.start(w)
+
+    def _refused(self, w: int) -> None:
+        try:
+            why = refused_file(self.run_dir, w).read_text().strip()
+        except OSError as e:
+            why = f"worker {w} exited {SIZING_REFUSED_EXIT} without its arithmetic ({e.strerror})"
+        self.refused = self.refused or f"worker {w}: {why}"
+        log.error("worker_refused_pool", worker=w, detail=why)
 
     def _watch_adopted(self) -> None:
         """A worker adopted after a control restart is not our child, so its exit is not ours to

@@ -62,6 +62,7 @@ class PinnedOverBudget:
         self.ceiling: dict[int, tuple[int, int]] = {}   # worker -> (ceiling_bytes, seq of BudgetSet)
         self.episodes = _Episodes(params.merge_gap_ns)
         self.negative: dict[tuple[int, str], dict] = {}
+        self.limit: dict[int, int] = {}                 # worker -> its pinned budget's limit (WorkerJoined)
 
     def handlers(self):
         return {BudgetSet: self._budget, PinnedRegistered: self._pinned, PinnedReleased: self._released,
@@ -70,11 +71,18 @@ class PinnedOverBudget:
     def _joined(self, rec: Recorded) -> None:
         # a (re)joined worker starts with no pinned registrations, as in the fold
         self.pins[rec.event.worker] = {}
+        limit = getattr(rec.event, "pinned_limit_bytes", None)
+        if limit is not None:
+            self.limit[rec.event.worker] = limit
         self._check(rec, rec.event.worker)
 
     def _budget_of(self, worker: int) -> int | None:
+        # a host ceiling set; else the limit of the worker's own pinned budget (its host pool and
+        # rings); else, for a worker that never said it, the host tier's capacity
         c = self.ceiling.get(worker)
-        return c[0] if c is not None else self.acct.capacity.get((worker, "host"))
+        if c is not None:
+            return c[0]
+        return self.limit.get(worker, self.acct.capacity.get((worker, "host")))
 
     def _check(self, rec: Recorded, worker: int) -> None:
         budget = self._budget_of(worker)

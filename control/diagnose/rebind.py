@@ -8,7 +8,9 @@ pool commits with every reader stamped: that commit is the recovery edge.
 """
 from __future__ import annotations
 
-from residency.events import ReaderStamped, RebindCommitted, RebindRequested, RebindTorn, Recorded
+from residency.events import (
+    ReaderStamped, RebindCommitted, RebindRefused, RebindRequested, RebindTorn, Recorded, WorkerJoined,
+)
 from residency.control.diagnose.accounting import Accounting
 from residency.control.diagnose.findings import Finding, fmt_duration, proof
 from residency.control.diagnose.params import DiagnoseParams
@@ -32,7 +34,22 @@ class TornRebind:
             ReaderStamped: self._stamped,
             RebindCommitted: self._committed,
             RebindTorn: self._torn,
+            RebindRefused: self._refused,
+            WorkerJoined: self._joined,
         }
+
+    def _refused(self, rec: Recorded) -> None:
+        """The worker changed nothing: every reader is still at from_gen, the pool as usable as before."""
+        self.pending.pop(rec.event.rebind_id, None)
+
+    def _joined(self, rec: Recorded) -> None:
+        """A new incarnation brings a new pool: the old one's pending or torn rebinds name memory
+        that is gone (the fold closes them the same way)."""
+        w = rec.event.worker
+        for rid in [rid for rid, rb in self.pending.items() if rb["rec"].event.worker == w]:
+            del self.pending[rid]
+        for key in [k for k in self.torn if k[0] == w]:
+            del self.torn[key]
 
     def _requested(self, rec: Recorded) -> None:
         ev: RebindRequested = rec.event

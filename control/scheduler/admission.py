@@ -113,7 +113,11 @@ class Admission:
                 moving=busy_blocks(self.proc.state).get(r.worker, set()))
         pending = PendingRequest(request_id=r.request_id, session=r.session, worker=r.worker,
                                  prompt_tokens=len(r.token_ids), prompt_keys=r.keys, max_tokens=r.max_tokens)
-        plan = sched.plan(self.proc.state, pending)
+        held = self.proc.dial.holds(r.worker) if getattr(self.proc, "dial", None) is not None else None
+        if held is not None:            # a resize is moving blocks out of the pool, or it is closed
+            plan = Wait(request_id=r.request_id, code=held[0], reason=held[1])
+        else:
+            plan = sched.plan(self.proc.state, pending)
         if isinstance(plan, Refuse):
             self.refuse(r, plan.status, plan.code, plan.reason, "session_id" if plan.code == "session_busy" else None)
             return

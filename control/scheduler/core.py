@@ -27,6 +27,7 @@ from typing import Callable
 import msgspec
 
 from residency.control.budget import limit_bytes
+from residency.control.dial import closed as pool_closed
 from residency.control.policy.proposals import busy_blocks
 from residency.control.scheduler.config import SchedulerConfig
 from residency.control.scheduler.cost import CostModel, PrefixDecision
@@ -164,6 +165,9 @@ class Scheduler:
         if ws is None or not ws.alive:
             return Refuse(request_id=req.request_id, status=503, code="worker_unavailable",
                           reason=f"worker {w} is not serving")
+        closed = pool_closed(state, w)
+        if closed is not None:           # a rebind in progress, or torn: nothing is placed on the pool
+            return Wait(request_id=req.request_id, code=closed[0], reason=closed[1])
         entry = self.sessions.get(req.session) if req.session else None
         if entry is not None and entry.busy is not None:
             return Refuse(request_id=req.request_id, status=409, code="session_busy",

@@ -164,6 +164,14 @@ class Backend(Protocol):
     async def session(self, session: str) -> SessionInfo:
         """Where a session's blocks are. Raises UnknownSession."""
 
+    async def memory(self, probe_timeout_ms: int) -> bytes:
+        """The memory view as JSON (control/memory.py), each worker probed for at most
+        ``probe_timeout_ms``. Raises BackendError(503) when the control loop does not answer."""
+
     def stats(self) -> BackendStats: ...
 
     def health(self) -> Health: ...
+
+    async def ask_control(self, ask):
+        """An operator's ask of the control process (e.g. ``AskResize``, the admin resize route);
+        its ``AskAnswered`` once what it recorded is committed."""

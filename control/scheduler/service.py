@@ -35,6 +35,7 @@ import time
 
 import structlog
 
+from residency.events.asks import AskMemory, MemoryAnswer
 from residency.control.scheduler.admission import Admission
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState, Stream
@@ -49,7 +50,7 @@ from residency.control.scheduler.streams import GenerationStreams
 from residency.control.scheduler.wedge import DEFAULT_FLOOR_S, WedgeWatch
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
-from residency.events.asks import AskAnswered, AskReclaim, AskReleaseTenant
+from residency.events.asks import AskReclaim, AskReleaseTenant
 from residency.events.commands import Pong, ServingReady, Tokenized, TokensGenerated
 
 log = structlog.get_logger("control.serving")
@@ -91,6 +92,7 @@ class ServingService:
                                   (Pong, self._on_pong)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
+        proc.add_pool_reader("scheduler", self._pool_view)
         proc.add_stop_hook(self.admission.stop_waiting)
         proc.add_stop_hook(self.streams.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
@@ -145,9 +147,22 @@ class ServingService:
     async def sessions(self, limit: int) -> tuple[list[SessionInfo], int]:
         return await self._on_loop(lambda done: done(self.book.list_sessions(limit)))
 
-    async def tenant_ask(self, ask: AskReclaim | AskReleaseTenant) -> AskAnswered:
-        """An outside tenant's reclaim or release, answered once what it recorded is committed."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.proc.submit(ask, "api")), self.api_timeout_s)
+    async def memory(self, probe_timeout_ms: int) -> bytes:
+        fut = self.proc.submit(AskMemory(ask_id=f"api-memory-{time.monotonic_ns()}", probe_timeout_ms=probe_timeout_ms))
+        try:
+            answer = await asyncio.wait_for(asyncio.wrap_future(fut), probe_timeout_ms / 1000 + 10)
+        except asyncio.TimeoutError:
+            raise BackendError(503, "the control process did not answer the memory ask in time", type="server_error",
+                               code="memory_timeout") from None
+        if not isinstance(answer, MemoryAnswer):
+            raise BackendError(503, f"the memory ask was not answered: {getattr(answer, 'detail', answer)!r}",
+                               type="server_error", code="memory_unavailable")
+        return answer.view
+
+    async def ask_control(self, ask):
+        """Hand an operator's ask (e.g. ``AskResize``) to the control process; its ``AskAnswered``
+        once what it recorded is committed."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.proc.submit(ask, "operator")), self.api_timeout_s)
 
     def stats(self) -> BackendStats:
         try:
@@ -213,7 +228,8 @@ class ServingService:
     def _on_recorded(self, seq: int, event: ev.Event) -> None:
         self.serving_stats.observe(event)
         t = type(event)
-        if t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased:   # room may have appeared for a waiting request
+        if (t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased or t is ev.RebindCommitted
+                or t is ev.RebindRefused):   # room may have appeared for a waiting request, or its pool reopened
             self.admission.retry_soon()
         elif t is ev.WorkerJoined:
             self.workers.wedge.forget(event.worker)       # a new incarnation counts its steps from 0
@@ -222,6 +238,13 @@ class ServingService:
             self.workers.lost(event.worker)
             self.streams.worker_lost(event.worker)
             self.workers.lost_pages(event.worker, set(event.kept_on_disk))     # a disk copy that survived stays
+
+    def _pool_view(self, state, worker: int, to_gen: int, to_bytes: int) -> int:
+        """The scheduler as a reader of ``worker``'s device pool: its capacity is read from the
+        folded state and its block tables hold logical page ids (the worker maps them to slots), so
+        it is at ``to_gen`` once the state carries the new size; -1 (behind) otherwise."""
+        ws = state.workers.get(worker)
+        return to_gen if ws is not None and ws.tiers["device"].capacity_bytes == to_bytes else -1
 
     def _on_worker_gone(self, worker: int) -> None:
         """Its process exited and its loss waits for the next incarnation to say which disk files

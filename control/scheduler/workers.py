@@ -41,6 +41,9 @@ class ServingWorkers:
                       expected=self.sched.cfg.page_tokens)
             return
         self.ready[link.worker] = msg
+        # the dial rebinds every reader of the pool: the serving loop's join the worker's own
+        link.pool_gen = msg.pool_gen
+        link.readers = list(dict.fromkeys([*getattr(link, "readers", []), *msg.readers]))
         self.sched.set_max_seqs(link.worker, msg.max_seqs)
         log.info("serving_ready", worker=link.worker, model=msg.model, max_context=msg.max_context,
                  device_blocks=msg.device_blocks, max_seqs=msg.max_seqs)

@@ -1,8 +1,16 @@
-"""The shape of a Llama-family model, its RoPE frequencies, and two shape presets.
+"""The shape of a Llama-family model, its RoPE frequencies, and shape presets.
 
 One small frozen dataclass covers SmolLM2, Llama 2/3/3.1, Qwen2 (``attention_bias``) and Mistral:
 pre-norm decoder layers (RMSNorm → GQA attention with RoPE → residual, RMSNorm → SwiGLU → residual),
 a final RMSNorm and an LM head that may share the embedding matrix.
+
+One mixture-of-experts family rides on the same shape: OLMoE (``model_type`` "olmoe", e.g.
+allenai/OLMoE-1B-7B). It was chosen over Mixtral and Qwen-MoE because it differs from the dense
+decoder in only two places, both local: the SwiGLU becomes ``num_experts`` SwiGLU experts of
+width ``intermediate`` behind a softmax top-k router (no shared expert, as Mixtral, unlike
+Qwen-MoE), and Q and K are RMS-normalised over their full width before RoPE (``qk_norm``);
+no sliding window (Mixtral's configs carry one), no per-layer dense/sparse mix (Qwen-MoE's
+``decoder_sparse_step``). 64 experts with top-8 also make it the harder routing case to get fast.
 """
 from __future__ import annotations
 
@@ -61,6 +69,12 @@ class ModelConfig:
     max_position: int
     tie_embeddings: bool
     attention_bias: bool = False      # Qwen2 has biases on q/k/v
+    model_type: str = "llama"         # transformers' name of the family: llama, mistral, qwen2, olmoe
+    num_experts: int = 0              # 0: one dense SwiGLU MLP per layer
+    num_experts_per_tok: int = 0      # top-k of the router
+    norm_topk_prob: bool = False      # renormalise the top-k probabilities to sum to one
+    qk_norm: bool = False             # RMSNorm over the whole Q and K projections (OLMoE)
+    clip_qkv: float | None = None     # clamp Q, K, V to ±clip_qkv after the norms (OLMoE option)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -69,6 +83,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModel(f"{self.name}: RoPE needs an even head_dim, got {self.head_dim}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModel(f"{self.name}: num_experts_per_tok={self.num_experts_per_tok} must lie in "
+                                   f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert of one layer (gate, up and down): what routing a token to it reads."""
+        return 3 * self.hidden * self.intermediate * torch.empty((), dtype=dtype).element_size()
 
     @property
     def group_size(self) -> int:
@@ -86,24 +111,57 @@ class ModelConfig:
 
     def num_params(self) -> int:
         h, i, hd = self.hidden, self.intermediate, self.head_dim
-        per_layer = h * self.qkv_rows + self.num_heads * hd * h + 3 * h * i + 2 * h
+        per_layer = h * self.qkv_rows + self.num_heads * hd * h + 2 * h
+        if self.is_moe:
+            per_layer += self.num_experts * (3 * h * i + h)          # experts and the router's row each
+        else:
+            per_layer += 3 * h * i
         if self.attention_bias:
             per_layer += self.qkv_rows
+        if self.qk_norm:
+            per_layer += (self.num_heads + self.num_kv_heads) * hd
         lm_head = 0 if self.tie_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + lm_head
 
     def weight_bytes_read_per_step(self, dtype: torch.dtype) -> int:
         """Bytes of weights one decode step must read: every matrix once, the embedding table
-        only as the LM head (a lookup reads a few rows, which we ignore)."""
+        only as the LM head (a lookup reads a few rows, which we ignore). For a MoE model this
+        counts every expert: an upper bound; a batch reads only the experts it routes to."""
         elem = torch.empty((), dtype=dtype).element_size()
         return (self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.hidden)) * elem
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A transformers ``LlamaConfig`` dict of the same model (tests and the GPU bench)."""
+        """A transformers config dict of the same model (``LlamaConfig``, or ``OlmoeConfig`` for
+        the MoE family), for tests and the GPU bench."""
         rope: dict[str, Any] = {"rope_type": "default"}
         if self.rope_scaling is not None:
             rope = self.rope_scaling.to_hf()
         rope["rope_theta"] = self.rope_theta
+        if self.model_type == "olmoe":
+            return {
+                "model_type": "olmoe",
+                "architectures": ["OlmoeForCausalLM"],
+                "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads,
+                "vocab_size": self.vocab_size,
+                "rms_norm_eps": self.rms_eps,
+                "max_position_embeddings": self.max_position,
+                "tie_word_embeddings": self.tie_embeddings,
+                "attention_bias": self.attention_bias,
+                "hidden_act": "silu",
+                "rope_theta": self.rope_theta,
+                "rope_parameters": rope,
+                "rope_scaling": rope if self.rope_scaling is not None else None,
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "norm_topk_prob": self.norm_topk_prob,
+                "clip_qkv": self.clip_qkv,
+                "pad_token_id": None,
+                "eos_token_id": None,
+            }
         return {
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
@@ -141,13 +199,20 @@ LLAMA3_8B = ModelConfig(
                              original_max_position=8192),
     rms_eps=1e-5, max_position=131072, tie_embeddings=False,
 )
+# allenai/OLMoE-1B-7B-0924: 6.9B parameters, 1.3B active per token (64 experts, top-8).
+OLMOE_1B_7B = ModelConfig(
+    name="OLMoE-1B-7B", num_layers=16, hidden=2048, num_heads=16, num_kv_heads=16, head_dim=128,
+    intermediate=1024, vocab_size=50304, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5,
+    max_position=4096, tie_embeddings=False, model_type="olmoe", num_experts=64, num_experts_per_tok=8,
+    norm_topk_prob=False, qk_norm=True,
+)
 
 
 def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
     """Our config from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling)."""
     mt = hf.get("model_type", "llama")
-    if mt not in ("llama", "mistral", "qwen2"):
-        raise UnsupportedModel(f"{name}: model_type {mt!r} is not Llama-family (llama, mistral, qwen2)")
+    if mt not in ("llama", "mistral", "qwen2", "olmoe"):
+        raise UnsupportedModel(f"{name}: model_type {mt!r} is not supported (llama, mistral, qwen2, olmoe)")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -165,6 +230,17 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         raise UnsupportedModel(f"{name}: RoPE scaling {kind!r} (supported: default, linear, llama3)")
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
+    moe: dict[str, Any] = {}
+    if mt == "olmoe":
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        if head_dim * heads != hidden:
+            # NOTE: OLMoE's q_norm is hidden_size wide and its k_norm (hidden/heads)·kv_heads wide:
+            # both assume head_dim == hidden / heads.
+            raise UnsupportedModel(f"{name}: OLMoE with head_dim {head_dim} · {heads} heads != hidden {hidden}")
+        moe = dict(model_type="olmoe", num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 64))),
+                   num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True,
+                   clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"]))
     return ModelConfig(
         name=name,
         num_layers=int(hf["num_hidden_layers"]),
@@ -180,6 +256,7 @@ def config_from_hf(hf: dict[str, Any], name: str) -> ModelConfig:
         max_position=int(hf.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", mt == "qwen2")),
+        **moe,
     )
 
 

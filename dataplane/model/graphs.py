@@ -44,6 +44,22 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):                     # largest first: the pool is reused
             self._capture(bs)
 
+    # ------------------------------------------------------------ a reader of the pool (pools/readers.py)
+    name = "graphs"
+    gen = -1
+
+    def bind(self, pool, gen: int) -> None:
+        """Carry ``pool`` at ``gen`` only if it is the very tensor captured (a rebind in place);
+        any other pool is refused (ReaderRefused): the graphs would write through a stale address."""
+        from residency.dataplane.pools.errors import ReaderRefused  # noqa: PLC0415 - model/ stays free of pools/ at import
+
+        t = pool.tensor
+        if t.data_ptr() != self.pool.data_ptr() or tuple(t.shape) != tuple(self.pool.shape):
+            raise ReaderRefused(self.name, f"captured on a pool of {tuple(self.pool.shape)} at {self.pool.data_ptr():#x}, "
+                                f"offered {tuple(t.shape)} at {t.data_ptr():#x}; recapture after a rebind")
+        self.gen = gen
+        pool.stamp(self.name, gen)
+
     def _views(self, bs: int) -> StepPlan:
         rows = self.dev[: 5 * self.max_batch].view(5, self.max_batch)
         bt = self.dev[5 * self.max_batch:].view(self.max_batch, self.max_blocks)

@@ -1,4 +1,4 @@
-"""transformers' own Llama over our weights: the reference the tests and the bench compare with.
+"""transformers' own Llama (or OLMoE) over our weights: the reference the tests and the bench compare with.
 
 transformers is a test-time dependency only; it is imported inside the function. The model is
 built on the meta device and its parameters are assigned as views of our tensors (fused QKV and
@@ -13,13 +13,17 @@ from residency.dataplane.model.weights import Weights, to_hf_state_dict
 
 
 def build_hf_llama(config: ModelConfig, weights: Weights, attn_implementation: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' ``LlamaForCausalLM``, or ``OlmoeForCausalLM`` for an OLMoE config."""
+    if config.model_type == "olmoe":
+        from transformers import OlmoeConfig as HFConfig, OlmoeForCausalLM as HFModel
+    else:
+        from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFModel
 
     device = weights.embed.device
-    hf_cfg = LlamaConfig(**config.to_hf_dict())
+    hf_cfg = HFConfig(**config.to_hf_dict())
     hf_cfg._attn_implementation = attn_implementation
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_cfg)
+        model = HFModel(hf_cfg)
     sd = to_hf_state_dict(weights, config)
     if config.tie_embeddings:
         sd.pop("lm_head.weight")

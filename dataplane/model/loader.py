@@ -141,7 +141,7 @@ def save_hf_dir(model: LoadedModel, path: str, tokenizer_json: str | None = None
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_hf_dict(), f, indent=2)
-    sd = to_hf_state_dict(model.weights, model.config)
+    sd = to_hf_state_dict(model.weights, model.config, per_expert=True)   # a MoE checkpoint names each expert
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))

@@ -1,5 +1,9 @@
 """The Llama-family forward over a paged KV pool, for a mixed batch of prefills and decodes.
 
+A mixture-of-experts model (OLMoE, ``config.is_moe``) runs the same forward with two local
+changes: Q and K are RMS-normalised over their full width before RoPE, and each layer's MLP is
+``kernels.moe.fused_moe`` (the Triton grouped GEMMs on CUDA, the torch reference on CPU).
+
     runner = ModelRunner(config, weights, device="cuda", dtype=torch.bfloat16)
     pool = runner.allocate_kv_pool(num_blocks=4096, page_tokens=16)
     logits = runner.forward([SeqInput(prompt_ids, 0, slots_a),        # a prefill
@@ -39,6 +43,7 @@ from residency.kernels.attention import (
     rope_and_cache,
     rope_and_cache_ref,
 )
+from residency.kernels.moe import fused_moe, fused_moe_ref
 from residency.kernels.prefill_attention import paged_extend_attention
 
 
@@ -211,11 +216,12 @@ class ModelRunner:
                 layer_ready[layer].wait()
             h = self._norm(x, lw.attn_norm)
             qkv = self._linear(h, lw.wqkv, lw.bqkv)
+            if lw.q_norm is not None:
+                qkv = self._qk_norm(qkv, lw)
             q = self._rope_and_cache(qkv, plan, kv_pool, layer)
             x = x + self._linear(self._attend(q, kv_pool, layer, plan), lw.wo)
             h = self._norm(x, lw.mlp_norm)
-            gate, up = self._linear(h, lw.w_gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, lw.w_down)
+            x = x + self._mlp(h, lw)
         if plan.last_rows is not None:
             x = x.index_select(0, plan.last_rows)
         return self._linear(self._norm(x, w.final_norm), w.lm_head).float()
@@ -230,6 +236,27 @@ class ModelRunner:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
         return weight * xf.to(x.dtype)
+
+    def _qk_norm(self, qkv: torch.Tensor, lw) -> torch.Tensor:
+        """OLMoE: RMSNorm over all of Q and all of K (not per head), then the optional clamp."""
+        c = self.config
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        qkv = torch.cat([self._norm(q, lw.q_norm), self._norm(k, lw.k_norm), v], dim=-1)
+        if c.clip_qkv is not None:
+            qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
+        return qkv
+
+    def _mlp(self, h: torch.Tensor, lw) -> torch.Tensor:
+        if lw.router is None:
+            gate, up = self._linear(h, lw.w_gate_up).chunk(2, dim=-1)
+            return self._linear(F.silu(gate) * up, lw.w_down)
+        c = self.config
+        if self.batch_invariant:      # the reference's per-expert matmuls in fixed tiles
+            return fused_moe_ref(h, lw.router, lw.w_experts_gate_up, lw.w_experts_down, c.num_experts_per_tok,
+                                 c.norm_topk_prob, linear=tiled_linear)
+        return fused_moe(h, lw.router, lw.w_experts_gate_up, lw.w_experts_down, c.num_experts_per_tok,
+                         c.norm_topk_prob)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant:

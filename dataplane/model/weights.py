@@ -5,6 +5,16 @@ step launches one matmul where a checkpoint has three (or two):
 
     wqkv    [(num_heads + 2·num_kv_heads)·head_dim, hidden]    rows: Q heads | K heads | V heads
     w_gate_up [2·intermediate, hidden]                          rows: gate | up
+
+A mixture-of-experts layer (OLMoE) has no dense MLP; its experts are stacked, as transformers
+keeps them in memory and as ``kernels.moe.fused_moe`` reads them:
+
+    router            [num_experts, hidden]
+    w_experts_gate_up [num_experts, 2·intermediate, hidden]    rows of expert e: gate | up
+    w_experts_down    [num_experts, hidden, intermediate]
+    q_norm [num_heads·head_dim], k_norm [num_kv_heads·head_dim]
+A checkpoint on disk keeps one matrix per expert (``mlp.experts.{e}.gate_proj.weight`` …); the
+loader stacks them (or takes transformers' stacked names as they are).
 ``to_hf_state_dict`` gives transformers' names back as views (no copy), for tests and the bench.
 """
 from __future__ import annotations
@@ -28,8 +38,13 @@ class LayerWeights:
     bqkv: torch.Tensor | None        # [qkv_rows] (Qwen2) or None
     wo: torch.Tensor                 # [hidden, num_heads·head_dim]
     mlp_norm: torch.Tensor           # [hidden]
-    w_gate_up: torch.Tensor          # [2·intermediate, hidden]
-    w_down: torch.Tensor             # [hidden, intermediate]
+    w_gate_up: torch.Tensor | None   # [2·intermediate, hidden]; None in a MoE layer
+    w_down: torch.Tensor | None      # [hidden, intermediate]; None in a MoE layer
+    q_norm: torch.Tensor | None = None             # [num_heads·head_dim] (OLMoE)
+    k_norm: torch.Tensor | None = None             # [num_kv_heads·head_dim] (OLMoE)
+    router: torch.Tensor | None = None             # [num_experts, hidden]
+    w_experts_gate_up: torch.Tensor | None = None  # [num_experts, 2·intermediate, hidden]
+    w_experts_down: torch.Tensor | None = None     # [num_experts, hidden, intermediate]
 
 
 @dataclass
@@ -63,23 +78,39 @@ class Weights:
         return total
 
 
-def to_hf_state_dict(w: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers ``LlamaForCausalLM`` names for the same tensors (views, no copies)."""
+def to_hf_state_dict(w: Weights, config: ModelConfig, *, per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """transformers names for the same tensors (views, no copies): ``LlamaForCausalLM``'s, or
+    ``OlmoeForCausalLM``'s. MoE experts are named as transformers holds them in memory (stacked
+    ``mlp.experts.gate_up_proj``), or with ``per_expert`` as a checkpoint on disk names them."""
     nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm,
           "lm_head.weight": w.lm_head}
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
         q, k, v = lw.wqkv.split([nq, nkv, nkv], dim=0)
-        gate, up = lw.w_gate_up.chunk(2, dim=0)
         sd.update({
             p + "input_layernorm.weight": lw.attn_norm,
             p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
             p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": lw.wo,
             p + "post_attention_layernorm.weight": lw.mlp_norm,
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": lw.w_down,
         })
+        if lw.q_norm is not None:
+            sd.update({p + "self_attn.q_norm.weight": lw.q_norm, p + "self_attn.k_norm.weight": lw.k_norm})
+        if lw.router is not None:
+            sd[p + "mlp.gate.weight"] = lw.router
+            if per_expert:
+                for e in range(lw.router.shape[0]):
+                    gate, up = lw.w_experts_gate_up[e].chunk(2, dim=0)
+                    x = p + f"mlp.experts.{e}."
+                    sd.update({x + "gate_proj.weight": gate, x + "up_proj.weight": up,
+                               x + "down_proj.weight": lw.w_experts_down[e]})
+            else:
+                sd.update({p + "mlp.experts.gate_up_proj": lw.w_experts_gate_up,
+                           p + "mlp.experts.down_proj": lw.w_experts_down})
+        else:
+            gate, up = lw.w_gate_up.chunk(2, dim=0)
+            sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                       p + "mlp.down_proj.weight": lw.w_down})
         if lw.bqkv is not None:
             bq, bk, bv = lw.bqkv.split([nq, nkv, nkv])
             sd.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
@@ -198,6 +229,21 @@ def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype 
             handles[fn] = safe_open(fn, framework="pt")
         return handles[fn].get_tensor(name).to(dtype)
 
+    def experts(p: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E, 2I, H], [E, H, I]): stacked names as they are, else one matrix per expert stacked."""
+        if p + "mlp.experts.gate_up_proj" in where:
+            return t(p + "mlp.experts.gate_up_proj"), t(p + "mlp.experts.down_proj")
+        x = p + "mlp.experts."
+        gate_up = torch.stack([torch.cat([t(x + f"{e}.gate_proj.weight"), t(x + f"{e}.up_proj.weight")])
+                               for e in range(config.num_experts)])
+        down = torch.stack([t(x + f"{e}.down_proj.weight") for e in range(config.num_experts)])
+        return gate_up, down
+
+    def checked(name: str, got: torch.Tensor, want: tuple[int, ...]) -> torch.Tensor:
+        if tuple(got.shape) != want:
+            raise ModelFileError(f"{path}: {name} has shape {tuple(got.shape)}, config.json says {want}")
+        return got
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -205,15 +251,27 @@ def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype 
         bqkv = None
         if config.attention_bias:
             bqkv = torch.cat([t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")])
-        layers.append(LayerWeights(
+        lw = LayerWeights(
             attn_norm=t(p + "input_layernorm.weight"),
             wqkv=torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
             bqkv=bqkv,
             wo=t(a + "o_proj.weight"),
             mlp_norm=t(p + "post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-            w_down=t(p + "mlp.down_proj.weight"),
-        ))
+            w_gate_up=None, w_down=None,
+        )
+        if config.qk_norm:
+            lw.q_norm = t(a + "q_norm.weight")
+            lw.k_norm = t(a + "k_norm.weight")
+        if config.is_moe:
+            E, h, inter = config.num_experts, config.hidden, config.intermediate
+            lw.router = checked(p + "mlp.gate.weight", t(p + "mlp.gate.weight"), (E, h))
+            gate_up, down = experts(p)
+            lw.w_experts_gate_up = checked(p + "mlp.experts gate_up", gate_up, (E, 2 * inter, h))
+            lw.w_experts_down = checked(p + "mlp.experts down", down, (E, h, inter))
+        else:
+            lw.w_gate_up = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
+            lw.w_down = t(p + "mlp.down_proj.weight")
+        layers.append(lw)
     embed = t("model.embed_tokens.weight")
     if config.tie_embeddings or "lm_head.weight" not in where:
         lm_head = embed
@@ -247,12 +305,30 @@ def random_weights(config: ModelConfig, device: torch.device | str = "cpu",
     def norm() -> torch.Tensor:
         return (1.0 + 0.1 * torch.randn(h, generator=g, device=device)).to(dtype)
 
-    layers = [LayerWeights(
-        attn_norm=norm(), wqkv=mat(config.qkv_rows, h),
-        bqkv=mat(config.qkv_rows) if config.attention_bias else None,
-        wo=mat(h, config.num_heads * config.head_dim), mlp_norm=norm(),
-        w_gate_up=mat(2 * i, h), w_down=mat(h, i),
-    ) for _ in range(config.num_layers)]
+    def vec(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
+
+    def layer() -> LayerWeights:
+        lw = LayerWeights(
+            attn_norm=norm(), wqkv=mat(config.qkv_rows, h),
+            bqkv=mat(config.qkv_rows) if config.attention_bias else None,
+            wo=mat(h, config.num_heads * config.head_dim), mlp_norm=norm(),
+            w_gate_up=None, w_down=None,
+        )
+        if config.qk_norm:
+            lw.q_norm = vec(config.num_heads * config.head_dim)
+            lw.k_norm = vec(config.num_kv_heads * config.head_dim)
+        if config.is_moe:
+            # The router a little wider than the rest (0.02 · 5), so a token's top-k is decided by
+            # clear margins rather than near-ties (real routers are trained to be decisive).
+            lw.router = mat(config.num_experts, h) * 5
+            lw.w_experts_gate_up = mat(config.num_experts, 2 * i, h)
+            lw.w_experts_down = mat(config.num_experts, h, i)
+        else:
+            lw.w_gate_up, lw.w_down = mat(2 * i, h), mat(h, i)
+        return lw
+
+    layers = [layer() for _ in range(config.num_layers)]
     embed = mat(config.vocab_size, h)
     lm_head = embed if config.tie_embeddings else mat(config.vocab_size, h)
     return Weights(embed, layers, norm(), lm_head)

@@ -32,7 +32,21 @@ class SumsLanding:
     def __init__(self, budget: PinnedBudget, capacity: int, streams: CopyStreams):
         self.capacity = capacity
         self.streams = streams
+        self.budget = budget
         self.buffer = budget.alloc("checksum-landing", (max(1, capacity),), torch.int64)
+
+    def regrow(self, capacity: int) -> None:
+        """Room for ``capacity`` checksums (a grown pool's moves can land more). The old row is
+        let go first, so the budget needs only the new one; a refusal (PinnedBudgetExceeded)
+        leaves a row of the old capacity. Only between moves: nothing may be landing."""
+        old = self.capacity
+        self.buffer.close()
+        try:
+            self.buffer = self.budget.alloc("checksum-landing", (max(1, capacity),), torch.int64)
+            self.capacity = capacity
+        except BaseException:
+            self.buffer = self.budget.alloc("checksum-landing", (max(1, old),), torch.int64)
+            raise
 
     def land(self, sums: torch.Tensor, at: int = 0, after=None, spin: bool = False) -> Landed:
         n = sums.numel()
@@ -74,6 +88,7 @@ class IndexUploader:
     def __init__(self, budget: PinnedBudget, owner: str, capacity: int, streams: CopyStreams):
         self.capacity = capacity
         self.streams = streams
+        self.budget, self.owner = budget, owner
         self.buffer = budget.alloc(owner, (2, capacity), torch.int64)
         # The halves as numpy arrays over the same pinned bytes: a list of ints is written into
         # them by numpy's assignment (one C loop), not by a torch tensor built and then copied
@@ -81,6 +96,24 @@ class IndexUploader:
         self._rows = self.buffer.tensor.numpy()
         self._events = [Done(), Done()]
         self._turn = 0
+
+    def regrow(self, capacity: int) -> None:
+        """Room for ``capacity`` entries per upload (a grown pool). Waits for the uploads in
+        flight, lets the old scratch go, then registers and pins the new one; a refusal
+        (PinnedBudgetExceeded) leaves a scratch of the old capacity."""
+        for e in self._events:
+            e.synchronize()
+        old = self.capacity
+        self.buffer.close()
+        try:
+            self.buffer = self.budget.alloc(self.owner, (2, capacity), torch.int64)
+            self.capacity = capacity
+        except BaseException:
+            self.buffer = self.budget.alloc(self.owner, (2, old), torch.int64)
+            raise
+        finally:
+            self._rows = self.buffer.tensor.numpy()
+            self._events = [Done(), Done()]
 
     def upload(self, stream, *lists: Sequence[int]) -> list[torch.Tensor]:
         """Enqueue the lists' upload on ``stream``; returns one int64 device tensor per list."""

@@ -17,6 +17,9 @@ from residency.dataplane.pools.errors import (
     NotResident,
     PinnedBudgetExceeded,
     PinningFailed,
+    ReaderRefused,
+    ResizeRefused,
+    TornPool,
 )
 from residency.dataplane.pools.host import HostPool
 from residency.dataplane.pools.layout import KVLayout
@@ -27,5 +30,5 @@ __all__ = [
     "PinnedBudget", "PinnedBuffer", "PinnedGrant",
     "DataPlaneError", "LayoutError", "IntegrityError", "NoRoom", "BlockStateError", "NotResident",
     "AlreadyResident", "BlockNotReady", "BlockBusy", "PinnedBudgetExceeded", "PinningFailed",
-    "DiskCopyError", "ChecksumMismatch",
+    "DiskCopyError", "ChecksumMismatch", "ResizeRefused", "ReaderRefused", "TornPool",
 ]

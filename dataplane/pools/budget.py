@@ -54,6 +54,9 @@ class PinnedBudget:
         self.pin = pin
         self._grants: dict[int, PinnedGrant] = {}
         self._ids = itertools.count(1)
+        # told of every grant made or given back: listener(owner, bytes, registered) (the worker's
+        # memory books, which tell the control)
+        self.listener = None
 
     # ------------------------------------------------------------ queries
     @property
@@ -84,12 +87,16 @@ class PinnedBudget:
             raise refused
         grant = PinnedGrant(next(self._ids), owner, int(nbytes))
         self._grants[grant.grant_id] = grant
+        if self.listener is not None:
+            self.listener(owner, grant.bytes, True)
         return grant
 
     def release(self, grant: PinnedGrant) -> int:
         """Forget a grant; returns its bytes. Releasing twice raises IntegrityError."""
         if self._grants.pop(grant.grant_id, None) is None:
             raise IntegrityError(f"pinned grant {grant.grant_id} ({grant.owner}, {grant.bytes} bytes) released twice")
+        if self.listener is not None:
+            self.listener(grant.owner, grant.bytes, False)
         return grant.bytes
 
     def alloc(self, owner: str, shape: tuple[int, ...], dtype: torch.dtype) -> "PinnedBuffer":

@@ -65,6 +65,47 @@ class BlockBusy(BlockStateError):
         super().__init__(tier, blocks, "busy in a move in flight")
 
 
+class ResizeRefused(DataPlaneError):
+    """A pool resize the worker declines, with its arithmetic; nothing changed.
+
+    ``asked_slots``/``asked_bytes``: the size asked; ``live_blocks``: blocks the pool holds (the
+    worker never drops one); ``available_bytes``: what the machine has free for the new tensor
+    (None where memory was not the reason)."""
+
+    def __init__(self, tier: str, reason: str, *, asked_slots: int, asked_bytes: int, live_blocks: int,
+                 available_bytes: int | None = None):
+        self.tier = tier
+        self.reason = reason
+        self.asked_slots = asked_slots
+        self.asked_bytes = asked_bytes
+        self.live_blocks = live_blocks
+        self.available_bytes = available_bytes
+        super().__init__(f"{tier} resize to {asked_slots} slots refused: {reason}")
+
+
+class ReaderRefused(DataPlaneError):
+    """A reader of a pool that cannot bind to it (another shape, dtype or device), named."""
+
+    def __init__(self, reader: str, why: str):
+        self.reader = reader
+        self.why = why
+        super().__init__(f"reader {reader} refuses to bind: {why}")
+
+
+class TornPool(DataPlaneError):
+    """A pool some of whose readers do not carry its generation: nothing may read or write it
+    until a complete rebind repairs it. ``behind``: reader -> the generation it carries."""
+
+    def __init__(self, tier: str, gen: int, behind: dict[str, int], user: str):
+        self.tier = tier
+        self.gen = gen
+        self.behind = dict(behind)
+        self.user = user
+        shown = ", ".join(f"{r} at gen {g}" for r, g in sorted(self.behind.items()))
+        super().__init__(f"torn pool: {tier} pool at gen {gen} has readers behind ({shown}); "
+                         f"{user} refuses to use it until a complete rebind")
+
+
 class PinnedBudgetExceeded(DataPlaneError):
     """A pinned-host allocation the budget refused, with its arithmetic."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import repeat
 
 from residency.dataplane.pools.errors import (
@@ -31,7 +32,24 @@ from residency.dataplane.pools.errors import (
     IntegrityError,
     NoRoom,
     NotResident,
+    ResizeRefused,
 )
+
+
+@dataclass(frozen=True)
+class Relocation:
+    """How a table becomes ``num_slots`` long: each listed block leaves slot ``src[i]`` (at or past
+    the new end) for the free slot ``dst[i]`` below it. A grow relocates nothing.
+
+        shrink to 4:   slots  0  1  2  3 | 4  5  6
+                              a  .  b  . | .  c  d        c: 5 -> 1,  d: 6 -> 3
+    """
+
+    from_slots: int
+    num_slots: int
+    blocks: tuple[int, ...]
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
 
 
 def _as_set(ids: Iterable[int]) -> set | frozenset:
@@ -159,7 +177,49 @@ class SlotTable:
             )
         return None
 
+    def plan_resize(self, num_slots: int) -> Relocation | ResizeRefused:
+        """Where each block past a new end ``num_slots`` would go, or the refusal with its
+        arithmetic. Pure. Refused while any slot is RESERVED (a move is in flight: its bytes would
+        land in a slot that may not survive), and when the blocks held do not fit: the worker
+        never drops a block, the caller moves them out first."""
+        asked = num_slots * self.slot_bytes
+        held = len(self._slot)
+        if num_slots < 0:
+            return ResizeRefused(self.tier, f"num_slots must be >= 0, got {num_slots}", asked_slots=num_slots,
+                                 asked_bytes=asked, live_blocks=held)
+        if self._reserved:
+            return ResizeRefused(
+                self.tier, f"{len(self._reserved)} blocks are arriving (a move in flight): "
+                f"{sorted(self._reserved)[:8]}", asked_slots=num_slots, asked_bytes=asked, live_blocks=held)
+        if held > num_slots:
+            return ResizeRefused(
+                self.tier, f"{held} live blocks do not fit in {num_slots} slots: {held - num_slots} over "
+                f"({held} x {self.slot_bytes} B = {held * self.slot_bytes} B held > {asked} B asked); "
+                "move them out first", asked_slots=num_slots, asked_bytes=asked, live_blocks=held)
+        outside = sorted(s for s in self._block if s >= num_slots)
+        holes = sorted(s for s in self._free if s < num_slots)[:len(outside)]
+        return Relocation(self.num_slots, num_slots, tuple(self._block[s] for s in outside), tuple(outside),
+                          tuple(holes))
+
     # ------------------------------------------------------------ mutations
+    def resize(self, plan: Relocation) -> None:
+        """Apply ``plan_resize``'s plan (the caller has copied the relocated blocks' bytes from
+        ``src`` to ``dst``): blocks keep their state and refcounts, only their slots change."""
+        if plan.from_slots != self.num_slots or self._reserved:
+            raise IntegrityError(f"{self.tier}: resize plan made for {plan.from_slots} slots applied to "
+                                 f"{self.num_slots} with {len(self._reserved)} reserved")
+        for b, src, dst in zip(plan.blocks, plan.src, plan.dst):
+            if self._slot.get(b) != src or dst in self._block or dst >= plan.num_slots:
+                raise IntegrityError(f"{self.tier}: stale resize plan: block {b} {src} -> {dst}")
+        for b, src, dst in zip(plan.blocks, plan.src, plan.dst):
+            del self._block[src]
+            self._block[dst] = b
+            self._slot[b] = dst
+        n = plan.num_slots
+        self._free = [s for s in range(n) if s not in self._block]
+        self._free_sorted = True
+        self.num_slots = n
+
     def reserve(self, block_ids: Iterable[int]) -> list[int]:
         """Take a slot for each new block, not yet readable. Raises AlreadyResident, NoRoom."""
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)

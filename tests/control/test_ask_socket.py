@@ -20,9 +20,10 @@ def _recv(sock_owner, timeout_ms: int = 5000):
 
 def test_the_ask_unions_are_the_asks_and_their_answers():
     assert set(typing.get_args(asks.AnyAsk)) == {asks.AskMove, asks.AskCommitBlocks, asks.AskReleaseBlocks,
-                                                 asks.AskSetBudget, asks.AskStatus, asks.AskReclaim,
-                                                 asks.AskReleaseTenant}
-    assert {t.__name__ for t in typing.get_args(asks.AnyAskReply)} == {"AskAnswered", "StatusReport", "ErrorReply"}
+                                                 asks.AskSetBudget, asks.AskStatus, asks.AskMemory, asks.AskResize,
+                                                 asks.AskReclaim, asks.AskReleaseTenant}
+    assert {t.__name__ for t in typing.get_args(asks.AnyAskReply)} == {"AskAnswered", "StatusReport", "ErrorReply",
+                                                                       "MemoryAnswer"}
 
 
 def test_the_ask_socket_takes_an_ask_and_names_a_worker_message_unexpected(tmp_path):

@@ -213,3 +213,15 @@ def test_audit_tenants_sums_grants_releases_and_what_is_held(tmp_path, capsys):
                                "held_bytes": 0, "num_reclaims": 1, "num_failed": 1}
     assert rows["judge"]["held_bytes"] == BB
     assert _fold(events).workers[0].tenants == {"judge": BB}       # the fold agrees
+
+
+def test_the_memory_view_shows_what_each_outside_tenant_holds():
+    from residency.control.memory import memory_view
+
+    grant = ev.TenantReclaimed(tenant="trainer", worker=0, asked_bytes=BB, granted_bytes=2 * BB, freed_bytes=0,
+                               measured_bytes=None, rebind_id="rb-1")
+    view = memory_view(_fold([_joined(), grant]), {0: set()}, {0: None})
+    device = view.workers[0].tiers["device"]
+    assert view.outside_tenants == {"trainer": 2 * BB} and device.tenants.outside == {"trainer": 2 * BB}
+    assert device.tenants.total() == device.used_bytes            # the lent bytes are on the books ...
+    assert device.reclaimable_bytes == device.used_bytes - device.hot_bytes == 0    # ... and never ours to free

@@ -60,3 +60,18 @@ def test_complete_rebinds_are_not_torn(L):
     for gen in range(L.rng.randrange(2, 6)):
         rebind(L, worker=gen % 2, gen=gen)
     assert detect_torn_rebinds(L.events, at_ns=L.now + 3600 * SECOND) == []
+
+
+def test_a_rebind_its_worker_refused_changed_nothing_and_is_no_finding(L):
+    L.worker(0)
+    rid, req, _ = rebind(L, stamp=[], end=None)
+    L.add(ev.RebindRefused(rebind_id=rid, worker=0, error="asked 2 TiB > 80 GiB on the card"))
+    assert detect_torn_rebinds(L.events, at_ns=L.now + 60 * SECOND) == []
+
+
+def test_a_torn_pool_of_a_worker_replaced_by_a_new_incarnation_is_gone_with_it(L):
+    L.worker(0)
+    rebind(L, stamp=READERS[:1], end="torn")
+    assert [f.severity for f in detect_torn_rebinds(L.events, at_ns=L.now)] == ["critical"]
+    L.worker(0)          # the next incarnation joins with a new pool
+    assert detect_torn_rebinds(L.events, at_ns=L.now) == []

@@ -22,7 +22,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra: str, name: str = "serve", ledger: str | None = None):
+    def __init__(self, tmp: Path, *extra: str, name: str = "serve", ledger: str | None = None,
+                 device_blocks: int | None = 192):
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -30,7 +31,8 @@ class Server:
         self.ledger = ledger or f"sqlite:///{self.dir / 'ledger.db'}"
         self.log_path = self.dir / "serve.log"
         argv = [sys.executable, "-m", "residency.control.cli.main", "serve", "--ledger", self.ledger, "--port", str(self.port),
-                "--run-dir", str(self.dir / "run"), "--device-blocks", "192", "--host-bytes", "256MiB",
+                "--run-dir", str(self.dir / "run"),
+                *(("--device-blocks", str(device_blocks)) if device_blocks is not None else ()), "--host-bytes", "256MiB",
                 "--disk-bytes", "512MiB", "--no-disk-fsync", "--admin-key", ADMIN_KEY, *extra]
         env = dict(os.environ, RESIDENCY_LOG_FORMAT="json", RESIDENCY_WORKER_LOG_LEVEL="info")
         self.log = open(self.log_path, "wb")

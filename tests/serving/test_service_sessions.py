@@ -75,7 +75,7 @@ def test_a_deleted_session_is_recorded_as_its_own_so_audit_timeline_and_status_s
     by_session = {g: b for g, b, _ in totals}
     assert None not in by_session or by_session[None] == 0, totals
     assert by_session["gone"] >= 2 * held["bytes"]        # the park freed the device, the delete the host
-    assert seen[-3:] == ["MoveRequested", "CopiesReleased", "SessionDeleted"]
+    assert seen[-4:] == ["MoveRequested", "MoveDispatched", "CopiesReleased", "SessionDeleted"]
 
 
 def test_a_session_generating_cannot_be_deleted(stack):
