@@ -2,8 +2,8 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [e2e] [flip]
-#   (default: all but probe, trace, keepawake, e2e and flip; JSON under $OUT). flip pins ~32 GiB of host RAM and
+#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [e2e] [flip] [dial]
+#   (default: all but probe, trace, keepawake, e2e, flip and dial; JSON under $OUT). flip pins ~32 GiB of host RAM and
 #   writes a 16 GiB safetensors file under /tmp.
 # Prefix it with RESIDENCY_GIT_COMMIT=<the commit sent> (`git rev-parse HEAD` here): the device
 # machine's copy of .git can be older than the working tree it receives, and the JSON would name
@@ -39,6 +39,8 @@ fi
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8
 [[ $parts == *" keepawake "* ]] && timeout 120 python3 bench/keep_awake_cost.py --out "$OUT/keep-awake-cost.json" 2>&1 | tail -5
+[[ $parts == *" dial "* ]] && timeout 420 python3 bench/dial.py --device cuda --pool-gib 16 \
+  --out "$OUT/dial.json" 2>&1 | tail -16
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
 # OLMoE-1B-7B-shaped decode at batch 1/8/32/64: fused MoE vs a per-expert loop vs transformers
 [[ $parts == *" moe "* ]] && timeout 400 python3 bench/moe.py --gpu --out "$OUT" 2>&1 | tail -24

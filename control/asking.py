@@ -76,6 +76,9 @@ class AskHandler:
         self._pending: dict[str, PendingCommit] = {}    # commit ref -> its ask
         self._num_refs = 0
         self._next_block: dict[int, int] = {}
+        # asks another part answers (ask type -> handler(msg, asker, waiter)): the handler adds a
+        # ref to ``waiter.open`` while it works and calls ``finish(waiter, ref)`` when it is done
+        self.extra: dict[type, Callable] = {}
 
     # ------------------------------------------------------------------ the ask socket
     def recv(self) -> bool:
@@ -139,6 +142,8 @@ class AskHandler:
                 waiter.events.append((self.recorder.record(e, causation=f"{asker}:budget"), e))
             elif type(msg) is AskCommitBlocks:
                 self._ask_commit(msg, waiter)
+            elif type(msg) in self.extra:
+                self.extra[type(msg)](msg, asker, waiter)
             elif type(msg) is AskResize and self.dial is not None:
                 self.dial.ask(msg, f"{asker}:resize", waiter)
                 return          # the dial answers it after commit
@@ -173,6 +178,12 @@ class AskHandler:
             return
         for p in proposals:
             self.dispatcher.request(p, waiter, self.asked_ns)
+
+    def finish(self, waiter: moves.AskWaiter, ref: str) -> None:
+        """An ``extra`` handler is done with ``ref``: the ask is answered once what it recorded commits."""
+        waiter.open.discard(ref)
+        if waiter.done:
+            self.answers.after_commit(waiter)
 
     # ------------------------------------------------------------------ commits of new blocks
     def _ask_commit(self, msg: AskCommitBlocks, waiter: moves.AskWaiter) -> None:

@@ -23,7 +23,7 @@ from typing import Callable
 
 from residency.events import catalog as ev
 from residency.events.envelope import Recorded
-from residency.control import fold_moves, fold_serving
+from residency.control import fold_moves, fold_serving, fold_tenants
 from residency.control.fold_base import anomaly as _anomaly, free_copies, worker_or_anomaly as _worker
 from residency.control.fold_moves import lose_moves
 from residency.control.fold_serving import close_rebinds_of
@@ -242,4 +242,5 @@ _HANDLERS: dict[type, Callable[[State, object, int], None]] = {
     ev.StateCheckpoint: _state_checkpoint,
     **fold_moves.HANDLERS,
     **fold_serving.HANDLERS,
+    **fold_tenants.HANDLERS,
 }

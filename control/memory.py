@@ -133,12 +133,14 @@ def worker_view(state: State, worker: int, busy: set[int] | None, report: Memory
     per_tier["device"].weights = ws.device_owned.get("weights", 0)
     per_tier["device"].scratch = sum(v for k, v in ws.device_owned.items() if k != "weights")
     per_tier["host"].pinned_rings = sum(v for k, v in ws.pinned.items() if k != HOST_POOL_OWNER)
+    # lent to outside tenants (reclaim): the device's bytes, held by another process, never ours to free
+    per_tier["device"].outside = dict(ws.tenants)
     tiers = {}
     for t in TIERS:
         acc = ws.tiers.get(t)
         kv_cap, kv_used = (acc.capacity_bytes, acc.used_bytes) if acc is not None else (0, 0)
         ten = per_tier[t]
-        beside = ten.weights + ten.scratch + ten.pinned_rings
+        beside = ten.weights + ten.scratch + ten.pinned_rings + sum(ten.outside.values())
         # the fold's used is the truth; blocks the walk above could not place are shown apart
         ten.unowned_kv += kv_used - counts[t] * bb
         hot = hot_counts[t] * bb + beside
@@ -162,7 +164,11 @@ def memory_view(state: State, busy: dict[int, set[int]] | None, reports: dict[in
     sizings = sizings or {}
     workers = [worker_view(state, w, None if busy is None else busy.get(w, set()), reports.get(w), sizings.get(w))
                for w, ws in sorted(state.workers.items()) if ws.alive]
-    return MemoryView(last_seq=state.last_seq, workers=workers)
+    outside: dict[str, int] = {}
+    for wv in workers:
+        for tenant, nbytes in wv.tiers["device"].tenants.outside.items():
+            outside[tenant] = outside.get(tenant, 0) + nbytes
+    return MemoryView(last_seq=state.last_seq, workers=workers, outside_tenants=outside)
 
 
 def to_json(view: MemoryView) -> bytes:

@@ -98,6 +98,7 @@ class ControlProc:
         self._policy_due = 0          # when the policies held for a quiet iteration were due
         self._beat_ns = time.monotonic_ns()
         self._handlers: dict[type, Callable] = {}           # worker message type -> handler (the parts')
+        self._ask_handlers: dict[type, Callable] = {}       # ask type -> handler (the parts')
         self._pool_readers: dict[str, Callable] = {}        # the control's readers of device pools (the dial)
         self.dial = None                                    # control/dialing.py Dial, made by _recover()
         self._listeners: list[Callable[[int, ev.Event], None]] = []
@@ -215,6 +216,15 @@ class ControlProc:
         called on the loop thread. Register before ``start``."""
         self._handlers[msg_type] = handler
 
+    def on_ask(self, ask_type: type, handler: Callable) -> None:
+        """Route an ask type (an outside tenant's reclaim) to ``handler(msg, asker, waiter)`` on the
+        loop thread; it answers through ``finish_ask``. Register before ``start``."""
+        self._ask_handlers[ask_type] = handler
+
+    def finish_ask(self, waiter, ref: str) -> None:
+        """A part's ask handler is done with ``ref`` of ``waiter`` (loop thread only)."""
+        self.asks.finish(waiter, ref)
+
     def add_listener(self, fn: Callable[[int, ev.Event], None]) -> None:
         """``fn(seq, event)`` on the loop thread after each event is folded (before its commit)."""
         self._listeners.append(fn)
@@ -316,6 +326,7 @@ class ControlProc:
         self.awake, self.keep_awake = parts.awake, parts.keep_awake
         self.workers, self.moves, self.asks, self.dial = parts.workers, parts.moves, parts.asks, parts.dial
         self.memory = parts.memory
+        self.asks.extra.update(self._ask_handlers)
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
         self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))

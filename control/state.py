@@ -45,6 +45,7 @@ class WorkerState(msgspec.Struct, kw_only=True):
     device_owned: dict[str, int] = {}  # owner -> device bytes outside the KV pool (weights, scratch)
     last_step: int = -1
     last_step_ts_ns: int = 0
+    tenants: dict[str, int] = {}      # outside tenant -> device bytes granted it (TenantReclaimed less TenantReleased)
 
 
 class BlockState(msgspec.Struct, kw_only=True, array_like=True, gc=False):
@@ -179,14 +180,15 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 
-# The version of the fold, written into every state hash ("f2:<sha256>"). A StateCheckpoint from
-# another version hashed another state (version 1, the bare hex of earlier ledgers: before
-# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss),
-# so it cannot be compared with this fold's replay; `ledger verify` says how many it left.
+# The version of the fold, written into every state hash ("f5:<sha256>"). A StateCheckpoint from
+# another version hashed another state, so it cannot be compared with this fold's replay; `ledger
+# verify` says how many it left. Version 1 (the bare hex of earlier ledgers): before
+# SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss.
 # Version 3: WorkerState.device_owned (the weights and scratch on the device's books).
 # Version 4: a rebind refused by its worker, and a worker's open rebinds closed when a new
-# incarnation joins (control/fold_serving.py).
-FOLD_VERSION = 4
+# incarnation joins (control/fold_serving.py). Version 5: outside tenants' grants
+# (WorkerState.tenants).
+FOLD_VERSION = 5
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 
@@ -266,6 +268,9 @@ def check_integrity(state: State) -> None:
         for owner, b in ws.pinned.items():
             if b < 0:
                 problems.append(f"worker {w}: pinned bytes of {owner} negative ({b})")
+        for tenant, b in ws.tenants.items():
+            if b <= 0:
+                problems.append(f"worker {w}: outside tenant {tenant} holds {b} bytes (a grant is > 0 or gone)")
     want = index_copies(msgspec.structs.replace(state)).copies if state.copies is not None else {}
     for w in set(want) | set(state.copies or {}):
         for t in set(want.get(w, {})) | set(state.copies.get(w, {})):

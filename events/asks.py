@@ -13,7 +13,8 @@ from typing import Union
 from residency.events.catalog import (
     BlocksCommitted, BlocksFreed, BudgetSet, CopiesReleased, MoveAbandoned, MoveAcked, MoveFailed, MoveKind, MoveLateAcked,
     MoveRefused, MoveRejected, MoveStranded, PoolResized, ReaderStamped, RebindCommitted, RebindRefused,
-    RebindRequested, RebindTorn, SessionParked, SessionRestored, Tier,
+    RebindRequested, RebindTorn, SessionParked, SessionRestored, TenantReclaimed, TenantReclaimFailed, TenantReleased,
+    Tier,
 )
 from residency.events.commands import ErrorReply
 from residency.events.message import Message
@@ -66,6 +67,28 @@ class AskSetBudget(Message):
     ceiling_bytes: int
 
 
+class AskReclaim(Message):
+    """An outside tenant (declared with ``serve --tenant``) asks for ``bytes`` of worker
+    ``worker``'s device memory: the control empties pool slots by the tenant's routes, then shrinks
+    the device pool by the ask rounded up to whole pages. Answered with ``TenantReclaimed``, the
+    ``MoveRefused`` of an ask above everything reclaimable (nothing moved), or
+    ``TenantReclaimFailed``; an unknown tenant or a size <= 0 is an invalid ask."""
+
+    ask_id: str
+    tenant: str
+    worker: int
+    bytes: int
+
+
+class AskReleaseTenant(Message):
+    """An outside tenant gives back everything it was granted on ``worker``: the device pool
+    grows back by it. Answered with ``TenantReleased``."""
+
+    ask_id: str
+    tenant: str
+    worker: int
+
+
 class AskResize(Message):
     """Resize a worker's pool on ``tier`` to ``bytes`` (the dial: control/dial.py), live. A
     shrink first moves the coldest idle blocks that will not fit to host; then every reader of
@@ -90,6 +113,7 @@ AskOutcome = Union[
     MoveAcked, MoveFailed, MoveRejected, MoveRefused, MoveStranded, MoveLateAcked, MoveAbandoned,
     BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored, CopiesReleased,
     RebindRequested, ReaderStamped, PoolResized, RebindCommitted, RebindTorn, RebindRefused,
+    TenantReclaimed, TenantReclaimFailed, TenantReleased,
 ]
 
 
@@ -134,10 +158,11 @@ class MemoryAnswer(Message):
     view: bytes
 
 
-AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskMemory, AskResize]
+AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskMemory, AskResize, AskReclaim,
+               AskReleaseTenant]
 AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply, MemoryAnswer]
 
 __all__ = [
     "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskResize", "AskOutcome",
-    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply", "AskMemory", "MemoryAnswer",
+    "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply", "AskMemory", "MemoryAnswer", "AskReclaim", "AskReleaseTenant",
 ]

@@ -448,6 +448,54 @@ class GroupStopped(Event):
     reason: str
 
 
+# ---------------------------------------------------------------- outside tenants
+class TenantReclaimed(Event):
+    """An outside tenant was granted device memory: the moves ``moves`` emptied pool slots (the
+    sessions ``sessions`` parked or dropped), then the dial shrank the device pool by
+    ``granted_bytes`` (the ask, ``asked_bytes``, rounded up to whole pages) in rebind
+    ``rebind_id``. ``freed_bytes``: device bytes the moves' answers said they freed (0 when the
+    pool already had the room). ``measured_bytes``: what the driver counted free after the
+    shrink less before (None: not measured, e.g. on a CPU host; never a guess)."""
+
+    tenant: str
+    worker: int
+    asked_bytes: int
+    granted_bytes: int
+    freed_bytes: int
+    measured_bytes: int | None
+    rebind_id: str
+    moves: list[str] = []
+    sessions: list[str] = []
+
+
+class TenantReclaimFailed(Event):
+    """A reclaim that passed its arithmetic but did not end in a grant: a move it needed failed,
+    was refused or stranded, or the dial refused the shrink. Nothing was granted; what moved
+    stays where it landed (its own events say so). Also a release whose grow the dial did not
+    commit (``reason`` starts with "release:"): the grant stays the tenant's. ``stranded_bytes``/``stranded_moves``: bytes
+    at risk on the way, named, never counted as freed."""
+
+    tenant: str
+    worker: int
+    asked_bytes: int
+    reason: str
+    moves: list[str] = []
+    stranded_bytes: int = 0
+    stranded_moves: list[str] = []
+
+
+class TenantReleased(Event):
+    """An outside tenant gave back ``bytes`` of its grant; the dial grew the device pool by them
+    in rebind ``rebind_id``. ``measured_bytes``: what the driver counted taken by the grow (None:
+    not measured)."""
+
+    tenant: str
+    worker: int
+    bytes: int
+    measured_bytes: int | None
+    rebind_id: str
+
+
 # ---------------------------------------------------------------- integrity
 class StateCheckpoint(Event):
     through_seq: int
@@ -467,6 +515,7 @@ AnyEvent = Union[
     RebindRequested, ReaderStamped, RebindCommitted, RebindTorn, PoolResized, RebindRefused,
     WeightsLoaded, FlipRequested, FlipCompleted, FlipFailed,
     GroupDiverged, GroupStopped,
+    TenantReclaimed, TenantReclaimFailed, TenantReleased,
     StateCheckpoint,
 ]
 

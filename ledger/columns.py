@@ -70,6 +70,10 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.RebindRefused: lambda e: (None, e.worker, None, None, None, None),
     c.WeightsLoaded: lambda e: (None, e.worker, None, None, None, e.bytes),
     c.FlipRequested: lambda e: (None, e.worker, None, None, None, e.bytes_in),
+    # outside tenants: ``kind`` is the tenant's name, ``bytes`` what its grant changed by
+    c.TenantReclaimed: lambda e: (None, e.worker, None, "device", e.tenant, e.granted_bytes),
+    c.TenantReclaimFailed: lambda e: (None, e.worker, None, "device", e.tenant, None),
+    c.TenantReleased: lambda e: (None, e.worker, None, "device", e.tenant, e.bytes),
 }
 
 

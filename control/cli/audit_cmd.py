@@ -1,7 +1,10 @@
-"""`residency audit reclaimed|stranded`: totals and the moves behind them.
+"""`residency audit reclaimed|stranded|tenants`: totals and the moves behind them.
 
 The answers come from the SQL views ``residency_reclaimed`` and ``residency_stranded`` (created
 by a migration), so the CLI and an auditor's own SQL agree by construction.
+
+``tenants``: device bytes each outside tenant was granted (TenantReclaimed), gave back
+(TenantReleased) and holds, from the audit columns of those events (``kind`` is the tenant).
 
 The views read the audit columns, which are outside the hash chain, so the ledger is verified
 first (chain, payloads, and every row's columns against its payload): a ledger that does not
@@ -25,8 +28,9 @@ GROUP_COLUMNS = {
 
 def register(sub) -> None:
     p = sub.add_parser("audit", help="reclaimed or stranded bytes: totals and the moves behind them")
-    p.add_argument("what", choices=["reclaimed", "stranded"],
-                   help="reclaimed: bytes freed as workers reported; stranded: bytes of moves nobody answered")
+    p.add_argument("what", choices=["reclaimed", "stranded", "tenants"],
+                   help="reclaimed: bytes freed as workers reported; stranded: bytes of moves nobody answered; "
+                        "tenants: device bytes granted to outside tenants, given back, and held")
     add_db_arg(p)
     p.add_argument("--by", choices=["tier", "worker", "session", "kind"], default="tier",
                    help="group the totals by (default tier; kind: the cause or the why)")
@@ -58,6 +62,34 @@ def query(store, what: str, by: str, since_ns: int | None, until_ns: int | None,
     return [(r.grp, int(r.total or 0), int(r.n)) for r in totals], [dict(r) for r in rows]
 
 
+def tenants(store, since_ns: int | None, until_ns: int | None) -> list[dict]:
+    """Per outside tenant and worker: bytes granted, released, held, and how many reclaims failed."""
+    where, params = ["type IN ('TenantReclaimed', 'TenantReleased', 'TenantReclaimFailed')"], {}
+    if since_ns is not None:
+        where.append("ts_ns >= :since")
+        params["since"] = since_ns
+    if until_ns is not None:
+        where.append("ts_ns <= :until")
+        params["until"] = until_ns
+    with store.engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT kind, worker, type, SUM(bytes) AS total, COUNT(*) AS n FROM events WHERE "
+            + " AND ".join(where) + " GROUP BY kind, worker, type ORDER BY kind, worker"), params).all()
+    out: dict[tuple, dict] = {}
+    for kind, worker, type_, total, n in rows:
+        row = out.setdefault((kind, worker), {"tenant": kind, "worker": worker, "granted_bytes": 0,
+                                              "released_bytes": 0, "num_reclaims": 0, "num_failed": 0})
+        if type_ == "TenantReclaimed":
+            row["granted_bytes"], row["num_reclaims"] = int(total or 0), int(n)
+        elif type_ == "TenantReleased":
+            row["released_bytes"] = int(total or 0)
+        else:
+            row["num_failed"] = int(n)
+    for row in out.values():
+        row["held_bytes"] = row["granted_bytes"] - row["released_bytes"]
+    return list(out.values())
+
+
 def run(args) -> int:
     since = parse_time_ns(args.since) if args.since else None
     until = parse_time_ns(args.until) if args.until else None
@@ -68,6 +100,8 @@ def run(args) -> int:
         if not report.ok:
             raise UserError(f"no audit of a ledger that does not verify: {report.problem} "
                             f"(`residency ledger verify --db {store.url}` says more)")
+        if args.what == "tenants":
+            return _print_tenants(tenants(store, since, until), args.json)
         totals, rows = query(store, args.what, args.by, since, until, args.limit)
     grand = sum(t for _, t, _ in totals)
     if args.json:
@@ -83,4 +117,19 @@ def run(args) -> int:
         for r in rows:
             extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("seq", "ts_ns", "bytes") and v is not None)
             print(f"  seq {r['seq']:>8}  {iso(r['ts_ns'])}  {human_bytes(r['bytes']):>10}  {extra}")
+    return 0
+
+
+def _print_tenants(rows: list[dict], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"what": "tenants", "tenants": rows}, indent=2))
+        return 0
+    if not rows:
+        print("no outside tenant was granted device memory")
+        return 0
+    print(f"  {'tenant':<16}{'worker':>7}{'granted':>14}{'released':>14}{'held':>14}{'reclaims':>10}{'failed':>8}")
+    for r in rows:
+        print(f"  {r['tenant']:<16}{r['worker']:>7}{human_bytes(r['granted_bytes']):>14}"
+              f"{human_bytes(r['released_bytes']):>14}{human_bytes(r['held_bytes']):>14}{r['num_reclaims']:>10}"
+              f"{r['num_failed']:>8}")
     return 0

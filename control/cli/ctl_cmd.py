@@ -7,6 +7,8 @@
     residency ctl budget  --worker W --tier device --floor 64MiB --ceiling 1GiB
     residency ctl commit  --blocks N [--session S] [--tier device]          (fill blocks with test data)
     residency ctl release --tier T --blocks 1,2,3
+    residency ctl reclaim --tenant NAME --bytes 4GiB [--worker W]        (an outside tenant takes device memory)
+    residency ctl release --tenant NAME [--worker W]                     (... and gives it back)
     residency ctl resize  --worker W --tier device --bytes 6GiB             (the pool, live; rebinds its readers)
 
 The answer is what the ledger recorded: acked with the bytes the worker measured, refused with the
@@ -29,7 +31,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6, "mb": 10**6,
           "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "gi": 1 << 30,
           "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}
-BAD = ("MoveRefused", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned", "RebindTorn", "RebindRefused")
+BAD = ("MoveRefused", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned", "RebindTorn", "RebindRefused",
+       "TenantReclaimFailed")
 
 
 def parse_size(text: str) -> int:
@@ -99,12 +102,21 @@ def register(sub) -> None:
                    help="where the blocks are written (default device)")
     c.add_argument("--seed", type=int, default=0, help="seed of the test bytes (default 0)")
     c.set_defaults(func=run, kind="commit")
-    r = verbs.add_parser("release", help="free blocks' copies on one tier")
+    r = verbs.add_parser("release", help="free blocks' copies on one tier, or give an outside tenant's grant back")
     add_target_args(r)
     r.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
-    r.add_argument("--tier", choices=("device", "host", "disk"), required=True, help="the tier whose copies are freed")
-    r.add_argument("--blocks", type=parse_blocks, required=True, help="block ids: 1,2,5-9")
+    r.add_argument("--tier", choices=("device", "host", "disk"), help="the tier whose copies are freed")
+    r.add_argument("--blocks", type=parse_blocks, help="block ids: 1,2,5-9")
+    r.add_argument("--tenant", help="instead: the outside tenant whose whole grant on --worker goes back to the "
+                                    "device pool (the pool grows by it)")
     r.set_defaults(func=run, kind="release")
+    g = verbs.add_parser("reclaim", help="an outside tenant takes device memory: pool slots are emptied by its "
+                                         "routes, then the device pool shrinks by the ask (whole pages)")
+    add_target_args(g)
+    g.add_argument("--worker", type=int, default=0, help="the worker to ask (default 0)")
+    g.add_argument("--tenant", required=True, help="the tenant, as declared with serve --tenant")
+    g.add_argument("--bytes", type=parse_size, required=True, metavar="SIZE", help="how much, e.g. 4GiB")
+    g.set_defaults(func=run, kind="reclaim")
     z = verbs.add_parser("resize", help="resize a worker's device pool live (a shrink moves the coldest blocks out first)")
     add_target_args(z)
     z.add_argument("--worker", type=int, default=0, help="the worker whose pool is resized (default 0)")
@@ -117,7 +129,7 @@ def register(sub) -> None:
 
 def ask_of(args):
     from residency.events.asks import (  # noqa: PLC0415
-        AskCommitBlocks, AskMove, AskReleaseBlocks, AskResize, AskSetBudget,
+        AskCommitBlocks, AskMove, AskReclaim, AskReleaseBlocks, AskReleaseTenant, AskResize, AskSetBudget,
     )
 
     ask_id = f"ctl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -129,7 +141,17 @@ def ask_of(args):
     if args.kind == "commit":
         return AskCommitBlocks(ask_id=ask_id, worker=args.worker, session=args.session, tier=args.tier,
                                num_blocks=args.blocks, seed=args.seed)
+    if args.kind == "reclaim":
+        if args.bytes <= 0:
+            raise UserError(f"--bytes must be > 0, not {args.bytes}")
+        return AskReclaim(ask_id=ask_id, tenant=args.tenant, worker=args.worker, bytes=args.bytes)
     if args.kind == "release":
+        if args.tenant is not None:
+            if args.tier or args.blocks:
+                raise UserError("release: --tenant gives a tenant's grant back; --tier/--blocks free blocks: not both")
+            return AskReleaseTenant(ask_id=ask_id, tenant=args.tenant, worker=args.worker)
+        if not args.tier or not args.blocks:
+            raise UserError("release: give --tier and --blocks (free blocks' copies) or --tenant (a tenant's grant)")
         return AskReleaseBlocks(ask_id=ask_id, worker=args.worker, tier=args.tier, blocks=args.blocks)
     return AskMove(ask_id=ask_id, kind=args.kind, worker=args.worker, blocks=args.blocks or [],
                    session=args.session, src=args.src, dst=args.dst, keep_source=args.keep)
@@ -222,6 +244,19 @@ def describe(seq: int, e) -> str:
         return f"session {e.session} parked on {e.tier}: {hb(e.bytes)} {at}"
     if t == "SessionRestored":
         return f"session {e.session} restored: {e.restored_tokens} tokens {at}"
+    if t == "TenantReclaimed":
+        measured = "not measured" if e.measured_bytes is None else hb(e.measured_bytes)
+        return (f"reclaimed for tenant {e.tenant} on worker {e.worker}: the device pool gave up {hb(e.granted_bytes)} "
+                f"(asked {hb(e.asked_bytes)}); the moves freed {hb(e.freed_bytes)} ({len(e.moves)} moves, sessions "
+                f"{', '.join(e.sessions) or '-'}); the driver measured {measured} freed; rebind {e.rebind_id} {at}")
+    if t == "TenantReclaimFailed":
+        stranded = (f"; {hb(e.stranded_bytes)} stranded on the way ({', '.join(e.stranded_moves)})"
+                    if e.stranded_moves else "")
+        return f"reclaim for tenant {e.tenant} on worker {e.worker} FAILED, nothing granted: {e.reason}{stranded} {at}"
+    if t == "TenantReleased":
+        measured = "not measured" if e.measured_bytes is None else hb(e.measured_bytes)
+        return (f"released by tenant {e.tenant} on worker {e.worker}: the device pool grew back by {hb(e.bytes)} "
+                f"(the driver measured {measured} taken); rebind {e.rebind_id} {at}")
     if t == "RebindRequested":
         return (f"rebind {e.rebind_id} of the {e.pool} pool of worker {e.worker} requested: gen {e.from_gen} -> "
                 f"{e.to_gen}, readers {', '.join(e.readers)} {at}")

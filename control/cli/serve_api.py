@@ -26,9 +26,15 @@ def api_app(proc, args):
     from residency.control.api import ApiConfig, create_app  # noqa: PLC0415
     from residency.control.scheduler.service import ServingService  # noqa: PLC0415
 
+    from residency.control.tenants import TenantError, parse_tenants  # noqa: PLC0415
+
+    try:
+        tenants = parse_tenants(getattr(args, "tenant", None))
+    except TenantError as e:
+        raise UserError(f"--tenant: {e}") from None
     service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
                              share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes,
-                             wedged_after_s=args.wedged_after_s)
+                             wedged_after_s=args.wedged_after_s, tenants=tenants)
     return create_app(service, ApiConfig(admin_key=args.admin_key or None))
 
 

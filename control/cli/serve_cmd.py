@@ -134,6 +134,11 @@ def _serving_args(p) -> None:
                    help=f"a worker with requests running and no model step for this long (or {DEFAULT_FACTOR:g} "
                         "times its slowest step, if longer) is wedged: its requests get a retryable 503 and "
                         f"/health says 503 until it steps again (default {DEFAULT_FLOOR_S:g})")
+    g.add_argument("--tenant", action="append", default=[], metavar="NAME[=ROUTES]",
+                   help="declare an outside tenant that may reclaim device memory (`ctl reclaim`), repeatable; "
+                        "ROUTES is the order in which pool slots are emptied for it, a comma list of prefixes "
+                        "(drop idle retained prefixes), park (idle sessions to host), evict (idle pages to "
+                        "host, coldest first); default prefixes,park,evict")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion budget of a chat request that names no max_tokens (reserved up front)")
     key = g.add_mutually_exclusive_group()

@@ -40,6 +40,7 @@ from residency.control.scheduler.admission import Admission
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState, Stream
 from residency.control.scheduler.cost import CostModel
+from residency.control.scheduler.reclaimer import Reclaimer, dial_of
 from residency.control.scheduler.port import BackendError, BackendStats, GenerateRequest, Health, ModelCard, SessionInfo
 from residency.control.scheduler.requests import RequestTable
 from residency.control.scheduler.router import Router
@@ -49,6 +50,7 @@ from residency.control.scheduler.streams import GenerationStreams
 from residency.control.scheduler.wedge import DEFAULT_FLOOR_S, WedgeWatch
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
+from residency.events.asks import AskReclaim, AskReleaseTenant
 from residency.events.commands import Pong, ServingReady, Tokenized, TokensGenerated
 
 log = structlog.get_logger("control.serving")
@@ -60,7 +62,7 @@ class ServingService:
     def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, retain_fraction: float = 0.0,
                  cost: CostModel | None = None, wait_timeout_s: float = 120.0, max_waiting: int = 256,
                  tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None,
-                 wedged_after_s: float = DEFAULT_FLOOR_S):
+                 wedged_after_s: float = DEFAULT_FLOOR_S, tenants: dict | None = None):
         self.proc = proc
         self.api_timeout_s = api_timeout_s
         self.cost = cost or CostModel()
@@ -75,6 +77,11 @@ class ServingService:
                                    wait_timeout_s=wait_timeout_s, default_max_tokens=default_max_tokens)
         self.streams = GenerationStreams(proc, self.workers, self.requests, self.admission, self.book)
         self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router)
+        # outside tenants' reclaims and releases (serve --tenant); the dial is given to it by serve
+        self.reclaimer = Reclaimer(proc, self.workers, self.asker, tenants or {})
+        self.reclaimer.dial = dial_of(proc)
+        proc.on_ask(AskReclaim, self.reclaimer.on_reclaim)
+        proc.on_ask(AskReleaseTenant, self.reclaimer.on_release)
         self.draining = False             # set by drain(): new requests are refused
         self._last_stats = BackendStats()  # what /metrics shows again while the loop cannot answer
         self._last_prune_ns = 0
