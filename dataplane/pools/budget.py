@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import weakref
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from residency.dataplane.pools.errors import IntegrityError, PinnedBudgetExceeded, PinningFailed
@@ -31,6 +33,7 @@ from residency.dataplane.pools.errors import IntegrityError, PinnedBudgetExceede
 PAGE_BYTES = 4096
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
+log = structlog.get_logger("dataplane.pinned")
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,9 @@ class PinnedBudget:
             self.release(grant)
             raise
 
+    def holds(self, grant: PinnedGrant) -> bool:
+        return self._grants.get(grant.grant_id) == grant
+
     def check_integrity(self) -> None:
         used = self.in_use_bytes
         if used > self.limit_bytes:
@@ -147,6 +153,13 @@ class PinnedBuffer:
             self.how = "pageable (no CUDA on this host: pin_memory is unavailable)"
         self.tensor = region[:nbytes].view(dtype).view(shape)
         self._closed = False
+        # NOTE: a buffer dropped without close() must still be unregistered before its mapping
+        # goes: the driver keeps a registration after munmap, the kernel hands the same addresses
+        # to the next mmap, and that one's cudaHostRegister then fails (cudaErrorHostMemory-
+        # AlreadyRegistered, 712). The finalizer holds the mapping until it has unregistered it.
+        self._finalizer = weakref.finalize(self, _release_forgotten, budget, grant,
+                                           self._ptr if self.pinned else 0, self._mm)
+        self._finalizer.atexit = False
 
     def _register(self, footprint: int) -> None:
         try:
@@ -162,9 +175,23 @@ class PinnedBuffer:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         if self.pinned:
             err = int(torch.cuda.cudart().cudaHostUnregister(self._ptr))
             if err != 0:
                 raise PinningFailed(f"{self.owner}: cudaHostUnregister failed with cudaError {err}")
         self.tensor = None      # the mapping goes away with the last view of it
         self.budget.release(self.grant)
+
+
+def _release_forgotten(budget: PinnedBudget, grant: PinnedGrant, ptr: int, mm: mmap.mmap) -> None:
+    """A PinnedBuffer collected without ``close()``: unregister its range (``ptr`` 0: never
+    pinned) while ``mm`` still holds the mapping, and give its grant back to the budget."""
+    log.warning("pinned_buffer_not_closed", owner=grant.owner, bytes=grant.bytes)
+    if ptr:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception as e:      # a finalizer cannot raise to anyone; say it instead
+            log.error("pinned_unregister_failed", owner=grant.owner, error=str(e))
+    if budget.holds(grant):
+        budget.release(grant)

@@ -39,6 +39,36 @@ def test_allocations_count_page_rounded_bytes_and_close_gives_them_back():
     assert b.in_use_bytes == 0
 
 
+def test_a_buffer_dropped_without_close_is_unregistered_before_its_mapping_goes(monkeypatch):
+    """The driver keeps a registration after munmap and the next mmap may get the same addresses:
+    a forgotten buffer must unregister (and give its grant back) while it still holds the mapping."""
+    import gc
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    b = PinnedBudget(1 << 20, pin=True)
+    buf = b.alloc("forgotten", (1024,), torch.int32)
+    ptr = buf.tensor.data_ptr()
+    kept = buf.close
+    closed = b.alloc("closed", (1024,), torch.int32)
+    closed.close()
+    assert b.in_use_bytes == 4096 and calls[-1][0] == "unregister"
+    del buf, kept
+    gc.collect()
+    assert ("unregister", ptr) in calls and b.in_use_bytes == 0
+    assert sum(c[0] == "unregister" for c in calls) == 2      # close() does not unregister twice
+
+
 def test_cpu_hosts_say_their_host_memory_is_not_pinned():
     if torch.cuda.is_available():
         pytest.skip("this host can pin")
