@@ -130,9 +130,14 @@ def test_diagnose_names_a_live_servers_pinned_bytes_over_the_host_ceiling(tmp_pa
 
 
 def _events_live(s: Server):
+    """The ledger's events so far; none while serve has made the file but not yet its schema."""
     from residency.ledger import LedgerStore
+    from residency.ledger.errors import NotALedger
 
-    store = LedgerStore.open(s.ledger)
+    try:
+        store = LedgerStore.open(s.ledger)
+    except NotALedger:
+        return []
     try:
         return list(store.read())
     finally:
