@@ -261,18 +261,26 @@ class AskClient:
         # a refused handshake is said at once, not after the whole timeout
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        timeout = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        # NOTE: a REQ send blocks while it has no pipe, and a refused handshake can drop the pipe
+        # before the send: bounded, so a refusal or an absent server is said, never waited forever
+        sock.setsockopt(zmq.SNDTIMEO, timeout)
         try:
             sock.connect(self.endpoint)
-            sock.send(encode_message(msg))
-            timeout = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+            try:
+                sock.send(encode_message(msg))
+            except zmq.Again:
+                if monitor.poll(0):
+                    raise self._refused() from None
+                raise ControlUnreachable(
+                    f"could not send to the control process at {self.endpoint} within {timeout / 1000:.1f} s "
+                    "(is `residency serve` running on this ledger?)") from None
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             ready = dict(poller.poll(timeout))
             if monitor in ready and sock not in ready:
-                raise ControlRefused(
-                    f"the control process at {self.endpoint} refused this client's handshake: "
-                    + ("no peer key was given" if self.key is None else "the peer key does not match"))
+                raise self._refused()
             if sock not in ready:
                 raise ControlUnreachable(
                     f"no answer from the control process at {self.endpoint} within {timeout / 1000:.1f} s "
@@ -282,3 +290,7 @@ class AskClient:
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+
+    def _refused(self) -> ControlRefused:
+        return ControlRefused(f"the control process at {self.endpoint} refused this client's handshake: "
+                              + ("no peer key was given" if self.key is None else "the peer key does not match"))
