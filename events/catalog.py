@@ -409,9 +409,18 @@ class WeightsLoaded(Event):
     model: str
     bytes: int                         # the parameter tensors' nbytes, summed
     allocator_bytes: int | None = None  # the device allocator's growth over the load (None: not measured)
+    # bytes of this model's image by tier ("device": in the arena, "host": a pinned image, "file": only
+    # on disk) and the image's checksum (dataplane/flip/image.py ImageSums.total, hex; "" not computed)
+    tier_bytes: dict[str, int] = {}
+    checksum: str = ""
 
 
 class FlipRequested(Event):
+    """Written ahead of a ``SwapWeights`` command. ``action``: "flip" (the arena's image becomes
+    ``to_model``), "sleep" (``to_model`` "": level 1 moves the image to pinned host, level 2 drops it)
+    or "wake" (``from_model`` "": the image comes back from host, or from its file after a level-2
+    sleep). Bytes are what the plan expects to move each way."""
+
     flip_id: str
     worker: int
     arena: str
@@ -419,9 +428,17 @@ class FlipRequested(Event):
     to_model: str
     bytes_out: int
     bytes_in: int
+    action: str = "flip"
+    level: int = 0
+    to_gen: int = 0
+    deadline_ns: int = 0
 
 
 class FlipCompleted(Event):
+    """What the worker measured (``WeightsSwapped``): bytes each way, overlap, wall time, both
+    images' checksums. ``measured_freed_bytes``: device bytes the driver counts free afterwards less
+    before (a sleep: positive, a wake: negative; None where not measurable, e.g. a CPU host)."""
+
     flip_id: str
     bytes_out: int
     bytes_in: int
@@ -429,11 +446,24 @@ class FlipCompleted(Event):
     finished_ns: int
     overlapped_steps: int
     checksum_ok: bool
+    worker: int = -1
+    to_gen: int = 0
+    dropped_bytes: int = 0
+    steps: int = 0
+    out_ns: int = 0
+    in_ns: int = 0
+    measured_freed_bytes: int | None = None
 
 
 class FlipFailed(Event):
+    """The flip did not happen, or was refused before a byte moved (``error`` with its arithmetic),
+    or was abandoned (``stranded``: the worker died or missed the deadline; ``stranded_bytes``
+    names the arena bytes whose image is then unknown, never 0 for unknown)."""
+
     flip_id: str
     error: str
+    stranded: bool = False
+    stranded_bytes: int | None = None
 
 
 # ---------------------------------------------------------------- groups

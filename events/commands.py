@@ -15,7 +15,8 @@ from typing import Union
 from residency.events.catalog import MoveAcked, MoveFailed, MoveKind, MoveRejected, StepCompleted, Tier
 from residency.events.message import Message
 from residency.events.serving import (
-    MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServingReady, TokenChoice, TokenLogprobs,
+    MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServedModel, ServingReady, TokenChoice,
+    TokenLogprobs,
     Tokenize, Tokenized, TokensGenerated,
 )
 
@@ -115,6 +116,31 @@ class ResizePool(Message):
     num_slots: int
     to_gen: int
     deadline_ns: int
+
+
+class SwapWeights(Message):
+    """Flip, sleep or wake the worker's weights arena (issue #28: a flip is a rebind of every
+    reader of the arena: the model runner's parameter views, captured CUDA graphs).
+
+    Write-ahead: the control records ``FlipRequested`` before it sends this, and before a flip or
+    a sleep it has parked (moved to host) every session page of the outgoing model and stopped
+    admitting its requests; the worker refuses if a sequence still runs (``WeightsSwapped.error``).
+
+    ``action`` "flip": the arena's image becomes ``to_model`` (a model the worker was started with);
+    the outgoing image goes to the host slab (the rotation, dataplane/flip/rotation.py) or, when the
+    host holds both images, only the incoming bytes move. "sleep": ``level`` 1 copies the image to
+    pinned host and frees the arena's device memory; level 2 drops it (wake reloads it from the
+    model's file). "wake": the image that slept comes back (``to_model`` "" : the one that slept).
+    The worker checks both images' checksums, binds every reader to ``to_gen`` or none, and answers
+    ``WeightsSwapped``. Anything it refuses (unknown model, slab too small, a checksum that fails
+    before the move) changes nothing."""
+
+    flip_id: str
+    action: str
+    to_model: str = ""
+    level: int = 1
+    to_gen: int = 0
+    deadline_ns: int = 0
 
 
 # ---------------------------------------------------------------- worker -> control
@@ -222,6 +248,35 @@ class PoolRebound(Message):
     blocks_relocated: int = 0
     measured_freed_bytes: int | None = None
     allocator_freed_bytes: int | None = None
+    started_ns: int = 0
+    finished_ns: int = 0
+    error: str = ""
+
+
+class WeightsSwapped(Message):
+    """A worker's answer to ``SwapWeights``: what moved and what it measured. ``error`` non-empty:
+    nothing changed (the arena, its image and every reader stay at ``from_gen``). ``resident``: the
+    model whose weights the arena now holds ("" asleep). ``stamps``/``refused`` as in
+    ``PoolRebound`` (readers of the arena)."""
+
+    flip_id: str
+    worker: int
+    action: str
+    from_model: str
+    resident: str
+    from_gen: int
+    to_gen: int
+    bytes_out: int = 0                # device -> host
+    bytes_in: int = 0                 # host (or file) -> device
+    dropped_bytes: int = 0            # a level-2 sleep: device bytes let go without a copy
+    steps: int = 0
+    overlapped_steps: int = 0
+    checksum_ok: bool = False
+    out_ns: int = 0
+    in_ns: int = 0
+    measured_freed_bytes: int | None = None
+    stamps: dict[str, int] = {}
+    refused: dict[str, str] = {}
     started_ns: int = 0
     finished_ns: int = 0
     error: str = ""
@@ -347,7 +402,7 @@ class PinnedChanged(Message):
 # ``unknown_worker`` after a control restart, which the worker answers with Hello).
 ToWorker = Union[
     ExecuteMove, CommitBlocks, ReleaseBlocks, QueryMoves, Ping, Shutdown, QueryInventory, ClaimDisk, CommandAhead,
-    ResizePool,
+    ResizePool, SwapWeights,
     Tokenize, Generate, CancelGenerate,
     ErrorReply,
     QueryMemory,
@@ -356,7 +411,7 @@ ToWorker = Union[
 FromWorker = Union[
     Hello, LaneHello, Pong, MovesReport, ErrorReply,
     MoveAcked, MoveFailed, MoveRejected, MoveNearlyDone, BlocksWritten, BlocksReleased, CommandFailed,
-    Inventory, DiskClaimed, PoolRebound,
+    Inventory, DiskClaimed, PoolRebound, WeightsSwapped,
     Tokenized, ServingReady, TokensGenerated, StepCompleted,
     MoveTimed,
     MemoryReport, PinnedChanged,
@@ -365,11 +420,11 @@ AnyMessage = Union[ToWorker, FromWorker]
 
 __all__ = [
     "Message", "ExecuteMove", "CommitBlocks", "ReleaseBlocks", "QueryMoves", "Ping", "Shutdown", "QueryInventory",
-    "ClaimDisk", "CommandAhead", "ResizePool", "PoolRebound",
+    "ClaimDisk", "CommandAhead", "ResizePool", "PoolRebound", "SwapWeights", "WeightsSwapped",
     "Hello", "LaneHello", "Pong", "BlocksWritten", "BlocksReleased", "MovesReport", "ErrorReply", "CommandFailed",
     "Inventory", "DiskClaimed", "MoveNearlyDone", "MoveTimed",
     "ChatTurn", "MAX_LOGPROBS", "SamplingParams", "TokenChoice", "TokenLogprobs", "Tokenize", "Tokenized",
-    "ServingReady", "Generate", "CancelGenerate", "TokensGenerated",
+    "ServedModel", "ServingReady", "Generate", "CancelGenerate", "TokensGenerated",
     "ToWorker", "FromWorker", "AnyMessage",
     "PoolSizing", "QueryMemory", "MemoryReport", "PinnedChanged",
 ]

@@ -58,6 +58,7 @@ class Tokenize(Message):
     messages: list[ChatTurn] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    model: str = ""                   # which of the worker's models ("": the resident one)
 
 
 class Tokenized(Message):
@@ -66,6 +67,20 @@ class Tokenized(Message):
     token_ids: list[int]
     keys: list[str]                   # content keys of token_ids' full pages, in order
     error: str | None = None          # e.g. "chat_template_missing: ..."; token_ids is then []
+
+
+class ServedModel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """One of a worker's models (``residency serve --model NAME=PATH`` repeated). Models that share a
+    worker share its KV pool, so they must have the same ``block_bytes`` (refused at start otherwise)."""
+
+    name: str
+    digest: str
+    max_context: int
+    eos_token_ids: list[int]
+    weights_bytes: int
+    block_bytes: int
+    image_checksum: str = ""
+    host_image: bool = False          # a pinned host copy of its image is kept (a flip to it moves no file bytes)
 
 
 class ServingReady(Message):
@@ -85,6 +100,12 @@ class ServingReady(Message):
     decode_graph_sizes: list[int] = []     # batch sizes of its captured decode graphs ([]: none, e.g. on CPU)
     decode_graph_bytes: int | None = None  # device memory the graphs hold (None: none captured, not measured)
     restore_overlap: bool = False          # a turn's prefill starts while its restore lands, layer by layer
+    # every model the worker was started with (issue #28; [] : only ``model``), and the one whose
+    # weights its arena holds now ("" : asleep). ``model``/``model_digest``/``max_context``/
+    # ``eos_token_ids`` above describe the resident one at start.
+    models: list[ServedModel] = []
+    resident: str = ""
+    arena_gen: int = 0
 
 
 class Generate(Message):
@@ -110,6 +131,8 @@ class Generate(Message):
     sampling: SamplingParams
     free_on_finish: bool = False
     copy_from: list[int] = []
+    model: str = ""                   # the model the request names ("": the resident one); a worker refuses
+                                      # a Generate for a model its arena does not hold
 
 
 class CancelGenerate(Message):
