@@ -181,7 +181,8 @@ def requested(state: State, rid: str, worker: int, from_gen: int, control_reader
     """The write-ahead record of a rebind: every reader, the control's first, each at from_gen.
     The next gen is above every gen this worker's pool has had in the ledger (a rebind that never
     answered may have moved it)."""
-    seen = [rb.to_gen for rb in state.rebinds.values() if rb.worker == worker and rb.status != "superseded"]
+    seen = [rb.to_gen for rb in state.rebinds.values()
+            if rb.worker == worker and rb.pool == DEVICE and rb.status != "superseded"]   # not the weights arena's
     to_gen = max([from_gen] + seen) + 1
     readers = list(dict.fromkeys([*control_readers, *worker_readers]))
     return ev.RebindRequested(rebind_id=rid, worker=worker, pool=DEVICE, from_gen=from_gen, to_gen=to_gen,

@@ -107,6 +107,8 @@ def _pool_resized(s: State, e: ev.PoolResized, seq: int) -> None:
 def _weights_loaded(s: State, e: ev.WeightsLoaded, seq: int) -> None:
     key = f"{e.worker}:{e.arena}"
     prior = s.arenas.get(key)
+    if prior is not None and prior.flip_in_flight:     # a new incarnation loaded its own image: the old
+        s.flips.pop(prior.flip_in_flight, None)        # one's flip names memory that is gone
     s.arenas[key] = ArenaState(worker=e.worker, arena=e.arena, model=e.model, bytes=e.bytes,
                                gen=(prior.gen + 1) if prior else 0)
 
@@ -118,7 +120,13 @@ def _flip_requested(s: State, e: ev.FlipRequested, seq: int) -> None:
         _anomaly(s, seq, f"flip {e.flip_id} on unknown arena {key}")
         return
     arena.flip_in_flight = e.flip_id
-    arena.incoming_model = e.to_model
+    # a wake names no model: the image that slept comes back
+    arena.incoming_model = e.to_model or (arena.model if e.action == "wake" else "")
+    arena.action = e.action
+    arena.deadline_ns = e.deadline_ns
+    arena.inflight_bytes = max(arena.bytes, e.bytes_in, e.bytes_out)
+    if e.action == "sleep":
+        arena.sleep_level = e.level   # the level it will sleep at, once completed (asleep says whether it does)
     s.flips[e.flip_id] = key
 
 
@@ -128,17 +136,33 @@ def _flip_completed(s: State, e: ev.FlipCompleted, seq: int) -> None:
     if arena is None:
         _anomaly(s, seq, f"FlipCompleted for unknown flip {e.flip_id}")
         return
-    arena.flip_in_flight = None
-    arena.model, arena.incoming_model = arena.incoming_model or arena.model, None
-    arena.gen += 1
-    arena.bytes = e.bytes_in
+    action = arena.action or "flip"
+    if action == "sleep":             # the arena holds no image; ``model`` names the one to wake
+        arena.asleep = True
+    else:
+        arena.model = arena.incoming_model or arena.model
+        arena.asleep, arena.sleep_level = False, 0
+        arena.bytes = e.bytes_in or arena.bytes
+    arena.flip_in_flight, arena.incoming_model, arena.action = None, None, ""
+    arena.deadline_ns = arena.inflight_bytes = 0
+    arena.stranded, arena.stranded_bytes = None, 0     # a complete flip or wake repairs a stranded arena
+    arena.gen = e.to_gen if e.to_gen > arena.gen else arena.gen + 1
+    arena.num_flips += 1
 
 
 def _flip_failed(s: State, e: ev.FlipFailed, seq: int) -> None:
     key = s.flips.pop(e.flip_id, None)
-    if key and key in s.arenas:
-        s.arenas[key].flip_in_flight = None
-        s.arenas[key].incoming_model = None
+    arena = s.arenas.get(key) if key else None
+    if arena is None:
+        return                        # a flip refused before it was requested names no arena
+    at_stake = arena.inflight_bytes
+    if not arena.asleep:
+        arena.sleep_level = 0
+    arena.flip_in_flight, arena.incoming_model, arena.action = None, None, ""
+    arena.deadline_ns = arena.inflight_bytes = 0
+    if e.stranded:                    # nobody knows which image the arena holds now
+        arena.stranded = e.flip_id
+        arena.stranded_bytes = e.stranded_bytes if e.stranded_bytes is not None else at_stake
 
 
 HANDLERS: dict[type, Callable[[State, object, int], None]] = {

@@ -45,7 +45,7 @@ import structlog
 import zmq
 
 from residency.events import catalog as ev
-from residency.control import dial, recovery
+from residency.control import dial, flip, recovery
 from residency.control.anchoring import Anchoring
 from residency.control.config import ControlConfig, Health
 from residency.control.errors import ControlError, LedgerDiverged
@@ -335,6 +335,9 @@ class ControlProc:
             self.recorder.record(e, correlation=e.request_id)
         if orphaned:
             log.warning("requests_closed_at_start", num_requests=len(orphaned), reason=recovery.CONTROL_LOST)
+        for e in flip.stranded_at_recovery(self.state):  # a flip never answered: its arena's image unknown
+            self.recorder.record(e, causation="control:recovery")
+            log.error("flip_stranded_at_start", flip_id=e.flip_id, stranded_bytes=e.stranded_bytes)
         for e in dial.torn_at_recovery(self.state):     # requested, never answered: its readers unknown
             self.recorder.record(e, causation="control:recovery")
             log.error("rebind_torn_at_start", rebind_id=e.rebind_id, readers=e.readers_behind)

@@ -105,6 +105,10 @@ class RebindState(msgspec.Struct, kw_only=True):
 
 
 class ArenaState(msgspec.Struct, kw_only=True):
+    """A worker's weights arena: the model whose image it holds (``model``; while ``asleep``, the
+    one that slept), its generation, the flip in flight, and whether it is stranded (a flip that
+    never answered: its bytes are unknown until a complete flip or wake)."""
+
     worker: int
     arena: str
     model: str
@@ -112,6 +116,14 @@ class ArenaState(msgspec.Struct, kw_only=True):
     gen: int = 0
     flip_in_flight: str | None = None
     incoming_model: str | None = None
+    asleep: bool = False
+    sleep_level: int = 0
+    action: str = ""                  # of the flip in flight: flip | sleep | wake
+    deadline_ns: int = 0              # of the flip in flight (wall clock)
+    inflight_bytes: int = 0           # the arena bytes at stake while it runs (the larger image)
+    stranded: str | None = None       # the flip that left the arena's image unknown
+    stranded_bytes: int = 0
+    num_flips: int = 0                # completed flips, sleeps and wakes
 
 
 class RefusalSummary(msgspec.Struct, kw_only=True, array_like=True):
@@ -180,15 +192,16 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 
-# The version of the fold, written into every state hash ("f5:<sha256>"). A StateCheckpoint from
+# The version of the fold, written into every state hash ("f6:<sha256>"). A StateCheckpoint from
 # another version hashed another state, so it cannot be compared with this fold's replay; `ledger
 # verify` says how many it left. Version 1 (the bare hex of earlier ledgers): before
 # SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss.
 # Version 3: WorkerState.device_owned (the weights and scratch on the device's books).
 # Version 4: a rebind refused by its worker, and a worker's open rebinds closed when a new
 # incarnation joins (control/fold_serving.py). Version 5: outside tenants' grants
-# (WorkerState.tenants).
-FOLD_VERSION = 5
+# (WorkerState.tenants). Version 6: a weights arena asleep or stranded, and the flip in flight's
+# action, deadline and bytes (ArenaState; issue #28).
+FOLD_VERSION = 6
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 
@@ -296,6 +309,11 @@ def check_integrity(state: State) -> None:
             behind = [r for r, g in rb.readers.items() if g != rb.to_gen]
             if behind:
                 problems.append(f"rebind {rb.rebind_id} committed with readers behind: {behind}")
+    for fid, key in state.flips.items():
+        arena = state.arenas.get(key)
+        if arena is None or arena.flip_in_flight != fid:
+            problems.append(f"flip {fid} in flight on arena {key}, which names "
+                            f"{arena.flip_in_flight if arena else 'no arena'}")
     for seq, what in state.anomalies:
         problems.append(f"seq {seq}: {what}")
     if problems:

@@ -8,6 +8,8 @@ records them. Nothing here reads a clock.
                                          ack (MoveLateAcked) re-accounts them
     requested, never dispatched       -> MoveAbandoned (the worker never saw it; nothing moved)
     worker silent > missed_after      -> WorkerHeartbeatMissed (once per silence)
+    flip past its deadline, or its     -> FlipFailed(stranded, the arena bytes at stake) and the
+    worker gone                          rebind of its readers torn (``overdue_flips``)
     worker silent > lost_after,       -> WorkerLost naming every block that lived on it, then for
     or its process exited                each of its moves: MoveStranded(why="worker_lost") if it
                                          was dispatched (bytes may be half-copied), MoveAbandoned
@@ -86,4 +88,22 @@ def loss(state: State, worker: int, reason: str, undispatched: Collection[str] =
         else:
             out.append(ev.MoveStranded(move_id=mv.move_id, worker=worker, bytes_at_risk=mv.bytes_planned,
                                        why="worker_lost"))
+    return out
+
+
+def overdue_flips(state: State, now_ns: int) -> list[tuple[str, str]]:
+    """(flip_id, why) of each flip in flight past its deadline (wall clock, ``FlipRequested``'s
+    ``deadline_ns``) or whose worker is gone: its arena is stranded (``control/flip.py stranded``).
+    A deadline of 0 was never set: only the worker's loss strands that flip."""
+    out = []
+    for fid, key in state.flips.items():
+        arena = state.arenas.get(key)
+        if arena is None:
+            continue
+        ws = state.workers.get(arena.worker)
+        if ws is None or not ws.alive:
+            out.append((fid, f"worker {arena.worker} was lost with {arena.action or 'flip'} {fid} in flight"))
+        elif arena.deadline_ns and now_ns > arena.deadline_ns:
+            out.append((fid, f"no answer to {arena.action or 'flip'} {fid} by its deadline "
+                             f"({(now_ns - arena.deadline_ns) // 1_000_000} ms ago)"))
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Union
 
 from residency.events.catalog import (
-    BlocksCommitted, BlocksFreed, BudgetSet, CopiesReleased, MoveAbandoned, MoveAcked, MoveFailed, MoveKind, MoveLateAcked,
+    BlocksCommitted, BlocksFreed, BudgetSet, CopiesReleased, FlipCompleted, FlipFailed, FlipRequested, MoveAbandoned, MoveAcked, MoveFailed, MoveKind, MoveLateAcked,
     MoveRefused, MoveRejected, MoveStranded, PoolResized, ReaderStamped, RebindCommitted, RebindRefused,
     RebindRequested, RebindTorn, SessionParked, SessionRestored, TenantReclaimed, TenantReclaimFailed, TenantReleased,
     Tier,
@@ -104,6 +104,26 @@ class AskResize(Message):
     bytes: int
 
 
+class AskFlip(Message):
+    """Flip, sleep or wake a worker's weights arena (control/flip.py, issue #28). ``action``:
+    "flip" (the arena's image becomes ``to_model``, one of the models the worker was started with),
+    "sleep" (``level`` 1: the image to pinned host; 2: dropped, reloaded from its file on wake) or
+    "wake". ``worker`` None: a flip goes to the lowest worker not serving ``to_model``; a sleep or
+    wake to every serving worker. First the worker's requests end and its sessions' device pages
+    are parked; then ``FlipRequested`` and the rebind of the arena's readers are recorded ahead of
+    the command. Answered with what was recorded: the parks, ``FlipRequested``,
+    ``RebindRequested``, the stamps, ``FlipCompleted`` and ``RebindCommitted``; or ``FlipFailed``
+    (the worker's error verbatim, or stranded); or the ``MoveRefused`` of a flip that was declined
+    (one already running, sleep while asleep, wake while awake). An unknown model or worker is an
+    invalid ask (its detail lists the models)."""
+
+    ask_id: str
+    action: str
+    to_model: str = ""
+    worker: int | None = None
+    level: int = 1
+
+
 class AskStatus(Message):
     ask_id: str = ""
     include_state: bool = True
@@ -114,6 +134,7 @@ AskOutcome = Union[
     BlocksCommitted, BlocksFreed, BudgetSet, SessionParked, SessionRestored, CopiesReleased,
     RebindRequested, ReaderStamped, PoolResized, RebindCommitted, RebindTorn, RebindRefused,
     TenantReclaimed, TenantReclaimFailed, TenantReleased,
+    FlipRequested, FlipCompleted, FlipFailed,
 ]
 
 
@@ -159,10 +180,11 @@ class MemoryAnswer(Message):
 
 
 AnyAsk = Union[AskMove, AskCommitBlocks, AskReleaseBlocks, AskSetBudget, AskStatus, AskMemory, AskResize, AskReclaim,
-               AskReleaseTenant]
+               AskReleaseTenant, AskFlip]
 AnyAskReply = Union[AskAnswered, StatusReport, ErrorReply, MemoryAnswer]
 
 __all__ = [
     "AskMove", "AskCommitBlocks", "AskReleaseBlocks", "AskSetBudget", "AskStatus", "AskResize", "AskOutcome",
     "AskAnswered", "StatusReport", "AnyAsk", "AnyAskReply", "AskMemory", "MemoryAnswer", "AskReclaim", "AskReleaseTenant",
+    "AskFlip",
 ]

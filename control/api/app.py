@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from residency.control.api import admin_routes, dial_routes, memory_routes, openai_routes, tenant_routes
+from residency.control.api import admin_routes, dial_routes, flip_routes, memory_routes, openai_routes, tenant_routes
 from residency.control.api.body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BoundedBody
 from residency.control.api.errors import install_error_handlers
 from residency.control.api.metrics import ApiMetrics
@@ -66,6 +66,7 @@ def create_app(backend: Backend, config: ApiConfig | None = None) -> FastAPI:
     app.include_router(admin_routes.router)
     app.include_router(memory_routes.router)
     app.include_router(dial_routes.router)
+    app.include_router(flip_routes.router)
     app.include_router(tenant_routes.router)
 
     # the last added runs first: every answer, a refused body's too, is counted

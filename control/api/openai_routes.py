@@ -318,11 +318,19 @@ async def completions(request: Request):
     }, headers=headers)
 
 
+def _card(m) -> dict:
+    """A model as /v1/models lists it; ``residency`` (resident, asleep, host, file) and
+    ``arena_gen`` say where its weights are, when the server knows (issue #28)."""
+    out = {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by, "max_model_len": m.max_context}
+    if getattr(m, "residency", None) is not None:
+        out.update(residency=m.residency, arena_gen=m.arena_gen)
+    return out
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
     return {"object": "list", "data": [
-        {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by, "max_model_len": m.max_context}
-        for m in request.app.state.backend.models()
+        _card(m) for m in request.app.state.backend.models()
     ]}
 
 
@@ -330,6 +338,5 @@ async def list_models(request: Request):
 async def get_model(request: Request, model_id: str):
     for m in request.app.state.backend.models():
         if m.id == model_id:
-            return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
-                    "max_model_len": m.max_context}
+            return _card(m)
     raise ApiError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")

@@ -10,6 +10,7 @@ room, restore the prefix, run. Loop thread only.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import msgspec
 import structlog
@@ -49,11 +50,17 @@ class Admission:
         self.park_backoff_s = park_backoff_s
         self._park_backoff: dict[str, int] = {}         # session -> no park asked before (ns)
         self._retry_posted = False
+        # the Flipper's (control/flipping.py): hold a request whose model no worker serves now
+        # (True: held, it comes back here once one does), and why a worker takes no request now
+        self.gate: Callable[[RequestState], bool] = lambda r: False
+        self.flip_holds: Callable[[RequestState], tuple[str, str] | None] = lambda r: None
 
     def begin(self, r: RequestState) -> None:
         if r.cancelled:
             return
-        worker = self.router.choose_worker(r.req.session)
+        if self.gate(r):
+            return
+        worker = self.router.choose_worker(r.req.session, r.req.model)
         if self.workers.sched is None or worker is None:
             r.reject(BackendError(503, "no worker is serving a model yet; retry shortly", type="server_error",
                                   code="model_loading"))
@@ -114,6 +121,12 @@ class Admission:
         pending = PendingRequest(request_id=r.request_id, session=r.session, worker=r.worker,
                                  prompt_tokens=len(r.token_ids), prompt_keys=r.keys, max_tokens=r.max_tokens)
         held = self.proc.dial.holds(r.worker) if getattr(self.proc, "dial", None) is not None else None
+        held = held or self.flip_holds(r)
+        if held is not None and held[0] == "model_not_resident":     # tokenized for a model flipped out since
+            self.requests.forget(r)
+            r.phase = "new"
+            self.begin(r)
+            return
         if held is not None:            # a resize is moving blocks out of the pool, or it is closed
             plan = Wait(request_id=r.request_id, code=held[0], reason=held[1])
         else:

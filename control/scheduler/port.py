@@ -77,6 +77,10 @@ class ModelCard:
     max_context: int
     created: int
     owned_by: str = "residency"
+    # where its weights are (issue #28): resident (a worker's arena serves it), asleep (a worker's
+    # arena slept with it), host (a pinned image), file (only its file); None: not said
+    residency: str | None = None
+    arena_gen: int | None = None      # the generation of the arena holding it (None: no arena holds it)
 
 
 @dataclass(frozen=True)

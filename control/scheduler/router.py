@@ -10,6 +10,7 @@ worker while it was tokenized follows the session there. ``routed`` counts the d
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 import structlog
 
@@ -30,10 +31,13 @@ class Router:
         self.requests = requests
         self.share_prefixes = share_prefixes
         self.routed: collections.Counter = collections.Counter()    # reason a request runs where it does
+        # the workers that serve a model now (the Flipper's: a worker's arena holds one model at a time)
+        self.serving: Callable[[str | None], list[int]] | None = None
 
-    def choose_worker(self, session: str | None) -> int | None:
-        """Where a new request is tokenized: its session's worker, else the least loaded."""
-        alive = self.workers.alive()
+    def choose_worker(self, session: str | None, model: str | None = None) -> int | None:
+        """Where a new request is tokenized: its session's worker, else the least loaded, of
+        those serving ``model`` now."""
+        alive = self.workers.alive() if self.serving is None else self.serving(model)
         sched = self.workers.sched
         if session is not None and sched is not None:
             entry = sched.sessions.get(session)
@@ -43,7 +47,7 @@ class Router:
 
     def route(self, r: RequestState) -> None:
         """``r`` tokenized on ``r.worker``: where it runs (``r.worker``, ``r.routed_from`` if moved)."""
-        alive = self.workers.alive()
+        alive = self.workers.alive() if self.serving is None else self.serving(r.req.model)
         entry = self.workers.sched.sessions.get(r.req.session) if r.req.session is not None else None
         if entry is not None:
             reason = "session"

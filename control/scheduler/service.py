@@ -14,6 +14,7 @@ thin shell that wires the parts and carries the port's calls to them:
     ServingStats       moves counted, the /metrics snapshot          (every recorded event)
     Asker              moves and releases asked of the control process
     WedgeWatch         workers that answer pings but make no step (Pong, StepCompleted)
+    Flipper            sleep, wake and model flips; requests held for a model (WeightsSwapped)
 
 A request, as the ledger sees it:
 
@@ -48,10 +49,12 @@ from residency.control.scheduler.session_book import SessionBook
 from residency.control.scheduler.stats import ServingStats
 from residency.control.scheduler.streams import GenerationStreams
 from residency.control.scheduler.wedge import DEFAULT_FLOOR_S, WedgeWatch
+from residency.control.flip_policy import FlipPolicyConfig
+from residency.control.flipping import Flipper
 from residency.control.scheduler.workers import ServingWorkers
 from residency.events import catalog as ev
-from residency.events.asks import AskReclaim, AskReleaseTenant
-from residency.events.commands import Pong, ServingReady, Tokenized, TokensGenerated
+from residency.events.asks import AskFlip, AskReclaim, AskReleaseTenant
+from residency.events.commands import Pong, ServingReady, Tokenized, TokensGenerated, WeightsSwapped
 
 log = structlog.get_logger("control.serving")
 PRUNE_EVERY_NS = 60 * 10**9           # how often sessions that hold nothing are looked for
@@ -62,7 +65,8 @@ class ServingService:
     def __init__(self, proc, *, restore_policy: str = "cost", share_prefixes: bool = True, retain_fraction: float = 0.0,
                  cost: CostModel | None = None, wait_timeout_s: float = 120.0, max_waiting: int = 256,
                  tick_s: float = 0.25, api_timeout_s: float = 600.0, default_max_tokens: int | None = None,
-                 wedged_after_s: float = DEFAULT_FLOOR_S, tenants: dict | None = None):
+                 wedged_after_s: float = DEFAULT_FLOOR_S, tenants: dict | None = None,
+                 flip_wait_s: float = 60.0, flip_drain_s: float = 30.0, flip_policy: FlipPolicyConfig | None = None):
         self.proc = proc
         self.api_timeout_s = api_timeout_s
         self.cost = cost or CostModel()
@@ -82,12 +86,24 @@ class ServingService:
         self.reclaimer.dial = dial_of(proc)
         proc.on_ask(AskReclaim, self.reclaimer.on_reclaim)
         proc.on_ask(AskReleaseTenant, self.reclaimer.on_release)
+        # sleep, wake and flips of the weights arena; requests for a model not resident wait there
+        self.flips = Flipper(proc, self.workers, self.requests, self.asker, wait_s=flip_wait_s, drain_s=flip_drain_s,
+                             policy=flip_policy or FlipPolicyConfig())
+        self.flips.begin, self.flips.refuse, self.flips.changed = (self.admission.begin, self.admission.refuse,
+                                                                   self.admission.retry_soon)
+        self.admission.gate, self.admission.flip_holds = self.flips.gate, self.flips.holds
+        self.flips.left = lambda r: self.admission.end_waiting(
+            r, r.cancelled or "disconnected", BackendError(499, "the client went away", code="client_disconnected"),
+            client_left=True)
+        self.router.serving = self.flips.serving
+        proc.on_ask(AskFlip, self.flips.on_ask)
         self.draining = False             # set by drain(): new requests are refused
         self._last_stats = BackendStats()  # what /metrics shows again while the loop cannot answer
         self._last_prune_ns = 0
         self._wedged: dict[int, ev.WorkerWedged] = {}    # replaced whole on the loop thread, read by health()
         self._stop = threading.Event()
-        for msg_type, handler in ((ServingReady, self.workers.on_ready), (Tokenized, self.admission.on_tokenized),
+        for msg_type, handler in ((ServingReady, self._on_ready), (Tokenized, self.admission.on_tokenized),
+                                  (WeightsSwapped, self.flips.on_swapped),
                                   (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step),
                                   (Pong, self._on_pong)):
             proc.on_worker_message(msg_type, handler)
@@ -95,6 +111,7 @@ class ServingService:
         proc.add_pool_reader("scheduler", self._pool_view)
         proc.add_stop_hook(self.admission.stop_waiting)
         proc.add_stop_hook(self.streams.stop)
+        proc.add_stop_hook(self.flips.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
         proc.worker_gone = self._on_worker_gone
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
@@ -105,7 +122,11 @@ class ServingService:
 
     # ================================================================== the port (API thread)
     def models(self) -> list[ModelCard]:
-        return self.workers.models()
+        return list(self.flips.cards) or self.workers.models()
+
+    def sleeping(self) -> bool:
+        """Whether a worker's weights arena sleeps (``GET /is_sleeping``)."""
+        return self.flips.sleeping
 
     def drain(self) -> None:
         """The server is stopping: refuse new requests (503), let those accepted finish."""
@@ -177,6 +198,7 @@ class ServingService:
         detail: dict[str, object] = {"models": [m.id for m in self.models()], "problems": list(h.problems)}
         if not self.workers.ready:
             detail["problems"].append("no worker serves a model yet")
+        detail["problems"].extend(self.flips.problems)      # a stranded arena serves nothing until repaired
         if self.draining:
             detail["problems"].append(f"shutting down: {self.num_pending()} accepted requests finishing")
         wedged = self._wedged
@@ -185,7 +207,8 @@ class ServingService:
                                       f"request(s) running (deadline {e.deadline_ms} ms, last step {e.last_step})")
         if wedged:
             detail["wedged_workers"] = sorted(wedged)
-        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged, detail=detail)
+        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged
+                      and not self.flips.problems, detail=detail)
 
     def _post_cancel(self, request_id: str, reason: str) -> None:
         self.proc.call(lambda _proc: self.streams.cancel(request_id, reason))
@@ -214,6 +237,12 @@ class ServingService:
         return await asyncio.wait_for(fut, self.api_timeout_s)
 
     # ================================================================== loop thread
+    def _on_ready(self, link, msg: ServingReady) -> None:
+        self.workers.on_ready(link, msg)
+        if link.worker in self.workers.ready:
+            self.flips.on_ready(link.worker, msg)
+            self.flips.release()
+
     def _on_step(self, link, msg: ev.StepCompleted) -> None:
         self.proc.record(msg)
         self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
@@ -267,6 +296,7 @@ class ServingService:
             self._last_prune_ns = now
             sched.prune(self.proc.state, now, PRUNE_IDLE_NS)
         self.admission.expire_waits(now)
+        self.flips.watch()
         if self.requests.waiting:
             self.admission.retry_waiting()
         self._watch_wedges(time.monotonic_ns())

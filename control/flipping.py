@@ -1,0 +1,460 @@
+"""Flips on the control loop: sleep, wake and model flips from ask to verdict, and the requests
+that wait for a model meanwhile (the pure steps are control/flip.py and control/flip_policy.py).
+
+    ask / policy  check: invalid (nothing recorded), refused (MoveRefused), or a Run
+    draining      the worker takes no new request (``holds``); those it runs end first
+                  (past ``drain_s``: refused, naming them; nothing else recorded)
+    parking       every idle session's device pages on it are parked (the moves' own events)
+    swapping      FlipRequested + RebindRequested committed, then SwapWeights; WeightsSwapped
+                  records the verdict (``on_swapped``); past the deadline, or with the worker
+                  gone, the arena is stranded (``watch``, watchdog.overdue_flips)
+
+Requests for a model no worker serves now are held before they are tokenized (``gate``), since
+a worker tokenizes with its resident model: released to a worker once one serves it, else
+answered 503 after ``wait_s`` naming what they waited for (the sleep, the flip, or a model not
+resident). While a model has requests held and its worker's policy says so, a flip starts.
+
+Loop thread only; ``cards`` and ``sleeping`` are snapshots replaced whole, read by the API.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import structlog
+
+from residency.events import catalog as ev
+from residency.events.asks import AskAnswered, AskFlip, AskMove
+from residency.events.commands import SwapWeights, WeightsSwapped
+from residency.control import flip, flip_policy, moves, watchdog
+from residency.control.scheduler.port import ModelCard
+
+log = structlog.get_logger("control.flip")
+S = 1_000_000_000
+_BUSY = ("tokenizing", "restoring", "running")
+_RANK = {"resident": 0, "asleep": 1, "host": 2, "file": 3}
+
+
+class Run:
+    """A flip, sleep or wake in progress on one worker."""
+
+    __slots__ = ("worker", "plan", "origin", "waiter", "ref", "phase", "since_ns", "parks", "req", "at_stake",
+                 "causation")
+
+    def __init__(self, plan: flip.FlipPlan, origin: str, waiter: moves.AskWaiter, ref: str, now_ns: int,
+                 causation: str | None):
+        self.worker, self.plan, self.origin, self.waiter, self.ref = plan.worker, plan, origin, waiter, ref
+        self.phase = "draining"       # draining | parking | swapping
+        self.since_ns = now_ns
+        self.parks: set[str] = set()  # sessions whose park is still unanswered
+        self.req: ev.FlipRequested | None = None
+        self.at_stake = 0
+        self.causation = causation
+
+
+class Flipper:
+    def __init__(self, proc, workers, requests, asker, *, drain_s: float = 30.0, wait_s: float = 60.0,
+                 deadline_s: float = 60.0, deadline_bytes_per_s: float = 0.5e9,
+                 policy: flip_policy.FlipPolicyConfig = flip_policy.FlipPolicyConfig()):
+        self.proc = proc
+        self.workers = workers            # ServingWorkers: who serves, its ServingReady
+        self.requests = requests          # RequestTable
+        self.asker = asker
+        self.drain_ns = int(drain_s * S)
+        self.wait_ns = int(wait_s * S)
+        self.deadline_s = deadline_s
+        self.deadline_bytes_per_s = deadline_bytes_per_s
+        self.policy = policy
+        self.runs: dict[int, Run] = {}
+        self.held: list = []              # RequestState held for a model, in arrival order
+        self.bandwidth: float | None = None           # bytes/s of the last flip measured (both ways)
+        self.arena_gen: dict[int, int] = {}           # what each worker's arena carries (ServingReady, answers)
+        self.since_ns: dict[int, int] = {}            # when each worker's model became resident
+        self.begin: Callable = lambda r: None         # Admission.begin: a released request starts over
+        self.refuse: Callable = lambda r, status, code, message, retry_after_s=None: None
+        self.left: Callable = lambda r: None          # a held request whose client went away (closed in the ledger)
+        self.changed: Callable[[], None] = lambda: None   # Admission.retry_soon
+        self._num = 0
+        # replaced whole on the loop thread, read from the API thread
+        self.cards: tuple[ModelCard, ...] = ()
+        self.sleeping = False
+        self.problems: tuple[str, ...] = ()
+
+    # ================================================================== what the worker serves
+    def on_ready(self, worker: int, msg) -> None:
+        self.arena_gen[worker] = msg.arena_gen
+        self.since_ns.setdefault(worker, time.monotonic_ns())
+        self._refresh()
+
+    def models_of(self, worker: int) -> dict[str, int]:
+        """The worker's models -> their image bytes (ServingReady.models; a worker that lists none
+        serves its one model, its bytes as the arena's books say)."""
+        ready = self.workers.ready.get(worker)
+        if ready is None:
+            return {}
+        if ready.models:
+            return {m.name: m.weights_bytes for m in ready.models}
+        arena = flip.arena_of(self.proc.state, worker)
+        return {ready.model: arena.bytes if arena is not None else 0}
+
+    def holds(self, r) -> tuple[str, str] | None:
+        """(code, reason) when request ``r`` may not be admitted on its worker now: a flip, sleep or
+        wake runs there, the arena sleeps or is stranded, or it serves another model than ``r``
+        names (``model_not_resident``: tokenized for a model flipped out since)."""
+        w = r.worker
+        run = self.runs.get(w)
+        if run is not None:
+            return _running(run)
+        why = flip.closed(self.proc.state, w)
+        if why is not None:
+            return why
+        arena = flip.arena_of(self.proc.state, w)
+        if arena is not None and r.req.model and len(self.models_of(w)) > 1 and arena.model != r.req.model:
+            return ("model_not_resident", f"worker {w} serves {arena.model!r} now, not {r.req.model!r}")
+        return None
+
+    def serving(self, model: str | None) -> list[int]:
+        """Alive workers that serve ``model`` now (any model: None)."""
+        state = self.proc.state
+        out = []
+        for w in self.workers.alive():
+            if w in self.runs:
+                continue
+            arena = flip.arena_of(state, w)
+            if arena is None:           # no arena on the books: the model it said it serves
+                if model is None or self.workers.ready[w].model == model:
+                    out.append(w)
+            elif flip.closed(state, w) is None and (model is None or arena.model == model
+                                                      or len(self.models_of(w)) <= 1):
+                out.append(w)
+        return out
+
+    # ================================================================== requests held for a model
+    def gate(self, r) -> bool:
+        """True when ``r`` is held (no alive worker serves its model now); it starts over through
+        ``begin`` once one does, or is refused after ``wait_s``."""
+        if self.workers.sched is None or not self.workers.alive() or self.serving(r.req.model):
+            return False
+        if r.phase != "held":
+            r.phase, r.wait_since_ns = "held", time.monotonic_ns()
+            self.held.append(r)
+            self.requests.add(r)        # in hand (a client that leaves cancels it; the drain at stop counts it)
+            code, reason = self._why_held(r.req.model)
+            r.wait_code, r.wait_reason = code, reason
+            cands = self.workers.alive()
+            self.proc.record(ev.RequestQueued(request_id=r.request_id, session=r.session,
+                                              worker=cands[0] if cands else -1, prompt_tokens=0,
+                                              waiting_for=f"{code}: {reason}"), correlation=r.request_id)
+            log.info("request_held_for_model", request_id=r.request_id, model=r.req.model, code=code)
+        self.consider()
+        return True
+
+    def _why_held(self, model: str) -> tuple[str, str]:
+        state = self.proc.state
+        for w in self.workers.alive():
+            if w in self.runs:
+                return _running(self.runs[w])
+            why = flip.closed(state, w)
+            if why is not None:
+                return why
+        return ("model_not_resident", f"no worker serves {model!r} now; a flip to it waits for the flip policy")
+
+    def release(self) -> None:
+        """Start over every held request whose model a worker serves now."""
+        for r in list(self.held):
+            if r.cancelled:
+                self.held.remove(r)
+                self.left(r)
+            elif self.serving(r.req.model):
+                self.held.remove(r)
+                r.phase = "new"
+                self.begin(r)
+
+    def expire(self, now_ns: int) -> None:
+        for r in list(self.held):
+            if r.cancelled or now_ns - r.wait_since_ns > self.wait_ns:
+                self.held.remove(r)
+                if r.cancelled:
+                    self.left(r)
+                    continue
+                code, reason = self._why_held(r.req.model)
+                self.refuse(r, 503, code, f"waited {self.wait_ns // S} s for {r.req.model!r}: {reason}",
+                            retry_after_s=1)
+
+    # ================================================================== asks
+    def on_ask(self, msg: AskFlip, asker: str, waiter: moves.AskWaiter) -> None:
+        """The operator's ask (``ctl flip``, the admin and sleep routes); raises moves.InvalidAsk."""
+        origin = f"{asker}:{msg.action}"
+        if msg.worker is not None:
+            targets = [msg.worker]
+        elif msg.action == "flip":
+            alive = self.workers.alive()
+            if not alive:
+                raise moves.InvalidAsk("no worker is serving")
+            targets = [next((w for w in alive if (a := flip.arena_of(self.proc.state, w)) is None
+                             or a.model != msg.to_model), alive[0])]
+        else:
+            targets = self.workers.alive()
+            if not targets:
+                raise moves.InvalidAsk("no worker is serving")
+        for w in targets:       # every worker checked before any starts: an invalid ask changes nothing
+            self._check(w, msg.action, msg.to_model, msg.level)
+        for w in targets:
+            self.start(w, msg.action, msg.to_model, msg.level, origin, waiter, causation=msg.ask_id or None)
+
+    def _check(self, worker: int, action: str, to_model: str, level: int):
+        try:
+            return flip.check(self.proc.state, worker, action, to_model, level, self.models_of(worker))
+        except flip.InvalidFlip as e:
+            raise moves.InvalidAsk(str(e)) from None
+
+    def start(self, worker: int, action: str, to_model: str, level: int, origin: str, waiter: moves.AskWaiter,
+              causation: str | None = None) -> None:
+        got = self._check(worker, action, to_model, level)
+        running = self.runs.get(worker)
+        if running is not None and not isinstance(got, flip.FlipRefused):
+            got = flip.FlipRefused(worker=worker, action=action, code="flip_in_progress", asked_bytes=got.bytes_in,
+                                   reason=f"a {running.plan.action} of worker {worker} is running ({running.phase}); "
+                                          f"ask again once it has ended")
+        if isinstance(got, flip.FlipRefused):
+            e = got.event(origin)
+            log.info("flip_refused", worker=worker, action=action, code=got.code, reason=got.reason)
+            waiter.events.append((self.proc.record(e, causation=causation), e))
+            return
+        self._num += 1
+        run = Run(got, origin, waiter, f"flip:{worker}:{self._num}", time.monotonic_ns(), causation)
+        self.runs[worker] = run
+        waiter.open.add(run.ref)
+        log.info("flip_started", worker=worker, action=action, to_model=to_model or None, origin=origin)
+        self._advance(run)
+        self._refresh()
+
+    # ================================================================== draining, parking, swapping
+    def _advance(self, run: Run) -> None:
+        if self.runs.get(run.worker) is not run:
+            return
+        if run.phase == "draining":
+            busy = sorted(r.request_id for r in self.requests.by_id.values()
+                          if r.worker == run.worker and r.phase in _BUSY)
+            if busy:
+                if time.monotonic_ns() - run.since_ns > self.drain_ns:
+                    self._give_up(run, "requests_running",
+                                  f"{len(busy)} request(s) still run on worker {run.worker} after "
+                                  f"{self.drain_ns // S} s: {busy[:8]}")
+                return
+            run.phase = "parking"
+            for s in self._device_sessions(run.worker):
+                run.parks.add(s)
+                self.asker.ask(AskMove(ask_id=self.asker.new_id("park"), kind="park", worker=run.worker, session=s),
+                               "serving", lambda ans, s=s, run=run: self._parked(run, s, ans))
+        if run.phase == "parking" and not run.parks:
+            self._swap(run)
+
+    def _device_sessions(self, worker: int) -> list[str]:
+        sched = self.workers.sched
+        if sched is None:
+            return []
+        wb = self.proc.state.blocks.get(worker, {})
+        return sorted(e.session for e in sched.sessions.values() if e.worker == worker and e.busy is None
+                      and any(b in wb and "device" in wb[b].tiers for b in e.blocks))
+
+    def _parked(self, run: Run, session: str, ans: AskAnswered) -> None:
+        run.waiter.events.extend(zip(ans.seqs, ans.events))
+        run.parks.discard(session)
+        if self.runs.get(run.worker) is not run or run.phase != "parking":
+            return
+        ok = ans.error is None and all(type(e) is ev.MoveAcked for e in ans.events
+                                       if type(e) in (ev.MoveAcked, ev.MoveFailed, ev.MoveRejected, ev.MoveRefused,
+                                                      ev.MoveStranded, ev.MoveAbandoned))
+        if not ok:
+            why = ans.detail or ", ".join(type(e).__name__ for e in ans.events) or "no answer"
+            self._give_up(run, "park_failed", f"the park of session {session!r} on worker {run.worker} did not "
+                                              f"complete ({ans.error or why}); its device pages would not survive "
+                                              f"the {run.plan.action}")
+            return
+        if not run.parks:
+            self._swap(run)
+
+    def _give_up(self, run: Run, code: str, reason: str) -> None:
+        refused = flip.FlipRefused(worker=run.worker, action=run.plan.action, code=code, reason=reason,
+                                   asked_bytes=run.plan.bytes_in)
+        e = refused.event(run.origin)
+        log.warning("flip_refused", worker=run.worker, action=run.plan.action, code=code, reason=reason)
+        run.waiter.events.append((self.proc.record(e, causation=run.causation), e))
+        self._finish(run)
+
+    def _swap(self, run: Run) -> None:
+        plan = run.plan
+        link = self.proc.workers.by_worker.get(run.worker)
+        if link is None:
+            self._give_up(run, "worker_unavailable", f"worker {run.worker} is not linked to this control process")
+            return
+        self._num += 1
+        fid = flip.flip_id(self.proc.epoch, self._num)
+        nbytes = plan.bytes_out + plan.bytes_in
+        deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
+        req, rebind = flip.requested(self.proc.state, plan, fid, self.arena_gen.get(run.worker, 0), deadline_ns)
+        run.req, run.phase = req, "swapping"
+        for e in (req, rebind):
+            run.waiter.events.append((self.proc.record(e, causation=run.causation or run.origin), e))
+        arena = flip.arena_of(self.proc.state, run.worker)
+        run.at_stake = arena.inflight_bytes if arena is not None else max(plan.bytes_in, plan.bytes_out)
+        cmd = SwapWeights(flip_id=fid, action=plan.action, to_model=plan.to_model, level=max(plan.level, 1),
+                          to_gen=req.to_gen, deadline_ns=deadline_ns)
+        # write-ahead: the command leaves once FlipRequested and the rebind are committed
+        gate = moves.AskWaiter(fid, lambda *_a, run=run, cmd=cmd: self._send(run, cmd))
+        gate.events.append(run.waiter.events[-1])
+        self.proc.answers.after_commit(gate)
+        self._refresh()
+
+    def _send(self, run: Run, cmd: SwapWeights) -> None:
+        if self.runs.get(run.worker) is not run:
+            return
+        if not self.proc.send_to_worker(run.worker, cmd):
+            log.warning("flip_not_sent", flip_id=cmd.flip_id, worker=run.worker)     # stranded at the deadline
+        else:
+            log.info("flip_sent", flip_id=cmd.flip_id, worker=run.worker, action=cmd.action, to_gen=cmd.to_gen)
+
+    def on_swapped(self, link, msg: WeightsSwapped) -> None:
+        run = self.runs.get(link.worker)
+        if not msg.error:
+            self.arena_gen[link.worker] = msg.to_gen      # what the worker's arena carries now
+        if run is None or run.req is None or run.req.flip_id != msg.flip_id:
+            log.warning("swapped_unexpected", worker=link.worker, flip_id=msg.flip_id, error=msg.error or None)
+            return
+        req = run.req
+        recorded = [(self.proc.record(e, causation=req.flip_id), e)
+                    for e in flip.worker_answer(req, msg, run.at_stake)]
+        if any(type(e) is ev.FlipCompleted for _, e in recorded):
+            stamped = {flip.WORKER}
+            if flip.router_at(self.proc.state, req):      # after FlipCompleted is folded: it sees the image
+                e = ev.ReaderStamped(rebind_id=req.flip_id, reader=flip.ROUTER, gen=req.to_gen)
+                recorded.append((self.proc.record(e, causation=req.flip_id), e))
+                stamped.add(flip.ROUTER)
+            e = flip.verdict(req, stamped)
+            recorded.append((self.proc.record(e, causation=req.flip_id), e))
+            took_s = (msg.finished_ns - msg.started_ns) / S
+            if took_s > 0 and msg.bytes_in + msg.bytes_out > 0:
+                self.bandwidth = (msg.bytes_in + msg.bytes_out) / took_s
+            self.since_ns[link.worker] = time.monotonic_ns()
+        run.waiter.events.extend(recorded)
+        log.info("flip_answered", flip_id=req.flip_id, worker=run.worker, action=req.action,
+                 error=msg.error or None, verdict=type(recorded[-1][1]).__name__, bytes_out=msg.bytes_out,
+                 bytes_in=msg.bytes_in, measured_freed_bytes=msg.measured_freed_bytes)
+        self._finish(run)
+
+    # ================================================================== the tick
+    def watch(self, now_ns: int | None = None) -> None:
+        """Strand the flips past their deadline or whose worker went; move the runs waiting on
+        their worker's requests; answer held requests that waited too long; ask the policy."""
+        for fid, why in watchdog.overdue_flips(self.proc.state, time.time_ns() if now_ns is None else now_ns):
+            self._strand(fid, why)
+        for run in list(self.runs.values()):
+            if run.phase == "draining":
+                self._advance(run)
+        self.expire(time.monotonic_ns())
+        self.consider()
+        self._refresh()
+
+    def _strand(self, fid: str, why: str) -> None:
+        run = next((r for r in self.runs.values() if r.req is not None and r.req.flip_id == fid), None)
+        arena = self.proc.state.arenas.get(self.proc.state.flips.get(fid, ""))
+        at_stake = run.at_stake if run is not None else (arena.inflight_bytes if arena is not None else None)
+        events: list[ev.Event] = [ev.FlipFailed(flip_id=fid, error=why, stranded=True, stranded_bytes=at_stake)]
+        rb = self.proc.state.rebinds.get(fid)
+        if rb is not None and rb.status == "requested":
+            events.append(ev.RebindTorn(rebind_id=fid, readers_behind=sorted(rb.readers)))
+        log.error("flip_stranded", flip_id=fid, why=why, stranded_bytes=at_stake)
+        recorded = [(self.proc.record(e, causation=fid), e) for e in events]
+        if run is not None:
+            run.waiter.events.extend(recorded)
+            self._finish(run)
+
+    def stop(self, reason: str) -> None:
+        """The control stops: a flip still unanswered strands its arena (its image is unknown to
+        the next start); every asker hears what was recorded; held requests are answered."""
+        for run in list(self.runs.values()):
+            if run.phase == "swapping" and run.req is not None and run.req.flip_id in self.proc.state.flips:
+                self._strand(run.req.flip_id, f"the control process stopped ({reason}) with the flip in flight")
+            else:
+                self._finish(run)
+        for r in list(self.held):
+            self.held.remove(r)
+            self.refuse(r, 503, "server_stopped", f"the server stopped ({reason}) before {r.req.model!r} was served")
+
+    def _finish(self, run: Run) -> None:
+        if self.runs.get(run.worker) is run:
+            del self.runs[run.worker]
+        self.proc.finish_ask(run.waiter, run.ref)
+        self._refresh()
+        self.release()
+        self.changed()
+
+    # ================================================================== the policy
+    def consider(self) -> None:
+        """Flip a worker toward the model its held requests wait for, when the policy says so."""
+        if not self.held:
+            return
+        state = self.proc.state
+        now = time.monotonic_ns()
+        backlog: dict[str, list[int]] = {}
+        for r in self.held:
+            backlog.setdefault(r.req.model, []).append(r.wait_since_ns)
+        others = [flip_policy.Backlog(model=m, waiting=len(v), oldest_wait_ns=min(v)) for m, v in backlog.items()]
+        cands = []
+        for w in self.workers.alive():
+            arena = flip.arena_of(state, w)
+            if w in self.runs or arena is None or flip.closed(state, w) is not None:
+                continue        # busy, asleep (an operator's state) or stranded (an operator repairs it)
+            models = self.models_of(w)
+            if len(models) < 2:
+                continue
+            in_hand = sum(1 for r in self.requests.by_id.values() if r.worker == w)
+            cands.append((in_hand, w, arena, models))
+        for in_hand, w, arena, models in sorted(cands, key=lambda c: (c[0], c[1])):
+            mine = [b for b in others if b.model in models]
+            d = flip_policy.decide(now, arena.model, self.since_ns.get(w, 0), in_hand, mine, models,
+                                   self.bandwidth, self.policy)
+            if d.flip:
+                log.info("flip_policy", worker=w, to_model=d.to_model, reason=d.reason)
+                waiter = moves.AskWaiter(f"policy-flip-{w}", lambda events, _m, error, detail, w=w: log.info(
+                    "policy_flip_done", worker=w, outcome=[type(e).__name__ for _, e in events][-2:], error=error))
+                self.start(w, "flip", d.to_model, 0, "policy:flip", waiter, causation=f"policy:flip: {d.reason}")
+                if waiter.done:
+                    self.proc.answers.after_commit(waiter)
+                return
+
+    # ================================================================== what the API shows
+    def _refresh(self) -> None:
+        state = self.proc.state
+        best: dict[str, tuple[str, int | None, int]] = {}    # model -> (residency, arena gen, max context)
+        sleeping = False
+        for w in list(self.workers.ready):
+            ready = self.workers.ready[w]
+            arena = flip.arena_of(state, w)
+            sleeping = sleeping or bool(arena is not None and arena.asleep)
+            served = list(ready.models) or [None]
+            for m in served:
+                name = m.name if m is not None else ready.model
+                ctx = m.max_context if m is not None else ready.max_context
+                if arena is not None and arena.model == name:
+                    res, gen = ("asleep" if arena.asleep else "resident"), arena.gen
+                else:
+                    res, gen = ("host" if m is not None and m.host_image else "file"), None
+                if name not in best or _RANK[res] < _RANK[best[name][0]]:
+                    best[name] = (res, gen, ctx)
+        self.cards = tuple(ModelCard(id=n, max_context=ctx, created=0, residency=res, arena_gen=gen)
+                           for n, (res, gen, ctx) in best.items())
+        self.sleeping = sleeping
+        self.problems = tuple(flip.stranded_arenas(state))
+
+
+def _running(run: Run) -> tuple[str, str]:
+    what = run.plan.action
+    to = f" to {run.plan.to_model!r}" if what == "flip" else ""
+    if run.req is not None:
+        return ("flip_in_progress", f"worker {run.worker} is running {what} {run.req.flip_id}{to}")
+    return ("flip_in_progress", f"worker {run.worker} is getting ready to {what}{to} ({run.phase})")
+
+
+__all__ = ["Flipper", "Run"]
