@@ -82,6 +82,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     tiers: dict[str, TierView]
     probe: Probe
     sizing: dict | None = None         # the worker's PoolSizing, by field (how the pool got its size)
+    weights: str = ""                  # its weights arena: the model served, asleep, or stranded ("": none)
 
 
 class MemoryView(msgspec.Struct, kw_only=True):
@@ -130,7 +131,9 @@ def worker_view(state: State, worker: int, busy: set[int] | None, report: Memory
             counts[t] += 1
             if bid in moving[t] or (t == "device" and (busy is None or bid in busy)):
                 hot_counts[t] += 1
-    per_tier["device"].weights = ws.device_owned.get("weights", 0)
+    arena = state.arenas.get(f"{worker}:weights")
+    # an arena asleep gave its device bytes back (level 1: its image is in a pinned grant on host)
+    per_tier["device"].weights = 0 if arena is not None and arena.asleep else ws.device_owned.get("weights", 0)
     per_tier["device"].scratch = sum(v for k, v in ws.device_owned.items() if k != "weights")
     per_tier["host"].pinned_rings = sum(v for k, v in ws.pinned.items() if k != HOST_POOL_OWNER)
     # lent to outside tenants (reclaim): the device's bytes, held by another process, never ours to free
@@ -153,7 +156,20 @@ def worker_view(state: State, worker: int, busy: set[int] | None, report: Memory
                             tenants=ten)
     return WorkerView(worker=worker, device=ws.device, alive=ws.alive, block_bytes=bb, tiers=tiers,
                       probe=probe_of(report),
-                      sizing=msgspec.structs.asdict(sizing) if sizing is not None else None)
+                      sizing=msgspec.structs.asdict(sizing) if sizing is not None else None,
+                      weights=_weights(arena))
+
+
+def _weights(arena) -> str:
+    if arena is None:
+        return ""
+    if arena.stranded:
+        return f"STRANDED by {arena.stranded}: {arena.stranded_bytes} bytes of image unknown until a complete flip or wake"
+    if arena.flip_in_flight:
+        return f"{arena.action or 'flip'} {arena.flip_in_flight} in flight ({arena.model!r} -> {arena.incoming_model!r})"
+    if arena.asleep:
+        return f"asleep (level {arena.sleep_level}), {arena.model!r} to wake, gen {arena.gen}"
+    return f"serving {arena.model!r}, gen {arena.gen}"
 
 
 def memory_view(state: State, busy: dict[int, set[int]] | None, reports: dict[int, MemoryReport | None],

@@ -77,7 +77,10 @@ def summarize(state: State) -> dict:
         "stranded_moves": [move(m) for m in state.stranded.values()],
         "stranded_bytes_total": state.stranded_bytes_total(),
         "arenas": [{"worker": a.worker, "arena": a.arena, "model": a.model, "bytes": a.bytes, "gen": a.gen,
-                    "flip_in_flight": a.flip_in_flight} for a in state.arenas.values()],
+                    "flip_in_flight": a.flip_in_flight, "action": a.action or None,
+                    "incoming_model": a.incoming_model, "asleep": a.asleep,
+                    "sleep_level": a.sleep_level if a.asleep else None, "stranded": a.stranded,
+                    "stranded_bytes": a.stranded_bytes, "num_flips": a.num_flips} for a in state.arenas.values()],
         "rebinds_open": [{"rebind_id": r.rebind_id, "pool": r.pool, "status": r.status, "to_gen": r.to_gen,
                           "readers": r.readers} for r in state.rebinds.values() if r.status != "committed"],
         "requests_waiting_or_running": len(state.requests),
@@ -129,8 +132,10 @@ def render_text(summary: dict, max_rows: int = 20) -> str:
                             human_bytes(m["bytes"]), m["deadline"], m["status"]] for m in ms[:max_rows]])
         out.append("")
     out.append("weights arenas")
-    out += _table(["worker", "arena", "model", "bytes", "gen", "flip in flight"],
-                  [[a["worker"], a["arena"], a["model"], human_bytes(a["bytes"]), a["gen"], a["flip_in_flight"] or "-"]
+    out += _table(["worker", "arena", "model", "bytes", "gen", "state", "flip in flight"],
+                  [[a["worker"], a["arena"], a["model"], human_bytes(a["bytes"]), a["gen"], _arena_state(a),
+                    f"{a['action']} {a['flip_in_flight']}" + (f" -> {a['incoming_model']}" if a["incoming_model"] else "")
+                    if a["flip_in_flight"] else "-"]
                    for a in summary["arenas"]])
     out.append("")
     if summary["rebinds_open"]:
@@ -188,3 +193,11 @@ def diff_summaries(a: dict, b: dict) -> list[str]:
     if len(out) == 1:
         out.append("no change")
     return out
+
+
+def _arena_state(a: dict) -> str:
+    if a.get("stranded"):
+        return f"STRANDED by {a['stranded']} ({human_bytes(a['stranded_bytes'])} unknown)"
+    if a.get("asleep"):
+        return f"asleep (level {a['sleep_level']})"
+    return "serving"

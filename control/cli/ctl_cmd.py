@@ -10,6 +10,8 @@
     residency ctl reclaim --tenant NAME --bytes 4GiB [--worker W]        (an outside tenant takes device memory)
     residency ctl release --tenant NAME [--worker W]                     (... and gives it back)
     residency ctl resize  --worker W --tier device --bytes 6GiB             (the pool, live; rebinds its readers)
+    residency ctl flip    --to NAME [--worker W]                         (the weights arena serves another model)
+    residency ctl sleep   [--level 1|2] [--worker W]   /   ctl wake [--worker W]   (the weights leave the device)
 
 The answer is what the ledger recorded: acked with the bytes the worker measured, refused with the
 budget's arithmetic, failed or rejected with the reason, stranded with the bytes at risk.
@@ -32,7 +34,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "
           "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "gi": 1 << 30,
           "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}
 BAD = ("MoveRefused", "MoveFailed", "MoveRejected", "MoveStranded", "MoveAbandoned", "RebindTorn", "RebindRefused",
-       "TenantReclaimFailed")
+       "TenantReclaimFailed", "FlipFailed")
 
 
 def parse_size(text: str) -> int:
@@ -125,14 +127,33 @@ def register(sub) -> None:
     z.add_argument("--bytes", dest="nbytes", type=parse_size, required=True, metavar="SIZE",
                    help="the pool's new size, rounded down to whole blocks, e.g. 6GiB; its current size rebinds in place")
     z.set_defaults(func=run, kind="resize")
+    f = verbs.add_parser("flip", help="flip a worker's weights arena to another of the models it was started with "
+                                      "(its requests end and its sessions' device pages are parked first)")
+    add_target_args(f)
+    f.add_argument("--to", dest="to_model", required=True, metavar="NAME", help="the model (serve --model NAME=PATH)")
+    f.add_argument("--worker", type=int, default=None, help="the worker (default: the lowest not serving NAME)")
+    f.set_defaults(func=run, kind="flip")
+    sl = verbs.add_parser("sleep", help="put the weights to sleep: level 1 to pinned host, 2 dropped (every worker "
+                                        "unless --worker)")
+    add_target_args(sl)
+    sl.add_argument("--level", type=int, choices=(1, 2), default=1, help="1: weights to host (default); 2: dropped")
+    sl.add_argument("--worker", type=int, default=None, help="one worker (default: every serving worker)")
+    sl.set_defaults(func=run, kind="sleep")
+    wk = verbs.add_parser("wake", help="wake the weights that slept (every worker unless --worker)")
+    add_target_args(wk)
+    wk.add_argument("--worker", type=int, default=None, help="one worker (default: every serving worker)")
+    wk.set_defaults(func=run, kind="wake")
 
 
 def ask_of(args):
     from residency.events.asks import (  # noqa: PLC0415
-        AskCommitBlocks, AskMove, AskReclaim, AskReleaseBlocks, AskReleaseTenant, AskResize, AskSetBudget,
+        AskCommitBlocks, AskFlip, AskMove, AskReclaim, AskReleaseBlocks, AskReleaseTenant, AskResize, AskSetBudget,
     )
 
     ask_id = f"ctl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if args.kind in ("flip", "sleep", "wake"):
+        return AskFlip(ask_id=ask_id, action=args.kind, to_model=getattr(args, "to_model", "") or "",
+                       worker=args.worker, level=getattr(args, "level", 1))
     if args.kind == "resize":
         return AskResize(ask_id=ask_id, worker=args.worker, tier=args.tier, bytes=args.nbytes)
     if args.kind == "budget":
@@ -271,6 +292,22 @@ def describe(seq: int, e) -> str:
     if t == "RebindTorn":
         return (f"rebind {e.rebind_id} TORN: readers behind {', '.join(e.readers_behind)}; the pool is refused until "
                 f"a complete resize repairs it {at}")
+    if t == "FlipRequested":
+        what = {"flip": f"flip {e.from_model!r} -> {e.to_model!r}", "sleep": f"sleep level {e.level} of {e.from_model!r}",
+                "wake": f"wake {e.to_model!r}"}.get(e.action, e.action)
+        return (f"{what} on worker {e.worker} requested ({e.flip_id}): {hb(e.bytes_out)} out, {hb(e.bytes_in)} in, "
+                f"arena gen -> {e.to_gen} {at}")
+    if t == "FlipCompleted":
+        freed = "not measured" if e.measured_freed_bytes is None else hb(e.measured_freed_bytes)
+        return (f"flip {e.flip_id} completed on worker {e.worker}: {hb(e.bytes_out)} out, {hb(e.bytes_in)} in, "
+                f"{hb(e.dropped_bytes)} dropped, {e.overlapped_steps}/{e.steps} steps overlapped, "
+                f"{(e.finished_ns - e.started_ns) / 1e6:.1f} ms, checksum {'ok' if e.checksum_ok else 'MISMATCH'}, "
+                f"measured freed: {freed} {at}")
+    if t == "FlipFailed":
+        if e.stranded:
+            nb = "unknown" if e.stranded_bytes is None else hb(e.stranded_bytes)
+            return f"flip {e.flip_id} STRANDED ({nb} of the arena unknown): {e.error} {at}"
+        return f"flip {e.flip_id} failed, nothing changed: {e.error} {at}"
     if t == "RebindRefused":
         return f"rebind {e.rebind_id} refused by worker {e.worker}, nothing changed: {e.error} {at}"
     return f"{t} {at}"

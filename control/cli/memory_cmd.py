@@ -32,6 +32,8 @@ def render(view: dict) -> str:
             else:
                 lines.append(f"  pool: {s['num_blocks']} blocks = {s['fraction']} x {_b(s['total_bytes'])} - "
                              f"{_b(s['in_use_bytes'])} in use - {_b(s['reserve_bytes'])} reserve")
+        if w.get("weights"):
+            lines.append(f"  weights: {w['weights']}")
         p = w["probe"]
         lines.append(f"  probe: {'answered' if p['answered'] else 'NO ANSWER (unknown)'}; device total "
                      f"{_b(p['device_total_bytes'])}, free {_b(p['device_free_bytes'])}, allocator "

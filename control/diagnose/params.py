@@ -35,3 +35,11 @@ class DiagnoseParams(msgspec.Struct, frozen=True, kw_only=True):
     queued_after_ns: int = 5 * SECOND
     # tier_full: every ask into a tier refused over at least this long (a budget that never moves)
     tier_full_after_ns: int = 10 * SECOND
+    # flip pendulum: this many flips of one arena, each back to the model before, within the window,
+    # fewer than ``flip_pendulum_min_served`` requests admitted between two of them
+    flip_pendulum_flips: int = 3
+    flip_pendulum_window_ns: int = 120 * SECOND
+    flip_pendulum_min_served: int = 4
+    # flip stuck: unanswered this long past its deadline (or, with none, this long after it was asked)
+    flip_grace_ns: int = 5 * SECOND
+    flip_timeout_ns: int = 300 * SECOND
