@@ -55,8 +55,8 @@ def test_a_request_tokenized_on_one_worker_runs_where_its_prefix_is(stack):
     assert a.status_code == 200 and svc.workers.sched.sessions["a"].worker == 0
     first = svc.router.choose_worker
 
-    def the_other(session):                     # worker 1 tokenizes (as if worker 0 were busier)
-        return 1 if session != "a" else first(session)
+    def the_other(session, model=None):         # worker 1 tokenizes (as if worker 0 were busier)
+        return 1 if session != "a" else first(session, model)
     svc.router.choose_worker = the_other
     ask = [SYSTEM, {"role": "user", "content": "second question"}]
     lone = s.chat(ask, max_tokens=8).json()                     # outside a session
@@ -72,7 +72,7 @@ def test_a_request_tokenized_on_one_worker_runs_where_its_prefix_is(stack):
     # turned off with sharing: the same request stays where it was tokenized and computes it all
     off = stack(workers=2, device_blocks=160, share_prefixes=False)
     off.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
-    off.service.router.choose_worker = lambda session: 1
+    off.service.router.choose_worker = lambda session, model=None: 1
     ref = off.chat(ask, max_tokens=8).json()
     assert ref["usage"]["shared_tokens"] == 0
     assert lone["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"] \
