@@ -25,6 +25,7 @@ def api_app(proc, args):
         elif not os.path.exists(path):
             raise UserError(f"--model {path}: no such file or directory (models are never fetched from a hub)")
     from residency.control.api import ApiConfig, create_app  # noqa: PLC0415
+    from residency.control.flip_policy import FlipPolicyConfig  # noqa: PLC0415
     from residency.control.scheduler.service import ServingService  # noqa: PLC0415
 
     from residency.control.tenants import TenantError, parse_tenants  # noqa: PLC0415
@@ -35,7 +36,9 @@ def api_app(proc, args):
         raise UserError(f"--tenant: {e}") from None
     service = ServingService(proc, restore_policy=args.restore_policy, default_max_tokens=args.default_max_tokens,
                              share_prefixes=args.share_prefixes, retain_fraction=args.retain_prefixes,
-                             wedged_after_s=args.wedged_after_s, tenants=tenants)
+                             wedged_after_s=args.wedged_after_s, tenants=tenants,
+                             flip_wait_s=getattr(args, "model_wait_s", 60.0),
+                             flip_policy=FlipPolicyConfig(min_residency_s=getattr(args, "flip_min_residency_s", 5.0)))
     return create_app(service, ApiConfig(admin_key=args.admin_key or None))
 
 

@@ -141,6 +141,12 @@ def _serving_args(p) -> None:
                         "ROUTES is the order in which pool slots are emptied for it, a comma list of prefixes "
                         "(drop idle retained prefixes), park (idle sessions to host), evict (idle pages to "
                         "host, coldest first); default prefixes,park,evict")
+    g.add_argument("--model-wait-s", type=float, default=60.0, metavar="SECONDS",
+                   help="a request for a model no worker serves now (asleep, flipping, or another model resident) "
+                        "waits this long, then gets 503 naming why (default 60)")
+    g.add_argument("--flip-min-residency-s", type=float, default=5.0, metavar="SECONDS",
+                   help="with several --model NAME=PATH: a model with requests in hand keeps the arena at least this "
+                        "long before a request for another model may flip it (default 5)")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion budget of a chat request that names no max_tokens (reserved up front)")
     key = g.add_mutually_exclusive_group()
