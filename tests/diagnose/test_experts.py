@@ -8,6 +8,7 @@ from residency.control.cli.main import main
 from residency.control.diagnose import detect_expert_thrash, diagnose
 from residency.events import catalog as ev
 from residency.ledger import LedgerStore
+from tests.diagnose.ledgers import Ledger
 
 LAYERS, EXPERTS, SLOTS = 4, 8, 4
 
@@ -106,3 +107,16 @@ def test_audit_experts_gives_bytes_per_tier_and_expert_over_time(L, tmp_path, ca
     assert main(["audit", "experts", "--db", url]) == 0
     out = capsys.readouterr().out
     assert "served from the device: 87.5%" in out and "device expert bytes over time" in out
+
+
+def test_the_report_draws_expert_bytes_over_time_and_lists_the_thrashing_experts(L):
+    from residency.control.report import build_report
+
+    thrashing(L)
+    html = build_report(L.events, "test")
+    assert 'data-chart="experts-device"' in html and "worker 0 experts on device" in html
+    table = html[html.index("Experts moved most"):]
+    assert "<td class=\"num\">2</td><td class=\"num\">1</td>" in table and "expert_thrash" in html
+    plain = Ledger(L.rng.randrange(1 << 30))
+    plain.worker(0)
+    assert 'data-chart="experts-device"' not in build_report(plain.events, "test")
