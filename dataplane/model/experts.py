@@ -72,7 +72,8 @@ class ExpertOffload:
         self.L, self.E, self.S = config.num_layers, config.num_experts, int(num_slots)
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.expert_bytes = config.expert_bytes(dtype)
-        self._stacks: Stacks | None = [(gu.to("cpu", dtype), dn.to("cpu", dtype)) for gu, dn in stacks]
+        # wherever they are (the host when serving; the bench's are on the device): ``pin`` copies them
+        self._stacks: Stacks | None = [(gu.to(dtype=dtype), dn.to(dtype=dtype)) for gu, dn in stacks]
         h, i = config.hidden, config.intermediate
         self.slots_gu = [torch.empty(self.S, 2 * i, h, dtype=dtype, device=self.device) for _ in range(self.L)]
         self.slots_dn = [torch.empty(self.S, h, i, dtype=dtype, device=self.device) for _ in range(self.L)]
