@@ -80,10 +80,14 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         from residency.dataplane.model.expert_policy import parse_expert_budget  # noqa: PLC0415
         from residency.dataplane.model.experts import prepare_offload  # noqa: PLC0415
 
-        budget = parse_expert_budget(args.expert_budget)
+        from residency.dataplane.model.errors import ModelError  # noqa: PLC0415
+
         # loaded on the host: the experts never take device memory beyond their slots
-        model, offload = prepare_offload(load_model(path, device="cpu", dtype=dtype, max_positions=args.max_context),
-                                         budget, device)
+        model = load_model(path, device="cpu", dtype=dtype, max_positions=args.max_context)
+        try:
+            model, offload = prepare_offload(model, parse_expert_budget(args.expert_budget), device)
+        except ModelError as e:         # the server stops with the arithmetic, as for a refused pool
+            raise sz.StartRefused(f"--expert-budget {args.expert_budget}: {e}") from e
     else:
         model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
     weights_bytes = model.runner.w.num_bytes() + (offload.slot_bytes if offload is not None else 0)

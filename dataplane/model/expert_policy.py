@@ -47,12 +47,13 @@ class ExpertBudget:
 
 
 def parse_expert_budget(text: str) -> ExpertBudget:
-    """``"50%"``, ``"0.5"`` (a fraction in (0, 1]), ``"6GiB"``, ``"6e9"`` or ``"6442450944"`` (bytes)."""
+    """``"50%"``, ``"0.5"`` (a fraction in (0, 1], written with its point), ``"6GiB"``, ``"6e9"`` or
+    ``"6442450944"`` (bytes: ``"1"`` is one byte, not 100%)."""
     t = text.strip().lower().replace(" ", "")
     try:
         if t.endswith("%"):
             f = float(t[:-1]) / 100
-        elif re.fullmatch(r"0?\.\d+|1(\.0*)?", t):
+        elif re.fullmatch(r"0?\.\d+|1\.0*", t):       # a fraction has its point: a bare integer is bytes
             f = float(t)
         else:
             m = re.fullmatch(r"([0-9.e+]+)([a-z]*)", t)

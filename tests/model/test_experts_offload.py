@@ -77,6 +77,7 @@ def test_host_copies_are_registered_with_the_pinned_budget_and_a_short_budget_is
 def test_budgets_parse_and_one_that_buys_no_slot_is_refused_with_its_arithmetic():
     assert parse_expert_budget("50%").fraction == 0.5 and parse_expert_budget("0.25").fraction == 0.25
     assert parse_expert_budget("2MiB").bytes == 2 << 20 and parse_expert_budget("6e9").bytes == 6 * 10 ** 9
+    assert parse_expert_budget("1").bytes == 1 and parse_expert_budget("1.0").fraction == 1.0
     for bad in ("0%", "150%", "lots", "-3GiB"):
         with pytest.raises(ExpertBudgetRefused):
             parse_expert_budget(bad)
