@@ -126,3 +126,32 @@ def test_a_layer_routed_to_a_hot_set_keeps_it_resident_through_a_cold_visitor(ol
     assert set(hot) <= set(off.expert_slot[0])
     evicted = [m.expert for m in off.drain(0, 1)[0].moves if m.kind == "evict" and m.layer == 0]
     assert not set(evicted) & set(hot)
+
+
+def test_the_next_layers_hot_experts_are_prefetched_while_this_layer_runs(olmoe):
+    """Layer 1's hot set was pushed out by visitors; running layer 0 brings it back ahead of
+    time (recorded as prefetches), and layer 1 then finds it on the device: nothing fetched."""
+    _, off = offload_model(olmoe, parse_expert_budget("25%"))      # 4 slots of 16
+    H = TINY_OLMOE.hidden
+    x = torch.randn(1, H)
+
+    def router_for(experts: list[int]) -> torch.Tensor:
+        r = torch.zeros(TINY_OLMOE.num_experts, H)
+        for rank, e in enumerate(experts):
+            r[e] = x[0] / x[0].dot(x[0]) * (4.0 - 0.5 * rank)
+        return r
+
+    hot, visitors = [10, 11, 12, 13], [0, 1, 2, 3]
+    for _ in range(5):
+        off.mlp(x, 1, router_for(hot), fused=False)
+    off.mlp(x, 1, router_for(visitors), fused=False)                # the hot set leaves layer 1
+    assert not set(hot) & set(off.expert_slot[1])
+    off.drain(0, 1)
+    off.mlp(x, 0, router_for(visitors), fused=False)                # layer 0 runs: layer 1's prefetch goes out
+    prefetched = [(m.layer, m.expert) for m in off.drain(0, 2)[0].moves if m.kind == "prefetch"]
+    assert sorted(prefetched) == [(1, e) for e in hot]
+    before = off.served_totals()
+    off.mlp(x, 1, router_for(hot), fused=False)
+    after = off.served_totals()
+    assert (after[0] - before[0], after[1] - before[1]) == (4 * off.expert_bytes, 0)    # all four on the device
+    assert not [m for e in off.drain(0, 3) for m in e.moves if m.kind == "fetch"]
