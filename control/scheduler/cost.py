@@ -7,7 +7,9 @@
     transfer_s = Σ bytes_from_tier / bandwidth(tier→device)   (disk pages cross disk→host→device)
 
 A transfer hidden behind compute is nearly free, so raw bytes are never the price: only the
-unhidden remainder is. Bandwidths and prefill speed start from configured values and follow what
+unhidden remainder is. The same rule prices an offloaded MoE expert's fetch (``price_expert_fetch``:
+a prefetch hides behind a layer, a fetch on demand behind nothing), and the experts' measured
+copies (``ExpertsMoved``) teach the same host -> device bandwidth the restores do. Bandwidths and prefill speed start from configured values and follow what
 the workers measure (``MoveAcked`` times, step durations) as an exponentially weighted average.
 """
 from __future__ import annotations
