@@ -155,3 +155,27 @@ def test_the_next_layers_hot_experts_are_prefetched_while_this_layer_runs(olmoe)
     after = off.served_totals()
     assert (after[0] - before[0], after[1] - before[1]) == (4 * off.expert_bytes, 0)    # all four on the device
     assert not [m for e in off.drain(0, 3) for m in e.moves if m.kind == "fetch"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the fused kernel over slots, the prefetch side stream")
+@pytest.mark.parametrize("budget", ["50%", "25%"])
+def test_on_the_gpu_offloaded_logits_and_tokens_equal_the_all_resident_models(rng, gen, budget):
+    """The GPU path: Triton passes over slot stacks, prefetches on a side stream overlapping the
+    layer before, copies timed by CUDA events. bfloat16, as served."""
+    resident = random_model(TINY_OLMOE, device="cuda", dtype=torch.bfloat16, seed=rng.randrange(1 << 30))
+    model, off = offload_model(resident, parse_expert_budget(budget))
+    assert all(b.pinned for b in off._buffers)
+    prompts = [torch.randint(3, TINY_OLMOE.vocab_size, (n,), generator=gen).tolist() for n in (1, 40, 17, 5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in generate(model, prompts, params)] == \
+        [o.token_ids for o in generate(resident, prompts, params)]
+    ids = prompts[1]
+    pools = [m.runner.allocate_kv_pool(8, 8).fill_(float("nan")) for m in (resident, model)]
+    for batch in ([SeqInput(ids, 0, [4, 1, 5, 7, 2])], [SeqInput([ids[0]], len(ids), [4, 1, 5, 7, 2, 0])]):
+        a, b = (m.runner.forward(batch, p) for m, p in zip((resident, model), pools))
+        assert torch.equal(a, b)
+    (event,) = off.drain(0, 1)
+    kinds = {m.kind for m in event.moves}
+    assert {"fetch", "evict"} <= kinds and all(m.ns is not None and m.ns > 0 for m in event.moves if m.kind != "evict")
+    off.check_integrity()
+    off.close()
