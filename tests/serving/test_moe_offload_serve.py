@@ -65,3 +65,9 @@ def test_experts_offloaded_to_a_quarter_serve_the_all_resident_text_and_every_mo
     assert w["tiers"] == {"host": TINY_OLMOE.num_layers * TINY_OLMOE.num_experts * eb,
                           "device": TINY_OLMOE.num_layers * slots * eb}
     assert 0 < w["served_from_device"] < 1
+    assert sum(x["fetches"] for x in w["experts"]) <= sum(1 for e in moved for m in e.moves if m.kind == "fetch")
+
+    # the detectors read the same rows (an expert_thrash finding is fair at a quarter: routing is random)
+    assert main(["diagnose", "--db", server.ledger, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["findings"]
+    assert all(f["detector"] in ("expert_thrash",) for f in found if f["severity"] != "info"), found
