@@ -48,7 +48,7 @@ fi
 # the same shape with its experts in pinned host memory, device budgets 100/50/25% (bench/moe_offload.py)
 # (first its GPU tests: the kernel over slots in passes, offloaded == all-resident bit for bit in bfloat16)
 if [[ $parts == *" moeoff "* ]]; then
-  timeout 100 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels/test_moe.py \
+  timeout 120 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels/test_moe.py \
     tests/model/test_experts_offload.py 2>&1 | tail -4
   timeout 330 python3 bench/moe.py --gpu --offload --out "$OUT" 2>&1 | tail -28
 fi
