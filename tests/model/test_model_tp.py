@@ -20,16 +20,15 @@ from residency.dataplane.model.config import OLMOE_1B_7B
 from tests.model.helpers_model import write_hf_dir
 from tests.model.helpers_tp import greedy_rank, logits_rank, run_group
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
-           "List three colours:"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
 
 
 def test_smollm2_at_tp3_gives_the_greedy_tokens_of_tp1(smollm2, tmp_path):
     # 9 query and 3 KV heads, intermediate 1536, vocab 49152: all divide by 3
     ids = [smollm2.tokenizer.encode(p, add_special=True) for p in PROMPTS]
-    page = 8                                        # prompts of 5..12 tokens + 10 new cross pages
-    want = [o.token_ids for o in generate(smollm2, ids, SamplingParams(max_tokens=10), page_tokens=page)]
-    recs = run_group(greedy_rank, 3, (None, ids, 10, page), str(tmp_path))
+    page = 8                                        # prompts of 5..12 tokens + 8 new cross pages
+    want = [o.token_ids for o in generate(smollm2, ids, SamplingParams(max_tokens=8), page_tokens=page)]
+    recs = run_group(greedy_rank, 3, (None, ids, 8, page), str(tmp_path))
     for r, rec in enumerate(recs):
         assert rec["tokens"] == want, f"rank {r}"
     full_pool = smollm2.runner.allocate_kv_pool(1, page)
@@ -84,3 +83,17 @@ def test_a_split_that_does_not_divide_is_refused_with_its_arithmetic():
     with pytest.raises(TensorParallelRefused, match=r"num_kv_heads 3 % 2 = 1") as e:
         load_model(None, tp=TensorParallel(0, 2))           # refused before any weight is read or peer joined
     assert e.value.refused.size == 2
+
+
+def test_a_row_slice_of_a_gguf_tensor_dequantizes_to_the_rows_of_the_whole(rng):
+    from residency.dataplane.model.gguf_file import GGUFFile
+    from residency.dataplane.model.loader import embedded_model_path
+
+    f = GGUFFile(embedded_model_path())
+    for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+        whole, lazy = f.load(name), f.lazy(name)
+        lo = rng.randrange(whole.shape[0] - 1)
+        hi = rng.randrange(lo + 1, whole.shape[0] + 1)
+        assert lazy.get_shape() == tuple(whole.shape)
+        assert torch.equal(lazy[lo:hi], whole[lo:hi]), (name, lo, hi)
+        assert torch.equal(lazy[:, lo % whole.shape[1]:], whole[:, lo % whole.shape[1]:]), name
