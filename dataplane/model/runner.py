@@ -18,6 +18,10 @@ sequences; for longer ones on the GPU, the Triton extend kernel (pages read in p
 over programs) up to EXTEND_MAX_TOKENS new tokens and SDPA over the gathered pages beyond; SDPA
 on CPU (the extend kernel's reference has the same semantics).
 
+Tensor parallelism (``tp=``, see ``tp.py`` and docs/groups.md): the runner holds its rank's heads,
+KV heads and MLP columns, all-reduces after the attention output and MLP down projections, and
+gathers the vocabulary-split logits; ``self.config`` is then the rank's shape.
+
 NOTE (determinism): the output is a function of (weights, new tokens, pool bytes) only: a prefix
 restored from a copy and one computed in place give the same logits. With
 ``batch_invariant=True`` it also stops depending on the batch around a sequence (fixed-shape
