@@ -124,9 +124,10 @@ def compile_project_kernel(i: int, barrier, out_dir: str, cache_dir: str, manage
                    "shared": k.metadata.shared}, f)
 
 
-def launch_project_kernels(i: int, barrier, out_dir: str, cache_dir: str, seed: int) -> None:
+def launch_project_kernels(i: int, barrier, out_dir: str, cache_dir: str, seed: int, device: str = "cuda") -> None:
     """On a GPU: run the project's kernels (compiled on first launch, through the cache the
-    kernels install themselves) against their torch references."""
+    kernels install themselves) against their torch references. (``device="cpu"`` with
+    TRITON_INTERPRET=1 checks this helper itself: interpreted kernels compile nothing.)"""
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     import torch
 
@@ -134,22 +135,23 @@ def launch_project_kernels(i: int, barrier, out_dir: str, cache_dir: str, seed: 
     from residency.kernels.checksum import block_checksums, block_checksums_ref, checksums_to_ints
     from residency.kernels.gather import gather_blocks, gather_blocks_ref
 
-    g = torch.Generator(device="cuda").manual_seed(seed + i)
+    g = torch.Generator(device=device).manual_seed(seed + i)
     barrier.wait()
-    src = torch.randint(-2**31, 2**31 - 1, (64, 3000), generator=g, device="cuda", dtype=torch.int32)
-    idx = torch.randperm(64, generator=g, device="cuda")[:17].cpu()
-    ok = torch.equal(gather_blocks(src, idx, torch.full((17, 3000), -1, dtype=torch.int32, device="cuda")),
-                     gather_blocks_ref(src, idx, torch.empty(17, 3000, dtype=torch.int32, device="cuda")))
+    src = torch.randint(-2**31, 2**31 - 1, (64, 3000), generator=g, device=device, dtype=torch.int32)
+    idx = torch.randperm(64, generator=g, device=device)[:17].cpu()
+    ok = torch.equal(gather_blocks(src, idx, torch.full((17, 3000), -1, dtype=torch.int32, device=device)),
+                     gather_blocks_ref(src, idx, torch.empty(17, 3000, dtype=torch.int32, device=device)))
     ids = torch.arange(1000, 1017)
     ok &= checksums_to_ints(block_checksums(src, idx, ids)) == checksums_to_ints(block_checksums_ref(src.cpu(), idx, ids))
-    pool = torch.randn(9, 2, 2, 16, 2, 64, generator=g, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(3, 6, 64, generator=g, device="cuda", dtype=torch.bfloat16)
-    bt = torch.tensor([[1, 4, 7], [2, 0, 0], [8, 3, 5]], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([40, 9, 33], dtype=torch.int32, device="cuda")
+    pool = torch.randn(9, 2, 2, 16, 2, 64, generator=g, device=device, dtype=torch.bfloat16)
+    q = torch.randn(3, 6, 64, generator=g, device=device, dtype=torch.bfloat16)
+    bt = torch.tensor([[1, 4, 7], [2, 0, 0], [8, 3, 5]], dtype=torch.int32, device=device)
+    lens = torch.tensor([40, 9, 33], dtype=torch.int32, device=device)
     got = paged_decode_attention(q, pool, 1, bt, lens, 0.125)
     ok &= bool(torch.allclose(got.float(), paged_decode_attention_ref(q, pool, 1, bt, lens, 0.125).float(),
                               atol=2e-2, rtol=2e-2))
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     with open(os.path.join(out_dir, f"proc{i}.json"), "w") as f:
         json.dump({"ok": bool(ok), "cache_dir": os.environ.get("TRITON_CACHE_DIR"),
                    "manager": os.environ.get("TRITON_CACHE_MANAGER")}, f)

@@ -33,8 +33,9 @@ def test_real_triton_compiles_a_project_kernel_once_for_two_processes(tmp_path):
 
 
 def test_install_keeps_an_operators_choice(monkeypatch, tmp_path):
-    monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    for name in ("TRITON_CACHE_MANAGER", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, "")      # recorded first, so the test's teardown restores the real value
+        monkeypatch.delenv(name)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     where = install_shared_cache()
     assert where.startswith(str(tmp_path)) and os.environ["TRITON_CACHE_MANAGER"] == MANAGER
