@@ -96,3 +96,31 @@ def test_a_row_slice_of_a_gguf_tensor_dequantizes_to_the_rows_of_the_whole(rng):
         assert lazy.get_shape() == tuple(whole.shape)
         assert torch.equal(lazy[lo:hi], whole[lo:hi]), (name, lo, hi)
         assert torch.equal(lazy[:, lo % whole.shape[1]:], whole[:, lo % whole.shape[1]:]), name
+
+
+def test_the_shards_of_every_rank_put_together_are_the_whole_model(rng):
+    from residency.dataplane.model.tp import shard_weights
+    from residency.dataplane.model.weights import random_weights
+
+    size = 3
+    config = TINY.replace(num_heads=6, num_kv_heads=3, intermediate=99, tie_embeddings=True)   # vocab 301 = 3·101 - 2
+    whole = random_weights(config, seed=rng.randrange(1 << 30))
+    parts = [shard_weights(whole, config, TensorParallel(r, size)) for r in range(size)]
+    assert all(p.lm_head is p.embed for p in parts)                    # a tied model keeps one shard for both
+    embed = torch.cat([p.embed for p in parts])
+    assert embed.shape[0] == 303 and torch.equal(embed[:301], whole.embed) and not embed[301:].any()
+    nq, nkv, i = 6 * 16, 3 * 16, 99
+    for layer, lw in enumerate(whole.layers):
+        ls = [p.layers[layer] for p in parts]
+        q, k, v = lw.wqkv.split([nq, nkv, nkv])
+        assert torch.equal(torch.cat([x.wqkv[:nq // size] for x in ls]), q)
+        assert torch.equal(torch.cat([x.wqkv[nq // size:(nq + nkv) // size] for x in ls]), k)
+        assert torch.equal(torch.cat([x.wqkv[(nq + nkv) // size:] for x in ls]), v)
+        assert torch.equal(torch.cat([x.bqkv for x in ls]).sort().values, lw.bqkv.sort().values)
+        assert torch.equal(torch.cat([x.wo for x in ls], dim=1), lw.wo)
+        gate, up = lw.w_gate_up.split([i, i])
+        assert torch.equal(torch.cat([x.w_gate_up[:i // size] for x in ls]), gate)
+        assert torch.equal(torch.cat([x.w_gate_up[i // size:] for x in ls]), up)
+        assert torch.equal(torch.cat([x.w_down for x in ls], dim=1), lw.w_down)
+    # a rank's rows own their storage: a view would keep the whole matrix alive in every rank
+    assert all(p.embed.untyped_storage().nbytes() == p.embed.nbytes for p in parts)
