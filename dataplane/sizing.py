@@ -41,6 +41,12 @@ class PoolSizingRefused(DataPlaneError):
         super().__init__(explain(sizing))
 
 
+class WorkerStartRefused(DataPlaneError):
+    """A serving worker cannot serve what it was asked to (models whose KV pages differ, a model
+    that cannot fit even alone, a name given twice): the arithmetic is in the message, and the
+    worker exits with it as with a pool that does not fit (dataplane/proc.py)."""
+
+
 def default_fraction(device: str) -> float:
     return DEFAULT_FRACTION["cuda" if device.startswith("cuda") else "cpu"]
 
@@ -143,5 +149,5 @@ class Meter:
         return self.total_at_start, own_rss_bytes()
 
 
-__all__ = ["DEFAULT_FRACTION", "PoolSizingRefused", "default_fraction", "activation_reserve", "size_pool",
+__all__ = ["DEFAULT_FRACTION", "PoolSizingRefused", "WorkerStartRefused", "default_fraction", "activation_reserve", "size_pool",
            "explicit", "min_blocks_for", "explain", "Meter", "meminfo"]

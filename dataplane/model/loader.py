@@ -71,6 +71,16 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, *, batch_invariant: bool = False,
                max_positions: int | None = None) -> LoadedModel:
     """Load weights (dequantized), tokenizer and chat template; build the runner."""
+    config, weights, tokenizer, digest, path = read_model(path, dtype)
+    runner = ModelRunner(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
+                         max_positions=max_positions)
+    return LoadedModel(config, tokenizer, runner.w, runner, digest, path)
+
+
+def read_model(path: str | None, dtype: torch.dtype = torch.float32
+               ) -> tuple[ModelConfig, Weights, Tokenizer, str, str]:
+    """(config, weights in host memory as ``dtype``, tokenizer, digest, path) of a file, a
+    directory or the embedded model (``path`` None); no runner, nothing on a device."""
     path = path or embedded_model_path()
     if os.path.isdir(path):
         hf = read_hf_config(path)
@@ -86,9 +96,7 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu",
         digest = _file_digest(path)
     else:
         raise ModelFileError(f"{path}: no such file or directory (models are never fetched from a hub)")
-    runner = ModelRunner(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                         max_positions=max_positions)
-    return LoadedModel(config, tokenizer, runner.w, runner, digest, path)
+    return config, weights, tokenizer, digest, path
 
 
 def random_model(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
