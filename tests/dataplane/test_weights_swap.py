@@ -100,16 +100,17 @@ def test_three_flip_cycles_keep_each_models_greedy_output_and_leave_memory_where
     assert len(a_before) == 8 and len(set(a_before)) > 1
     gen = 0
     for cycle in range(3):
-        gen += 1
+        gen += 2                                  # the control's generation, not the worker's count
         to_b = swap(core, f"f{cycle}b", "flip", gen, "b")
         assert to_b.error == "" and to_b.checksum_ok and (to_b.from_model, to_b.resident) == ("a", "b")
         assert to_b.stamps == {"runner": gen, "serving": gen, "graphs": gen} and to_b.refused == {}
         assert to_b.bytes_out == ready.models[0].weights_bytes and to_b.bytes_in == ready.models[1].weights_bytes
         assert to_b.measured_freed_bytes is None                                   # a CPU worker: not measured
         assert generate(core, f"b{cycle}", model="b").token_ids == b_alone
-        gen += 1
+        gen += 2
         to_a = swap(core, f"f{cycle}a", "flip", gen, "a")
-        assert to_a.error == "" and to_a.checksum_ok and to_a.resident == "a" and to_a.from_gen == gen - 1
+        assert to_a.error == "" and to_a.checksum_ok and to_a.resident == "a" and to_a.from_gen == gen - 2
+        assert [r.gen for r in s.arena.readers] == [gen] * 3 and s.arena.gen == gen
         assert generate(core, f"a{cycle}", model="a").token_ids == a_before
         s.check_integrity()
     assert memory(core) == start
