@@ -117,6 +117,7 @@ class WeightsSwapper:
         self.models = {m.name: m for m in models}
         self.loop, self.dtype, self.books, self.clock = loop, dtype, books, clock
         self.executor = RotationExecutor(arena, slab, chunk_bytes, ring_depth) if slab is not None else None
+        self.last_flip = None                  # the last rotation's FlipResult (benches read the device's overlap)
         self.sleeper: HostSlab | None = None
         self.asleep: tuple[str, int] | None = None            # (model, level) while asleep
         self._graphs, self._pool, self._capture = graphs, pool, capture_graphs
@@ -236,7 +237,7 @@ class WeightsSwapper:
         if target.where == "file":
             self._stage(target)
         before = device_free_bytes(self.arena.device)
-        res = self.executor.flip(self.readers_for(target), to_gen=cmd.to_gen)
+        res = self.last_flip = self.executor.flip(self.readers_for(target), to_gen=cmd.to_gen)
         outgoing.where, outgoing.sums = "host", self.slab.image.sums
         if res.checksum_ok:
             target.where = "device"
@@ -285,16 +286,16 @@ class WeightsSwapper:
             need = page_round(max(image.nbytes, 1))
             if (refused := self.budget.refusal(SLEEP_OWNER, need)) is not None:
                 return f"the sleep buffer cannot be pinned: {refused}"
-            t0 = time.perf_counter_ns()
             sleeper = HostSlab(self.budget, image.nbytes, owner=SLEEP_OWNER)
             try:
+                t0 = time.perf_counter_ns()
                 sleeper.bytes[: image.nbytes].copy_(self.arena.image_bytes())
+                out_ns, bytes_out = time.perf_counter_ns() - t0, image.nbytes
                 sleeper.image = image
-                sleeper.verify()
+                sleeper.verify()              # the copy is checked before the device copy goes
             except BaseException:
                 sleeper.close()
                 raise
-            out_ns, bytes_out = time.perf_counter_ns() - t0, image.nbytes
             self.sleeper, entry.where = sleeper, "slept"
         else:
             dropped, entry.where = image.nbytes, "dropped"
@@ -316,8 +317,14 @@ class WeightsSwapper:
         if level == 1:
             self.sleeper.verify()             # a host image that fails is refused before it moves
         before = device_free_bytes(self.arena.device)
+        if before is not None and before < self.arena.capacity_bytes:
+            return (f"the weights arena needs {self.arena.capacity_bytes} device bytes, the driver has {before} "
+                    f"free: give the device memory back first (still asleep)")
         t0 = time.perf_counter_ns()
-        self.arena.reserve()
+        try:
+            self.arena.reserve()
+        except torch.OutOfMemoryError as e:
+            return f"the weights arena of {self.arena.capacity_bytes} device bytes cannot be allocated: {e}"
         image = Image(name, entry.manifest, entry.sums)
         try:
             if level == 1:
