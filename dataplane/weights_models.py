@@ -126,7 +126,7 @@ def build_runner(config, weights, device: str, dtype: torch.dtype, max_positions
     from residency.dataplane.model.runner import ModelRunner  # noqa: PLC0415
 
     runner = ModelRunner(config, hollow(weights, "cpu"), device=device, dtype=dtype, max_positions=max_positions)
-    return LoadedModel(config, tok, runner.w, runner, digest, source)
+    return LoadedModel(runner.config, tok, runner.w, runner, digest, source)
 
 
 def pack_into(buf: torch.Tensor, manifest: Manifest, weights, base: int = 0) -> None:
