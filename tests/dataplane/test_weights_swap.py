@@ -273,3 +273,27 @@ def test_model_arguments_name_each_model_or_take_the_files_name():
     assert parse_model_specs(["none"], None, model_id_for) == [] and parse_model_specs(None, None, model_id_for) == []
     with pytest.raises(WorkerStartRefused, match=r"names \['a'\] more than once"):
         parse_model_specs(["a=/x", "a=/y"], None, model_id_for)
+
+
+def test_a_wake_whose_image_fails_its_checksum_is_refused_and_the_weights_stay_asleep(tmp_path, dirs):
+    import shutil
+
+    shutil.copytree(dirs["a"], tmp_path / "a")
+    own = {**dirs, "a": str(tmp_path / "a")}
+    core = build(tmp_path, own, "a")
+    s = swapper_of(core)
+    before = generate(core, "r0").token_ids
+    assert swap(core, "s1", "sleep", 1, level=1).error == ""
+    s.sleeper.bytes[s.models["a"].nbytes // 3] ^= 0x01                          # the pinned copy rots
+    arena_before = s.arena.held_bytes
+    r = swap(core, "w1", "wake", 2)
+    assert r.error.startswith("ChecksumMismatch") and "host image a" in r.error and r.resident == ""
+    assert s.arena.held_bytes == arena_before == 0 and generate(core, "r1").error.startswith("weights_asleep")
+    s.sleeper.bytes[s.models["a"].nbytes // 3] ^= 0x01
+    assert swap(core, "w2", "wake", 2).error == "" and generate(core, "r2").token_ids == before
+    assert swap(core, "s2", "sleep", 3, level=2).error == ""
+    write_hf_dir(own["a"], random_model(SHAPES["a"], seed=99))                  # the file changed meanwhile
+    r = swap(core, "w3", "wake", 4)
+    assert r.error.startswith("ChecksumMismatch") and "arena image a" in r.error and r.resident == ""
+    assert s.arena.held_bytes == 0 and s.asleep == ("a", 2)                     # the device given back again
+    core.close()
