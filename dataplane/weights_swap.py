@@ -233,6 +233,8 @@ class WeightsSwapper:
             return f"{target.name} is already resident (arena gen {self.arena.gen})"
         if self.executor is None:
             return "this worker has one model: nothing to flip to"
+        if not self.resident:
+            return "the arena holds no verified image (an earlier flip's checksum failed): nothing to flip out"
         outgoing = self.models[self.resident]
         if target.where == "file":
             self._stage(target)
