@@ -37,7 +37,7 @@ from residency.dataplane.flip.slab import HostSlab
 from residency.dataplane.pools.budget import page_round
 from residency.dataplane.pools.errors import ChecksumMismatch, DataPlaneError
 from residency.dataplane.flip.model_image import manifest_of
-from residency.dataplane.weights_models import ModelSpec, ServedWeights, WorkerStartRefused, pack_into, read_host
+from residency.dataplane.weights_models import ModelSpec, ServedWeights, pack_into, read_host
 from residency.events.commands import SwapWeights, WeightsSwapped
 from residency.events.serving import ServedModel
 
@@ -210,7 +210,7 @@ class WeightsSwapper:
             fields = act(cmd)
         except ReaderRefused as e:
             return refuse(str(e), e.refusals)
-        except (FlipRefused, ChecksumMismatch, WorkerStartRefused, DataPlaneError) as e:
+        except (FlipRefused, DataPlaneError) as e:       # ChecksumMismatch and PinnedBudgetExceeded among them
             return refuse(f"{type(e).__name__}: {e}")
         if isinstance(fields, str):
             return refuse(fields)
@@ -258,7 +258,7 @@ class WeightsSwapper:
         file that changed is refused (ChecksumMismatch) before a byte reaches the device."""
         _, weights, *_ = read_host(_spec(target), self.dtype)
         if manifest_of(weights) != target.manifest:
-            raise WorkerStartRefused(f"model file of {target.name} no longer gives the image it gave at start")
+            raise DataPlaneError(f"model file of {target.name} no longer gives the image it gave at start")
         for e in self.models.values():
             if e.where == "host":
                 e.where = "file"
@@ -279,6 +279,8 @@ class WeightsSwapper:
             return f"already asleep (model {self.asleep[0]}, level {self.asleep[1]})"
         if cmd.level not in (1, 2):
             return f"sleep level {cmd.level}: 1 (weights to pinned host) or 2 (weights dropped)"
+        if not self.resident:
+            return "the arena holds no verified image (an earlier flip's checksum failed): nothing to put to sleep"
         entry = self.models[self.resident]
         image = self.arena.seal()             # the checksum a wake checks against
         entry.sums = image.sums
@@ -334,7 +336,7 @@ class WeightsSwapper:
             else:
                 _, weights, *_ = read_host(_spec(entry), self.dtype)
                 if manifest_of(weights) != entry.manifest:
-                    raise WorkerStartRefused(f"model file of {name} no longer gives the image it gave at start")
+                    raise DataPlaneError(f"model file of {name} no longer gives the image it gave at start")
                 pack_into(self.arena.buffer, entry.manifest, weights)     # straight into the arena
                 del weights
                 self.arena.image = image
