@@ -38,6 +38,9 @@ def add_serving_args(p) -> None:
     g.add_argument("--model", default=None, action="append",
                    help="a GGUF file, a Hugging Face directory, or 'embedded' (SmolLM2); NAME=PATH, repeated, "
                         "serves several models from one weights arena (the first is resident at start)")
+    g.add_argument("--expert-budget", default=None, metavar="FRACTION|BYTES",
+                   help="a MoE model: device bytes for its experts (50%%, 0.25 or 6GiB); the rest stay in pinned "
+                        "host memory and are fetched when routed to (docs/moe.md)")
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
     g.add_argument("--dtype", default=None, choices=DTYPES,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -57,6 +60,8 @@ def model_id_for(path: str | None) -> str:
 
 
 def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    if getattr(args, "expert_budget", None):
+        return build_offload_core(args, faults)
     import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
 
     from residency.dataplane.mover import Mover  # noqa: PLC0415
@@ -141,7 +146,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
                              loop=loop, graphs=graphs, pool=mover.device_pool, dtype=dtype, chunk_bytes=chunk,
                              ring_depth=ring, capture_graphs=True, books=core.books)
     swapper.tell_books()
-    attach(core, loop, kv.block_bytes, swapper)
+    attach(core, loop, kv.block_bytes, swapper=swapper)
     log.info("serving_model_loaded", model=loop.model_id, models=[m.name for m in models], source=fm.source,
              dtype=str(dtype), max_context=loop.max_positions, device_blocks=sizing.num_blocks,
              block_bytes=kv.block_bytes, arena_bytes=weights_bytes, slab_bytes=slab_bytes,
@@ -150,7 +155,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
 
 
 def arena_fits(args, meter, arena_bytes: int, largest: str, block_bytes: int, min_blocks: int, reserve: int) -> None:
-    """Refuse (WorkerStartRefused, with the sizing's arithmetic) a worker whose largest model,
+    """Refuse (StartRefused, with the sizing's arithmetic) a worker whose largest model,
     with the smallest pool, does not fit its share of the device, before the arena is allocated."""
     from residency.dataplane import sizing as sz  # noqa: PLC0415
 
@@ -160,14 +165,86 @@ def arena_fits(args, meter, arena_bytes: int, largest: str, block_bytes: int, mi
         sz.size_pool(device=args.device, total_bytes=total, in_use_bytes=in_use + arena_bytes, fraction=fraction,
                      reserve_bytes=reserve, weights_bytes=arena_bytes, block_bytes=block_bytes, min_blocks=min_blocks)
     except sz.PoolSizingRefused as e:
-        raise sz.WorkerStartRefused(f"model {largest} cannot fit on the {args.device} device even alone: its "
+        raise sz.StartRefused(f"model {largest} cannot fit on the {args.device} device even alone: its "
                                     f"weights arena is {arena_bytes} B; {e}") from e
 
 
-def attach(core: WorkerCore, loop, block_bytes: int, swapper=None) -> None:
-    """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras;
-    and ``swapper`` (dataplane/weights_swap.py): SwapWeights, and the gate that answers a request
-    for weights that are not on the device."""
+def build_offload_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    """A MoE model whose experts live in pinned host memory with device slots (``--expert-budget``,
+    docs/moe.md): its weights are not in a flip arena, so it serves one model and no SwapWeights."""
+    import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
+
+    from residency.dataplane.mover import Mover  # noqa: PLC0415
+    from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
+    from residency.dataplane.model.errors import ModelError  # noqa: PLC0415
+    from residency.dataplane.model.expert_policy import parse_expert_budget  # noqa: PLC0415
+    from residency.dataplane.model.experts import prepare_offload  # noqa: PLC0415
+    from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
+    from residency.dataplane.weights_models import parse_model_specs  # noqa: PLC0415
+    from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+    from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
+    from residency.dataplane.serving_graphs import StepGraphs  # noqa: PLC0415
+
+    from residency.dataplane import sizing as sz  # noqa: PLC0415
+    from residency.dataplane.build import pool_sizing  # noqa: PLC0415
+    from residency.dataplane.memory_books import MemoryBooks  # noqa: PLC0415
+
+    device = args.device
+    dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    specs = parse_model_specs(args.model, args.served_model_name, model_id_for)
+    if len(specs) != 1:
+        raise sz.StartRefused(f"--expert-budget serves one model, not {len(specs)}: offloaded experts do not flip")
+    path = specs[0].path
+    meter = sz.Meter(device)
+    cuda = device.startswith("cuda")
+    before = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
+    # loaded on the host: the experts never take device memory beyond their slots
+    model = load_model(path, device="cpu", dtype=dtype, max_positions=args.max_context)
+    try:
+        model, offload = prepare_offload(model, parse_expert_budget(args.expert_budget), device)
+    except ModelError as e:         # the server stops with the arithmetic, as for a refused pool
+        raise sz.StartRefused(f"--expert-budget {args.expert_budget}: {e}") from e
+    weights_bytes = model.runner.w.num_bytes() + offload.slot_bytes
+    allocator_bytes = torch.cuda.memory_allocated(torch.device(device)) - before if cuda else None
+    c = model.config
+    kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
+    reserve = sz.activation_reserve(device, args.max_step_tokens, c.hidden, c.intermediate, c.vocab_size)
+    sizing = pool_sizing(args, meter, kv.block_bytes, weights_bytes,
+                         sz.min_blocks_for(model.runner.max_positions, args.page_tokens), reserve)
+    disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
+    pinned = Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
+    mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
+    pinned += offload.host_bytes_needed           # the experts' host copies are pinned under the same budget
+    mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
+                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+    offload.pin(mover.pinned)
+    # device bytes the mover made besides its pool (index and checksum rows): measured on CUDA only
+    scratch = (torch.cuda.memory_allocated(torch.device(device)) - mid - sizing.pool_bytes) if cuda else None
+    core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
+    # an offloaded MoE layer asks the host which experts it routed to: no graph can replay that
+    graphs = StepGraphs(model.runner)
+    loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
+                       device_pool=mover.device_pool, model_id=specs[0].name,
+                       model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
+                       max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs)
+    attach(core, loop, kv.block_bytes, offload)
+    core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
+                             weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
+                             scratch_bytes=max(scratch, 0) if scratch is not None else None)
+    log.info("serving_model_loaded", model=loop.model_id, source=model.source, dtype=str(dtype),
+             max_context=loop.max_positions, device_blocks=sizing.num_blocks, block_bytes=kv.block_bytes,
+             weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing),
+             expert_slots=offload.S)
+    return core, kv.block_bytes
+
+
+def attach(core: WorkerCore, loop, block_bytes: int, offload=None, swapper=None) -> None:
+    """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras.
+    ``offload`` (an ExpertOffload): its moves follow each step as one ExpertsMoved, and the
+    placement made at start follows the first Hello. ``swapper`` (dataplane/weights_swap.py):
+    SwapWeights, and the gate that answers a request for weights that are not on the device."""
     core.register_side(Tokenize, loop.handle)      # pure: rendered and encoded beside the steps
     for t in (Generate, CancelGenerate):
         core.register(t, loop.handle)
@@ -191,11 +268,17 @@ def attach(core: WorkerCore, loop, block_bytes: int, swapper=None) -> None:
 
     core.register(ExecuteMove, guarded_execute)
     core.register(ReleaseBlocks, guarded_release)
-    core.background = (loop.has_work, loop.step)
-    if swapper is None:
-        core.hello_extras = lambda: [loop.ready(block_bytes)]
-    else:
+    if offload is not None:
+        def step() -> list:
+            return loop.step() + offload.drain(core.worker, loop.num_steps)
+        core.background = (loop.has_work, step)
+        core.hello_extras = lambda: [loop.ready(block_bytes)] + offload.drain(core.worker, 0)
+    elif swapper is not None:
+        core.background = (loop.has_work, loop.step)
         core.hello_extras = lambda: [swapper.ready(loop.ready(block_bytes))]
+    else:
+        core.background = (loop.has_work, loop.step)
+        core.hello_extras = lambda: [loop.ready(block_bytes)]
     core.progress = lambda: (loop.num_steps, len(loop.seqs))    # plain reads: safe off the device thread
     core.serving = loop
 

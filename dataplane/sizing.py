@@ -41,10 +41,11 @@ class PoolSizingRefused(DataPlaneError):
         super().__init__(explain(sizing))
 
 
-class WorkerStartRefused(DataPlaneError):
-    """A serving worker cannot serve what it was asked to (models whose KV pages differ, a model
-    that cannot fit even alone, a name given twice): the arithmetic is in the message, and the
-    worker exits with it as with a pool that does not fit (dataplane/proc.py)."""
+class StartRefused(DataPlaneError):
+    """A worker that cannot start as configured, the message naming the numbers (an expert budget
+    that buys no device slot, or one given for a model without experts; models whose KV pages
+    differ, a model that cannot fit even alone, a model name given twice): the server stops with
+    it, as it does for a refused pool."""
 
 
 def default_fraction(device: str) -> float:
@@ -149,5 +150,5 @@ class Meter:
         return self.total_at_start, own_rss_bytes()
 
 
-__all__ = ["DEFAULT_FRACTION", "PoolSizingRefused", "WorkerStartRefused", "default_fraction", "activation_reserve", "size_pool",
+__all__ = ["DEFAULT_FRACTION", "PoolSizingRefused", "StartRefused", "default_fraction", "activation_reserve", "size_pool",
            "explicit", "min_blocks_for", "explain", "Meter", "meminfo"]

@@ -30,7 +30,7 @@ import torch
 
 from residency.dataplane.flip.image import Manifest, align_up, image_checksums
 from residency.dataplane.flip.model_image import RunnerReader, hollow, manifest_of, named_tensors, tied
-from residency.dataplane.sizing import WorkerStartRefused
+from residency.dataplane.sizing import StartRefused
 
 log = structlog.get_logger("dataplane.weights")
 MIB = 1 << 20
@@ -57,12 +57,12 @@ def parse_model_specs(values: list[str] | str | None, served_name: str | None, m
         if not sep or os.path.exists(v) or not name or "/" in name:
             name, path = (served_name if len(values) == 1 and served_name else model_id_for(v)), v
         if path in ("", "none"):
-            raise WorkerStartRefused(f"--model {v!r}: 'none' cannot be one of several models")
+            raise StartRefused(f"--model {v!r}: 'none' cannot be one of several models")
         specs.append(ModelSpec(name, None if path == "embedded" else path))
     names = [s.name for s in specs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise WorkerStartRefused(f"--model names {dup} more than once; name each model (NAME=PATH)")
+        raise StartRefused(f"--model names {dup} more than once; name each model (NAME=PATH)")
     return specs
 
 
@@ -115,7 +115,7 @@ def check_layouts(models: list[tuple[str, object]], page_tokens: int, dtype: tor
             for x in s:
                 n *= x
             parts.append(f"{name}: {' x '.join(map(str, s))} x {size} B = {n * size} B")
-        raise WorkerStartRefused("models sharing a worker share its KV pool, so their pages must have one "
+        raise StartRefused("models sharing a worker share its KV pool, so their pages must have one "
                                  "shape [layers, 2, page_tokens, kv_heads, head_dim]: " + "; ".join(parts))
 
 
@@ -186,5 +186,5 @@ def load_models(specs: list[ModelSpec], device: str, dtype: torch.dtype, page_to
     return LoadedSet(models, host, max(m.nbytes for m in models))
 
 
-__all__ = ["ModelSpec", "ServedWeights", "LoadedSet", "WorkerStartRefused", "parse_model_specs", "load_models",
+__all__ = ["ModelSpec", "ServedWeights", "LoadedSet", "StartRefused", "parse_model_specs", "load_models",
            "check_layouts", "rotation_chunk_bytes", "kv_block_shape", "pack_into", "read_host", "store_in_slab"]

@@ -12,7 +12,7 @@ from residency.dataplane.flip.slab import HostSlab
 from residency.dataplane.model import ModelConfig, random_model
 from residency.dataplane.proc import arg_parser
 from residency.dataplane.serving_worker import build_serving_core, model_id_for
-from residency.dataplane.sizing import WorkerStartRefused
+from residency.dataplane.sizing import StartRefused
 from residency.dataplane.weights_models import ModelSpec, parse_model_specs
 from residency.dataplane.weights_swap import WeightsSwapper
 from residency.events.commands import Generate, SamplingParams, SwapWeights, Tokenize, Tokenized, TokensGenerated
@@ -251,7 +251,7 @@ def test_a_request_for_a_model_not_on_the_device_is_answered_by_name_never_held(
 
 
 def test_models_whose_kv_pages_differ_are_refused_at_start_with_both_shapes(tmp_path, dirs):
-    with pytest.raises(WorkerStartRefused) as e:
+    with pytest.raises(StartRefused) as e:
         build(tmp_path, dirs, "a", "deep")
     assert "a: 2 x 2 x 4 x 2 x 16 x 4 B = 2048 B" in str(e.value) and "deep: 3 x 2 x 4 x 2 x 16 x 4 B = 3072 B" in str(e.value)
 
@@ -259,7 +259,7 @@ def test_models_whose_kv_pages_differ_are_refused_at_start_with_both_shapes(tmp_
 def test_a_model_that_cannot_fit_even_alone_is_refused_at_start_with_the_arithmetic(tmp_path, dirs):
     argv = ["--worker", "0", "--control", "ipc:///unused", "--run-dir", str(tmp_path / "run"), "--page-tokens", "4",
             "--gpu-memory-fraction", "0.000001", "--model", f"a={dirs['a']}", "--model", f"b={dirs['b']}"]
-    with pytest.raises(WorkerStartRefused) as e:
+    with pytest.raises(StartRefused) as e:
         build_serving_core(arg_parser().parse_args(argv), WorkerFaults(""))
     assert "model a cannot fit on the cpu device even alone: its weights arena is" in str(e.value)
     assert "the device KV pool does not fit" in str(e.value)
@@ -271,7 +271,7 @@ def test_model_arguments_name_each_model_or_take_the_files_name():
     assert parse_model_specs(["/m/Llama.Q4_K.gguf"], None, model_id_for) == [ModelSpec("Llama", "/m/Llama.Q4_K.gguf")]
     assert parse_model_specs("embedded", "mine", model_id_for) == [ModelSpec("mine", None)]
     assert parse_model_specs(["none"], None, model_id_for) == [] and parse_model_specs(None, None, model_id_for) == []
-    with pytest.raises(WorkerStartRefused, match=r"names \['a'\] more than once"):
+    with pytest.raises(StartRefused, match=r"names \['a'\] more than once"):
         parse_model_specs(["a=/x", "a=/y"], None, model_id_for)
 
 
