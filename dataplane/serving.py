@@ -135,6 +135,18 @@ class ServingLoop:
         self.pool.check_usable("serving")
         return self.kv
 
+    def use_model(self, runner: ModelRunner, tokenizer, model_id: str, model_digest: str,
+                  eos_token_ids: Sequence[int]) -> None:
+        """Serve another model from now on (a flip, dataplane/weights_swap.py): called between
+        steps with no sequence running; the pool's pages keep their shape (checked at start)."""
+        if self.seqs:
+            raise DataPlaneError(f"{len(self.seqs)} sequences still run on {self.model_id}")
+        self.runner, self.tokenizer = runner, tokenizer
+        self.model_id, self.model_digest = model_id, model_digest
+        self.eos = set(eos_token_ids)
+        self.max_positions = runner.max_positions
+        self.vocab_size = runner.config.vocab_size
+
     # ------------------------------------------------------------------ queries
     def ready(self, block_bytes: int) -> ServingReady:
         return ServingReady(

@@ -95,6 +95,14 @@ class WorkerCore:
         self.ahead_ns = 0
         # the memory books (dataplane/memory_books.py): sizing, weights, pinned grants, the probe
         self.books = None
+        # what else holds pinned memory and must give it back at stop (the weights slab), before the mover
+        self.closers: list[Callable[[], None]] = []
+
+    def close(self) -> None:
+        """The worker stops: its other pinned holders, then the mover (moves finished first)."""
+        while self.closers:
+            self.closers.pop()()
+        self.mover.close()
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the device thread; ``handler(cmd)`` returns the replies."""
