@@ -57,6 +57,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.mover import Mover  # noqa: PLC0415
     from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
+    from residency.dataplane.restore_pipeline import KeptRestores  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
     from residency.dataplane.serving_graphs import StepGraphs, graph_table_width  # noqa: PLC0415
 
@@ -85,24 +86,28 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     pinned = Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
     mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
+    # restores land layer by layer, so a returning turn's prefill reads each layer as it lands
     mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
-                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync, layered_restores=True)
     # device bytes the mover made besides its pool (index and checksum rows): measured on CUDA only
     scratch = (torch.cuda.memory_allocated(torch.device(device)) - mid - sizing.pool_bytes) if cuda else None
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     # captured once the pool exists, before the first request: every decode batch up to max_seqs
     graphs = StepGraphs.capture(model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
                                 max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
+    core.restores = KeptRestores(mover)
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
-                       max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs)
+                       max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs,
+                       restores=core.restores)
     if graphs.graphs is not None:       # they hold the pool's address: a reader, captured again on a rebind
         mover.device_pool.add_reader(graphs)
     attach(core, loop, kv.block_bytes)
     core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
                              weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
-                             scratch_bytes=max(scratch, 0) if scratch is not None else None)
+                             scratch_bytes=max(scratch, 0) if scratch is not None else None,
+                             graphs_bytes=graphs.graph_bytes)
     log.info("serving_model_loaded", model=loop.model_id, source=model.source, dtype=str(dtype),
              max_context=loop.max_positions, device_blocks=sizing.num_blocks, block_bytes=kv.block_bytes,
              weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing))
