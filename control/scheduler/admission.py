@@ -53,6 +53,8 @@ class Admission:
         # restores whose turn ran: "pipelined" (its Generate sent once the restore was dispatched,
         # the prefill reading layers as they land) or "plain" (sent after the restore's ack)
         self.restores: collections.Counter = collections.Counter()
+        # pipelined restores whose turn runs while they land: move_id -> (worker, session, pages)
+        self._landing: dict[str, tuple[int, str | None, list[int]]] = {}
 
     def begin(self, r: RequestState) -> None:
         if r.cancelled:
@@ -177,7 +179,33 @@ class Admission:
             self.end_unstarted(r)
             return
         self.restores["pipelined"] += 1
+        self._landing[ans.move_ids[0]] = (r.worker, r.session, list(r.admit.reused))
         self._run(r, awaits_move=ans.move_ids[0])
+
+    def on_outcome(self, event) -> None:
+        """A terminal event of a move (every one recorded). A pipelined restore that failed or was
+        rejected: the worker failed the turn that read it (its error reached the client, its own
+        pages were freed and recorded); its session gives up the prefix it could not bring back,
+        as a plain restore that failed does, so the next turn computes it instead of failing again."""
+        landing = self._landing.pop(event.move_id, None)
+        if landing is None or type(event) is ev.MoveAcked:
+            return
+        if type(event) is ev.MoveStranded:          # no answer yet: it may still land (a late ack)
+            self._landing[event.move_id] = landing
+            return
+        worker, session, pages = landing
+        if type(event) not in (ev.MoveFailed, ev.MoveRejected):
+            return
+        wb = self.proc.state.blocks.get(worker, {})
+        drop: dict[str, list[int]] = {}
+        for b in pages:
+            for t in (wb[b].tiers if b in wb else ()):
+                drop.setdefault(t, []).append(b)
+        log.warning("pipelined_restore_failed", move_id=event.move_id, session=session, outcome=type(event).__name__)
+        sched = self.workers.sched
+        sched.decisions["restore_failed"] = sched.decisions.get("restore_failed", 0) + 1
+        sched.forget_blocks(worker, set(pages))
+        self.asker.release(worker, drop, "restore_failed", session)
 
     def _wait(self, r: RequestState, plan: Wait, now: int) -> None:
         if r.phase != "waiting":

@@ -230,6 +230,8 @@ class ServingService:
     def _on_recorded(self, seq: int, event: ev.Event) -> None:
         self.serving_stats.observe(event)
         t = type(event)
+        if t in TERMINAL:
+            self.admission.on_outcome(event)
         if (t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased or t is ev.RebindCommitted
                 or t is ev.RebindRefused):   # room may have appeared for a waiting request, or its pool reopened
             self.admission.retry_soon()

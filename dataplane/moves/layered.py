@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
+
 from residency.dataplane.moves.base import Hasher, InFlight
 from residency.dataplane.moves.copy import coalesce
 from residency.dataplane.pools.errors import ChecksumMismatch
@@ -55,11 +57,16 @@ class RestoreByLayer(InFlight):
         self.cols = [(layer * width, (layer + 1) * width) for layer in range(L)]
         self.error: BaseException | None = None
         self.mark("reserved")
+        self.landed_ns: int | None = None
         if s.cuda:
+            import torch  # noqa: PLC0415
+
             # NOTE: the claimed slots may have been freed while kernels queued on the compute stream
             # still read their old contents: the copies wait for the compute stream first.
             self.after_compute(s.h2d)
             self.gates = []
+            self.timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.timing[0].record(s.h2d)
             with s.on(s.h2d):
                 for lo, hi in self.cols:
                     c.dma.copy_runs_cols(s.h2d, c.device.words, c.host.words, runs, lo, hi)
@@ -67,6 +74,7 @@ class RestoreByLayer(InFlight):
             self.hasher = Hasher(c, c.device.words, self.dslots, self.order_ids)
             self.hasher.enqueue(0, len(ids), after=self.gates[-1])
             self.hashed = self.hasher.done()
+            self.timing[1].record(s.hash)
             self.copier = None
         else:
             self.gates = [threading.Event() for _ in self.cols]
@@ -84,6 +92,7 @@ class RestoreByLayer(InFlight):
             for (lo, hi), gate in zip(self.cols, self.gates):
                 c.dma.copy_runs_cols(None, c.device.words, c.host.words, runs, lo, hi)
                 gate.set()
+            self.landed_ns = c.clock()
         except BaseException as e:  # noqa: BLE001 - reported by finish
             self.error = e
         finally:
@@ -121,7 +130,15 @@ class RestoreByLayer(InFlight):
         c.device.publish(self.ids)               # raises, naming what is wrong
         self.dslots = None
         s.wait_event(self.compute, self.hashed)  # no compute kernel reads a page before it landed
-        return self.acked(self.free_source(), self.expected)
+        ack = self.acked(self.free_source(), self.expected)
+        # NOTE: finished when the bytes landed and were hashed, not when this was called: a kept
+        # move is finished after the prefill that read it, and the control learns the link's
+        # bandwidth from these two times (CostModel.observe_transfer)
+        if s.cuda:
+            self.landed_ns = self.started_ns + int(self.timing[0].elapsed_time(self.timing[1]) * 1e6)
+        if self.landed_ns is not None and self.landed_ns < ack.finished_ns:
+            ack = msgspec.structs.replace(ack, finished_ns=max(self.landed_ns, self.started_ns))
+        return ack
 
     def drain(self) -> None:
         if getattr(self, "copier", None) is not None:
