@@ -135,6 +135,7 @@ class RestoreByLayer(InFlight):
         # move is finished after the prefill that read it, and the control learns the link's
         # bandwidth from these two times (CostModel.observe_transfer)
         if s.cuda:
+            self.timing[1].synchronize()
             self.landed_ns = self.started_ns + int(self.timing[0].elapsed_time(self.timing[1]) * 1e6)
         if self.landed_ns is not None and self.landed_ns < ack.finished_ns:
             ack = msgspec.structs.replace(ack, finished_ns=max(self.landed_ns, self.started_ns))
