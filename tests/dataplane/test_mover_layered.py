@@ -85,12 +85,13 @@ def test_a_corrupted_host_copy_fails_the_layered_restore_and_leaves_nothing_publ
 
 
 def test_a_move_kept_for_its_own_wait_is_never_settled_beside_another(tmp_path):
-    mover = make_mover(tmp_path / "d", layered_restores=True)
+    mover = make_mover(tmp_path / "d", layered_restores=True, pipeline_blocks=1)    # moves of several chunks
     parked(mover, [1, 2])
-    commit(mover, "device", [9])
+    commit(mover, "device", [9, 10, 11])
     kept = move("restore", "host", "device", [1, 2])
     mover.submit_own(kept)
-    assert isinstance(mover.execute(move("spill", "device", "host", [9])), MoveAcked)
+    mover.landing(kept.move_id)[0][-1].wait()          # landed: a move settling others beside it would take it
+    assert isinstance(mover.execute(move("spill", "device", "host", [9, 10, 11])), MoveAcked)
     assert mover.outcome_of(kept.move_id) is None and mover.landing(kept.move_id) is not None
     assert isinstance(mover.wait(kept.move_id), MoveAcked)
     mover.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -149,6 +150,25 @@ def test_the_waits_of_several_landing_sequences_are_joined_per_layer():
 DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 
 
+class JoinedDma:
+    """The mover's DMA issuer, whose layer copies wait (on CPU, in the copier thread) until a turn
+    has joined the restore: a tiny restore would otherwise land before the Generate is handled,
+    and the step would find its pages in place. On a GPU the copies are only enqueued here."""
+
+    def __init__(self, loop, base):
+        self.loop, self.base = loop, base
+
+    def __getattr__(self, name):            # everything else is the issuer's own
+        return getattr(self.base, name)
+
+    def copy_runs_cols(self, stream, dst, src, runs, lo, hi):
+        deadline = time.monotonic() + 10
+        while stream is None and not any(q.awaits for q in list(self.loop.seqs.values())) \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.base.copy_runs_cols(stream, dst, src, runs, lo, hi)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_turn_awaiting_a_kept_layered_restore_gives_the_tokens_of_a_plain_restores_turn(tmp_path, device):
     """The worker's whole path without sockets: the mover lands the restore by layer, KeptRestores
@@ -185,6 +205,7 @@ def test_a_turn_awaiting_a_kept_layered_restore_gives_the_tokens_of_a_plain_rest
         back = ExecuteMove(move_id="back", kind="restore", src="host", dst="device", blocks=pages[:reuse],
                            keep_source=False, deadline_ns=0)
         if pipelined:
+            mover.ctx.dma = JoinedDma(loop, mover.ctx.dma)    # its layers cross once the turn joined them
             kept.keep(back, begun=False)
         else:
             assert isinstance(mover.execute(back), MoveAcked)
