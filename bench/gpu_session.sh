@@ -19,7 +19,7 @@ if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
     tests/dataplane/test_mover_streams.py tests/dataplane/test_mover_chunked.py tests/dataplane/test_mover_ahead.py tests/dataplane/test_dma.py tests/bench/test_bench_variants.py tests/dataplane/test_mover_settle_beside.py tests/dataplane/test_mover_moves.py tests/dataplane/test_mover_verify.py tests/serving/test_serving_share_device.py \
     tests/dataplane/test_rotation.py tests/dataplane/test_weights_arena.py tests/serving/test_serving_graphs.py tests/dataplane/test_pool_resize.py \
-    tests/model/test_experts_offload.py 2>&1 | tail -6
+    tests/dataplane/test_mover_layered.py tests/serving/test_serving_pipelined_restore.py tests/model/test_experts_offload.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
   --out "$OUT/moves.json" 2>&1 | tail -50
