@@ -30,16 +30,13 @@ class MemoryBooks:
         self.device_owned = {"weights": weights_bytes} if weights_bytes else {}
         if scratch_bytes:
             self.device_owned["scratch"] = scratch_bytes
-<<<<<<< HEAD
         # the resident model's image by tier and its checksum (hex; "" not taken), for WeightsLoaded
         self.weights_tier_bytes: dict[str, int] = {}
         self.weights_checksum = ""
-=======
         # captured decode graphs' memory pool, as measured at capture; no key: not measured (CPU,
         # or none captured), which the memory view shows as None, never 0
         if graphs_bytes is not None:
             self.device_owned["graphs"] = graphs_bytes
->>>>>>> h/serve29
         self._lock = threading.Lock()
         self._changes: list[PinnedChanged] = []
         self._said_hello = False

@@ -65,6 +65,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
 
     from residency.dataplane.mover import Mover  # noqa: PLC0415
+    from residency.dataplane.restore_pipeline import KeptRestores  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.pools.budget import page_round  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
@@ -118,8 +119,9 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     pinned = (Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
               + (page_round(slab_bytes) if several else 0) + page_round(loaded.arena_bytes))
     mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
+    # restores land layer by layer, so a returning turn's prefill reads each layer as it lands
     mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
-                  disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+                  disk_bytes=args.disk_bytes, fsync=args.disk_fsync, layered_restores=True)
     # device bytes the mover made besides its pool (index and checksum rows): measured on CUDA only
     scratch = (torch.cuda.memory_allocated(torch.device(device)) - mid - sizing.pool_bytes) if cuda else None
     slab = None
@@ -127,12 +129,13 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         slab = HostSlab(mover.pinned, slab_bytes)
         models[1].sums = store_in_slab(slab, models[1], loaded.host.pop(models[1].name), ring * chunk)
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
+    core.restores = KeptRestores(mover)
     fm = first.model
     graphs = StepGraphs(fm.runner)
     loop = ServingLoop(worker=args.worker, runner=fm.runner, tokenizer=fm.tokenizer, device_pool=mover.device_pool,
                        model_id=first.name, model_digest=fm.kv_digest, page_tokens=args.page_tokens,
                        keys_fn=block_content_keys, max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS,
-                       graphs=graphs)
+                       graphs=graphs, restores=core.restores)
     arena.add_reader(ServingReader(loop, first))
     # captured once the pool exists, before the first request (every decode batch up to max_seqs),
     # and again at every flip or wake: the graphs read the arena's weights at their addresses
@@ -141,7 +144,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         mover.device_pool.add_reader(graphs)
     core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
                              weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
-                             scratch_bytes=max(scratch, 0) if scratch is not None else None)
+                             scratch_bytes=max(scratch, 0) if scratch is not None else None,
+                             graphs_bytes=graphs.graph_bytes)
     swapper = WeightsSwapper(worker=args.worker, arena=arena, models=models, slab=slab, budget=mover.pinned,
                              loop=loop, graphs=graphs, pool=mover.device_pool, dtype=dtype, chunk_bytes=chunk,
                              ring_depth=ring, capture_graphs=True, books=core.books)
@@ -217,43 +221,22 @@ def build_offload_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     pinned = Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
     mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
-<<<<<<< HEAD
     pinned += offload.host_bytes_needed           # the experts' host copies are pinned under the same budget
-    mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
-                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
-    offload.pin(mover.pinned)
-=======
-    if offload is not None:
-        pinned += offload.host_bytes_needed       # the experts' host copies are pinned under the same budget
     # restores land layer by layer, so a returning turn's prefill reads each layer as it lands
     mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
-                    disk_bytes=args.disk_bytes, fsync=args.disk_fsync, layered_restores=True)
-    if offload is not None:
-        offload.pin(mover.pinned)
->>>>>>> h/serve29
+                  disk_bytes=args.disk_bytes, fsync=args.disk_fsync, layered_restores=True)
+    offload.pin(mover.pinned)
     # device bytes the mover made besides its pool (index and checksum rows): measured on CUDA only
     scratch = (torch.cuda.memory_allocated(torch.device(device)) - mid - sizing.pool_bytes) if cuda else None
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     # an offloaded MoE layer asks the host which experts it routed to: no graph can replay that
-<<<<<<< HEAD
     graphs = StepGraphs(model.runner)
-=======
-    graphs = StepGraphs(model.runner) if offload is not None else StepGraphs.capture(
-        model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
-        max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
     core.restores = KeptRestores(mover)
->>>>>>> h/serve29
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=specs[0].name,
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
-<<<<<<< HEAD
-                       max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs)
-=======
                        max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs,
                        restores=core.restores)
-    if graphs.graphs is not None:       # they hold the pool's address: a reader, captured again on a rebind
-        mover.device_pool.add_reader(graphs)
->>>>>>> h/serve29
     attach(core, loop, kv.block_bytes, offload)
     core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
                              weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
