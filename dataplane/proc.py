@@ -35,7 +35,7 @@ from residency.dataplane.faults import WorkerFaults
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
 from residency.dataplane.serving_worker import add_serving_args
-from residency.dataplane.sizing import PoolSizingRefused
+from residency.dataplane.sizing import PoolSizingRefused, StartRefused
 from residency.dataplane.side import SideThreads
 from residency.dataplane.worker import WorkerCore, WorkerRecord, run_guarded
 from residency.events.handshake import SIZING_REFUSED_EXIT, PeerKeyError, key_in, refused_file
@@ -78,7 +78,7 @@ class WorkerProc:
             self.side.stop()
             self.io.send_handed_back()
             try:
-                self.core.mover.close()
+                self.core.close()
             except Exception as e:  # noqa: BLE001 - logged once, the process is ending anyway
                 self.log.warning("mover_close_failed", error=repr(e))
             self.io.close()
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None,
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     try:
         core, block_bytes = build(args, faults)
-    except PoolSizingRefused as e:
+    except (PoolSizingRefused, StartRefused) as e:
         # the server stops with these numbers: its supervisor reads the file when we exit so
         log.error("device_pool_refused", worker=args.worker, detail=str(e))
         refused_file(run_dir, args.worker).write_text(str(e) + "\n")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from residency.events.catalog import MoveAcked, MoveFailed, MoveKind, MoveRejected, StepCompleted, Tier
+from residency.events.catalog import ExpertsMoved, MoveAcked, MoveFailed, MoveKind, MoveRejected, StepCompleted, Tier
 from residency.events.message import Message
 from residency.events.serving import (
     MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServedModel, ServingReady, TokenChoice,
@@ -191,6 +191,10 @@ class Hello(Message):
     weights_allocator_bytes: int | None = None
     sizing: PoolSizing | None = None
     pinned_limit_bytes: int | None = None
+    # The resident model's image bytes by tier ("device": in the weights arena) and the image's
+    # checksum (hex; "" not taken yet), for WeightsLoaded (issue #28)
+    weights_tier_bytes: dict[str, int] = {}
+    weights_checksum: str = ""
 
 
 class Pong(Message):
@@ -386,6 +390,8 @@ class MemoryReport(Message):
     allocator_reserved_bytes: int | None = None
     pinned_in_use_bytes: int | None = None      # the PinnedBudget's grants, as the worker counts them
     pinned_limit_bytes: int | None = None
+    device_owned: dict[str, int] = {}           # device bytes held outside the KV pool now, by owner
+                                                # ("weights": the arena; 0 while its weights sleep)
 
 
 class PinnedChanged(Message):
@@ -415,6 +421,7 @@ FromWorker = Union[
     Tokenized, ServingReady, TokensGenerated, StepCompleted,
     MoveTimed,
     MemoryReport, PinnedChanged,
+    ExpertsMoved,
 ]
 AnyMessage = Union[ToWorker, FromWorker]
 

@@ -43,3 +43,6 @@ class DiagnoseParams(msgspec.Struct, frozen=True, kw_only=True):
     # flip stuck: unanswered this long past its deadline (or, with none, this long after it was asked)
     flip_grace_ns: int = 5 * SECOND
     flip_timeout_ns: int = 300 * SECOND
+    # expert thrash: one expert of an offloaded MoE model fetched and evicted this many times within the window
+    expert_thrash_cycles: int = 3
+    expert_thrash_window_ns: int = 30 * SECOND

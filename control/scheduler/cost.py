@@ -3,12 +3,18 @@
     recompute  ─ prefill the cached tokens again:            cached_tokens / prefill_tokens_per_s
     restore    ─ copy the pages back, minus what hides        max(0, transfer_s - hidden_s) + fixed_s
                  behind the prefill of the new tokens:        hidden_s = new_tokens / prefill_tokens_per_s
-                                                                         (0 when the worker cannot overlap)
+                                                                         (0 when the worker cannot overlap,
+                                                                          or no prefill was measured yet)
     transfer_s = Σ bytes_from_tier / bandwidth(tier→device)   (disk pages cross disk→host→device)
 
 A transfer hidden behind compute is nearly free, so raw bytes are never the price: only the
-unhidden remainder is. Bandwidths and prefill speed start from configured values and follow what
-the workers measure (``MoveAcked`` times, step durations) as an exponentially weighted average.
+unhidden remainder is. The same rule prices an offloaded MoE expert's fetch (``price_expert_fetch``:
+a prefetch hides behind a layer, a fetch on demand behind nothing), and the experts' measured
+copies (``ExpertsMoved``) teach the same host -> device bandwidth the restores do. Bandwidths and
+prefill speed start from configured values and follow what the workers measure (``MoveAcked``
+times, step durations less what they waited for landing pages) as an exponentially weighted
+average. What hides is priced only from a measured prefill speed: until a worker has timed one, a
+restore is priced as if nothing hid (the safe direction).
 """
 from __future__ import annotations
 
@@ -24,6 +30,19 @@ class PrefixDecision(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class ExpertFetchPrice(msgspec.Struct, frozen=True, kw_only=True):
+    """What fetching an offloaded MoE expert costs the step that needs it (fetch vs wait):
+
+        fetch_s = bytes / bandwidth(host -> device)        the copy, at the measured bandwidth
+        wait_s  = max(0, fetch_s - hidden_s)               what the layer waits for it
+    hidden_s: compute the copy overlaps (a prefetch issued a layer ahead hides behind that layer;
+    a fetch on demand hides behind nothing)."""
+
+    fetch_s: float
+    hidden_s: float
+    wait_s: float
+
+
 class CostModel:
     """Mutable only through ``observe_*`` (the measurements); ``decide`` is a pure function of them."""
 
@@ -35,6 +54,7 @@ class CostModel:
         self.fixed_restore_s = float(fixed_restore_s)
         self.overlap = overlap
         self.smoothing = smoothing
+        self.num_prefills_measured = 0   # steps that taught prefill_tokens_per_s (0: still the configured guess)
 
     # ------------------------------------------------------------------ decision
     def transfer_s(self, bytes_by_tier: dict[str, int]) -> float:
@@ -51,7 +71,7 @@ class CostModel:
     def decide(self, *, cached_tokens: int, new_tokens: int, bytes_by_tier: dict[str, int]) -> PrefixDecision:
         """Which choice adds less time to this request. Ties go to restore (no recompute work)."""
         transfer = self.transfer_s(bytes_by_tier)
-        hidden = new_tokens / self.prefill_tokens_per_s if self.overlap else 0.0
+        hidden = new_tokens / self.prefill_tokens_per_s if self.overlap and self.num_prefills_measured else 0.0
         restore = max(0.0, transfer - hidden) + self.fixed_restore_s
         recompute = cached_tokens / self.prefill_tokens_per_s
         choice = "restore" if restore <= recompute else "recompute"
@@ -60,6 +80,11 @@ class CostModel:
                   f"({cached_tokens} tokens at {self.prefill_tokens_per_s:.0f}/s)")
         return PrefixDecision(choice=choice, restore_s=restore, recompute_s=recompute, transfer_s=transfer,
                               hidden_s=hidden, reason=reason)
+
+    def price_expert_fetch(self, nbytes: int, hidden_s: float = 0.0) -> ExpertFetchPrice:
+        """Fetch vs wait for ``nbytes`` of experts (see ``ExpertFetchPrice``). Pure."""
+        fetch = max(0, nbytes) / self.bandwidth["host"]
+        return ExpertFetchPrice(fetch_s=fetch, hidden_s=hidden_s, wait_s=max(0.0, fetch - hidden_s))
 
     # ------------------------------------------------------------------ what the workers can do
     def observe_overlap(self, can_overlap: list[bool]) -> None:
@@ -78,8 +103,16 @@ class CostModel:
             return
         self.bandwidth[src] = self._ewma(self.bandwidth[src], nbytes / seconds)
 
+    def observe_expert_moves(self, moves) -> None:
+        """The copies of an ``ExpertsMoved`` (fetches and prefetches the worker timed): host -> device
+        bytes over their summed measured time, one observation per step. Evictions copy nothing."""
+        copies = [m for m in moves if m.kind != "evict" and m.ns]
+        if copies:
+            self.observe_transfer("host", sum(m.bytes for m in copies), sum(m.ns for m in copies) / 1e9)
+
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step that prefilled ``num_tokens`` prompt tokens in ``seconds``."""
         if num_tokens < 16 or seconds <= 0:        # decode-sized steps say little about prefill speed
             return
         self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, num_tokens / seconds)
+        self.num_prefills_measured += 1

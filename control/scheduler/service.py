@@ -80,7 +80,8 @@ class ServingService:
                                    retain_fraction=retain_fraction, max_waiting=max_waiting,
                                    wait_timeout_s=wait_timeout_s, default_max_tokens=default_max_tokens)
         self.streams = GenerationStreams(proc, self.workers, self.requests, self.admission, self.book)
-        self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router)
+        self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router,
+                                          restores=self.admission.restores)
         # outside tenants' reclaims and releases (serve --tenant); the dial is given to it by serve
         self.reclaimer = Reclaimer(proc, self.workers, self.asker, tenants or {})
         self.reclaimer.dial = dial_of(proc)
@@ -105,7 +106,7 @@ class ServingService:
         for msg_type, handler in ((ServingReady, self._on_ready), (Tokenized, self.admission.on_tokenized),
                                   (WeightsSwapped, self.flips.on_swapped),
                                   (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step),
-                                  (Pong, self._on_pong)):
+                                  (Pong, self._on_pong), (ev.ExpertsMoved, self._on_experts)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
         proc.add_pool_reader("scheduler", self._pool_view)
@@ -245,8 +246,15 @@ class ServingService:
 
     def _on_step(self, link, msg: ev.StepCompleted) -> None:
         self.proc.record(msg)
-        self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
+        # the prefill's own speed: what the step waited for restored pages still landing is not prefill
+        self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, (msg.duration_ns - (msg.restore_wait_ns or 0)) / 1e9)
         self.workers.wedge.observe_step(link.worker, msg.step, msg.duration_ns, time.monotonic_ns())
+
+    def _on_experts(self, link, msg: ev.ExpertsMoved) -> None:
+        """An offloaded MoE worker's expert moves of one step: into the ledger, and its measured
+        copies teach the cost model the host -> device bandwidth (the link KV restores cross too)."""
+        self.proc.record(msg)
+        self.cost.observe_expert_moves(msg.moves)
 
     def _on_pong(self, link, msg: Pong) -> None:
         # NOTE: this handler replaces the worker registry's own for Pong: it is called first
@@ -257,6 +265,8 @@ class ServingService:
     def _on_recorded(self, seq: int, event: ev.Event) -> None:
         self.serving_stats.observe(event)
         t = type(event)
+        if t in TERMINAL:
+            self.admission.on_outcome(event)
         if (t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased or t is ev.RebindCommitted
                 or t is ev.RebindRefused):   # room may have appeared for a waiting request, or its pool reopened
             self.admission.retry_soon()
