@@ -70,6 +70,9 @@ class Flipper:
         self.bandwidth: float | None = None           # bytes/s of the last flip measured (both ways)
         self.arena_gen: dict[int, int] = {}           # what each worker's arena carries (ServingReady, answers)
         self.since_ns: dict[int, int] = {}            # when each worker's model became resident
+        # the models whose image a worker keeps in pinned host memory (ServingReady; then each flip
+        # leaves the outgoing image in the host slab, where the incoming one was)
+        self.on_host: dict[int, set[str]] = {}
         self.begin: Callable = lambda r: None         # Admission.begin: a released request starts over
         self.refuse: Callable = lambda r, status, code, message, retry_after_s=None: None
         self.left: Callable = lambda r: None          # a held request whose client went away (closed in the ledger)
@@ -83,6 +86,7 @@ class Flipper:
     # ================================================================== what the worker serves
     def on_ready(self, worker: int, msg) -> None:
         self.arena_gen[worker] = msg.arena_gen
+        self.on_host[worker] = {m.name for m in msg.models if m.host_image}
         self.since_ns.setdefault(worker, time.monotonic_ns())
         self._refresh()
 
@@ -337,6 +341,8 @@ class Flipper:
             if took_s > 0 and msg.bytes_in + msg.bytes_out > 0:
                 self.bandwidth = (msg.bytes_in + msg.bytes_out) / took_s
             self.since_ns[link.worker] = time.monotonic_ns()
+            if req.action == "flip":
+                self.on_host[link.worker] = {req.from_model}
         run.waiter.events.extend(recorded)
         log.info("flip_answered", flip_id=req.flip_id, worker=run.worker, action=req.action,
                  error=msg.error or None, verdict=type(recorded[-1][1]).__name__, bytes_out=msg.bytes_out,
@@ -440,7 +446,7 @@ class Flipper:
                 if arena is not None and arena.model == name:
                     res, gen = ("asleep" if arena.asleep else "resident"), arena.gen
                 else:
-                    res, gen = ("host" if m is not None and m.host_image else "file"), None
+                    res, gen = ("host" if name in self.on_host.get(w, ()) else "file"), None
                 if name not in best or _RANK[res] < _RANK[best[name][0]]:
                     best[name] = (res, gen, ctx)
         self.cards = tuple(ModelCard(id=n, max_context=ctx, created=0, residency=res, arena_gen=gen)
