@@ -207,3 +207,22 @@ def test_flips_between_two_models_on_demand_and_by_policy(stack):
     queued = [e for e in events if type(e) is ev.RequestQueued]
     assert any("model_not_resident" in q.waiting_for for q in queued)
     live_equals_replay(s)
+
+
+def test_a_sleep_whose_requests_do_not_end_in_time_is_refused_naming_them(stack):
+    from tests.serving.stack import generating
+    s = stack(device_blocks=64)
+    worker = stand_in(s)
+    s.service.flips.drain_ns = SECOND // 5
+    t, out = generating(s, "busy")
+    r = s.client.post("/sleep")
+    t.join(30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "requests_running", r.text
+    assert names_of(r) == ["MoveRefused"] and "1 request(s) still run" in r.json()["error"]["message"]
+    assert worker.calls == [] and out["r"].status_code == 200           # nothing was sent; the turn finished
+    assert s.client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert s.client.post("/sleep").status_code == 200                   # idle now: it sleeps
+
+
+def names_of(r) -> list[str]:
+    return [e["type"] for e in r.json()["events"]]
