@@ -21,7 +21,7 @@ def _recv(sock_owner, timeout_ms: int = 5000):
 def test_the_ask_unions_are_the_asks_and_their_answers():
     assert set(typing.get_args(asks.AnyAsk)) == {asks.AskMove, asks.AskCommitBlocks, asks.AskReleaseBlocks,
                                                  asks.AskSetBudget, asks.AskStatus, asks.AskMemory, asks.AskResize,
-                                                 asks.AskReclaim, asks.AskReleaseTenant}
+                                                 asks.AskReclaim, asks.AskReleaseTenant, asks.AskFlip}
     assert {t.__name__ for t in typing.get_args(asks.AnyAskReply)} == {"AskAnswered", "StatusReport", "ErrorReply",
                                                                        "MemoryAnswer"}
 
