@@ -73,6 +73,11 @@ class Flipper:
         # the models whose image a worker keeps in pinned host memory (ServingReady; then each flip
         # leaves the outgoing image in the host slab, where the incoming one was)
         self.on_host: dict[int, set[str]] = {}
+        # NOTE: a flip the policy started that did not complete (the worker refused it, a request
+        # did not end) would be started again at the next tick, and the next: the policy leaves
+        # that worker alone for ``policy_backoff_s``, so a lasting "no" is recorded once a while
+        self.policy_backoff_ns = 10 * S
+        self._backoff: dict[int, int] = {}           # worker -> no policy flip before (monotonic ns)
         self.begin: Callable = lambda r: None         # Admission.begin: a released request starts over
         self.refuse: Callable = lambda r, status, code, message, retry_after_s=None: None
         self.left: Callable = lambda r: None          # a held request whose client went away (closed in the ledger)
@@ -391,6 +396,8 @@ class Flipper:
     def _finish(self, run: Run) -> None:
         if self.runs.get(run.worker) is run:
             del self.runs[run.worker]
+        if run.origin == "policy:flip" and not any(type(e) is ev.FlipCompleted for _, e in run.waiter.events):
+            self._backoff[run.worker] = time.monotonic_ns() + self.policy_backoff_ns
         self.proc.finish_ask(run.waiter, run.ref)
         self._refresh()
         self.release()
@@ -410,7 +417,7 @@ class Flipper:
         cands = []
         for w in self.workers.alive():
             arena = flip.arena_of(state, w)
-            if w in self.runs or arena is None or flip.closed(state, w) is not None:
+            if w in self.runs or arena is None or flip.closed(state, w) is not None or self._backoff.get(w, 0) > now:
                 continue        # busy, asleep (an operator's state) or stranded (an operator repairs it)
             models = self.models_of(w)
             if len(models) < 2:

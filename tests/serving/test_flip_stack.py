@@ -226,3 +226,18 @@ def test_a_sleep_whose_requests_do_not_end_in_time_is_refused_naming_them(stack)
 
 def names_of(r) -> list[str]:
     return [e["type"] for e in r.json()["events"]]
+
+
+def test_a_policy_flip_the_worker_refuses_is_recorded_once_not_retried_every_tick(stack):
+    s = stack(device_blocks=32)
+    other = TINY_WEIGHTS_BYTES + 4096
+    worker = stand_in(s, {"tiny": TINY_WEIGHTS_BYTES})      # it does not know "other": it refuses the flip
+    two_models(s, other)
+    s.service.flips.wait_ns = 2 * SECOND
+    r = chat_model(s, "other", "a model the worker will not take")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_resident", r.text
+    events, state = s.ledger()
+    failed = [e for e in events if type(e) is ev.FlipFailed]
+    assert len(worker.calls) == 1 and len(failed) == 1 and "unknown model" in failed[0].error
+    assert not failed[0].stranded and state.arenas["0:weights"].model == "tiny"
+    assert s.chat("the resident model still serves", max_tokens=4).status_code == 200
