@@ -5,6 +5,7 @@ second and back, and after sleeps at both levels; every flip is in the ledger ah
 command with its verdict; the replayed ledger holds together and diagnose finds nothing stuck."""
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -45,8 +46,12 @@ def text_of(r: httpx.Response) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+# RESIDENCY_TEST_DEVICE=cuda runs the same on a GPU, where the driver's freed bytes are measured
+DEVICE = os.environ.get("RESIDENCY_TEST_DEVICE", "cpu")
+
+
 def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
-    srv = Server(tmp_path, "--device", "cpu", "--kv-layout", "2,4,2,16,float32", "--model", f"a={dirs['a']}",
+    srv = Server(tmp_path, "--device", DEVICE, "--dtype", "float32", "--kv-layout", "2,4,2,16,float32", "--model", f"a={dirs['a']}",
                  "--model", f"b={dirs['b']}", "--flip-min-residency-s", "0", device_blocks=64)
     try:
         deadline = time.monotonic() + 180
@@ -75,6 +80,9 @@ def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
         for level in (1, 2):
             s = srv.admin("POST", f"/sleep?level={level}")
             assert s.status_code == 200 and s.json()["outcome"] == "completed", s.text
+            slept = next(e for e in s.json()["events"] if e["type"] == "FlipCompleted")
+            # None on a CPU host (not measured), a number of bytes the driver saw freed on a GPU
+            assert (slept["measured_freed_bytes"] is None) == (DEVICE == "cpu"), slept
             assert httpx.get(f"{srv.url}/is_sleeping").json() == {"is_sleeping": True}
             again = srv.admin("POST", "/sleep?level=1")
             assert again.status_code == 409 and again.json()["error"]["code"] == "already_asleep"
