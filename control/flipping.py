@@ -235,7 +235,10 @@ class Flipper:
         self.runs[worker] = run
         waiter.open.add(run.ref)
         log.info("flip_started", worker=worker, action=action, to_model=to_model or None, origin=origin)
-        self._advance(run)
+        # NOTE: the first step runs after this handler returns: a run that ends at once (its
+        # requests did not end in time, its worker is gone) answers through ``finish_ask``, and
+        # the ask handler, which answers a waiter it finds done on return, must not find it so
+        self.proc.call(lambda _proc, run=run: self._advance(run))
         self._refresh()
 
     # ================================================================== draining, parking, swapping

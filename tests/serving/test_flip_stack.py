@@ -210,11 +210,16 @@ def test_flips_between_two_models_on_demand_and_by_policy(stack):
 
 
 def test_a_sleep_whose_requests_do_not_end_in_time_is_refused_naming_them(stack):
-    from tests.serving.stack import generating
-    s = stack(device_blocks=64)
+    s = stack(device_blocks=128)
     worker = stand_in(s)
-    s.service.flips.drain_ns = SECOND // 5
-    t, out = generating(s, "busy")
+    s.service.flips.drain_ns = 0                    # any request still running when the sleep is asked
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session="busy", max_tokens=100)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not s.session("busy").get("busy"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     r = s.client.post("/sleep")
     t.join(30)
     assert r.status_code == 409 and r.json()["error"]["code"] == "requests_running", r.text
