@@ -34,6 +34,11 @@ class WorkerFaults:
                              the I/O thread goes on answering pings (a wedged engine)
         miss_stamp=READER    on the next rebind of the device pool, that reader does not stamp
                              (the pool is torn); one-shot: the rebind after it stamps as usual
+        diverge_table=N      a rank of a group changes one page id of a sequence's block table
+                             before its Nth serving step (its tables digest then differs from
+                             its peers'; dataplane/group.py)
+        on_rank=R            the faults above act only on rank R of a group (serve passes one
+                             spec to every worker); the other ranks run without them
         seed=S               the random source of the probabilities above
     """
 
@@ -46,6 +51,8 @@ class WorkerFaults:
         self.exec_delay_ms = 0.0
         self.stall_step, self.stall_ms = 0, 0.0
         self.miss_stamp: str | None = None
+        self.diverge_table = 0
+        self.on_rank: int | None = None
         seed = 0
         for part in filter(None, (x.strip() for x in spec.split(","))):
             name, _, value = part.partition("=")
@@ -65,13 +72,17 @@ class WorkerFaults:
                 if not value:
                     raise ValueError("miss_stamp needs a reader's name (mover, staging, serving, graphs)")
                 self.miss_stamp = value
+            elif name == "diverge_table":
+                self.diverge_table = int(value)
+            elif name == "on_rank":
+                self.on_rank = int(value)
             elif name == "seed":
                 seed = int(value)
             else:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
         self.rng = random.Random(seed)
         self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step
-                            or self.miss_stamp)
+                            or self.miss_stamp or self.diverge_table)
         self.counts: dict[str, int] = {}
         self.num_moves = 0
         self.num_steps = 0

@@ -32,6 +32,7 @@ import zmq
 from residency.dataplane.build import build_core
 from residency.dataplane.device_thread import AfterMove, DeviceThread
 from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.group import GroupRefused, add_group_args
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
 from residency.dataplane.serving_worker import add_serving_args
@@ -114,6 +115,7 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-silent-s", type=float, default=1.0, help="say Hello again after this much silence")
     p.add_argument("--orphan-exit-s", type=float, default=60.0, help="exit after this much silence from the control")
     add_serving_args(p)
+    add_group_args(p)
     return p
 
 
@@ -136,11 +138,13 @@ def main(argv: list[str] | None = None,
     pid_path = run_dir / f"worker-{args.worker}.pid"
     pid_path.write_text(f"{os.getpid()} {epoch}\n")
     faults = WorkerFaults(args.faults)
+    if faults.on_rank is not None and faults.on_rank != args.rank:
+        faults = WorkerFaults("")       # the spec names another rank of the group
     if faults.enabled:
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     try:
         core, block_bytes = build(args, faults)
-    except PoolSizingRefused as e:
+    except (PoolSizingRefused, GroupRefused) as e:
         # the server stops with these numbers: its supervisor reads the file when we exit so
         log.error("device_pool_refused", worker=args.worker, detail=str(e))
         refused_file(run_dir, args.worker).write_text(str(e) + "\n")

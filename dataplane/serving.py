@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 import torch
 
+from residency.dataplane.group import tables_digest
 from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from residency.dataplane.pools import DataPlaneError, TornPool
@@ -109,6 +110,8 @@ class ServingLoop:
         self.seqs: dict[str, _Seq] = {}           # running, in arrival order (decodes and prefills)
         self.graphs = graphs or StepGraphs(runner)  # the forward: a captured decode graph or eager
         self.num_steps = 0
+        # a rank of a group: the sampled tokens as the group's rank 0 decided them (dataplane/group.py)
+        self.agree_tokens: Callable[[list[int]], list[int]] | None = None
         self.log = log.bind(worker=worker)
         # a reader of the pool (dataplane/pools/readers.py): the tensor the runner gets each step is
         # the one bound at ``gen``; a pool of another page shape is refused here (ReaderRefused)
@@ -285,12 +288,14 @@ class ServingLoop:
         return None
 
     # ------------------------------------------------------------------ the step
-    def _plan(self) -> list[tuple[_Seq, int]]:
-        """(sequence, new tokens) for this step: every decode, then prefill chunks in arrival order."""
+    def _plan(self, only: Collection[str] | None = None) -> list[tuple[_Seq, int]]:
+        """(sequence, new tokens) for this step: every decode, then prefill chunks in arrival order
+        (``only``: of these sequences, the ones a group agreed on)."""
         budget = self.max_step_tokens
-        plan = [(s, 1) for s in self.seqs.values() if not s.prefilling]
+        seqs = list(self.seqs.values()) if only is None else [self.seqs[i] for i in only if i in self.seqs]
+        plan = [(s, 1) for s in seqs if not s.prefilling]
         budget -= len(plan)
-        for s in self.seqs.values():
+        for s in seqs:
             if s.prefilling and budget > 0:
                 n = min(s.num_prompt - s.num_computed, budget)
                 plan.append((s, n))
@@ -306,8 +311,8 @@ class ServingLoop:
                 s.layer_ready = None
         return join_layers(per_seq, self.runner.config.num_layers)
 
-    def step(self) -> list:
-        plan = self._plan()
+    def step(self, only: Collection[str] | None = None) -> list:
+        plan = self._plan(only)
         if not plan:
             return []
         t0 = time.perf_counter_ns()
@@ -335,7 +340,8 @@ class ServingLoop:
                                  digest_size=8).hexdigest()
         out.append(StepCompleted(worker=self.worker, step=self.num_steps, batch_digest=digest, num_seqs=len(plan),
                                  num_tokens=sum(n for _, n in plan), duration_ns=duration,
-                                 decode_path=path.path))
+                                 decode_path=path.path,
+                                 tables_digest=tables_digest([(s.request_id, s.cmd.block_ids) for s, _ in plan])))
         ready = []
         for i, (s, n) in enumerate(plan):
             s.num_computed += n
@@ -350,6 +356,8 @@ class ServingLoop:
             rows = logits[[i for i, _ in ready]] if len(ready) < len(plan) else logits
             try:
                 tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
+                if self.agree_tokens is not None:
+                    tokens = self.agree_tokens(tokens)
                 lps = self._logprobs(rows, ready, tokens)
             except Exception as e:  # noqa: BLE001 - one sequence's failure must neither fail nor wedge the batch
                 self.log.error("sampling_failed", error=repr(e), num_seqs=len(ready))

@@ -21,6 +21,7 @@ import re
 import structlog
 
 from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.group import GroupRefused, group_spec, refuse_heads
 from residency.dataplane.worker import WorkerCore
 from residency.events import catalog as ev
 from residency.events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
@@ -73,6 +74,11 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     cuda = device.startswith("cuda")
     before = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
     model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
+    spec = group_spec(args)
+    if spec is not None:     # before the rendezvous: every rank refuses alike, none waits for a peer
+        why = refuse_heads(model.config.num_heads, model.config.num_kv_heads, spec.ranks)
+        if why is not None:
+            raise GroupRefused(f"--tp {spec.ranks}: {model.config.name}: {why}")
     weights_bytes = model.runner.w.num_bytes()
     allocator_bytes = torch.cuda.memory_allocated(torch.device(device)) - before if cuda else None
     c = model.config
@@ -100,6 +106,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     if graphs.graphs is not None:       # they hold the pool's address: a reader, captured again on a rebind
         mover.device_pool.add_reader(graphs)
     attach(core, loop, kv.block_bytes)
+    if spec is not None:
+        join_group(core, loop, spec, device, faults)
     core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
                              weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
                              scratch_bytes=max(scratch, 0) if scratch is not None else None)
@@ -107,6 +115,19 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
              max_context=loop.max_positions, device_blocks=sizing.num_blocks, block_bytes=kv.block_bytes,
              weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing))
     return core, kv.block_bytes
+
+
+def join_group(core: WorkerCore, loop, spec, device: str, faults: WorkerFaults) -> None:
+    """Make ``loop`` one rank of ``spec``'s group: its steps agreed with the other ranks
+    (dataplane/group.py), its Hello naming the group."""
+    from residency.dataplane.group import GroupLoop, StepRounds, init_process_group, open_store  # noqa: PLC0415
+
+    store = open_store(spec)
+    init_process_group(spec, device)
+    group = GroupLoop(loop, StepRounds(store, spec.rank, spec.ranks), faults)
+    core.register(CancelGenerate, group.handle)
+    core.background = (group.has_work, group.step)
+    core.group_fields = spec.hello_fields()
 
 
 def attach(core: WorkerCore, loop, block_bytes: int) -> None:

@@ -95,6 +95,8 @@ class WorkerCore:
         self.ahead_ns = 0
         # the memory books (dataplane/memory_books.py): sizing, weights, pinned grants, the probe
         self.books = None
+        # a rank of a tensor-parallel group: its Hello's group, rank and ranks (dataplane/group.py)
+        self.group_fields: dict = {}
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the device thread; ``handler(cmd)`` returns the replies."""

@@ -46,6 +46,9 @@ class WorkerJoined(Event):
     # the limit of the worker's pinned budget (host pool and rings; None: not said): the bytes it may
     # pin without a host ceiling set
     pinned_limit_bytes: int | None = None
+    # the tensor-parallel group it is a rank of ("" alone) and its rank there
+    group: str = ""
+    rank: int = 0
 
 
 class WorkerHeartbeatMissed(Event):
@@ -354,6 +357,9 @@ class StepCompleted(Event):
     num_tokens: int
     duration_ns: int
     decode_path: str = ""             # "graph" (a captured CUDA graph replayed) | "eager"; "": not said
+    # the digest of the step's block tables (each sequence's logical page ids, in batch order): the
+    # ranks of a group compare it beside batch_digest; "": not said (a worker alone)
+    tables_digest: str = ""
 
 
 # ---------------------------------------------------------------- rebind
@@ -476,6 +482,10 @@ class GroupDiverged(Event):
 class GroupStopped(Event):
     group: str
     reason: str
+    # the step it stopped at (a divergence's onset; None: not a step's, e.g. a rank lost) and the
+    # group's blocks the stop names (a lost rank's shard of each)
+    step: int | None = None
+    blocks: list[int] = []
 
 
 # ---------------------------------------------------------------- outside tenants

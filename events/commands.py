@@ -191,6 +191,11 @@ class Hello(Message):
     weights_allocator_bytes: int | None = None
     sizing: PoolSizing | None = None
     pinned_limit_bytes: int | None = None
+    # A tensor-parallel group (docs/groups.md): its name ("" alone), this worker's rank in it and
+    # how many ranks it has. Every rank holds its shard of every block of the group.
+    group: str = ""
+    rank: int = 0
+    ranks: int = 1
 
 
 class Pong(Message):

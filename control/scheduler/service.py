@@ -40,6 +40,7 @@ from residency.control.scheduler.admission import Admission
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState, Stream
 from residency.control.scheduler.cost import CostModel
+from residency.control.scheduler.groups import GroupServing
 from residency.control.scheduler.reclaimer import Reclaimer, dial_of
 from residency.control.scheduler.port import BackendError, BackendStats, GenerateRequest, Health, ModelCard, SessionInfo
 from residency.control.scheduler.requests import RequestTable
@@ -88,7 +89,7 @@ class ServingService:
         self._wedged: dict[int, ev.WorkerWedged] = {}    # replaced whole on the loop thread, read by health()
         self._stop = threading.Event()
         for msg_type, handler in ((ServingReady, self.workers.on_ready), (Tokenized, self.admission.on_tokenized),
-                                  (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step),
+                                  (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self.on_step),
                                   (Pong, self._on_pong)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
@@ -97,6 +98,9 @@ class ServingService:
         proc.add_stop_hook(self.streams.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
         proc.worker_gone = self._on_worker_gone
+        book = getattr(proc, "groups", None)
+        # serve --tp N: the leader served, every rank accounted and compared (its handlers replace those above)
+        self.groups = GroupServing(proc, self, book) if book is not None else None
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()
 
@@ -185,7 +189,10 @@ class ServingService:
                                       f"request(s) running (deadline {e.deadline_ms} ms, last step {e.last_step})")
         if wedged:
             detail["wedged_workers"] = sorted(wedged)
-        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged, detail=detail)
+        closed = dict(self.workers.closed)
+        detail["problems"] += [message for _, message in closed.values()]
+        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged and not closed,
+                      detail=detail)
 
     def _post_cancel(self, request_id: str, reason: str) -> None:
         self.proc.call(lambda _proc: self.streams.cancel(request_id, reason))
@@ -214,7 +221,7 @@ class ServingService:
         return await asyncio.wait_for(fut, self.api_timeout_s)
 
     # ================================================================== loop thread
-    def _on_step(self, link, msg: ev.StepCompleted) -> None:
+    def on_step(self, link, msg: ev.StepCompleted) -> None:
         self.proc.record(msg)
         self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
         self.workers.wedge.observe_step(link.worker, msg.step, msg.duration_ns, time.monotonic_ns())
