@@ -15,6 +15,7 @@ from residency.dataplane.model.prefix import KeyChain, block_content_keys
 from residency.dataplane.model.runner import ModelRunner, SeqInput, StepPlan
 from residency.dataplane.model.sampler import SamplingParams, make_generator, sample
 from residency.dataplane.model.tokenizer import IncrementalDecoder, Tokenizer
+from residency.dataplane.model.tp import Refused, TensorParallel, TensorParallelRefused, init_group, refuse_tp
 from residency.dataplane.model.weights import Weights, to_hf_state_dict
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "ModelRunner", "SeqInput", "StepPlan",
     "SamplingParams", "make_generator", "sample",
     "IncrementalDecoder", "Tokenizer",
+    "Refused", "TensorParallel", "TensorParallelRefused", "init_group", "refuse_tp",
     "Weights", "to_hf_state_dict",
 ]

@@ -21,6 +21,7 @@ from residency.dataplane.model.errors import ModelFileError
 from residency.dataplane.model.gguf_file import GGUFFile
 from residency.dataplane.model.runner import ModelRunner
 from residency.dataplane.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from residency.dataplane.model.tp import Shard, TensorParallel
 from residency.dataplane.model.weights import (
     Weights,
     config_from_gguf,
@@ -36,7 +37,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    config: ModelConfig
+    config: ModelConfig                  # what this process computes: under tensor parallelism the rank's share
     tokenizer: Tokenizer | None          # None for random_model
     weights: Weights                     # on the runner's device and dtype
     runner: ModelRunner
@@ -50,7 +51,11 @@ class LoadedModel:
         different numerics never alias (see ``block_content_keys``)."""
         r = self.runner
         mode = "invariant" if r.batch_invariant else "fast"
-        return hashlib.sha256(f"{self.digest}|{r.dtype}|{r.device.type}|{mode}".encode()).hexdigest()
+        # A rank's page holds its share of the heads, and sums over ranks round differently from
+        # one process's: pages of a group of N never alias pages of another N (keys agree across
+        # the ranks of one group, which hold the shards of one logical block).
+        split = f"|tp{r.tp.size}" if r.tp is not None and r.tp.size > 1 else ""
+        return hashlib.sha256(f"{self.digest}|{r.dtype}|{r.device.type}|{mode}{split}".encode()).hexdigest()
 
 
 def embedded_model_path() -> str:
@@ -69,37 +74,47 @@ def embedded_model_path() -> str:
 
 def load_model(path: str | None = None, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, *, batch_invariant: bool = False,
-               max_positions: int | None = None) -> LoadedModel:
-    """Load weights (dequantized), tokenizer and chat template; build the runner."""
+               max_positions: int | None = None, tp: TensorParallel | None = None) -> LoadedModel:
+    """Load weights (dequantized), tokenizer and chat template; build the runner.
+
+    With ``tp`` (size > 1) only rank ``tp.rank``'s share of the weights is kept (a model that does
+    not split is refused with its arithmetic, TensorParallelRefused, before any weight is read);
+    ``model.config`` is then the share's shape, ``model.runner.model_config`` the whole model's."""
     path = path or embedded_model_path()
     if os.path.isdir(path):
         hf = read_hf_config(path)
         config = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
-        weights = weights_from_safetensors(path, config, dtype)
+        weights = weights_from_safetensors(path, config, dtype, _shard(config, tp))
         tokenizer = tokenizer_from_hf_dir(path, hf)
         digest = _dir_digest(path)
     elif os.path.isfile(path):
         f = GGUFFile(path)
         config = config_from_gguf(f, name=str(f.metadata.get("general.name") or os.path.basename(path)))
-        weights = weights_from_gguf(f, config, dtype)
+        weights = weights_from_gguf(f, config, dtype, _shard(config, tp))
         tokenizer = tokenizer_from_gguf(f.metadata)
         digest = _file_digest(path)
     else:
         raise ModelFileError(f"{path}: no such file or directory (models are never fetched from a hub)")
     runner = ModelRunner(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                         max_positions=max_positions)
-    return LoadedModel(config, tokenizer, runner.w, runner, digest, path)
+                         max_positions=max_positions, tp=tp)
+    return LoadedModel(runner.config, tokenizer, runner.w, runner, digest, path)
+
+
+def _shard(config: ModelConfig, tp: TensorParallel | None) -> Shard | None:
+    return Shard(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
 
 
 def random_model(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0, *, batch_invariant: bool = False, max_positions: int | None = None
-                 ) -> LoadedModel:
-    """A model of ``config``'s shape with random weights drawn on ``device`` (no tokenizer)."""
+                 seed: int = 0, *, batch_invariant: bool = False, max_positions: int | None = None,
+                 tp: TensorParallel | None = None) -> LoadedModel:
+    """A model of ``config``'s shape with random weights drawn on ``device`` (no tokenizer).
+    With ``tp``, every rank draws the whole model from ``seed`` and keeps its share, so a group
+    of any size holds the same model as one process (for comparing numerics; small models)."""
     weights = random_weights(config, device=device, dtype=dtype, seed=seed)
     runner = ModelRunner(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                         max_positions=max_positions)
+                         max_positions=max_positions, tp=tp)
     digest = hashlib.sha256(f"random|{config}|{seed}".encode()).hexdigest()
-    return LoadedModel(config, None, runner.w, runner, digest, f"random:{config.name}:{seed}")
+    return LoadedModel(runner.config, None, runner.w, runner, digest, f"random:{config.name}:{seed}")
 
 
 _FULL_HASH_LIMIT = 1 << 30

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from residency.dataplane.model.attention import paged_attention_invariant, paged_prefill_attention, tiled_linear
 from residency.dataplane.model.config import ModelConfig, rope_inv_freq, rope_tables
 from residency.dataplane.model.errors import BatchError
+from residency.dataplane.model.tp import GroupOps, TensorParallel, TensorParallelRefused, is_sharded, refuse_tp, \
+    shard_config, shard_weights
 from residency.dataplane.model.weights import Weights
 from residency.kernels.attention import (
     paged_decode_attention,
@@ -90,7 +92,20 @@ class StepPlan:
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, batch_invariant: bool = False,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, tp: TensorParallel | None = None):
+        # With ``tp``, ``config`` is the whole model's and ``weights`` the whole model's or already
+        # this rank's share; ``self.config`` is then the share's shape (its heads, KV heads and MLP
+        # width: what this rank computes and what its KV pool holds), ``self.model_config`` the whole.
+        self.model_config = config
+        self.tp = tp
+        if tp is not None and tp.size > 1:
+            refused = refuse_tp(config, tp.size)
+            if refused is not None:
+                raise TensorParallelRefused(refused)
+            if not is_sharded(weights, config, tp.size):
+                weights = shard_weights(weights, config, tp)
+            config = shard_config(config, tp.size)
+        self.group = GroupOps(tp, config.vocab_size)
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:   # "cuda" and "cuda:0" must compare equal
@@ -207,7 +222,7 @@ class ModelRunner:
             ) -> torch.Tensor:
         """The forward over a prepared plan (also what a CUDA graph captures)."""
         w = self.w
-        x = F.embedding(plan.tokens, w.embed)
+        x = self.group.embed(plan.tokens, w.embed)
         for layer, lw in enumerate(w.layers):
             if layer_ready is not None:
                 # NOTE: wait before the K/V write, not just before attention: the first new token
@@ -219,12 +234,12 @@ class ModelRunner:
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
             q = self._rope_and_cache(qkv, plan, kv_pool, layer)
-            x = x + self._linear(self._attend(q, kv_pool, layer, plan), lw.wo)
+            x = x + self.group.reduce(self._linear(self._attend(q, kv_pool, layer, plan), lw.wo))
             h = self._norm(x, lw.mlp_norm)
-            x = x + self._mlp(h, lw)
+            x = x + self.group.reduce(self._mlp(h, lw))
         if plan.last_rows is not None:
             x = x.index_select(0, plan.last_rows)
-        return self._linear(self._norm(x, w.final_norm), w.lm_head).float()
+        return self.group.logits(self._linear(self._norm(x, w.final_norm), w.lm_head)).float()
 
     # ------------------------------------------------------------ pieces
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,16 @@ import glob
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from residency.dataplane.model.config import ModelConfig
 from residency.dataplane.model.errors import ModelFileError, UnsupportedModel
 from residency.dataplane.model.gguf_file import GGUFFile
+
+if TYPE_CHECKING:
+    from residency.dataplane.model.tp import Shard
 
 
 @dataclass
@@ -170,13 +174,18 @@ def config_from_gguf(f: GGUFFile, name: str) -> ModelConfig:
     )
 
 
-def weights_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Weights:
+def weights_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                      shard: "Shard | None" = None) -> Weights:
     """Dequantized weights in ``dtype`` (each tensor converted as it is read, so the host never
-    holds the whole model in float32), Q/K rows back in transformers' order."""
-    def t(name: str) -> torch.Tensor:
+    holds the whole model in float32), Q/K rows back in transformers' order. With ``shard``, only
+    that tensor-parallel rank's share is kept (each tensor is dequantized whole, then cut)."""
+    def t(name: str, part=None) -> torch.Tensor:
         if name not in f.tensors:
             raise ModelFileError(f"{f.path}: missing tensor {name}")
-        return f.load(name).to(dtype)
+        x = f.load(name)
+        return (x if part is None or shard is None else part(x)).to(dtype)
+
+    rows, cols, vocab = (None, None, None) if shard is None else (shard.rows, shard.cols, shard.vocab)
 
     # llama.cpp's converter permutes Q/K for the llama and mistral architectures; qwen2 files
     # keep transformers' order (its graph uses the NEOX rotation).
@@ -185,30 +194,34 @@ def weights_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype = tor
     for i in range(config.num_layers):
         p = f"blk.{i}."
         q, k = t(p + "attn_q.weight"), t(p + "attn_k.weight")
-        if permuted:
+        if permuted:        # per head, so before the split by heads
             q = unpermute_rope_rows(q, config.num_heads)
             k = unpermute_rope_rows(k, config.num_kv_heads)
+        if shard is not None:
+            q, k = shard.rows(q), shard.rows(k)
         bqkv = None
         if config.attention_bias:
-            bqkv = torch.cat([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
+            bqkv = torch.cat([t(p + "attn_q.bias", rows), t(p + "attn_k.bias", rows), t(p + "attn_v.bias", rows)])
         layers.append(LayerWeights(
             attn_norm=t(p + "attn_norm.weight"),
-            wqkv=torch.cat([q, k, t(p + "attn_v.weight")]),
+            wqkv=torch.cat([q, k, t(p + "attn_v.weight", rows)]),
             bqkv=bqkv,
-            wo=t(p + "attn_output.weight"),
+            wo=t(p + "attn_output.weight", cols),
             mlp_norm=t(p + "ffn_norm.weight"),
-            w_gate_up=torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]),
-            w_down=t(p + "ffn_down.weight"),
+            w_gate_up=torch.cat([t(p + "ffn_gate.weight", rows), t(p + "ffn_up.weight", rows)]),
+            w_down=t(p + "ffn_down.weight", cols),
         ))
-    embed = t("token_embd.weight")
-    lm_head = t("output.weight") if "output.weight" in f.tensors else embed
+    embed = t("token_embd.weight", vocab)
+    lm_head = t("output.weight", vocab) if "output.weight" in f.tensors else embed
     ff = f.load("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None   # stays float32
     return Weights(embed, layers, t("output_norm.weight"), lm_head, ff)
 
 
 # ------------------------------------------------------------ safetensors
-def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Weights:
-    """Weights of a Hugging Face directory (one or several ``*.safetensors`` files)."""
+def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                             shard: "Shard | None" = None) -> Weights:
+    """Weights of a Hugging Face directory (one or several ``*.safetensors`` files). With
+    ``shard``, only that tensor-parallel rank's rows or columns of each tensor are read."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -221,13 +234,17 @@ def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype 
                 where[k] = fn
     handles: dict[str, object] = {}
 
-    def t(name: str) -> torch.Tensor:
+    def t(name: str, part=None) -> torch.Tensor:
         if name not in where:
             raise ModelFileError(f"{path}: missing tensor {name}")
         fn = where[name]
         if fn not in handles:
             handles[fn] = safe_open(fn, framework="pt")
-        return handles[fn].get_tensor(name).to(dtype)
+        if part is None or shard is None:
+            return handles[fn].get_tensor(name).to(dtype)
+        return part(handles[fn].get_slice(name)).to(dtype)     # reads only the rows/columns kept
+
+    rows, cols, vocab = (None, None, None) if shard is None else (shard.rows, shard.cols, shard.vocab)
 
     def experts(p: str) -> tuple[torch.Tensor, torch.Tensor]:
         """([E, 2I, H], [E, H, I]): stacked names as they are, else one matrix per expert stacked."""
@@ -250,12 +267,13 @@ def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype 
         a = p + "self_attn."
         bqkv = None
         if config.attention_bias:
-            bqkv = torch.cat([t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")])
+            bqkv = torch.cat([t(a + "q_proj.bias", rows), t(a + "k_proj.bias", rows), t(a + "v_proj.bias", rows)])
         lw = LayerWeights(
             attn_norm=t(p + "input_layernorm.weight"),
-            wqkv=torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
+            wqkv=torch.cat([t(a + "q_proj.weight", rows), t(a + "k_proj.weight", rows),
+                            t(a + "v_proj.weight", rows)]),
             bqkv=bqkv,
-            wo=t(a + "o_proj.weight"),
+            wo=t(a + "o_proj.weight", cols),
             mlp_norm=t(p + "post_attention_layernorm.weight"),
             w_gate_up=None, w_down=None,
         )
@@ -269,14 +287,14 @@ def weights_from_safetensors(path: str, config: ModelConfig, dtype: torch.dtype 
             lw.w_experts_gate_up = checked(p + "mlp.experts gate_up", gate_up, (E, 2 * inter, h))
             lw.w_experts_down = checked(p + "mlp.experts down", down, (E, h, inter))
         else:
-            lw.w_gate_up = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
-            lw.w_down = t(p + "mlp.down_proj.weight")
+            lw.w_gate_up = torch.cat([t(p + "mlp.gate_proj.weight", rows), t(p + "mlp.up_proj.weight", rows)])
+            lw.w_down = t(p + "mlp.down_proj.weight", cols)
         layers.append(lw)
-    embed = t("model.embed_tokens.weight")
+    embed = t("model.embed_tokens.weight", vocab)
     if config.tie_embeddings or "lm_head.weight" not in where:
         lm_head = embed
     else:
-        lm_head = t("lm_head.weight")
+        lm_head = t("lm_head.weight", vocab)
     return Weights(embed, layers, t("model.norm.weight"), lm_head)
 
 
