@@ -17,8 +17,9 @@ runs only on a batch that every rank has agreed to. A cancel that arrives after 
 its round waits until that round has run, so the posted list stays true.
 
 The rendezvous: one TCPStore, served by rank 0 at ``--group-store HOST:PORT``, carries the
-rounds; the process group (gloo on a CPU, NCCL on CUDA, one device per rank: ``cuda:<rank>``)
-rendezvouses at ``--group-init tcp://HOST:PORT``.
+rounds; the process group of the model's collectives (dataplane/model/tp.py ``init_group``: gloo
+on a CPU, NCCL on CUDA, one device per rank: ``cuda:<rank>``) rendezvouses at ``--group-init
+tcp://HOST:PORT``.
 """
 from __future__ import annotations
 
@@ -83,19 +84,6 @@ def open_store(spec: GroupSpec):
     host, _, port = spec.store.rpartition(":")
     return TCPStore(host, int(port), spec.ranks, spec.rank == 0, timeout=datetime.timedelta(seconds=RENDEZVOUS_S),
                     wait_for_workers=False)
-
-
-def init_process_group(spec: GroupSpec, device: str) -> None:
-    """Join the group's process group: NCCL for a CUDA device (one device per rank), else gloo."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        import torch  # noqa: PLC0415
-        torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, init_method=spec.init, rank=spec.rank, world_size=spec.ranks,
-                            timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
-    log.info("group_joined", group=spec.name, rank=spec.rank, ranks=spec.ranks, backend=backend, device=device)
 
 
 def agreed_order(posts: list[list[str]]) -> list[str]:
@@ -215,12 +203,5 @@ class GroupLoop:
                     request_id=s.request_id)
 
 
-def refuse_heads(num_heads: int, num_kv_heads: int, ranks: int) -> str | None:
-    """Why a model cannot be split over ``ranks`` (attention heads and KV heads must divide), or None."""
-    bad = [f"{n} {what} do not divide by {ranks} ({n} = {n // ranks} x {ranks} + {n % ranks})"
-           for n, what in ((num_heads, "attention heads"), (num_kv_heads, "KV heads")) if n % ranks]
-    return "; ".join(bad) or None
-
-
 __all__ = ["GroupRefused", "GroupSpec", "GroupLoop", "StepRounds", "agreed_order", "tables_digest", "group_spec", "add_group_args",
-           "open_store", "init_process_group", "refuse_heads"]
+           "open_store"]

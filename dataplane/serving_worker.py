@@ -21,7 +21,7 @@ import re
 import structlog
 
 from residency.dataplane.faults import WorkerFaults
-from residency.dataplane.group import GroupRefused, group_spec, refuse_heads
+from residency.dataplane.group import RENDEZVOUS_S, GroupRefused, group_spec
 from residency.dataplane.worker import WorkerCore
 from residency.events import catalog as ev
 from residency.events.commands import CancelGenerate, CommandFailed, ExecuteMove, Generate, ReleaseBlocks, Tokenize
@@ -57,6 +57,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
 
     from residency.dataplane.mover import Mover  # noqa: PLC0415
     from residency.dataplane.model import block_content_keys, load_model  # noqa: PLC0415
+    from residency.dataplane.model.tp import TensorParallel, TensorParallelRefused, init_group  # noqa: PLC0415
     from residency.dataplane.pools import DataPlaneError, KVLayout  # noqa: PLC0415
     from residency.dataplane.serving import ServingLoop  # noqa: PLC0415
     from residency.dataplane.serving_graphs import StepGraphs, graph_table_width  # noqa: PLC0415
@@ -73,12 +74,14 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     meter = sz.Meter(device)
     cuda = device.startswith("cuda")
     before = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
-    model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context)
     spec = group_spec(args)
-    if spec is not None:     # before the rendezvous: every rank refuses alike, none waits for a peer
-        why = refuse_heads(model.config.num_heads, model.config.num_kv_heads, spec.ranks)
-        if why is not None:
-            raise GroupRefused(f"--tp {spec.ranks}: {model.config.name}: {why}")
+    tp = TensorParallel(spec.rank, spec.ranks) if spec is not None else None
+    try:       # a model that does not split is refused before a weight is read or a peer met
+        model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context, tp=tp)
+    except TensorParallelRefused as e:
+        raise GroupRefused(f"--tp {spec.ranks}: {e}") from None
+    if spec is not None:     # before the graphs: their capture runs the step's collectives
+        init_group(spec.rank, spec.ranks, spec.init, device=device, timeout_s=RENDEZVOUS_S)
     weights_bytes = model.runner.w.num_bytes()
     allocator_bytes = torch.cuda.memory_allocated(torch.device(device)) - before if cuda else None
     c = model.config
@@ -107,7 +110,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
         mover.device_pool.add_reader(graphs)
     attach(core, loop, kv.block_bytes)
     if spec is not None:
-        join_group(core, loop, spec, device, faults)
+        join_group(core, loop, spec, faults)
     core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
                              weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
                              scratch_bytes=max(scratch, 0) if scratch is not None else None)
@@ -117,13 +120,12 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     return core, kv.block_bytes
 
 
-def join_group(core: WorkerCore, loop, spec, device: str, faults: WorkerFaults) -> None:
+def join_group(core: WorkerCore, loop, spec, faults: WorkerFaults) -> None:
     """Make ``loop`` one rank of ``spec``'s group: its steps agreed with the other ranks
     (dataplane/group.py), its Hello naming the group."""
-    from residency.dataplane.group import GroupLoop, StepRounds, init_process_group, open_store  # noqa: PLC0415
+    from residency.dataplane.group import GroupLoop, StepRounds, open_store  # noqa: PLC0415
 
     store = open_store(spec)
-    init_process_group(spec, device)
     group = GroupLoop(loop, StepRounds(store, spec.rank, spec.ranks), faults)
     core.register(CancelGenerate, group.handle)
     core.background = (group.has_work, group.step)
