@@ -17,6 +17,17 @@ import structlog
 log = structlog.get_logger("dataplane.faults")
 
 
+def rank_faults(spec: str, rank: int) -> str:
+    """The parts of ``spec`` (separated by ';') for rank ``rank``: those naming ``on_rank=rank``
+    and those naming no rank, e.g. ``on_rank=1,drop_ack=1;on_rank=2,diverge_table=3``."""
+    kept = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        names = dict(x.strip().partition("=")[::2] for x in part.split(",") if x.strip())
+        if "on_rank" not in names or int(names["on_rank"]) == rank:
+            kept.append(part)
+    return ",".join(kept)
+
+
 class WorkerFaults:
     """The hooks, parsed from a spec such as ``drop_ack=0.1,seed=3``:
 
@@ -37,8 +48,8 @@ class WorkerFaults:
         diverge_table=N      a rank of a group changes one page id of a sequence's block table
                              before its Nth serving step (its tables digest then differs from
                              its peers'; dataplane/group.py)
-        on_rank=R            the faults above act only on rank R of a group (serve passes one
-                             spec to every worker); the other ranks run without them
+        on_rank=R            the faults of this part act only on rank R of a group: serve passes
+                             one spec to every worker, parts separated by ';' (``rank_faults``)
         seed=S               the random source of the probabilities above
     """
 

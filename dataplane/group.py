@@ -153,10 +153,19 @@ class GroupLoop:
         self.faults = faults
         self.posted: list[str] | None = None       # this round's post, until the round runs
         self.cancel_after: list[CancelGenerate] = []
+        self.store_error: str | None = None        # the store failed (logged once)
         loop.agree_tokens = self._tell
 
     def has_work(self) -> bool:
-        return bool(self.loop.seqs) or self.posted is not None or self.rounds.peer_opened()
+        if self.loop.seqs or self.posted is not None:
+            return True
+        try:
+            return self.rounds.peer_opened()
+        except Exception as e:  # noqa: BLE001 - the store is gone with rank 0: nothing to answer
+            if self.store_error is None:
+                self.store_error = repr(e)
+                log.error("group_store_unreachable", error=self.store_error)
+            return False
 
     def handle(self, msg) -> list:
         if isinstance(msg, CancelGenerate) and self.posted is not None and msg.request_id in self.posted:

@@ -31,7 +31,7 @@ import zmq
 
 from residency.dataplane.build import build_core
 from residency.dataplane.device_thread import AfterMove, DeviceThread
-from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.faults import WorkerFaults, rank_faults
 from residency.dataplane.group import GroupRefused, add_group_args
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None,
         return 2
     pid_path = run_dir / f"worker-{args.worker}.pid"
     pid_path.write_text(f"{os.getpid()} {epoch}\n")
-    faults = WorkerFaults(args.faults)
-    if faults.on_rank is not None and faults.on_rank != args.rank:
-        faults = WorkerFaults("")       # the spec names another rank of the group
+    faults = WorkerFaults(rank_faults(args.faults, args.rank))
     if faults.enabled:
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     try:
