@@ -45,9 +45,9 @@ class WorkerFaults:
                              the I/O thread goes on answering pings (a wedged engine)
         miss_stamp=READER    on the next rebind of the device pool, that reader does not stamp
                              (the pool is torn); one-shot: the rebind after it stamps as usual
-        diverge_table=N      a rank of a group changes one page id of a sequence's block table
-                             before its Nth serving step (its tables digest then differs from
-                             its peers'; dataplane/group.py)
+        diverge_table=N      a rank of a group changes one page id of the block table of the Nth
+                             sequence it is told to run, before that sequence's first step (its
+                             tables digest then differs from its peers'; dataplane/group.py)
         on_rank=R            the faults of this part act only on rank R of a group: serve passes
                              one spec to every worker, parts separated by ';' (``rank_faults``)
         seed=S               the random source of the probabilities above

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import structlog
 
 from residency.dataplane.pools.errors import DataPlaneError
-from residency.events.commands import CancelGenerate
+from residency.events.commands import CancelGenerate, Generate
 
 log = structlog.get_logger("dataplane.group")
 ROUND_WAIT_S = 0.05        # how long a step waits for its peers' posts before the loop reads commands again
@@ -154,6 +154,8 @@ class GroupLoop:
         self.posted: list[str] | None = None       # this round's post, until the round runs
         self.cancel_after: list[CancelGenerate] = []
         self.store_error: str | None = None        # the store failed (logged once)
+        self.num_started = 0                       # Generates this rank was told
+        self.diverge_id: str | None = None         # the sequence the diverge_table fault picked
         loop.agree_tokens = self._tell
 
     def has_work(self) -> bool:
@@ -168,7 +170,11 @@ class GroupLoop:
             return False
 
     def handle(self, msg) -> list:
-        if isinstance(msg, CancelGenerate) and self.posted is not None and msg.request_id in self.posted:
+        if isinstance(msg, Generate):
+            self.num_started += 1
+            if self.faults is not None and self.faults.diverge_table == self.num_started:
+                self.diverge_id = msg.request_id
+        elif isinstance(msg, CancelGenerate) and self.posted is not None and msg.request_id in self.posted:
             self.cancel_after.append(msg)     # the posted round names it: it runs that round first
             return []
         return self.loop.handle(msg)
@@ -196,14 +202,15 @@ class GroupLoop:
         return self.rounds.tell_tokens([int(t) for t in tokens])
 
     def _inject(self, agreed: list[str]) -> None:
-        """The ``diverge_table`` fault: this rank's copy of one sequence's block table takes a page
-        id no other rank has, so its next step's tables digest differs (dataplane/faults.py)."""
-        f = self.faults
-        if f is None or not f.diverge_table or self.loop.num_steps + 1 != f.diverge_table:
+        """The ``diverge_table`` fault: this rank's copy of the block table of the Nth sequence it
+        was told to run takes a page id no other rank has, before that sequence's first step, so
+        the step's tables digest differs (dataplane/faults.py)."""
+        if self.diverge_id is None or self.diverge_id not in agreed:
             return
         import msgspec  # noqa: PLC0415
 
-        s = self.loop.seqs[agreed[0]]
+        s = self.loop.seqs[self.diverge_id]
+        self.diverge_id = None
         ids = list(s.cmd.block_ids)
         ids[-1] = ids[-1] + (1 << 40)
         s.cmd = msgspec.structs.replace(s.cmd, block_ids=ids)

@@ -127,7 +127,8 @@ def join_group(core: WorkerCore, loop, spec, faults: WorkerFaults) -> None:
 
     store = open_store(spec)
     group = GroupLoop(loop, StepRounds(store, spec.rank, spec.ranks), faults)
-    core.register(CancelGenerate, group.handle)
+    for t in (Generate, CancelGenerate):
+        core.register(t, group.handle)
     core.background = (group.has_work, group.step)
     core.group_fields = spec.hello_fields()
 

@@ -30,6 +30,9 @@ class GroupDivergence:
     def __init__(self, acct: Accounting, params: DiagnoseParams) -> None:
         self.explicit: dict[int, str] = {w: g for g, ws in params.groups.items() for w in ws}
         self.joined: dict[int, str] = {}              # worker -> the group its WorkerJoined names
+        # groups a GroupStopped ended: the steps their ranks still had in flight are not judged
+        # again (the stop is the episode's edge) until one of their ranks joins anew
+        self.stopped: set[str] = set()
         self.parent: dict[int, int] = {}              # union-find over workers (inferred groups)
         self.alias: dict[int, str] = {}               # component root -> name from GroupDiverged
         self.pending: dict[int, dict[int, tuple]] = {}  # step -> worker -> (digest, seq, ts, num_seqs)
@@ -74,6 +77,7 @@ class GroupDivergence:
         self.live.add(rec.event.worker)
         if rec.event.group:
             self.joined[rec.event.worker] = rec.event.group
+        self.stopped.discard(self._group_of(rec.event.worker))
 
     def _lost(self, rec: Recorded) -> None:
         self.live.discard(rec.event.worker)
@@ -112,7 +116,7 @@ class GroupDivergence:
             if g is not None:
                 groups.setdefault(g, {})[w] = rep
         for g, members in groups.items():
-            if len(members) < 2:
+            if len(members) < 2 or g in self.stopped:
                 continue
             digests = {rep[0] for rep in members.values()}
             if len(digests) > 1:
@@ -152,13 +156,14 @@ class GroupDivergence:
         self._diverge(ev.group, ev.step, dict(ev.digests_by_rank), rec.envelope.ts_ns, [rec.envelope.seq])
 
     def _stopped(self, rec: Recorded) -> None:
+        self.stopped.add(rec.event.group)
         if rec.event.group in self.open:
             self._recover(rec.event.group, -1, rec.envelope.ts_ns, [rec.envelope.seq], f"stopped: {rec.event.reason}")
 
     # ------------------------------------------------------------ findings
     def _finding(self, group: str, ep: dict, end_ns: int, until: tuple | None) -> Finding:
         digests = ep["last_digests"]
-        split = ", ".join(f"rank {r}={d[:8]}" for r, d in sorted(digests.items())[:6])
+        split = ", ".join(f"rank {r}={'/'.join(p[:8] for p in d.split('/'))}" for r, d in sorted(digests.items())[:6])
         if until is not None:
             step, edge, how = until
             where = f"at step {step}" if step >= 0 else ""

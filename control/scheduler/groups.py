@@ -94,12 +94,18 @@ class GroupServing:
         if type(event) is not ev.WorkerLost:
             return
         g = self.book.group_of.get(event.worker)
-        if g is None or g in self.stopped:
+        if g is None:
             return
         rank = self.book.rank_of(event.worker)
         lost = sorted(event.blocks_lost)
-        self.stop(g, f"rank {rank} (worker {event.worker}) lost: {event.reason}; its shard of {len(lost)} block(s) "
-                     f"of the group is gone", blocks=lost)
+        reason = (f"rank {rank} (worker {event.worker}) lost: {event.reason}; its shard of {len(lost)} block(s) "
+                  "of the group is gone")
+        log.error("group_rank_lost", group=g, rank=rank, worker=event.worker, blocks=len(lost))
+        if g in self.stopped:      # stopped already: the loss and the blocks it cost are still a fact of the group
+            self.proc.record(ev.GroupStopped(group=g, reason=f"{reason} (serving had stopped: "
+                                                                f"{self.stopped[g].reason})", blocks=lost))
+            return
+        self.stop(g, reason, blocks=lost)
 
     def stop(self, group: str, reason: str, *, step: int | None = None, blocks: list[int] | None = None) -> None:
         """The group serves no more: recorded, its requests answered 503, new ones refused naming it."""

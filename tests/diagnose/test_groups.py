@@ -105,6 +105,9 @@ def test_ranks_a_worker_joined_names_diverge_on_their_block_tables_and_the_stop_
             recs[(s, w)] = L.add(ev.StepCompleted(worker=w, step=s, batch_digest=batch, num_seqs=1, num_tokens=1,
                                                   duration_ns=MS, tables_digest=tables))
     stop = L.add(ev.GroupStopped(group="tp0", reason="ranks diverged at step 4", step=4))
+    for w in range(3):          # the step the ranks had in flight when the stop came: not a new episode
+        L.add(ev.StepCompleted(worker=w, step=6, batch_digest="b", num_seqs=1, num_tokens=1, duration_ns=MS,
+                               tables_digest="bad" if w == 2 else "same"))
     [f] = detect_group_divergence(L.events, at_ns=L.now)
     assert f.subject == "group tp0"                 # named by WorkerJoined, though batches agreed
     assert f.onset_ns == recs[(4, 0)].envelope.ts_ns and f.detail["first_step"] == 4
