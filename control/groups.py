@@ -34,6 +34,11 @@ class GroupBook:
     def __init__(self, groups: dict[str, list[int]]):
         self.members: dict[str, list[int]] = {g: list(ws) for g, ws in groups.items()}
         self.group_of: dict[int, str] = {w: g for g, ws in self.members.items() for w in ws}
+        self.stopped: set[str] = set()          # groups that serve no more (GroupStopped recorded)
+
+    def is_stopped(self, worker: int) -> bool:
+        """``worker`` is a rank of a stopped group."""
+        return self.group_of.get(worker) in self.stopped
 
     def leader(self, group: str) -> int:
         return self.members[group][0]

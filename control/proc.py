@@ -259,7 +259,10 @@ class ControlProc:
         return self.asks.allocate_block_ids(worker, n)
 
     def missing_workers(self) -> list[int]:
-        return self.workers.missing_workers()
+        """The workers the supervisor should start; not the ranks of a stopped group (a new rank
+        cannot join the running ones: the group serves again once serve restarts)."""
+        missing = self.workers.missing_workers()
+        return missing if self.groups is None else [w for w in missing if not self.groups.is_stopped(w)]
 
     # ================================================================== the loop
     def _run(self) -> None:

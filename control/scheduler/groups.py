@@ -39,6 +39,11 @@ class GroupServing:
                                   (ev.StepCompleted, self.on_step)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
+        # NOTE: chained before the serving path's own: a rank's process gone stops the group at
+        # once, even while its loss waits for a next incarnation (its disk copies): the ranks left
+        # would otherwise wait in every round for a peer that will not post
+        gone = proc.worker_gone
+        proc.worker_gone = lambda worker: (self._gone(worker), gone(worker))
 
     # ------------------------------------------------------------------ readiness
     def on_ready(self, link, msg: ServingReady) -> None:
@@ -107,10 +112,16 @@ class GroupServing:
             return
         self.stop(g, reason, blocks=lost)
 
+    def _gone(self, worker: int) -> None:
+        g = self.book.group_of.get(worker)
+        if g is not None and g not in self.stopped:
+            self.stop(g, f"rank {self.book.rank_of(worker)} (worker {worker}): its process exited")
+
     def stop(self, group: str, reason: str, *, step: int | None = None, blocks: list[int] | None = None) -> None:
         """The group serves no more: recorded, its requests answered 503, new ones refused naming it."""
         e = ev.GroupStopped(group=group, reason=reason, step=step, blocks=list(blocks or []))
         self.stopped[group] = e
+        self.book.stopped.add(group)
         self.proc.record(e)
         leader = self.book.leader(group)
         at = f" at step {step}" if step is not None else ""
