@@ -130,7 +130,7 @@ class StepRounds:
             self.store.wait(keys, datetime.timedelta(seconds=self.wait_s))
         except RuntimeError:          # the store's timeout (DistStoreError is one)
             return None
-        return [json.loads(self.store.get(k)) for k in keys]
+        return [json.loads(v) for v in self.store.multi_get(keys)]     # one round trip for all
 
     def tell_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's sampled tokens of this round, told to every rank."""
