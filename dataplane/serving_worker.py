@@ -40,6 +40,9 @@ def add_serving_args(p) -> None:
     g.add_argument("--page-tokens", type=int, default=16)
     g.add_argument("--max-step-tokens", type=int, default=256, help="new tokens per forward step (prefill chunking)")
     g.add_argument("--max-context", type=int, default=None, help="cap the model's context window")
+    g.add_argument("--expert-budget", default=None, metavar="FRACTION|BYTES",
+                   help="a MoE model: device bytes for its experts (50%%, 0.25 or 6GiB); the rest stay in pinned "
+                        "host memory and are fetched when routed to (docs/moe.md)")
 
 
 def model_id_for(path: str | None) -> str:
@@ -76,13 +79,30 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     before = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
     spec = group_spec(args)
     tp = TensorParallel(spec.rank, spec.ranks) if spec is not None else None
-    try:       # a model that does not split is refused before a weight is read or a peer met
-        model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context, tp=tp)
-    except TensorParallelRefused as e:
-        raise GroupRefused(f"--tp {spec.ranks}: {e}") from None
+    offload = None
+    if getattr(args, "expert_budget", None):
+        from residency.dataplane.model.expert_policy import parse_expert_budget  # noqa: PLC0415
+        from residency.dataplane.model.experts import prepare_offload  # noqa: PLC0415
+
+        from residency.dataplane.model.errors import ModelError  # noqa: PLC0415
+
+        if spec is not None:
+            raise GroupRefused(f"--tp {spec.ranks}: --expert-budget offloads a mixture-of-experts model, which is "
+                               "not split over ranks")
+        # loaded on the host: the experts never take device memory beyond their slots
+        model = load_model(path, device="cpu", dtype=dtype, max_positions=args.max_context)
+        try:
+            model, offload = prepare_offload(model, parse_expert_budget(args.expert_budget), device)
+        except ModelError as e:         # the server stops with the arithmetic, as for a refused pool
+            raise sz.StartRefused(f"--expert-budget {args.expert_budget}: {e}") from e
+    else:
+        try:   # a model that does not split is refused before a weight is read or a peer met
+            model = load_model(path, device=device, dtype=dtype, max_positions=args.max_context, tp=tp)
+        except TensorParallelRefused as e:
+            raise GroupRefused(f"--tp {spec.ranks}: {e}") from None
     if spec is not None:     # before the graphs: their capture runs the step's collectives
         init_group(spec.rank, spec.ranks, spec.init, device=device, timeout_s=RENDEZVOUS_S)
-    weights_bytes = model.runner.w.num_bytes()
+    weights_bytes = model.runner.w.num_bytes() + (offload.slot_bytes if offload is not None else 0)
     allocator_bytes = torch.cuda.memory_allocated(torch.device(device)) - before if cuda else None
     c = model.config
     kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
@@ -94,21 +114,27 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     disk_dir = worker_disk_dir(args.run_dir, args.worker, args.keep_disk)
     pinned = Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
     mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
+    if offload is not None:
+        pinned += offload.host_bytes_needed       # the experts' host copies are pinned under the same budget
     mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
                     disk_bytes=args.disk_bytes, fsync=args.disk_fsync)
+    if offload is not None:
+        offload.pin(mover.pinned)
     # device bytes the mover made besides its pool (index and checksum rows): measured on CUDA only
     scratch = (torch.cuda.memory_allocated(torch.device(device)) - mid - sizing.pool_bytes) if cuda else None
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     # captured once the pool exists, before the first request: every decode batch up to max_seqs
-    graphs = StepGraphs.capture(model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
-                                max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
+    # an offloaded MoE layer asks the host which experts it routed to: no graph can replay that
+    graphs = StepGraphs(model.runner) if offload is not None else StepGraphs.capture(
+        model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
+        max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
                        max_step_tokens=args.max_step_tokens, max_seqs=MAX_SEQS, graphs=graphs)
     if graphs.graphs is not None:       # they hold the pool's address: a reader, captured again on a rebind
         mover.device_pool.add_reader(graphs)
-    attach(core, loop, kv.block_bytes)
+    attach(core, loop, kv.block_bytes, offload)
     if spec is not None:
         join_group(core, loop, spec, faults)
     core.books = MemoryBooks(args.worker, device, mover.pinned, sizing, model=loop.model_id,
@@ -116,7 +142,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
                              scratch_bytes=max(scratch, 0) if scratch is not None else None)
     log.info("serving_model_loaded", model=loop.model_id, source=model.source, dtype=str(dtype),
              max_context=loop.max_positions, device_blocks=sizing.num_blocks, block_bytes=kv.block_bytes,
-             weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing))
+             weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing),
+             expert_slots=offload.S if offload is not None else None)
     return core, kv.block_bytes
 
 
@@ -133,8 +160,10 @@ def join_group(core: WorkerCore, loop, spec, faults: WorkerFaults) -> None:
     core.group_fields = spec.hello_fields()
 
 
-def attach(core: WorkerCore, loop, block_bytes: int) -> None:
-    """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras."""
+def attach(core: WorkerCore, loop, block_bytes: int, offload=None) -> None:
+    """Join ``loop`` to ``core``: its commands, its idle work, the move guard, the hello extras.
+    ``offload`` (an ExpertOffload): its moves follow each step as one ExpertsMoved, and the
+    placement made at start follows the first Hello."""
     core.register_side(Tokenize, loop.handle)      # pure: rendered and encoded beside the steps
     for t in (Generate, CancelGenerate):
         core.register(t, loop.handle)
@@ -156,8 +185,14 @@ def attach(core: WorkerCore, loop, block_bytes: int) -> None:
 
     core.register(ExecuteMove, guarded_execute)
     core.register(ReleaseBlocks, guarded_release)
-    core.background = (loop.has_work, loop.step)
-    core.hello_extras = lambda: [loop.ready(block_bytes)]
+    if offload is None:
+        core.background = (loop.has_work, loop.step)
+        core.hello_extras = lambda: [loop.ready(block_bytes)]
+    else:
+        def step() -> list:
+            return loop.step() + offload.drain(core.worker, loop.num_steps)
+        core.background = (loop.has_work, step)
+        core.hello_extras = lambda: [loop.ready(block_bytes)] + offload.drain(core.worker, 0)
     core.progress = lambda: (loop.num_steps, len(loop.seqs))    # plain reads: safe off the device thread
     core.serving = loop
 

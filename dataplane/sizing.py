@@ -41,6 +41,12 @@ class PoolSizingRefused(DataPlaneError):
         super().__init__(explain(sizing))
 
 
+class StartRefused(DataPlaneError):
+    """A worker that cannot start as configured, the message naming the numbers (an expert budget
+    that buys no device slot, or one given for a model without experts): the server stops with
+    it, as it does for a refused pool."""
+
+
 def default_fraction(device: str) -> float:
     return DEFAULT_FRACTION["cuda" if device.startswith("cuda") else "cpu"]
 

@@ -536,6 +536,51 @@ class TenantReleased(Event):
     rebind_id: str
 
 
+# ---------------------------------------------------------------- experts (an offloaded MoE model)
+ExpertMoveKind = Literal["fetch", "prefetch", "evict"]
+EXPERT_MOVE_KINDS: tuple[str, ...] = ("fetch", "prefetch", "evict")
+
+
+class ExpertMove(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One expert of one layer moved between its pinned host copy and a device slot.
+
+    fetch     copied host -> device because the step routed to it (the layer waited for it)
+    prefetch  copied ahead of its layer, chosen by measured routing frequency (a side stream)
+    evict     its device slot given to another expert; the host copy stays, nothing is copied
+
+    ``ns``: the copy's measured time (None: not measured); an evict copies nothing and says 0."""
+
+    kind: ExpertMoveKind
+    layer: int
+    expert: int
+    bytes: int
+    ns: int | None = None
+
+
+class ExpertsMoved(Event):
+    """The expert moves of one serving step of a worker whose MoE experts live in pinned host
+    memory and visit a device budget of slots (``--expert-budget``). One event per step that moved
+    anything (``step`` as ``StepCompleted.step``; 0: the placement at start), so the ledger grows
+    by a row per step, not a row per expert.
+
+    Every expert always has a host copy (``host_bytes``, all of them); ``device_bytes``: expert bytes
+    in device slots after the step (the slots themselves are allocated once, on the device's books
+    as weights). ``served_device_bytes``/``served_fetched_bytes``: bytes of the (layer, expert)
+    pairs the step routed to that were already on the device (resident or prefetched) vs fetched
+    for it on demand. ``num_layers``/``num_experts`` name the grid the moves index."""
+
+    worker: int
+    step: int
+    moves: list[ExpertMove]
+    fetched_bytes: int                # copied onto the device this step: Σ bytes of its fetches and prefetches
+    device_bytes: int
+    host_bytes: int
+    served_device_bytes: int = 0
+    served_fetched_bytes: int = 0
+    num_layers: int = 0
+    num_experts: int = 0
+
+
 # ---------------------------------------------------------------- integrity
 class StateCheckpoint(Event):
     through_seq: int
@@ -557,6 +602,7 @@ AnyEvent = Union[
     GroupDiverged, GroupStopped,
     TenantReclaimed, TenantReclaimFailed, TenantReleased,
     StateCheckpoint,
+    ExpertsMoved,
 ]
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}
@@ -574,5 +620,5 @@ def event_type_name(event: Event) -> str:
 
 __all__ = [name for name in EVENT_TYPES] + [
     "Event", "AnyEvent", "EVENT_TYPES", "TERMINAL_MOVE_EVENTS", "Tier", "TIERS",
-    "MoveKind", "MOVE_KINDS", "StrandedWhy", "event_type_name",
+    "MoveKind", "MOVE_KINDS", "StrandedWhy", "event_type_name", "ExpertMove", "ExpertMoveKind", "EXPERT_MOVE_KINDS",
 ]

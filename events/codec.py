@@ -130,7 +130,10 @@ def event_to_json_obj(event: Event) -> dict[str, Any]:
     """The event as a JSON-ready dict (bytes as base64 strings, as msgspec writes them)."""
     obj: dict[str, Any] = {"type": type(event).__name__}
     for k, v in msgspec.structs.asdict(event).items():
-        obj[k] = msgspec.to_builtins(v) if type(v) is bytes else v
+        # bytes as base64, and records inside an event (ExpertsMoved.moves) as the arrays msgspec
+        # writes, so the stdlib's json.dumps takes the dict too
+        nested = type(v) is list and v and isinstance(v[0], msgspec.Struct)
+        obj[k] = msgspec.to_builtins(v) if type(v) is bytes or nested else v
     return obj
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from residency.events.catalog import MoveAcked, MoveFailed, MoveKind, MoveRejected, StepCompleted, Tier
+from residency.events.catalog import ExpertsMoved, MoveAcked, MoveFailed, MoveKind, MoveRejected, StepCompleted, Tier
 from residency.events.message import Message
 from residency.events.serving import (
     MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServedModel, ServingReady, TokenChoice,
@@ -420,6 +420,7 @@ FromWorker = Union[
     Tokenized, ServingReady, TokensGenerated, StepCompleted,
     MoveTimed,
     MemoryReport, PinnedChanged,
+    ExpertsMoved,
 ]
 AnyMessage = Union[ToWorker, FromWorker]
 

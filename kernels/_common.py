@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from residency.kernels.cache import install_shared_cache
+
 try:  # Triton is optional on CPU-only hosts: without it the torch references run.
     import triton
     import triton.language as tl
@@ -87,6 +89,9 @@ class DualModeKernel:
     def _flavour(self, cuda: bool):
         if cuda:
             if self._compiled is None:
+                # Before the first compile in this process: the ranks of a host compile into one
+                # cache, a key at a time (kernels/cache.py).
+                install_shared_cache()
                 self._compiled = JITFunction(self.fn)
             return self._compiled
         if self._interpreted is None:

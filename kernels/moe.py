@@ -41,7 +41,7 @@ TRITON_INTERPRET=1 → the same kernel interpreted (tests); CPU otherwise → ``
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +68,17 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(x.dtype), experts
 
 
-def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, *,
+                    last_is_skipped: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the flattened (token, slot) pairs by expert and pad each expert's run to ``block_m``.
 
     Returns ``sorted_pairs`` [L] int32 (pair index t·top_k + j, or the sentinel T·top_k in the
     padding), ``block_expert`` [L // block_m] int32 (the expert of each block; −1 past the end)
     and ``num_padded`` [1] int32 (rows in use, a multiple of ``block_m``). L is the worst case,
     so nothing here waits for the device.
+
+    ``last_is_skipped``: expert ``num_experts − 1`` is a sentinel for pairs left out of this
+    launch; its run sorts last, so ``num_padded`` stops where it starts and no block reads it.
     """
     flat = experts.reshape(-1).to(torch.int64)
     n = flat.numel()
@@ -94,7 +97,7 @@ def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOC
     sorted_pairs[dest] = order.to(torch.int32)
     block_start = torch.arange(0, max_padded, block_m, device=dev)
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    num_padded = padded_end[-1:]
+    num_padded = padded_end[-2:-1] if last_is_skipped else padded_end[-1:]
     block_expert = torch.where(block_start < num_padded, block_expert, -1).to(torch.int32)
     return sorted_pairs, block_expert, num_padded.to(torch.int32)
 
@@ -210,19 +213,44 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor, w_
         return x.new_empty(0, H)
     if not use_triton(x.device):
         return fused_moe_ref(x, router, w_gate_up, w_down, top_k, renormalize)
-    E, two_i, _ = w_gate_up.shape
     weights, experts = route(x, router, top_k, renormalize)
-    sorted_pairs, block_expert, num_padded = align_by_expert(experts, E)
+    rows = torch.empty(T * top_k, H, dtype=x.dtype, device=x.device)
+    fused_moe_rows(x, weights, experts, w_gate_up, w_down, rows)
+    return rows.view(T, top_k, H).sum(dim=1)
+
+
+def fused_moe_rows(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                   w_down: torch.Tensor, out: torch.Tensor, *, skip_id: int | None = None) -> torch.Tensor:
+    """The expert half of ``fused_moe`` over routing already made (the Triton path only).
+
+    ``experts`` [T, top_k] index the stacks' first dimension: expert ids, or the device slots
+    holding them (an offloaded layer, dataplane/model/experts.py). Writes row t·top_k + j of
+    ``out`` [T·top_k, H] = weights[t, j] · down_e(silu(gate_e(x[t])) · up_e(x[t])); the caller
+    sums each token's ``top_k`` rows. Pairs whose index is ``skip_id`` (which must be
+    ``w_gate_up.shape[0]``, one past the last stack) are not computed and their rows of ``out``
+    are left as they were: a layer whose experts do not all fit the device at once runs in passes
+    that write disjoint rows. Each row's arithmetic is the same whichever stack index or pass it
+    gets, so the rows equal ``fused_moe``'s bit for bit.
+    """
+    T, H = x.shape
+    top_k = experts.shape[1]
+    E, two_i, _ = w_gate_up.shape
+    if skip_id is not None and skip_id != E:
+        raise KernelInputError(f"fused_moe_rows: skip_id must be {E} (one past the last stack), got {skip_id}")
+    if tuple(out.shape) != (T * top_k, H) or out.dtype != x.dtype or not out.is_contiguous():
+        raise KernelInputError(f"fused_moe_rows: out must be a contiguous [{T * top_k}, {H}] {x.dtype}, "
+                               f"got {tuple(out.shape)} {out.dtype}")
+    skipped = skip_id is not None
+    sorted_pairs, block_expert, num_padded = align_by_expert(experts, E + skipped, last_is_skipped=skipped)
     pairs = T * top_k
     gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_gate_up, gate_up, weights, sorted_pairs, block_expert, num_padded, top_k,
                   a_row_is_pair=False, mul_routing_weight=False)
     gate, up = gate_up.chunk(2, dim=-1)
-    act = (F.silu(gate) * up).contiguous()
-    down = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w_down, down, weights.reshape(-1).contiguous(), sorted_pairs, block_expert, num_padded,
+    act = (F.silu(gate) * up).contiguous()       # rows of skipped pairs are garbage, and never read
+    _grouped_gemm(act, w_down, out, weights.reshape(-1).contiguous(), sorted_pairs, block_expert, num_padded,
                   top_k, a_row_is_pair=True, mul_routing_weight=True)
-    return down.view(T, top_k, H).sum(dim=1)
+    return out
 
 
 def fused_moe_ref(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -232,14 +260,29 @@ def fused_moe_ref(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor
     were hit, each a dense gate_up, silu·up, down over the rows routed to it, scaled by their
     routing weights and added into the output. ``linear`` lets the batch-invariant runner pass
     its fixed-tile matmul."""
-    T, H = x.shape
     E = w_gate_up.shape[0]
     weights, experts = route(x, router, top_k, renormalize, linear)
     out = torch.zeros_like(x)
     counts = torch.bincount(experts.reshape(-1), minlength=E).tolist()
-    for e in (i for i, c in enumerate(counts) if c):
-        tok, slot = torch.where(experts == e)
-        gate, up = linear(x[tok], w_gate_up[e]).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, w_down[e]) * weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
+    accumulate_experts_ref(x, weights, experts, w_gate_up, w_down, out, [i for i, c in enumerate(counts) if c],
+                           linear=linear)
     return out
+
+
+def accumulate_experts_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                           w_down: torch.Tensor, out: torch.Tensor, hit: Sequence[int],
+                           index_of: Callable[[int], int] | None = None,
+                           linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> None:
+    """The reference's loop over ``hit`` (expert ids, ascending) added into ``out`` [T, H]: each a
+    dense gate_up, silu·up, down over the rows routed to it, scaled by their routing weights.
+    ``index_of(e)``: where expert e's matrices sit in the stacks (a device slot); default e.
+
+    NOTE: float addition is not associative, so ``out`` is the reference's bit for bit only if
+    the experts are added in ascending id order: a layer run in passes must pass ascending,
+    consecutive runs of its hit experts."""
+    for e in hit:
+        i = e if index_of is None else index_of(e)
+        tok, slot = torch.where(experts == e)
+        gate, up = linear(x[tok], w_gate_up[i]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w_down[i]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))

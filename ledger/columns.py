@@ -74,6 +74,8 @@ _EXTRACT: dict[type, Callable[[c.Event], Columns]] = {
     c.TenantReclaimed: lambda e: (None, e.worker, None, "device", e.tenant, e.granted_bytes),
     c.TenantReclaimFailed: lambda e: (None, e.worker, None, "device", e.tenant, None),
     c.TenantReleased: lambda e: (None, e.worker, None, "device", e.tenant, e.bytes),
+    # an offloaded MoE model: ``bytes`` the expert bytes the step copied onto the device
+    c.ExpertsMoved: lambda e: (None, e.worker, None, "device", "experts", e.fetched_bytes),
 }
 
 

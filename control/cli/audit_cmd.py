@@ -1,10 +1,12 @@
-"""`residency audit reclaimed|stranded|tenants`: totals and the moves behind them.
+"""`residency audit reclaimed|stranded|tenants|experts`: totals and the moves behind them.
 
 The answers come from the SQL views ``residency_reclaimed`` and ``residency_stranded`` (created
 by a migration), so the CLI and an auditor's own SQL agree by construction.
 
 ``tenants``: device bytes each outside tenant was granted (TenantReclaimed), gave back
 (TenantReleased) and holds, from the audit columns of those events (``kind`` is the tenant).
+
+``experts``: an offloaded MoE model's experts per tier and over time (control/cli/audit_experts.py).
 
 The views read the audit columns, which are outside the hash chain, so the ledger is verified
 first (chain, payloads, and every row's columns against its payload): a ledger that does not
@@ -28,9 +30,10 @@ GROUP_COLUMNS = {
 
 def register(sub) -> None:
     p = sub.add_parser("audit", help="reclaimed or stranded bytes: totals and the moves behind them")
-    p.add_argument("what", choices=["reclaimed", "stranded", "tenants"],
+    p.add_argument("what", choices=["reclaimed", "stranded", "tenants", "experts"],
                    help="reclaimed: bytes freed as workers reported; stranded: bytes of moves nobody answered; "
-                        "tenants: device bytes granted to outside tenants, given back, and held")
+                        "tenants: device bytes granted to outside tenants, given back, and held; "
+                        "experts: an offloaded MoE model's expert bytes per tier and expert over time")
     add_db_arg(p)
     p.add_argument("--by", choices=["tier", "worker", "session", "kind"], default="tier",
                    help="group the totals by (default tier; kind: the cause or the why)")
@@ -102,6 +105,10 @@ def run(args) -> int:
                             f"(`residency ledger verify --db {store.url}` says more)")
         if args.what == "tenants":
             return _print_tenants(tenants(store, since, until), args.json)
+        if args.what == "experts":
+            from residency.control.cli.audit_experts import run_experts  # noqa: PLC0415
+
+            return run_experts(store, since, until, args.limit, args.json)
         totals, rows = query(store, args.what, args.by, since, until, args.limit)
     grand = sum(t for _, t, _ in totals)
     if args.json:

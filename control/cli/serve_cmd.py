@@ -125,6 +125,9 @@ def _serving_args(p) -> None:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and KV dtype (default float32 on CPU, bfloat16 on CUDA); sets the KV layout")
     g.add_argument("--max-context", type=int, default=None, help="cap the model's context window (tokens)")
+    g.add_argument("--expert-budget", default=None, metavar="FRACTION|BYTES",
+                   help="a MoE model: device bytes for its experts per worker (50%%, 0.25 or 6GiB); the others wait "
+                        "in pinned host memory and are fetched when routed to, each move in the ledger (docs/moe.md)")
     g.add_argument("--max-step-tokens", type=int, default=256, help="new tokens per forward step (prefill chunks)")
     g.add_argument("--restore-policy", choices=("cost", "restore", "recompute"), default="cost",
                    help="a parked prefix: restore or recompute, whichever costs less (default), or always one")
@@ -215,7 +218,7 @@ def _worker_serving_argv(args) -> list[str]:
     argv = ["--model", args.model, "--page-tokens", args.kv_layout.split(",")[1],
             "--max-step-tokens", str(args.max_step_tokens)]
     for flag, value in (("--served-model-name", args.served_model_name), ("--dtype", args.dtype),
-                        ("--max-context", args.max_context)):
+                        ("--max-context", args.max_context), ("--expert-budget", args.expert_budget)):
         if value is not None:
             argv += [flag, str(value)]
     return argv

@@ -23,6 +23,8 @@ and ``diagnose(events, at_ns)`` runs all of them in one pass (a million events i
     queued              requests waiting for room, and why none comes              waiting
     tier_full           a tier refusing every ask, none funded, for T              waiting
     crash               a start with no stop before it: adoption, orphans closed   crash
+    expert_thrash       an offloaded MoE expert fetched and evicted again and      experts
+                        again within a window
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Iterable
 from residency.events import Recorded
 from residency.control.diagnose.budgets import DeviceBelowFloor, PinnedOverBudget
 from residency.control.diagnose.crash import Crash
+from residency.control.diagnose.experts import ExpertThrash
 from residency.control.diagnose.scan import Diagnosis, detect_with, diagnose, run_pass
 from residency.control.diagnose.findings import Finding, fmt_bytes, fmt_duration, sort_findings
 from residency.control.diagnose.groups import GroupDivergence
@@ -46,6 +49,7 @@ from residency.control.diagnose.workers import WorkerSilence
 ALL_DETECTORS = (
     OverdueMoves, Stall, WorkerSilence, Pendulum, RefusalStorm, RetriedSmaller,
     TornRebind, PinnedOverBudget, DeviceBelowFloor, Hole, GroupDivergence, WedgedWorker, Queued, TierFull, Crash,
+    ExpertThrash,
 )
 
 _Events = Iterable[Recorded]
@@ -107,6 +111,10 @@ def detect_tier_full(events: _Events, at_ns: int, params: DiagnoseParams | None 
     return detect_with(TierFull, events, at_ns, params)
 
 
+def detect_expert_thrash(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
+    return detect_with(ExpertThrash, events, at_ns, params)
+
+
 def detect_crashes(events: _Events, at_ns: int, params: DiagnoseParams | None = None) -> list[Finding]:
     return detect_with(Crash, events, at_ns, params)
 
@@ -118,5 +126,5 @@ __all__ = [
     "detect_refusal_storms", "detect_retried_smaller", "detect_torn_rebinds",
     "detect_pinned_over_budget", "detect_device_below_floor", "detect_holes", "detect_group_divergence",
     "detect_wedged_workers",
-    "detect_queued", "detect_tier_full", "detect_crashes",
+    "detect_queued", "detect_tier_full", "detect_crashes", "detect_expert_thrash",
 ]

@@ -35,3 +35,6 @@ class DiagnoseParams(msgspec.Struct, frozen=True, kw_only=True):
     queued_after_ns: int = 5 * SECOND
     # tier_full: every ask into a tier refused over at least this long (a budget that never moves)
     tier_full_after_ns: int = 10 * SECOND
+    # expert thrash: one expert of an offloaded MoE model fetched and evicted this many times within the window
+    expert_thrash_cycles: int = 3
+    expert_thrash_window_ns: int = 30 * SECOND

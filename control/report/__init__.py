@@ -10,6 +10,7 @@ from typing import Iterable
 from residency.events import Recorded
 from residency.control.diagnose import ALL_DETECTORS, DiagnoseParams
 from residency.control.diagnose.accounting import Accounting
+from residency.control.diagnose.experts import ExpertLedger
 from residency.control.diagnose.scan import Diagnosis, run_pass
 from residency.control.diagnose.findings import sort_findings
 from residency.control.report.collect import ReportCollector
@@ -24,8 +25,9 @@ def collect(events: Iterable[Recorded], at_ns: int | None = None,
     params = params or DiagnoseParams()
     acct = Accounting()
     col = ReportCollector(acct)
+    col.experts = ExpertLedger()
     dets = [cls(acct, params) for cls in ALL_DETECTORS]
-    summary = run_pass(events, [acct, col, *dets])
+    summary = run_pass(events, [acct, col, col.experts, *dets])
     col.counts = summary.counts
     if at_ns is None:
         at_ns = summary.last_ts_ns if summary.last_ts_ns is not None else 0

@@ -87,6 +87,7 @@ class ReportCollector:
         self._counted: dict[int, dict[str, tuple[str, int]]] = {}   # worker -> move -> (why, bytes)
         self._lost_seq: dict[int, int] = {}                     # worker -> seq of its last loss
         self.num_moves: dict[str, int] = {}                     # kind -> moves requested
+        self.experts = None       # an ExpertLedger riding the same pass (control/report/__init__.py)
         self.bytes_moved = 0
 
     def handlers(self):

@@ -10,6 +10,7 @@ from residency.control.diagnose.findings import SEVERITY_RANK, fmt_bytes, fmt_du
 from residency.control.diagnose.text import iso_ns
 from residency.control.report.bins import count_bins, step_bins
 from residency.control.report.collect import OUTCOMES, ReportCollector
+from residency.control.report.experts import expert_chart, expert_tables
 from residency.control.report.svg import PALETTE, SEVERITY_COLOR, Marker, Series, TimeAxis, chart, esc, timeline
 from residency.events import MOVE_KINDS, TIERS
 
@@ -175,6 +176,9 @@ def render_page(d: Diagnosis, col: ReportCollector, source: str, t0: int, t1: in
                           axis, edges, [_band_series("stranded bytes", "#b07aa1", step_bins(col.stranded, edges))],
                           "bytes", height=140, markers=markers))
 
+    if col.experts is not None:       # an offloaded MoE model's experts (control/report/experts.py)
+        sections += expert_chart(col.experts, axis, edges, markers)
+
     # ---------------------------------------------------------------- refusals, requests, steps
     rkeys = sorted(col.refusals)
     sections.append(chart("refusals", "Refusals", f"per {bin_s}", axis, cedges,
@@ -251,5 +255,6 @@ def _assemble(d: Diagnosis, col: ReportCollector, source: str, sections: list[st
         f"<h2>Timeline</h2>{''.join(sections)}"
         f"<h2>Findings</h2>{findings_table}"
         f"<h2>Audit totals</h2>{totals}"
+        f"{expert_tables(col.experts, d.at_ns) if col.experts is not None else ''}"
         f"</main><script>{JS}</script></body></html>\n"
     )

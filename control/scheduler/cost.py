@@ -7,7 +7,9 @@
     transfer_s = Σ bytes_from_tier / bandwidth(tier→device)   (disk pages cross disk→host→device)
 
 A transfer hidden behind compute is nearly free, so raw bytes are never the price: only the
-unhidden remainder is. Bandwidths and prefill speed start from configured values and follow what
+unhidden remainder is. The same rule prices an offloaded MoE expert's fetch (``price_expert_fetch``:
+a prefetch hides behind a layer, a fetch on demand behind nothing), and the experts' measured
+copies (``ExpertsMoved``) teach the same host -> device bandwidth the restores do. Bandwidths and prefill speed start from configured values and follow what
 the workers measure (``MoveAcked`` times, step durations) as an exponentially weighted average.
 """
 from __future__ import annotations
@@ -22,6 +24,19 @@ class PrefixDecision(msgspec.Struct, frozen=True, kw_only=True):
     transfer_s: float
     hidden_s: float
     reason: str
+
+
+class ExpertFetchPrice(msgspec.Struct, frozen=True, kw_only=True):
+    """What fetching an offloaded MoE expert costs the step that needs it (fetch vs wait):
+
+        fetch_s = bytes / bandwidth(host -> device)        the copy, at the measured bandwidth
+        wait_s  = max(0, fetch_s - hidden_s)               what the layer waits for it
+    hidden_s: compute the copy overlaps (a prefetch issued a layer ahead hides behind that layer;
+    a fetch on demand hides behind nothing)."""
+
+    fetch_s: float
+    hidden_s: float
+    wait_s: float
 
 
 class CostModel:
@@ -61,6 +76,11 @@ class CostModel:
         return PrefixDecision(choice=choice, restore_s=restore, recompute_s=recompute, transfer_s=transfer,
                               hidden_s=hidden, reason=reason)
 
+    def price_expert_fetch(self, nbytes: int, hidden_s: float = 0.0) -> ExpertFetchPrice:
+        """Fetch vs wait for ``nbytes`` of experts (see ``ExpertFetchPrice``). Pure."""
+        fetch = max(0, nbytes) / self.bandwidth["host"]
+        return ExpertFetchPrice(fetch_s=fetch, hidden_s=hidden_s, wait_s=max(0.0, fetch - hidden_s))
+
     # ------------------------------------------------------------------ what the workers can do
     def observe_overlap(self, can_overlap: list[bool]) -> None:
         """The serving workers' ``ServingReady.restore_overlap``: a restore is priced as hidden
@@ -77,6 +97,13 @@ class CostModel:
         if nbytes <= 0 or seconds <= 0 or src not in self.bandwidth:
             return
         self.bandwidth[src] = self._ewma(self.bandwidth[src], nbytes / seconds)
+
+    def observe_expert_moves(self, moves) -> None:
+        """The copies of an ``ExpertsMoved`` (fetches and prefetches the worker timed): host -> device
+        bytes over their summed measured time, one observation per step. Evictions copy nothing."""
+        copies = [m for m in moves if m.kind != "evict" and m.ns]
+        if copies:
+            self.observe_transfer("host", sum(m.bytes for m in copies), sum(m.ns for m in copies) / 1e9)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step that prefilled ``num_tokens`` prompt tokens in ``seconds``."""

@@ -90,7 +90,7 @@ class ServingService:
         self._stop = threading.Event()
         for msg_type, handler in ((ServingReady, self.workers.on_ready), (Tokenized, self.admission.on_tokenized),
                                   (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self.on_step),
-                                  (Pong, self._on_pong)):
+                                  (Pong, self._on_pong), (ev.ExpertsMoved, self._on_experts)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
         proc.add_pool_reader("scheduler", self._pool_view)
@@ -225,6 +225,12 @@ class ServingService:
         self.proc.record(msg)
         self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
         self.workers.wedge.observe_step(link.worker, msg.step, msg.duration_ns, time.monotonic_ns())
+
+    def _on_experts(self, link, msg: ev.ExpertsMoved) -> None:
+        """An offloaded MoE worker's expert moves of one step: into the ledger, and its measured
+        copies teach the cost model the host -> device bandwidth (the link KV restores cross too)."""
+        self.proc.record(msg)
+        self.cost.observe_expert_moves(msg.moves)
 
     def _on_pong(self, link, msg: Pong) -> None:
         # NOTE: this handler replaces the worker registry's own for Pong: it is called first

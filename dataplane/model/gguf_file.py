@@ -117,15 +117,23 @@ class GGUFFile:
         info = self.tensors[name]
         return self._mm[info.offset:info.offset + info.num_bytes]
 
+    def lazy(self, name: str) -> "LazyTensor":
+        """The tensor unread, sliceable like a tensor: a slice of rows dequantizes only those rows
+        (each row of a GGUF tensor is its own run of quantization blocks); other indexing reads the
+        whole tensor first. What a tensor-parallel rank reads its share through."""
+        return LazyTensor(self, self.tensors[name])
+
     def load(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, torch shape (slowest dim first)."""
-        info = self.tensors[name]
-        data = self.raw(name)
+        return self._dequantize(self.tensors[name], self.raw(name), self.tensors[name].shape)
+
+    def _dequantize(self, info: TensorInfo, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        name = info.name
         deq = _TORCH_DEQUANT.get(info.ggml_type)
         if deq is not None:
             # One copy out of the read-only map; torch refuses to wrap non-writable arrays.
             raw = torch.from_numpy(np.array(data, copy=True))
-            return deq(raw).reshape(info.shape)
+            return deq(raw).reshape(shape)
         if _gguf is None:
             raise UnsupportedModel(f"{self.path}: tensor {name} has ggml type {info.ggml_type}; install gguf")
         qtype = _gguf.GGMLQuantizationType(info.ggml_type)
@@ -135,7 +143,30 @@ class GGUFFile:
             out = _gguf.quants.dequantize(rows, qtype)
         except NotImplementedError as e:
             raise UnsupportedModel(f"{self.path}: tensor {name}: cannot dequantize {qtype.name}") from e
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(info.shape)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
+
+
+class LazyTensor:
+    """One tensor of a GGUFFile, read when indexed (see ``GGUFFile.lazy``)."""
+
+    def __init__(self, f: GGUFFile, info: TensorInfo):
+        self.f, self.info = f, info
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        shape = self.info.shape
+        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        rows_only = (len(shape) >= 2 and isinstance(first, slice) and first.step in (None, 1)
+                     and all(r == slice(None) for r in rest))
+        if not rows_only:
+            return self.f.load(self.info.name)[idx]
+        lo, hi, _ = first.indices(shape[0])
+        hi = max(hi, lo)
+        row_bytes = self.info.num_bytes // shape[0]
+        data = self.f.raw(self.info.name)[lo * row_bytes:hi * row_bytes]
+        return self.f._dequantize(self.info, data, (hi - lo,) + tuple(shape[1:]))
 
 
 def _num_bytes(ggml_type: int, numel: int, row: int, name: str) -> int:

@@ -18,6 +18,10 @@ sequences; for longer ones on the GPU, the Triton extend kernel (pages read in p
 over programs) up to EXTEND_MAX_TOKENS new tokens and SDPA over the gathered pages beyond; SDPA
 on CPU (the extend kernel's reference has the same semantics).
 
+Tensor parallelism (``tp=``, see ``tp.py`` and docs/groups.md): the runner holds its rank's heads,
+KV heads and MLP columns, all-reduces after the attention output and MLP down projections, and
+gathers the vocabulary-split logits; ``self.config`` is then the rank's shape.
+
 NOTE (determinism): the output is a function of (weights, new tokens, pool bytes) only: a prefix
 restored from a copy and one computed in place give the same logits. With
 ``batch_invariant=True`` it also stops depending on the batch around a sequence (fixed-shape
@@ -118,6 +122,9 @@ class ModelRunner:
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.sm_scale = 1.0 / math.sqrt(config.head_dim)
         self._gpu = self.device.type == "cuda"
+        # a MoE model whose experts live in host memory and visit device slots (dataplane/model/
+        # experts.py): its layers carry no expert stacks and this computes their MLP
+        self.experts = None
         if self._gpu:       # a long prefill over cached pages uses it; imported at load, not mid-request
             from torch.nn.attention.bias import causal_lower_right  # noqa: F401, PLC0415
 
@@ -236,7 +243,7 @@ class ModelRunner:
             q = self._rope_and_cache(qkv, plan, kv_pool, layer)
             x = x + self.group.reduce(self._linear(self._attend(q, kv_pool, layer, plan), lw.wo))
             h = self._norm(x, lw.mlp_norm)
-            x = x + self.group.reduce(self._mlp(h, lw))
+            x = x + self.group.reduce(self._mlp(h, lw, layer))
         if plan.last_rows is not None:
             x = x.index_select(0, plan.last_rows)
         return self.group.logits(self._linear(self._norm(x, w.final_norm), w.lm_head)).float()
@@ -262,10 +269,16 @@ class ModelRunner:
             qkv = qkv.clamp_(-c.clip_qkv, c.clip_qkv)
         return qkv
 
-    def _mlp(self, h: torch.Tensor, lw) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, lw, layer: int) -> torch.Tensor:
         if lw.router is None:
             gate, up = self._linear(h, lw.w_gate_up).chunk(2, dim=-1)
             return self._linear(F.silu(gate) * up, lw.w_down)
+        if lw.w_experts_gate_up is None:           # offloaded: the same math over device slots
+            if self.experts is None:
+                raise BatchError(f"layer {layer} has no expert weights and no expert offload is attached")
+            if self.batch_invariant:
+                return self.experts.mlp(h, layer, lw.router, linear=tiled_linear, fused=False)
+            return self.experts.mlp(h, layer, lw.router)
         c = self.config
         if self.batch_invariant:      # the reference's per-expert matmuls in fixed tiles
             return fused_moe_ref(h, lw.router, lw.w_experts_gate_up, lw.w_experts_down, c.num_experts_per_tok,

@@ -251,7 +251,9 @@ class GroupOps:
 
         B = local.shape[0]
         out = local.new_empty(self.tp.size * B, self.per)
-        dist.all_gather_into_tensor(out, local.contiguous(), group=self.tp.group)
+        # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local.contiguous(), group=self.tp.group)
         return out.view(self.tp.size, B, self.per).permute(1, 0, 2).reshape(B, -1)[:, :self.vocab_size]
 
 

@@ -182,8 +182,9 @@ def weights_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype = tor
     def t(name: str, part=None) -> torch.Tensor:
         if name not in f.tensors:
             raise ModelFileError(f"{f.path}: missing tensor {name}")
-        x = f.load(name)
-        return (x if part is None or shard is None else part(x)).to(dtype)
+        if part is None or shard is None:
+            return f.load(name).to(dtype)
+        return part(f.lazy(name)).to(dtype)      # a row split dequantizes only the rows kept
 
     rows, cols, vocab = (None, None, None) if shard is None else (shard.rows, shard.cols, shard.vocab)
 
@@ -193,12 +194,11 @@ def weights_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype = tor
     layers = []
     for i in range(config.num_layers):
         p = f"blk.{i}."
-        q, k = t(p + "attn_q.weight"), t(p + "attn_k.weight")
-        if permuted:        # per head, so before the split by heads
-            q = unpermute_rope_rows(q, config.num_heads)
-            k = unpermute_rope_rows(k, config.num_kv_heads)
-        if shard is not None:
-            q, k = shard.rows(q), shard.rows(k)
+        q, k = t(p + "attn_q.weight", rows), t(p + "attn_k.weight", rows)
+        if permuted:        # within each head, so the rank's heads unpermute alone
+            div = 1 if shard is None else shard.size
+            q = unpermute_rope_rows(q, config.num_heads // div)
+            k = unpermute_rope_rows(k, config.num_kv_heads // div)
         bqkv = None
         if config.attention_bias:
             bqkv = torch.cat([t(p + "attn_q.bias", rows), t(p + "attn_k.bias", rows), t(p + "attn_v.bias", rows)])

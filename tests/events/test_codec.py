@@ -144,3 +144,18 @@ def test_move_acked_carries_its_checksums_packed_and_a_v1_list_is_upcast_to_the_
         ev.pack_checksums([1 << 64])
     with pytest.raises(ValueError, match="8 bytes each"):
         ev.unpack_checksums(b"\x00" * 9)
+
+
+def test_an_event_with_records_inside_goes_through_the_stdlibs_json_and_back():
+    import json
+
+    from residency.events.catalog import ExpertMove, ExpertsMoved
+
+    rng = random.Random()
+    moves = [ExpertMove(kind=rng.choice(["fetch", "prefetch", "evict"]), layer=rng.randrange(48), expert=rng.randrange(128),
+                        bytes=rng.randrange(1 << 30), ns=rng.choice([None, rng.randrange(1 << 40)])) for _ in range(7)]
+    e = ExpertsMoved(worker=rng.randrange(8), step=rng.randrange(1 << 40), moves=moves,
+                     fetched_bytes=sum(m.bytes for m in moves if m.kind != "evict"), device_bytes=rng.randrange(1 << 40),
+                     host_bytes=rng.randrange(1 << 40), num_layers=48, num_experts=128)
+    assert event_from_json_obj(json.loads(json.dumps(event_to_json_obj(e)))) == e
+    assert decode_event(encode_event(e), "ExpertsMoved", 1) == e

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from residency.kernels._common import KernelInputError
-from residency.kernels.moe import BLOCK_M, align_by_expert, fused_moe, fused_moe_ref, route
+from residency.kernels._common import KernelInputError, use_triton
+from residency.kernels.moe import BLOCK_M, accumulate_experts_ref, align_by_expert, fused_moe, fused_moe_ref, route
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -45,8 +45,13 @@ def test_fused_moe_kernel_in_bfloat16_matches_the_float32_reference(gen, device)
     x, router, gu, down = make_moe(gen, device, T=11, H=64, inter=48, E=8, dtype=torch.bfloat16)
     got = fused_moe(x, router, gu, down, 2, False)
     assert got.dtype == torch.bfloat16
-    # routing from the same bf16 logits, everything after in float32
-    want = fused_moe_ref(x.float().cpu(), router.float().cpu(), gu.float().cpu(), down.float().cpu(), 2, False)
+    # the kernel's own routing (bf16 logits: near-tied logits may pick another expert than float32
+    # logits would, which is a routing difference, not the kernel's error), everything after in float32
+    weights, experts = route(x, router, 2, False)
+    xf, guf, downf = x.float().cpu(), gu.float().cpu(), down.float().cpu()
+    want = torch.zeros_like(xf)
+    hit = sorted(set(experts.reshape(-1).tolist()))
+    accumulate_experts_ref(xf, weights.float().cpu(), experts.cpu(), guf, downf, want, hit)
     assert rel_err(got.float().cpu(), want) < TOL[torch.bfloat16]
 
 
@@ -114,3 +119,48 @@ def test_fused_moe_refuses_bad_inputs_by_name(gen):
         with pytest.raises(KernelInputError, match=msg):
             fused_moe(*args, renormalize=False)
     assert fused_moe(x[:0], router, gu, down, 2, False).shape == (0, 32)
+
+
+def test_rows_over_slots_in_passes_equal_the_fused_moe_bit_for_bit(gen, device):
+    """An offloaded layer: the experts a step routes to sit in device slots (a permutation, fewer
+    slots than experts) and are computed in passes of what fits; the rows, summed, are fused_moe's."""
+    from residency.kernels.moe import fused_moe_rows
+
+    T, H, inter, E, top_k = 9, 64, 48, 12, 3
+    x, router, gu, down = make_moe(gen, device, T=T, H=H, inter=inter, E=E)
+    want = fused_moe(x, router, gu, down, top_k, False)
+    weights, experts = route(x, router, top_k, False)
+    hit = sorted(set(experts.reshape(-1).tolist()))
+    S = 4                                                  # device slots: fewer than the experts hit
+    slots_gu = torch.full((S, 2 * inter, H), float("nan"), device=device)
+    slots_dn = torch.full((S, H, inter), float("nan"), device=device)
+    rows = torch.full((T * top_k, H), float("nan"), device=device)
+    for i in range(0, len(hit), S):
+        chunk = hit[i:i + S]
+        order = torch.randperm(S, generator=gen)[:len(chunk)].tolist()     # any slot may hold any expert
+        lut = torch.full((E,), S, dtype=torch.int64)
+        for e, s in zip(chunk, order):
+            slots_gu[s], slots_dn[s] = gu[e], down[e]
+            lut[e] = s
+        fused_moe_rows(x, weights, lut.to(device)[experts], slots_gu, slots_dn, rows, skip_id=S)
+    assert not rows.isnan().any()
+    assert use_triton(device)           # the kernel itself (compiled, or the interpreter on CPU)
+    assert torch.equal(rows.view(T, top_k, H).sum(dim=1), want)
+
+
+def test_reference_accumulated_in_ascending_passes_equals_the_reference_bit_for_bit(gen):
+    from residency.kernels.moe import accumulate_experts_ref
+
+    T, H, inter, E, top_k = 13, 32, 24, 10, 4
+    x, router, gu, down = make_moe(gen, "cpu", T=T, H=H, inter=inter, E=E)
+    want = fused_moe_ref(x, router, gu, down, top_k, True)
+    weights, experts = route(x, router, top_k, True)
+    hit = sorted(set(experts.reshape(-1).tolist()))
+    out = torch.zeros_like(x)
+    slot_of = {e: (7 * e) % E for e in hit}                 # stacks permuted: the index is what is read
+    perm_gu, perm_dn = torch.empty_like(gu), torch.empty_like(down)
+    for e, s in slot_of.items():
+        perm_gu[s], perm_dn[s] = gu[e], down[e]
+    for i in range(0, len(hit), 3):
+        accumulate_experts_ref(x, weights, experts, perm_gu, perm_dn, out, hit[i:i + 3], slot_of.__getitem__)
+    assert torch.equal(out, want)

@@ -38,6 +38,8 @@ def _value(rng: random.Random, t: mi.Type) -> Any:
         return [_value(rng, t.item_type) for _ in range(rng.randint(0, 6))]
     if isinstance(t, mi.DictType):
         return {_value(rng, t.key_type): _value(rng, t.value_type) for _ in range(rng.randint(0, 3))}
+    if isinstance(t, mi.StructType):          # a record inside an event (ExpertsMoved.moves)
+        return t.cls(**{f.name: _value(rng, f.type) for f in t.fields})
     if isinstance(t, mi.UnionType):
         choices = [u for u in t.types if not isinstance(u, mi.NoneType)]
         if any(isinstance(u, mi.NoneType) for u in t.types) and rng.random() < 0.3:

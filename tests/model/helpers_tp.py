@@ -19,18 +19,30 @@ def run_group(fn, size: int, args: tuple, out_dir: str) -> list[dict]:
 
     init = "file://" + os.path.join(out_dir, "rendezvous")
     # NOTE: pytest imports test modules by path (--import-mode=importlib); a spawned child unpickles
-    # ``fn`` by its module name, so it needs the repository root on the sys.path it inherits.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, root)
+    # ``fn`` by its module name, so ``tests`` must be importable from the sys.path it inherits.
+    where = tests_importable(out_dir)
+    sys.path.insert(0, where)
     try:
         mp.spawn(fn, args=(size, init, out_dir) + args, nprocs=size, join=True)
     finally:
-        sys.path.remove(root)
+        sys.path.remove(where)
     recs = []
     for r in range(size):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             recs.append(json.load(f))
     return recs
+
+
+def tests_importable(scratch: str) -> str:
+    """A directory holding only a link named ``tests`` to this checkout's tests: on sys.path it
+    makes ``tests.*`` importable without putting the checkout's top-level folders there (they
+    would shadow PyPI packages named events, kernels, control)."""
+    where = os.path.join(scratch, "importable")
+    os.makedirs(where, exist_ok=True)
+    link = os.path.join(where, "tests")
+    if not os.path.exists(link):
+        os.symlink(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), link)
+    return where
 
 
 def _join(rank: int, size: int, init: str):

@@ -1,0 +1,73 @@
+"""An OLMoE model served with a quarter of its expert bytes on the device (``serve --expert-budget
+25%``): greedy text over the HTTP API equals the all-resident runner's; every expert move is in
+the ledger, and `residency audit experts` reads them back."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from residency.control.cli.main import main
+from residency.dataplane.model import SamplingParams, load_model, random_model
+from residency.dataplane.model.engine import generate
+from residency.events import catalog as ev
+from tests.model.helpers_model import write_hf_dir
+from tests.model.test_model_moe import TINY_OLMOE
+from tests.serving.server import Server, read_ledger
+from tests.serving.test_moe_serve import wait_for_model
+
+pytestmark = [pytest.mark.slow]
+
+NAME = "tiny-olmoe"
+
+
+def test_experts_offloaded_to_a_quarter_serve_the_all_resident_text_and_every_move_is_recorded(tmp_path, rng, capsys):
+    path = str(tmp_path / NAME)
+    write_hf_dir(path, random_model(TINY_OLMOE, seed=rng.randrange(1 << 30)))
+    server = Server(tmp_path, "--model", path, "--no-policies", "--expert-budget", "25%")
+    messages = [{"role": "user", "content": "which experts answer, and where do they live?"}]
+    try:
+        wait_for_model(server, NAME)
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": NAME, "messages": messages, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+    finally:
+        assert server.stop() == 0, server.tail()
+
+    # the all-resident model, through the runner alone
+    torch.set_num_threads(1)
+    model = load_model(path)
+    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = generate(model, [model.tokenizer.encode(prompt)], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    answer = body["choices"][0]["message"]["content"]
+    assert out.text.startswith(answer) and set(out.text[len(answer):]) <= {"\ufffd"}
+    assert body["usage"]["completion_tokens"] == len(out.token_ids)
+
+    events, _ = read_ledger(server.ledger)
+    moved = [r.event for r in events if type(r.event) is ev.ExpertsMoved]
+    slots = TINY_OLMOE.num_experts // 4
+    first, rest = moved[0], moved[1:]
+    assert first.step == 0 and len(first.moves) == TINY_OLMOE.num_layers * slots          # the placement
+    assert {m.kind for m in first.moves} == {"fetch"}
+    assert rest and all(e.step > 0 for e in rest) and any(m.kind == "evict" for e in rest for m in e.moves)
+    assert all(m.ns is not None for e in moved for m in e.moves)
+    steps = {r.event.step for r in events if type(r.event) is ev.StepCompleted}
+    assert {e.step for e in rest} <= steps
+    pinned = [r.event for r in events if type(r.event) is ev.PinnedRegistered and r.event.owner == "experts"]
+    assert sum(p.bytes for p in pinned) >= first.host_bytes
+
+    assert main(["audit", "experts", "--db", server.ledger, "--json"]) == 0
+    (w,) = json.loads(capsys.readouterr().out)["workers"]
+    eb = TINY_OLMOE.expert_bytes(torch.float32)
+    assert w["tiers"] == {"host": TINY_OLMOE.num_layers * TINY_OLMOE.num_experts * eb,
+                          "device": TINY_OLMOE.num_layers * slots * eb}
+    assert 0 < w["served_from_device"] < 1
+    assert sum(x["fetches"] for x in w["experts"]) <= sum(1 for e in moved for m in e.moves if m.kind == "fetch")
+
+    # the detectors read the same rows (an expert_thrash finding is fair at a quarter: routing is random)
+    assert main(["diagnose", "--db", server.ledger, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["findings"]
+    assert all(f["detector"] in ("expert_thrash",) for f in found if f["severity"] != "info"), found
