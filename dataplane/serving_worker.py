@@ -125,9 +125,17 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     # captured once the pool exists, before the first request: every decode batch up to max_seqs
     # an offloaded MoE layer asks the host which experts it routed to: no graph can replay that
-    graphs = StepGraphs(model.runner) if offload is not None else StepGraphs.capture(
-        model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
-        max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
+    try:
+        graphs = StepGraphs(model.runner) if offload is not None else StepGraphs.capture(
+            model.runner, mover.device_pool.tensor, max_seqs=MAX_SEQS,
+            max_blocks_per_seq=graph_table_width(model.runner.max_positions, args.page_tokens))
+    except Exception as e:  # noqa: BLE001 - only a group's rank: graphs whose capture holds collectives
+        if spec is None:
+            raise
+        # NOTE: every rank captures the same sizes in the same order (their collectives pair up);
+        # one that fails runs eagerly, which issues the same collectives in the same order
+        log.warning("decode_graphs_not_captured", rank=spec.rank, error=repr(e))
+        graphs = StepGraphs(model.runner)
     loop = ServingLoop(worker=args.worker, runner=model.runner, tokenizer=model.tokenizer,
                        device_pool=mover.device_pool, model_id=args.served_model_name or model_id_for(args.model),
                        model_digest=model.kv_digest, page_tokens=args.page_tokens, keys_fn=block_content_keys,
