@@ -8,11 +8,14 @@ Three serve starts, all at once (the CPU is shared; each start is most of this f
            tp1; a park whose rank-1 shard is stranded while the others are acked; the divergence
            STOP; rank 1 killed mid-move; the ledger replays true and `residency diagnose` shows it
     tp2    refused at start: SmolLM2's heads do not divide by 2
+    pair   --tp 2 (gloo) with a tiny random Llama whose heads divide by 2: it serves, both ranks step
+           alike and move their halves of each block
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,6 +25,8 @@ import time
 import httpx
 import pytest
 
+from residency.dataplane.model import ModelConfig, random_model
+from tests.model.helpers_model import write_hf_dir
 from tests.serving.server import MODEL, Server, read_ledger
 
 CLI = [sys.executable, "-m", "residency.control.cli.main"]
@@ -29,6 +34,9 @@ COMMON = ("--drain-s", "0", "--no-policies", "--retain-prefixes", "0", "--no-kee
 PROMPTS = ["The capital of France is", "Write one sentence about the sea and a lighthouse keeper."]
 # requests 1-2: the greedy prompts, 3-4: alice's and bob's turns, 5: the one whose table rank 2 changes
 FAULTS = "on_rank=1,drop_ack=1,exec_delay_ms=3000;on_rank=2,diverge_table=5"
+TINY_LLAMA = ModelConfig(name="tiny-llama", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate=128, vocab_size=320, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5,
+                         max_position=2048, tie_embeddings=True)
 
 
 def start(tmp, name: str, *extra: str, faults: str = "") -> Server:
@@ -46,8 +54,10 @@ def start(tmp, name: str, *extra: str, faults: str = "") -> Server:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("groups")
+    tiny = str(tmp / "tiny-llama")
+    write_hf_dir(tiny, random_model(TINY_LLAMA, seed=random.randrange(1 << 30)))
     started = {"tp1": start(tmp, "tp1"), "tp3": start(tmp, "tp3", "--tp", "3", faults=FAULTS),
-               "tp2": start(tmp, "tp2", "--tp", "2")}
+               "tp2": start(tmp, "tp2", "--tp", "2"), "pair": start(tmp, "pair", "--tp", "2", "--model", tiny)}
     try:
         yield started
     finally:
@@ -73,6 +83,42 @@ def test_tp2_of_smollm2_is_refused_at_start_with_the_arithmetic(servers):
     assert rc != 0
     text = s.log_path.read_text()
     assert "refused to start" in text and "num_heads 9 % 2 = 1" in text and "num_kv_heads 3 % 2 = 1" in text
+
+
+def test_two_ranks_serve_a_model_that_splits_and_step_and_move_alike(servers):
+    s = servers["pair"]
+    deadline = time.monotonic() + 180          # Server.wait_ready waits for SmolLM2 by name
+    while time.monotonic() < deadline and s.proc.poll() is None:
+        try:
+            if httpx.get(f"{s.url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    model = httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "session_id": "carol"}
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert s.admin("POST", "/admin/sessions/carol/park").status_code == 200
+    s.stop()
+    events, state = read_ledger(s.ledger)
+    state.check_integrity()
+    es = [r.event for r in events]
+    joined = {e.worker: e for e in es if type(e).__name__ == "WorkerJoined"}
+    whole = 2 * TINY_LLAMA.num_layers * 16 * TINY_LLAMA.num_kv_heads * TINY_LLAMA.head_dim * 4    # float32 pages
+    assert {w: (j.group, j.rank, j.block_bytes) for w, j in joined.items()} == {0: ("tp0", 0, whole // 2),
+                                                                              1: ("tp0", 1, whole // 2)}
+    steps: dict[int, dict[int, tuple]] = {}
+    for e in es:
+        if type(e).__name__ == "StepCompleted":
+            steps.setdefault(e.step, {})[e.worker] = (e.batch_digest, e.tables_digest)
+    assert len(steps) >= 12 and all(len(set(by.values())) == 1 and len(by) == 2 for by in steps.values())
+    assert not [e for e in es if type(e).__name__ in ("GroupDiverged", "GroupStopped")]
+    parks = [e for e in es if type(e).__name__ == "MoveRequested" and e.kind == "park"]
+    assert sorted(e.worker for e in parks) == [0, 1] and len({tuple(e.blocks) for e in parks}) == 1
+    acked = {e.move_id: e for e in es if type(e).__name__ == "MoveAcked"}
+    assert [acked[e.move_id].bytes_moved for e in parks] == [len(parks[0].blocks) * whole // 2] * 2
 
 
 def test_one_group_of_three_ranks_serves_moves_stops_and_replays_true(servers):
