@@ -188,11 +188,13 @@ class GroupLoop:
             return []                 # a peer has not posted yet: read commands, try again
         agreed = agreed_order(posts)
         out: list = []
-        if agreed:
-            self._inject(agreed)
-            out = self.loop.step(only=agreed)
-        self.posted = None
-        self.rounds.done()
+        try:
+            if agreed:
+                self._inject(agreed)
+                out = self.loop.step(only=agreed)
+        finally:        # the round is spent either way: the next one is posted afresh by every rank
+            self.posted = None
+            self.rounds.done()
         for c in self.cancel_after:
             out += self.loop.handle(c)
         self.cancel_after = []
@@ -214,7 +216,7 @@ class GroupLoop:
         ids = list(s.cmd.block_ids)
         ids[-1] = ids[-1] + (1 << 40)
         s.cmd = msgspec.structs.replace(s.cmd, block_ids=ids)
-        f.counts["diverge_table"] = 1
+        self.faults.counts["diverge_table"] = 1
         log.warning("fault_injected_divergence", fault="diverge_table", step=self.loop.num_steps + 1,
                     request_id=s.request_id)
 

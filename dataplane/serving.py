@@ -356,13 +356,18 @@ class ServingLoop:
             rows = logits[[i for i, _ in ready]] if len(ready) < len(plan) else logits
             try:
                 tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
-                if self.agree_tokens is not None:
-                    tokens = self.agree_tokens(tokens)
                 lps = self._logprobs(rows, ready, tokens)
             except Exception as e:  # noqa: BLE001 - one sequence's failure must neither fail nor wedge the batch
                 self.log.error("sampling_failed", error=repr(e), num_seqs=len(ready))
                 out += self._sample_each(rows, ready)
                 return out
+            if self.agree_tokens is not None:       # a group's rank: rank 0's tokens, never its own guess
+                try:
+                    tokens = self.agree_tokens(list(tokens))
+                except Exception as e:  # noqa: BLE001 - the group's store failed: these sequences cannot go on
+                    self.log.error("tokens_not_agreed", error=repr(e), num_seqs=len(ready))
+                    return out + [self._finish(s, "error", error=f"the group's tokens were not told: {e}")
+                                  for _, s in ready]
             for j, ((_, s), t) in enumerate(zip(ready, tokens)):
                 out.append(self._advance(s, t, lps.get(j)))
         return out

@@ -111,3 +111,30 @@ def test_a_fault_spec_part_applies_to_its_rank_only():
     assert rank_faults_apply(spec, 0) == "seed=4"
     assert rank_faults_apply(spec, 1) == "on_rank=1,drop_ack=1,seed=4"
     assert rank_faults_apply(spec, 2) == "on_rank=2,diverge_table=3,seed=4"
+
+
+def test_the_diverge_fault_changes_one_page_of_the_nth_sequence_before_its_first_step(stores):
+    from types import SimpleNamespace
+
+    from residency.dataplane.faults import WorkerFaults
+    from residency.events.commands import Generate, SamplingParams
+
+    class Told(FakeLoop):
+        def handle(self, msg):
+            if isinstance(msg, Generate):
+                self.seqs[msg.request_id] = SimpleNamespace(cmd=msg, request_id=msg.request_id)
+                return []
+            return super().handle(msg)
+
+    faults = WorkerFaults("diverge_table=2")
+    loop = Told([])
+    g = GroupLoop(loop, StepRounds(stores[0], 0, 1), faults)      # a group of one: its own post agrees
+    for rid, pages in (("a", [3, 4]), ("b", [7, 8, 9])):
+        g.handle(Generate(request_id=rid, session=None, token_ids=[1, 2], block_ids=pages, num_cached_tokens=0,
+                          sampling=SamplingParams(max_tokens=1)))
+    g.step()
+    assert loop.ran == [["a", "b"]]
+    assert loop.seqs["a"].cmd.block_ids == [3, 4]
+    assert loop.seqs["b"].cmd.block_ids == [7, 8, 9 + (1 << 40)] and faults.counts == {"diverge_table": 1}
+    g.step()
+    assert loop.seqs["b"].cmd.block_ids == [7, 8, 9 + (1 << 40)]     # once
