@@ -2,8 +2,8 @@
 # One device call for the GPU figures: the kernel tests on the GPU, the move bench, the
 # control-plane overhead on a 2 GiB spill, and the 8B-shape multi-turn TTFT. Run through the
 # `device` tool with `.whl` carried:
-#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [moeoff] [e2e] [flip] [dial]
-#   (default: all but probe, trace, keepawake, moeoff, e2e, flip and dial; JSON under $OUT). flip pins ~32 GiB of host RAM and
+#   bash bench/gpu_session.sh [moves] [control] [probe] [cold] [ttft] [tests] [trace] [keepawake] [moe] [moeoff] [e2e] [flip] [dial] [flipserve]
+#   (default: all but probe, trace, keepawake, moeoff, e2e, flip, dial and flipserve; JSON under $OUT). flip pins ~32 GiB of host RAM and
 #   writes a 16 GiB safetensors file under /tmp.
 # Prefix it with RESIDENCY_GIT_COMMIT=<the commit sent> (`git rev-parse HEAD` here): the device
 # machine's copy of .git can be older than the working tree it receives, and the JSON would name
@@ -19,7 +19,7 @@ if [[ $parts == *" tests "* ]]; then
   timeout 240 python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib tests/kernels tests/model/test_model_attention_kernels.py \
     tests/dataplane/test_mover_streams.py tests/dataplane/test_mover_chunked.py tests/dataplane/test_mover_ahead.py tests/dataplane/test_dma.py tests/bench/test_bench_variants.py tests/dataplane/test_mover_settle_beside.py tests/dataplane/test_mover_moves.py tests/dataplane/test_mover_verify.py tests/serving/test_serving_share_device.py \
     tests/dataplane/test_rotation.py tests/dataplane/test_weights_arena.py tests/serving/test_serving_graphs.py tests/dataplane/test_pool_resize.py \
-    tests/model/test_experts_offload.py 2>&1 | tail -6
+    tests/dataplane/test_mover_layered.py tests/serving/test_serving_pipelined_restore.py tests/model/test_experts_offload.py 2>&1 | tail -6
 fi
 [[ $parts == *" moves "* ]] && timeout 300 python3 bench/moves.py --reps 5 --both-reps 11 --latency-iters 100 \
   --out "$OUT/moves.json" 2>&1 | tail -50
@@ -58,4 +58,7 @@ fi
 [[ $parts == *" e2e "* ]] && timeout 500 python3 bench/serve_e2e.py --gpu ${E2E_ARGS:-} --out "$OUT/serve_e2e.json" 2>&1 | tail -30
 # the weights rotation (bench/flip.py): two 8B-shaped images through one arena
 [[ $parts == *" flip "* ]] && timeout 480 python3 bench/flip.py --device cuda --tmp-dir /tmp --out "$OUT/flip.json" 2>&1 | tail -16
+# flips, sleeps and wakes through the serving worker's core (bench/flip_serve.py): freed bytes, overlap seen
+[[ $parts == *" flipserve "* ]] && timeout 450 python3 bench/flip_serve.py --device cuda --out "$OUT/flip-serve.json" 2>&1 \
+  | grep -v '"level": "info"' | tail -18
 ls -la "$OUT"

@@ -22,7 +22,8 @@ transformers' ``generate`` on the same weights.
 Per level and variant: output tokens/s; served decode tokens/s (while streams decode) and the
 mean number of streams decoding; TTFT p50/p99 of first and returning turns; inter-token gap
 p50/p99 of the streams; restores against recomputes (the server's prefix decisions, from
-/metrics); bytes moved per move kind (acked MoveRequested in the level's window, from the
+/metrics), how many restored turns ran pipelined (their prefill reading each layer as it landed)
+and the mean time such a prefill waited for landing pages; bytes moved per move kind (acked MoveRequested in the level's window, from the
 ledger); ledger append lag p99 (defined in bench/e2e_server.py); requests failed.
 
 On the GPU the model is written first as a Hugging Face directory (bench/e2e_model.py): random
@@ -100,6 +101,15 @@ def run_variant(name: str, extra: list[str], args, cfg: dict, model_arg: list[st
             row["prefix_decisions"] = counter_diff(before, after, "residency_prefix_decisions", "decision")
             row["moves"] = counter_diff(before, after, "residency_moves", "*")
             row["prompt_tokens_by_source"] = counter_diff(before, after, "residency_prompt_tokens", "source")
+            # returning turns over a restore: pipelined (sent once the restore was dispatched, the
+            # prefill reading layers as they land) or plain; what those prefills waited for landing
+            # pages (the workers' measure); serving steps by decode path
+            row["restores_by_path"] = counter_diff(before, after, "residency_restores", "path")
+            row["steps_by_path"] = counter_diff(before, after, "residency_serving_steps", "path")
+            waits = {k: after.get((f"residency_restore_wait_seconds_{k}", ()), 0.0)
+                     - before.get((f"residency_restore_wait_seconds_{k}", ()), 0.0) for k in ("sum", "count")}
+            row["restore_waits"] = int(waits["count"])
+            row["restore_wait_ms_mean"] = waits["sum"] * 1e3 / waits["count"] if waits["count"] else None
             row["ledger_lag_ms_p50"], row["ledger_lag_ms_p99"] = pct(lag.samples_ms, 50), pct(lag.samples_ms, 99)
             row["ledger_lag_ms_max"] = max(lag.samples_ms, default=None)
             row["ledger_lag_samples"], row["ledger_lag_unmeasured"] = len(lag.samples_ms), lag.num_unmeasured
@@ -165,8 +175,8 @@ def fmt(v, spec: str = ".0f") -> str:
 
 def table(doc: dict) -> list[str]:
     rows = [f"{'variant':<12}{'c':>4}{'out tok/s':>10}{'dec tok/s':>10}{'streams':>8}{'TTFT1 p50':>10}{'p99':>8}"
-            f"{'TTFTn p50':>10}{'p99':>8}{'ITL p50':>8}{'p99':>8}{'restore':>8}{'recomp':>7}{'MiB moved':>10}"
-            f"{'lag p99':>8}{'failed':>7}"]
+            f"{'TTFTn p50':>10}{'p99':>8}{'ITL p50':>8}{'p99':>8}{'restore':>8}{'piped':>6}{'recomp':>7}"
+            f"{'wait ms':>8}{'MiB moved':>10}{'lag p99':>8}{'failed':>7}"]
     for name, v in doc["variants"].items():
         for c, r in v["levels"].items():
             d = r["prefix_decisions"]
@@ -174,7 +184,8 @@ def table(doc: dict) -> list[str]:
                         f"{fmt(r['decode_streams_mean'], '.1f'):>8}{fmt(r['ttft_first_ms_p50']):>10}"
                         f"{fmt(r['ttft_first_ms_p99']):>8}{fmt(r['ttft_returning_ms_p50']):>10}"
                         f"{fmt(r['ttft_returning_ms_p99']):>8}{fmt(r['itl_ms_p50'], '.1f'):>8}{fmt(r['itl_ms_p99'], '.1f'):>8}"
-                        f"{int(d.get('restore', 0)):>8}{int(d.get('recompute', 0)):>7}"
+                        f"{int(d.get('restore', 0)):>8}{int(r.get('restores_by_path', {}).get('pipelined', 0)):>6}"
+                        f"{int(d.get('recompute', 0)):>7}{fmt(r.get('restore_wait_ms_mean'), '.1f'):>8}"
                         f"{fmt(None if r.get('bytes_moved') is None else r['bytes_moved'] / 2**20, '.1f'):>10}"
                         f"{fmt(r['ledger_lag_ms_p99'], '.1f'):>8}{r['requests_failed']:>7}")
     b = doc.get("baselines") or {}

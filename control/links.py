@@ -331,7 +331,9 @@ class WorkerRegistry:
         weights = msg.device_owned.get("weights")
         if msg.model and weights is not None:
             self.recorder.record(ev.WeightsLoaded(worker=w, arena="weights", model=msg.model, bytes=weights,
-                                                  allocator_bytes=msg.weights_allocator_bytes))
+                                                  allocator_bytes=msg.weights_allocator_bytes,
+                                                  tier_bytes=dict(msg.weights_tier_bytes),
+                                                  checksum=msg.weights_checksum))
         for owner, nbytes in msg.pinned.items():
             self.recorder.record(ev.PinnedRegistered(worker=w, owner=owner, bytes=nbytes))
 

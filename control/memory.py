@@ -7,7 +7,8 @@ Per worker and tier:
 
     capacity    = the tier's KV pool (as the worker reported it) + bytes held beside it
     used        = KV bytes on the tier (the fold's books) + bytes held beside it
-    beside it   device: the weights and the mover's scratch (WorkerJoined.device_owned);
+    beside it   device: the weights, the mover's scratch and the captured decode graphs
+                        (WorkerJoined.device_owned; graphs None where not measured: a CPU worker);
                 host:   pinned rings, i.e. every pinned grant but the host pool's own
     hot         = bytes in use that must not move now: pages running requests read or write,
                   pages of moves in flight, and everything held beside the pool
@@ -40,12 +41,13 @@ class Tenants(msgspec.Struct, kw_only=True):
     unowned_kv: int = 0                # blocks of no session (operator commits)
     weights: int = 0
     scratch: int = 0
+    graphs: int | None = None          # captured CUDA graphs' memory (None: not measured, e.g. on CPU)
     pinned_rings: int = 0
     outside: dict[str, int] = {}       # tenant -> bytes lent to it (reclaim)
 
     def total(self) -> int:
         return (self.session_kv + self.retained_prefixes + self.unowned_kv + self.weights + self.scratch
-                + self.pinned_rings + sum(self.outside.values()))
+                + (self.graphs or 0) + self.pinned_rings + sum(self.outside.values()))
 
 
 class TierView(msgspec.Struct, kw_only=True):
@@ -131,7 +133,8 @@ def worker_view(state: State, worker: int, busy: set[int] | None, report: Memory
             if bid in moving[t] or (t == "device" and (busy is None or bid in busy)):
                 hot_counts[t] += 1
     per_tier["device"].weights = ws.device_owned.get("weights", 0)
-    per_tier["device"].scratch = sum(v for k, v in ws.device_owned.items() if k != "weights")
+    per_tier["device"].scratch = sum(v for k, v in ws.device_owned.items() if k not in ("weights", "graphs"))
+    per_tier["device"].graphs = ws.device_owned.get("graphs")       # absent: not measured
     per_tier["host"].pinned_rings = sum(v for k, v in ws.pinned.items() if k != HOST_POOL_OWNER)
     # lent to outside tenants (reclaim): the device's bytes, held by another process, never ours to free
     per_tier["device"].outside = dict(ws.tenants)
@@ -140,7 +143,7 @@ def worker_view(state: State, worker: int, busy: set[int] | None, report: Memory
         acc = ws.tiers.get(t)
         kv_cap, kv_used = (acc.capacity_bytes, acc.used_bytes) if acc is not None else (0, 0)
         ten = per_tier[t]
-        beside = ten.weights + ten.scratch + ten.pinned_rings + sum(ten.outside.values())
+        beside = ten.weights + ten.scratch + (ten.graphs or 0) + ten.pinned_rings + sum(ten.outside.values())
         # the fold's used is the truth; blocks the walk above could not place are shown apart
         ten.unowned_kv += kv_used - counts[t] * bb
         hot = hot_counts[t] * bb + beside

@@ -37,9 +37,15 @@ def pool_sizing(args, meter: sz.Meter, block_bytes: int, weights_bytes: int, min
                         min_blocks=min_blocks)
 
 
+def _serves(model) -> bool:
+    """``--model`` (repeated: a list) names at least one model ('none' and '' name none)."""
+    values = [model] if isinstance(model, str) else list(model or [])
+    return any(v not in ("", "none") for v in values)
+
+
 def build_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     """The worker's core and its block size: a model's (``--model``), else the tier mover's of ``--kv-layout``."""
-    if getattr(args, "model", None) not in (None, "", "none"):
+    if _serves(getattr(args, "model", None)):
         from residency.dataplane.serving_worker import build_serving_core  # noqa: PLC0415 - the model sets the layout
         return build_serving_core(args, faults)
     import torch  # noqa: PLC0415 - seconds of import, only once the worker knows it needs it

@@ -31,12 +31,14 @@ import zmq
 from residency.dataplane.ahead import AheadWatch
 from residency.dataplane.faults import WorkerFaults
 from residency.dataplane.outbox import Outbox
+from residency.dataplane.restore_pipeline import PASSES
 from residency.dataplane.transport import UNEXPECTED, ControlLink, WorkerTransportError
 from residency.dataplane.worker import WorkerCore, WorkerRecord, command_ref, run_guarded, step_guarded
 from residency.events.commands import CommandAhead, ErrorReply, ExecuteMove, LaneHello, MoveNearlyDone, ReleaseBlocks
 
 log = structlog.get_logger("dataplane.device_thread")
 IDLE_POLL_MS = 100
+KEPT_POLL_MS = 1          # while a kept restore lands (dataplane/restore_pipeline.py)
 # A bench's instrument (bench/worker.py --report-timings): after a move or a release run from
 # the lane, ``after_move(cmd, marks)`` gives the messages to send after its outcome. The marks
 # are wall-clock ns, named as MoveTimed's fields: received (read off the socket), queued (claimed,
@@ -101,24 +103,35 @@ class DeviceThread:
         poller = zmq.Poller()
         poller.register(lane.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        kept = self.core.restores
         try:
             while self._run_jobs(out):
                 self.num_turns += 1
                 bg = self.core.background
                 busy = bg is not None and bg[0]() and self.core.ahead is None
+                # a kept restore is looked at every KEPT_POLL_MS while nothing else wakes the thread
+                idle_ms = KEPT_POLL_MS if kept is not None and kept.kept else IDLE_POLL_MS
                 if self.ahead.watching(busy):        # a command is on its way (CommandAhead)
-                    ready = self.ahead.poll(poller, out.timeout_ms(IDLE_POLL_MS))
+                    ready = self.ahead.poll(poller, out.timeout_ms(idle_ms))
                 else:
-                    ready = dict(poller.poll(0 if busy else out.timeout_ms(IDLE_POLL_MS)))
+                    ready = dict(poller.poll(0 if busy else out.timeout_ms(idle_ms)))
                 if self._wake_r in ready:
                     self._drain_wake()
                 out.tick()
                 ran = lane.sock in ready and self._read(lane, out)
                 if busy and not ran:
                     self.faults.before_step()
-                    for r in step_guarded(bg[1]):
+                    replies = step_guarded(bg[1])
+                    self._send_settled(out)          # a restore the step settled: its outcome before the tokens
+                    for r in replies:
                         out.send(r)
+                if kept is not None and kept.kept:
+                    kept.poll()                      # landed: verified, committed and answered now
+                self._send_settled(out)
         finally:
+            if kept is not None:
+                kept.settle_all()
+                self._send_settled(out)
             self.core.drop_ahead("the device thread stopped")
             if move_ctx is not None:
                 move_ctx.on_nearly_done = None
@@ -136,6 +149,7 @@ class DeviceThread:
             if job is _SAY_HELLO:
                 out.send(LaneHello(worker=self.worker, epoch=self.epoch))
                 continue
+            self._settle_kept(out)       # a handed command finds every restore finished
             replies = run_guarded(job, self.core.run)
             if type(job) is ExecuteMove:
                 self.faults.move_executed(job.move_id)
@@ -175,6 +189,8 @@ class DeviceThread:
             self.ahead.on_hint(cmd, recv_ns)
             return
         self.ahead.command_came()
+        if t not in PASSES:
+            self._settle_kept(out)       # only a Generate or a cancel runs before a kept restore is finished
         if t is ExecuteMove or t is ReleaseBlocks:
             ref = command_ref(cmd)
             verdict, replies = self.record.claim(ref)
@@ -199,7 +215,31 @@ class DeviceThread:
         elif t not in self.core.handlers:
             out.send(ErrorReply(error=UNEXPECTED, detail=f"{t.__name__} has no handler on the device thread"))
             return
-        out.deliver(cmd, *self._run_command(out, cmd))
+        replies, early = self._run_command(out, cmd)
+        if t is ExecuteMove and self._kept(cmd.move_id):
+            return                       # its outcome leaves when it is settled (_send_settled)
+        out.deliver(cmd, replies, early)
+
+    # ------------------------------------------------------------------ kept restores
+    def _kept(self, move_id: str) -> bool:
+        return self.core.restores is not None and self.core.restores.holds(move_id)
+
+    def _settle_kept(self, out: Outbox) -> None:
+        """Finish every kept restore and send its outcome (before a command that must see it finished)."""
+        if self.core.restores is not None and self.core.restores.kept:
+            self.core.restores.settle_all()
+        self._send_settled(out)
+
+    def _send_settled(self, out: Outbox) -> None:
+        """The outcomes of the kept restores settled since the last call, each followed by what the
+        serving loop answered to it (the sequences it failed)."""
+        if self.core.restores is None:
+            return
+        for cmd, outcome, replies in self.core.restores.take():
+            self.faults.move_executed(cmd.move_id)
+            out.deliver(cmd, [outcome])
+            for r in replies:
+                out.send(r)
 
     def _run_command(self, out: Outbox, cmd) -> tuple[list, object]:
         """Run a command: its replies, and the outcome among them already sent (or None)."""
@@ -225,11 +265,15 @@ class DeviceThread:
         hooked = hasattr(mover, "on_outcome")
         if hooked:
             mover.on_outcome = on_outcome
+        self.core.may_keep = True         # its outcome leaves from here: a restore may be kept
         try:
             replies = run_guarded(cmd, self.core.run)
         finally:
+            self.core.may_keep = False
             if hooked:
                 mover.on_outcome = None
+        if self._kept(cmd.move_id):
+            return replies, None          # counted when its outcome is handed over
         if not counted:
             self.faults.move_executed(cmd.move_id)
         return replies, early[0] if early else None

@@ -20,7 +20,7 @@ from residency.events.commands import MemoryReport, PinnedChanged, PoolSizing
 class MemoryBooks:
     def __init__(self, worker: int, device: str, pinned_budget, sizing: PoolSizing | None, *,
                  model: str = "", weights_bytes: int = 0, weights_allocator_bytes: int | None = None,
-                 scratch_bytes: int | None = None):
+                 scratch_bytes: int | None = None, graphs_bytes: int | None = None):
         self.worker, self.device = worker, device
         self.budget = pinned_budget
         self.sizing = sizing
@@ -30,11 +30,26 @@ class MemoryBooks:
         self.device_owned = {"weights": weights_bytes} if weights_bytes else {}
         if scratch_bytes:
             self.device_owned["scratch"] = scratch_bytes
+        # the resident model's image by tier and its checksum (hex; "" not taken), for WeightsLoaded
+        self.weights_tier_bytes: dict[str, int] = {}
+        self.weights_checksum = ""
+        # captured decode graphs' memory pool, as measured at capture; no key: not measured (CPU,
+        # or none captured), which the memory view shows as None, never 0
+        if graphs_bytes is not None:
+            self.device_owned["graphs"] = graphs_bytes
         self._lock = threading.Lock()
         self._changes: list[PinnedChanged] = []
         self._said_hello = False
         if pinned_budget is not None:
             pinned_budget.listener = self.on_grant
+
+    def set_weights(self, model: str, device_bytes: int, tier_bytes: dict[str, int], checksum: str) -> None:
+        """The weights arena changed (a flip, a sleep, a wake: dataplane/weights_swap.py): what the
+        next Hello and probe say. The device thread; read under the lock."""
+        with self._lock:
+            self.model = model
+            self.device_owned["weights"] = device_bytes
+            self.weights_tier_bytes, self.weights_checksum = dict(tier_bytes), checksum
 
     # ------------------------------------------------------------ pinned grants
     def on_grant(self, owner: str, nbytes: int, registered: bool) -> None:
@@ -58,7 +73,8 @@ class MemoryBooks:
             self._said_hello = True
             return dict(pinned=self.pinned_by_owner(), device_owned=dict(self.device_owned), model=self.model,
                         weights_allocator_bytes=self.weights_allocator_bytes, sizing=self.sizing,
-                        pinned_limit_bytes=self.budget.limit_bytes if self.budget is not None else None)
+                        pinned_limit_bytes=self.budget.limit_bytes if self.budget is not None else None,
+                        weights_tier_bytes=dict(self.weights_tier_bytes), weights_checksum=self.weights_checksum)
 
     def take_changes(self) -> list[PinnedChanged]:
         with self._lock:
@@ -85,7 +101,9 @@ class MemoryBooks:
         in_use = limit = None
         if self.budget is not None:
             in_use, limit = self.budget.in_use_bytes, self.budget.limit_bytes
+        with self._lock:
+            owned = dict(self.device_owned)
         return MemoryReport(worker=self.worker, nonce=nonce, device_total_bytes=total, device_free_bytes=free,
                             allocator_allocated_bytes=allocated, allocator_reserved_bytes=reserved,
-                            pinned_in_use_bytes=in_use, pinned_limit_bytes=limit)
+                            pinned_in_use_bytes=in_use, pinned_limit_bytes=limit, device_owned=owned)
 

@@ -35,6 +35,7 @@ import torch
 from residency.dataplane.block_ops import BlockOps, seeded_words
 from residency.dataplane.moves import EXECUTORS, PRIME_CHUNKS, Copier, DeviceStaging, InFlight, MoveContext, validate
 from residency.dataplane.moves.dma import RawDma, TorchDma, dma_issuer
+from residency.dataplane.moves.layered import RestoreByLayer
 from residency.dataplane.moves.record import MoveRecord, Outcome
 from residency.dataplane.pools import DataPlaneError, IntegrityError, KVLayout, TornPool
 from residency.dataplane.rebind import attach_mover_readers
@@ -101,11 +102,14 @@ class Mover:
         clock: Callable[[], int] = time.time_ns,
         dma: TorchDma | RawDma | None = None,
         copier: Callable[..., Copier] = Copier,
+        layered_restores: bool = False,
     ):
         """``pipeline_blocks``: blocks per pipelined chunk of a device<->host move. ``dma``: how
         runs of rows are copied (None: the runtime's own, ``dma_issuer``); the copy mode follows
         from it (``copy_modes_for``). ``copier``: what copies a device<->host move's blocks (the
-        benches pass their own variants to compare against it)."""
+        benches pass their own variants to compare against it). ``layered_restores``: restores from
+        the host land layer by layer (``RestoreByLayer``), so a prefill can read each layer as it
+        lands (a serving worker's; see ``landing``)."""
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DataPlaneError(f"device {device!r} asked for, but this host has no CUDA device")
@@ -131,6 +135,7 @@ class Mover:
             staging=DeviceStaging(layout, pipeline_blocks, dev), copy_modes=copy_modes_for(dma),
             pipeline_blocks=pipeline_blocks, clock=clock, dma=dma, copier=copier,
         )
+        self.layered_restores = layered_restores
         self.record = MoveRecord(worker, self.log)
         self._inflight: dict[str, InFlight] = {}
         self._busy: dict[int, str] = {}
@@ -181,6 +186,15 @@ class Mover:
             except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
                 self._fail(mv, e)
         return MoveTicket(cmd.move_id)
+
+    def submit_own(self, cmd: ExecuteMove) -> MoveTicket:
+        """``submit``, for a move only its own ``wait`` may finish (never settled beside another
+        move's): its caller finishes it when it chooses (dataplane/restore_pipeline.py)."""
+        ticket = self.submit(cmd)
+        mv = self._inflight.get(cmd.move_id)
+        if mv is not None:
+            mv.own_wait = True
+        return ticket
 
     def submit_many(self, cmds: Iterable[ExecuteMove]) -> list[MoveTicket]:
         """Begin moves meant to run together (a spill and a restore): every move reaches the link
@@ -241,7 +255,9 @@ class Mover:
             if record:
                 self.record.add(plan)
             return None
-        mv = EXECUTORS[plan.route](self.ctx, plan, self.clock())
+        executor = RestoreByLayer if self.layered_restores and plan.route == RestoreByLayer.route else \
+            EXECUTORS[plan.route]
+        mv = executor(self.ctx, plan, self.clock())
         mv.phases["submitted"] = t0
         mv.mark("validated")
         self._busy.update(dict.fromkeys(plan.blocks, cmd.move_id))
@@ -303,7 +319,8 @@ class Mover:
         if not target.chunked():
             return
         while True:
-            others = [m for m in self._inflight.values() if m is not target and m.pending is None and not m.ahead]
+            others = [m for m in self._inflight.values()
+                      if m is not target and m.pending is None and not m.ahead and not m.own_wait]
             if not others:
                 return
             try:                              # an event that cannot be queried: each move's own
@@ -332,6 +349,27 @@ class Mover:
             except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
                 self._fail(mv, e)
         return left
+
+    def landing(self, move_id: str) -> tuple[list, dict[int, int]] | None:
+        """A layer-by-layer restore in flight: (per layer, the wait for it; block -> the slot it
+        lands in). None: not in flight here, or not landing by layer. Its blocks are not
+        published: whoever reads them before ``wait`` returns an ack must not let anything
+        computed from them out unless it does (dataplane/restore_pipeline.py)."""
+        mv = self._inflight.get(move_id)
+        if type(mv) is not RestoreByLayer:
+            return None
+        return mv.landing()
+
+    def device_done(self, move_id: str) -> bool:
+        """Whether the move's copies (and checksums) are done, so ``wait`` would not block on them
+        (False for a move not in flight, or whose route cannot tell)."""
+        mv = self._inflight.get(move_id)
+        if mv is None:
+            return False
+        try:
+            return mv.pending is None and mv.device_done()
+        except Exception:  # noqa: BLE001 - its wait will say why
+            return True
 
     def outcome_of(self, move_id: str) -> Outcome | None:
         """The recorded outcome, or None if unknown here or still in flight."""
@@ -366,6 +404,12 @@ class Mover:
         deque(map(self._busy.pop, mv.ids, repeat(None, len(mv.ids))), maxlen=0)
 
     # ------------------------------------------------------------ early start
+    def keep_own(self, move_id: str) -> None:
+        """A move in flight (an early start whose command came) is finished only by its own ``wait``."""
+        mv = self._inflight.get(move_id)
+        if mv is not None:
+            mv.own_wait = True
+
     def begin_ahead(self, cmd: ExecuteMove) -> bool:
         """Begin a device <-> host move whose command has not come yet (an early start: its
         CommandAhead came first, riding on the control's commit of ``MoveRequested``). Admitted

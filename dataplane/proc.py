@@ -79,7 +79,7 @@ class WorkerProc:
             self.side.stop()
             self.io.send_handed_back()
             try:
-                self.core.mover.close()
+                self.core.close()
             except Exception as e:  # noqa: BLE001 - logged once, the process is ending anyway
                 self.log.warning("mover_close_failed", error=repr(e))
             self.io.close()

@@ -12,6 +12,7 @@ A step can hold several sequences whose pages land; their waits for layer l are 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from residency.dataplane.model.runner import LayerReady
@@ -57,4 +58,53 @@ def join_layers(per_seq: Sequence[Sequence[LayerReady]], num_layers: int) -> lis
     return [AllOf([x[layer] for x in lists]) for layer in range(num_layers)]
 
 
-__all__ = ["AllOf", "LANDED", "join_layers", "landed"]
+class WaitClock:
+    """What the forwards' waits for landing layers cost, as measured where they wait: on the host
+    (a CPU gate blocks the thread) or on the compute stream (a CUDA gate: an event pair around
+    each ``wait``, read after the step synchronised). ``take`` returns the total and starts again."""
+
+    def __init__(self):
+        self.host_ns = 0
+        self.pairs: list = []
+
+    def take(self) -> int:
+        total = self.host_ns
+        for a, b in self.pairs:
+            b.synchronize()
+            total += int(a.elapsed_time(b) * 1e6)
+        self.host_ns, self.pairs = 0, []
+        return total
+
+
+class Timed:
+    """A layer's wait, timed into a ``WaitClock``."""
+
+    def __init__(self, wait: LayerReady, clock: WaitClock):
+        self.inner, self.clock = wait, clock
+
+    def wait(self) -> None:
+        if _on_cuda(self.inner):
+            import torch  # noqa: PLC0415
+
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self.inner.wait()
+            b.record()
+            self.clock.pairs.append((a, b))
+            return
+        t0 = time.perf_counter_ns()
+        self.inner.wait()
+        self.clock.host_ns += time.perf_counter_ns() - t0
+
+
+def _on_cuda(w) -> bool:
+    if isinstance(w, AllOf):
+        return any(_on_cuda(x) for x in w.waits)
+    return type(w).__module__.startswith("torch")
+
+
+def timed(waits: Sequence[LayerReady], clock: WaitClock) -> list[LayerReady]:
+    return [Timed(w, clock) for w in waits]
+
+
+__all__ = ["AllOf", "LANDED", "Timed", "WaitClock", "join_layers", "landed", "timed"]

@@ -35,7 +35,8 @@ from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from residency.dataplane.pools import DataPlaneError, TornPool
 from residency.dataplane.pools.readers import check_fits
-from residency.dataplane.restore_layers import join_layers
+from residency.dataplane.restore_layers import WaitClock, join_layers, timed
+from residency.dataplane.restore_pipeline import settled_ok, why_not
 from residency.dataplane.serving_graphs import StepGraphs
 from residency.dataplane.serving_text import TextStream
 from residency.events.catalog import StepCompleted
@@ -64,6 +65,10 @@ class _Seq:
     # per layer, the wait for its reused pages still landing (a pipelined restore); dropped after
     # the first step that reads them (they are in place once that step's layer l has run)
     layer_ready: list | None = None
+    # the kept restore of its reused pages (Generate.awaits_move) until it is settled, and where its
+    # pages are landing meanwhile (block -> slot: reserved, not yet published)
+    awaits: str = ""
+    landing: dict | None = None
     t_start_ns: int = field(default_factory=time.monotonic_ns)
 
     @property
@@ -92,6 +97,7 @@ class ServingLoop:
         max_seqs: int = 64,
         clock: Callable[[], int] = time.time_ns,
         graphs: StepGraphs | None = None,
+        restores=None,
     ):
         self.worker = worker
         self.runner = runner
@@ -109,6 +115,12 @@ class ServingLoop:
         self.vocab_size = runner.config.vocab_size
         self.seqs: dict[str, _Seq] = {}           # running, in arrival order (decodes and prefills)
         self.graphs = graphs or StepGraphs(runner)  # the forward: a captured decode graph or eager
+        # restores kept unfinished so a returning turn reads their layers as they land
+        # (dataplane/restore_pipeline.py KeptRestores); None: every reused page must be in place
+        self.restores = restores
+        if restores is not None:
+            restores.listener = self.restore_settled
+        self.wait_clock = WaitClock()            # what the steps' forwards waited for landing pages
         self.num_steps = 0
         # a rank of a group: the sampled tokens as the group's rank 0 decided them (dataplane/group.py)
         self.agree_tokens: Callable[[list[int]], list[int]] | None = None
@@ -138,6 +150,18 @@ class ServingLoop:
         self.pool.check_usable("serving")
         return self.kv
 
+    def use_model(self, runner: ModelRunner, tokenizer, model_id: str, model_digest: str,
+                  eos_token_ids: Sequence[int]) -> None:
+        """Serve another model from now on (a flip, dataplane/weights_swap.py): called between
+        steps with no sequence running; the pool's pages keep their shape (checked at start)."""
+        if self.seqs:
+            raise DataPlaneError(f"{len(self.seqs)} sequences still run on {self.model_id}")
+        self.runner, self.tokenizer = runner, tokenizer
+        self.model_id, self.model_digest = model_id, model_digest
+        self.eos = set(eos_token_ids)
+        self.max_positions = runner.max_positions
+        self.vocab_size = runner.config.vocab_size
+
     # ------------------------------------------------------------------ queries
     def ready(self, block_bytes: int) -> ServingReady:
         return ServingReady(
@@ -146,6 +170,7 @@ class ServingLoop:
             device_blocks=self.pool.num_slots, eos_token_ids=sorted(self.eos), max_seqs=self.max_seqs,
             pool_gen=self.pool.gen, readers=sorted(self.pool.readers),
             decode_graph_sizes=list(self.graphs.sizes), decode_graph_bytes=self.graphs.graph_bytes,
+            restore_overlap=self.restores is not None,
         )
 
     def has_work(self) -> bool:
@@ -236,12 +261,26 @@ class ServingLoop:
                 self._bound_pool()
             except TornPool as e:
                 problem = str(e)
+        landing = None
+        if problem is None and cmd.awaits_move and self.restores is not None:
+            if cmd.copy_from:               # copied before the prefill: the restore must be finished first
+                self.restores.settle(cmd.awaits_move)
+            else:
+                landing = self.restores.landing(cmd.awaits_move)
         if problem is None:
             reused = list(cmd.copy_from) or cmd.block_ids[:cached_pages]
             try:
-                self.pool.slots_of(reused)     # resident and verified, or this raises
+                if landing is not None:       # every reused page resident, or landing in the awaited restore
+                    missing = [b for b in reused if not self.pool.has(b) and b not in landing[1]]
+                    if missing:
+                        raise DataPlaneError(f"pages {missing[:8]} are neither resident nor in restore "
+                                             f"{cmd.awaits_move}")
+                else:
+                    self.pool.slots_of(reused)     # resident and verified, or this raises
             except DataPlaneError as e:
                 problem = f"{'pages to copy' if cmd.copy_from else 'reused pages'} not usable: {e}"
+                if cmd.awaits_move and self.restores is not None:      # say why the restore did not bring them
+                    problem += f" (restore {cmd.awaits_move}: {why_not(self.restores.settle(cmd.awaits_move))})"
             new_present = [b for b in cmd.block_ids[first_new:] if self.pool.has(b)]
             if problem is None and new_present:
                 problem = f"pages {new_present[:8]} are already in the pool"
@@ -267,7 +306,30 @@ class ServingLoop:
             text=TextStream(self.tokenizer, cmd.sampling.stop), sampling=sampling, generator=generator,
             layer_ready=list(layer_ready) if layer_ready is not None else None,
         )
+        if landing is not None:
+            seq = self.seqs[cmd.request_id]
+            seq.awaits, seq.landing, seq.layer_ready = cmd.awaits_move, landing[1], list(landing[0])
         return []
+
+    def restore_settled(self, move_id: str, outcome) -> list:
+        """A kept restore got its outcome (KeptRestores' listener): the sequences reading its pages
+        go on with them in place, or, if it failed, are failed (its error named; nothing they
+        computed from the pages was sent)."""
+        out = []
+        for s in [s for s in self.seqs.values() if s.awaits == move_id]:
+            if settled_ok(outcome):
+                s.awaits, s.landing, s.layer_ready = "", None, None
+            else:
+                out.append(self._finish(s, "error", error=f"restore {move_id} of its reused pages failed: "
+                                                          f"{why_not(outcome)}"))
+        return out
+
+    def _slots(self, s: _Seq, blocks: Sequence[int]) -> list[int]:
+        """The pool slots of ``blocks``; those still landing in the awaited restore, from it."""
+        if s.landing is None:
+            return self.pool.slots_of(blocks)
+        has = self.pool.has
+        return [self.pool.slot_of(b) if has(b) else s.landing[b] for b in blocks]
 
     def _copy_pages(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> str | None:
         """Copy another session's resident pages into fresh pages of this pool, on the stream the
@@ -309,9 +371,12 @@ class ServingLoop:
             if s.layer_ready is not None:
                 per_seq.append(s.layer_ready)
                 s.layer_ready = None
-        return join_layers(per_seq, self.runner.config.num_layers)
+        joined = join_layers(per_seq, self.runner.config.num_layers)
+        return timed(joined, self.wait_clock) if joined is not None else None
 
     def step(self, only: Collection[str] | None = None) -> list:
+        if self.restores is not None and self.restores.kept:
+            self.restores.poll()          # landed meanwhile: settled first (a failed one fails its sequences)
         plan = self._plan(only)
         if not plan:
             return []
@@ -327,23 +392,31 @@ class ServingLoop:
                     self.pool.allocate(s.cmd.block_ids[s.num_allocated:pages])
                     s.num_allocated = pages
                 batch.append(SeqInput(s.tokens[s.num_computed:end], s.num_computed,
-                                      self.pool.slots_of(s.cmd.block_ids[:pages])))
-            logits, path = self.graphs.forward(batch, kv, self._layer_waits(plan))
+                                      self._slots(s, s.cmd.block_ids[:pages])))
+            waits = self._layer_waits(plan)
+            logits, path = self.graphs.forward(batch, kv, waits)
         except Exception as e:  # noqa: BLE001 - a failed step fails its sequences, never the worker
             self.log.error("step_failed", error=repr(e), num_seqs=len(plan))
             for s, _ in plan:
                 out.append(self._finish(s, "error", error=f"{type(e).__name__}: {e}"))
             return out
+        waited = self.wait_clock.take() if waits is not None else None
+        # NOTE: what the step computed from pages still landing leaves only once their restore is
+        # verified: settled here, before any sampling (a failed one fails its sequences instead)
+        for mid in dict.fromkeys(s.awaits for s, _ in plan if s.awaits):
+            self.restores.settle(mid)
         duration = time.perf_counter_ns() - t0
         self.num_steps += 1
         digest = hashlib.blake2b(";".join(f"{s.request_id}:{s.num_computed}+{n}" for s, n in plan).encode(),
                                  digest_size=8).hexdigest()
         out.append(StepCompleted(worker=self.worker, step=self.num_steps, batch_digest=digest, num_seqs=len(plan),
                                  num_tokens=sum(n for _, n in plan), duration_ns=duration,
-                                 decode_path=path.path,
+                                 decode_path=path.path, restore_wait_ns=waited,
                                  tables_digest=tables_digest([(s.request_id, s.cmd.block_ids) for s, _ in plan])))
         ready = []
         for i, (s, n) in enumerate(plan):
+            if s.request_id not in self.seqs:            # failed with its restore: nothing of it leaves
+                continue
             s.num_computed += n
             if s.num_computed == len(s.tokens):          # every known token is in: sample the next
                 ready.append((i, s))

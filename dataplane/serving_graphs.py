@@ -157,6 +157,27 @@ class StepGraphs:
         self.gen = gen
         pool.stamp(self.name, gen)
 
+    # ------------------------------------------------------------ a reader of the weights arena
+    def drop(self) -> None:
+        """Let the graphs go (the weights they read are leaving the device): every step eager
+        until ``use_runner`` captures again."""
+        self.graphs, self.graph_bytes = None, None
+
+    def use_runner(self, runner: ModelRunner, kv_pool: torch.Tensor, *, max_seqs: int, max_blocks_per_seq: int,
+                   capture: bool) -> None:
+        """Run ``runner`` from now on (a flip or a wake: other weights, or the same at another
+        address); with ``capture``, its decode graphs are captured again over ``kv_pool`` (a
+        failed capture leaves every step eager, logged: slower, never wrong)."""
+        self.drop()
+        self.runner = runner
+        if not capture:
+            return
+        try:
+            fresh = StepGraphs.capture(runner, kv_pool, max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
+            self.graphs, self.graph_bytes = fresh.graphs, fresh.graph_bytes
+        except Exception as e:  # noqa: BLE001 - no graphs is a slower path, not a wrong one
+            log.warning("decode_graphs_dropped", error=repr(e))
+
     def choose(self, batch: Sequence[SeqInput], kv_pool: torch.Tensor, layers_landing: bool = False) -> DecodePath:
         page = kv_pool.shape[3]
         return decode_path(

@@ -43,7 +43,8 @@ class PoolSizingRefused(DataPlaneError):
 
 class StartRefused(DataPlaneError):
     """A worker that cannot start as configured, the message naming the numbers (an expert budget
-    that buys no device slot, or one given for a model without experts): the server stops with
+    that buys no device slot, or one given for a model without experts; models whose KV pages
+    differ, a model that cannot fit even alone, a model name given twice): the server stops with
     it, as it does for a refused pool."""
 
 
@@ -149,5 +150,5 @@ class Meter:
         return self.total_at_start, own_rss_bytes()
 
 
-__all__ = ["DEFAULT_FRACTION", "PoolSizingRefused", "default_fraction", "activation_reserve", "size_pool",
+__all__ = ["DEFAULT_FRACTION", "PoolSizingRefused", "StartRefused", "default_fraction", "activation_reserve", "size_pool",
            "explicit", "min_blocks_for", "explain", "Meter", "meminfo"]

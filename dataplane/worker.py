@@ -95,8 +95,22 @@ class WorkerCore:
         self.ahead_ns = 0
         # the memory books (dataplane/memory_books.py): sizing, weights, pinned grants, the probe
         self.books = None
+        # restores whose finish a serving worker keeps for later, so the Generate that follows can
+        # read their layers as they land (dataplane/restore_pipeline.py; set by serving_worker.attach),
+        # and whether the command running now may be kept so (the device thread's lane commands: their
+        # outcomes leave from the device thread, which sends a kept one when it is settled)
+        self.restores = None
+        self.may_keep = False
+        # what else holds pinned memory and must give it back at stop (the weights slab), before the mover
+        self.closers: list[Callable[[], None]] = []
         # a rank of a tensor-parallel group: its Hello's group, rank and ranks (dataplane/group.py)
         self.group_fields: dict = {}
+
+    def close(self) -> None:
+        """The worker stops: its other pinned holders, then the mover (moves finished first)."""
+        while self.closers:
+            self.closers.pop()()
+        self.mover.close()
 
     def register(self, msg_type: type, handler: Callable[[Any], list]) -> None:
         """A new command type run on the device thread; ``handler(cmd)`` returns the replies."""
@@ -138,6 +152,10 @@ class WorkerCore:
         if self.ahead is not None and not ahead:          # the same move_id, another command: never
             self.drop_ahead("its command differs from the one sent ahead")
         self.ahead = None
+        if self.may_keep and self.restores is not None and not self.faults.exec_delay_ms \
+                and self.restores.can_keep(cmd):
+            self.restores.keep(cmd, begun=ahead)     # its outcome leaves when it is settled
+            return []
         if ahead:                             # begun on its CommandAhead: finish it now
             if self.faults.exec_delay_ms:
                 time.sleep(self.faults.exec_delay_ms / 1000)

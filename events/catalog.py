@@ -357,6 +357,9 @@ class StepCompleted(Event):
     num_tokens: int
     duration_ns: int
     decode_path: str = ""             # "graph" (a captured CUDA graph replayed) | "eager"; "": not said
+    # time the step's forward waited for restored pages still landing (a pipelined restore), as the worker
+    # measured it; None: the step waited for none (or it could not measure)
+    restore_wait_ns: int | None = None
     # the digest of the step's block tables (each sequence's logical page ids, in batch order): the
     # ranks of a group compare it beside batch_digest; "": not said (a worker alone)
     tables_digest: str = ""

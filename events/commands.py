@@ -191,6 +191,10 @@ class Hello(Message):
     weights_allocator_bytes: int | None = None
     sizing: PoolSizing | None = None
     pinned_limit_bytes: int | None = None
+    # The resident model's image bytes by tier ("device": in the weights arena) and the image's
+    # checksum (hex; "" not taken yet), for WeightsLoaded (issue #28)
+    weights_tier_bytes: dict[str, int] = {}
+    weights_checksum: str = ""
     # A tensor-parallel group (docs/groups.md): its name ("" alone), this worker's rank in it and
     # how many ranks it has. Every rank holds its shard of every block of the group.
     group: str = ""
@@ -391,6 +395,8 @@ class MemoryReport(Message):
     allocator_reserved_bytes: int | None = None
     pinned_in_use_bytes: int | None = None      # the PinnedBudget's grants, as the worker counts them
     pinned_limit_bytes: int | None = None
+    device_owned: dict[str, int] = {}           # device bytes held outside the KV pool now, by owner
+                                                # ("weights": the arena; 0 while its weights sleep)
 
 
 class PinnedChanged(Message):

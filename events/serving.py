@@ -133,6 +133,10 @@ class Generate(Message):
     copy_from: list[int] = []
     model: str = ""                   # the model the request names ("": the resident one); a worker refuses
                                       # a Generate for a model its arena does not hold
+    # a restore of its reused pages that may still be landing (the control sent this Generate once the
+    # move was dispatched, before its ack): the prefill's layer l waits only for that layer's pages, and no
+    # token leaves before the move verified; the request fails if it does not ("": the pages are in place)
+    awaits_move: str = ""
 
 
 class CancelGenerate(Message):

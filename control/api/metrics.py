@@ -8,7 +8,7 @@ tier, moves by kind and outcome, stranded bytes, ledger append lag, queue depths
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from residency.control.scheduler.port import Backend, Usage
@@ -68,6 +68,20 @@ class _BackendCollector:
         yield CounterMetricFamily("residency_disk_dropped_bytes",
                                   "Disk files a new worker incarnation deleted as not the ledger's",
                                   value=s.disk_bytes_dropped)
+        steps = CounterMetricFamily("residency_serving_steps", "Serving steps (batched forwards) by decode path: "
+                                    "a captured CUDA graph replayed, or eager", labels=["path"])
+        for p, v in sorted(s.steps_by_path.items()):
+            steps.add_metric([p], v)
+        yield steps
+        restores = CounterMetricFamily("residency_restores", "Turns that ran over a restored prefix: pipelined (the "
+                                       "prefill read each layer as it landed) or plain (after the restore's ack)",
+                                       labels=["path"])
+        for p, v in sorted(s.restores_by_path.items()):
+            restores.add_metric([p], v)
+        yield restores
+        yield SummaryMetricFamily("residency_restore_wait_seconds",
+                                  "Time prefills waited for restored pages still landing, as the workers measured it "
+                                  "(per step that waited)", count_value=s.num_restore_waits, sum_value=s.restore_wait_s)
 
 
 class ApiMetrics:

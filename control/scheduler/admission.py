@@ -9,6 +9,7 @@ room, restore the prefix, run. Loop thread only.
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import msgspec
@@ -49,6 +50,11 @@ class Admission:
         self.park_backoff_s = park_backoff_s
         self._park_backoff: dict[str, int] = {}         # session -> no park asked before (ns)
         self._retry_posted = False
+        # restores whose turn ran: "pipelined" (its Generate sent once the restore was dispatched,
+        # the prefill reading layers as they land) or "plain" (sent after the restore's ack)
+        self.restores: collections.Counter = collections.Counter()
+        # pipelined restores whose turn runs while they land: move_id -> (worker, session, pages)
+        self._landing: dict[str, tuple[int, str | None, list[int]]] = {}
 
     def begin(self, r: RequestState) -> None:
         if r.cancelled:
@@ -149,10 +155,65 @@ class Admission:
             r.phase = "restoring"
             blocks = [b for bl in plan.restore.values() for b in bl]
             owner = plan.shared_from if plan.shared else r.session     # a shared prefix stays its donor's
+            pipelined = self._can_pipeline(r, plan)
+            # pipelined: answered once the MoveRequested is committed (its ExecuteMove then leaves
+            # first, write-ahead as always); the Generate follows it on the same ordered link
             self.asker.ask(AskMove(ask_id=self.asker.new_id("restore"), kind="restore", worker=r.worker,
-                                   blocks=blocks, session=owner), "serving", lambda ans: self._restored(r, ans))
+                                   blocks=blocks, session=owner, wait=not pipelined), "serving",
+                           (lambda ans: self._dispatched(r, ans)) if pipelined else (lambda ans: self._restored(r, ans)))
         else:
             self._run(r)
+
+    def _can_pipeline(self, r: RequestState, plan: Admit) -> bool:
+        """The worker starts a prefill while its restore lands (``ServingReady.restore_overlap``),
+        and the restore is one move from the host into the sequence's own reused pages (from disk
+        it goes through the host first; a shared prefix may be copied before the prefill)."""
+        ready = self.workers.ready.get(r.worker)
+        return (ready is not None and ready.restore_overlap and set(plan.restore) == {"host"}
+                and not plan.shared)
+
+    def _dispatched(self, r: RequestState, ans: AskAnswered) -> None:
+        """A pipelined restore's MoveRequested is committed and its command sent: the Generate goes
+        now, naming the move. Refused, invalid or not one move: as a plain restore that failed.
+        From here the worker answers for the restore: if it fails, so does this request (its
+        error to the client, its pages freed by the worker and recorded as for any error)."""
+        if r.phase == "done":
+            return
+        refused = any(type(e) is ev.MoveRefused for e in ans.events)
+        if ans.error is not None or refused or len(ans.move_ids) != 1 or any(type(e) in TERMINAL for e in ans.events):
+            self._restored(r, ans)
+            return
+        if r.cancelled:
+            self.end_unstarted(r)
+            return
+        self.restores["pipelined"] += 1
+        self._landing[ans.move_ids[0]] = (r.worker, r.session, list(r.admit.reused))
+        self._run(r, awaits_move=ans.move_ids[0])
+
+    def on_outcome(self, event) -> None:
+        """A terminal event of a move (every one recorded). A pipelined restore that failed or was
+        rejected: the worker failed the turn that read it (its error reached the client, its own
+        pages were freed and recorded); its session gives up the prefix it could not bring back,
+        as a plain restore that failed does, so the next turn computes it instead of failing again."""
+        landing = self._landing.pop(event.move_id, None)
+        if landing is None or type(event) is ev.MoveAcked:
+            return
+        if type(event) is ev.MoveStranded:          # no answer yet: it may still land (a late ack)
+            self._landing[event.move_id] = landing
+            return
+        worker, session, pages = landing
+        if type(event) not in (ev.MoveFailed, ev.MoveRejected):
+            return
+        wb = self.proc.state.blocks.get(worker, {})
+        drop: dict[str, list[int]] = {}
+        for b in pages:
+            for t in (wb[b].tiers if b in wb else ()):
+                drop.setdefault(t, []).append(b)
+        log.warning("pipelined_restore_failed", move_id=event.move_id, session=session, outcome=type(event).__name__)
+        sched = self.workers.sched
+        sched.decisions["restore_failed"] = sched.decisions.get("restore_failed", 0) + 1
+        sched.forget_blocks(worker, set(pages))
+        self.asker.release(worker, drop, "restore_failed", session)
 
     def _wait(self, r: RequestState, plan: Wait, now: int) -> None:
         if r.phase != "waiting":
@@ -200,9 +261,11 @@ class Admission:
             admit = self.workers.sched.recompute_instead(self.proc.state, r.request_id)
             self.asker.release(r.worker, admit.drop, "restore_failed", r.session)
             r.admit = admit
+        else:
+            self.restores["plain"] += 1
         self._run(r)
 
-    def _run(self, r: RequestState) -> None:
+    def _run(self, r: RequestState, awaits_move: str = "") -> None:
         a: Admit = r.admit
         if r.cancelled:
             self.end_unstarted(r)
@@ -211,7 +274,8 @@ class Admission:
         sampling = msgspec.structs.replace(r.req.sampling, max_tokens=r.max_tokens)
         cmd = Generate(request_id=r.request_id, session=r.session, token_ids=r.token_ids, block_ids=a.blocks,
                        num_cached_tokens=a.num_cached_tokens, sampling=sampling,
-                       free_on_finish=r.session is None, copy_from=list(a.shared) if a.copied else [])
+                       free_on_finish=r.session is None, copy_from=list(a.shared) if a.copied else [],
+                       awaits_move=awaits_move)
         failed = self._send(r.worker, cmd)
         if failed is not None:
             self.end_unstarted(r, reason="error", error=failed)

@@ -3,14 +3,18 @@
     recompute  ─ prefill the cached tokens again:            cached_tokens / prefill_tokens_per_s
     restore    ─ copy the pages back, minus what hides        max(0, transfer_s - hidden_s) + fixed_s
                  behind the prefill of the new tokens:        hidden_s = new_tokens / prefill_tokens_per_s
-                                                                         (0 when the worker cannot overlap)
+                                                                         (0 when the worker cannot overlap,
+                                                                          or no prefill was measured yet)
     transfer_s = Σ bytes_from_tier / bandwidth(tier→device)   (disk pages cross disk→host→device)
 
 A transfer hidden behind compute is nearly free, so raw bytes are never the price: only the
 unhidden remainder is. The same rule prices an offloaded MoE expert's fetch (``price_expert_fetch``:
 a prefetch hides behind a layer, a fetch on demand behind nothing), and the experts' measured
-copies (``ExpertsMoved``) teach the same host -> device bandwidth the restores do. Bandwidths and prefill speed start from configured values and follow what
-the workers measure (``MoveAcked`` times, step durations) as an exponentially weighted average.
+copies (``ExpertsMoved``) teach the same host -> device bandwidth the restores do. Bandwidths and
+prefill speed start from configured values and follow what the workers measure (``MoveAcked``
+times, step durations less what they waited for landing pages) as an exponentially weighted
+average. What hides is priced only from a measured prefill speed: until a worker has timed one, a
+restore is priced as if nothing hid (the safe direction).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class CostModel:
         self.fixed_restore_s = float(fixed_restore_s)
         self.overlap = overlap
         self.smoothing = smoothing
+        self.num_prefills_measured = 0   # steps that taught prefill_tokens_per_s (0: still the configured guess)
 
     # ------------------------------------------------------------------ decision
     def transfer_s(self, bytes_by_tier: dict[str, int]) -> float:
@@ -66,7 +71,7 @@ class CostModel:
     def decide(self, *, cached_tokens: int, new_tokens: int, bytes_by_tier: dict[str, int]) -> PrefixDecision:
         """Which choice adds less time to this request. Ties go to restore (no recompute work)."""
         transfer = self.transfer_s(bytes_by_tier)
-        hidden = new_tokens / self.prefill_tokens_per_s if self.overlap else 0.0
+        hidden = new_tokens / self.prefill_tokens_per_s if self.overlap and self.num_prefills_measured else 0.0
         restore = max(0.0, transfer - hidden) + self.fixed_restore_s
         recompute = cached_tokens / self.prefill_tokens_per_s
         choice = "restore" if restore <= recompute else "recompute"
@@ -110,3 +115,4 @@ class CostModel:
         if num_tokens < 16 or seconds <= 0:        # decode-sized steps say little about prefill speed
             return
         self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, num_tokens / seconds)
+        self.num_prefills_measured += 1

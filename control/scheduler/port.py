@@ -111,6 +111,10 @@ class BackendStats:
     draining: bool = False                        # stopping: new requests are refused
     disk_bytes_kept: int = 0                      # disk copies kept across worker incarnations (ledger)
     disk_bytes_dropped: int = 0                   # files a new incarnation deleted as not the ledger's
+    steps_by_path: dict[str, int] = field(default_factory=dict)     # serving steps by decode path: graph|eager
+    restores_by_path: dict[str, int] = field(default_factory=dict)  # turns run after a restore: pipelined|plain
+    restore_wait_s: float = 0.0                   # what prefills waited for landing pages, as the workers measured
+    num_restore_waits: int = 0                    # steps that waited for landing pages (the count of that sum)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ class ServingService:
                                    retain_fraction=retain_fraction, max_waiting=max_waiting,
                                    wait_timeout_s=wait_timeout_s, default_max_tokens=default_max_tokens)
         self.streams = GenerationStreams(proc, self.workers, self.requests, self.admission, self.book)
-        self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router)
+        self.serving_stats = ServingStats(proc, self.cost, self.workers, self.requests, self.router,
+                                          restores=self.admission.restores)
         # outside tenants' reclaims and releases (serve --tenant); the dial is given to it by serve
         self.reclaimer = Reclaimer(proc, self.workers, self.asker, tenants or {})
         self.reclaimer.dial = dial_of(proc)
@@ -223,7 +224,8 @@ class ServingService:
     # ================================================================== loop thread
     def on_step(self, link, msg: ev.StepCompleted) -> None:
         self.proc.record(msg)
-        self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, msg.duration_ns / 1e9)
+        # the prefill's own speed: what the step waited for restored pages still landing is not prefill
+        self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, (msg.duration_ns - (msg.restore_wait_ns or 0)) / 1e9)
         self.workers.wedge.observe_step(link.worker, msg.step, msg.duration_ns, time.monotonic_ns())
 
     def _on_experts(self, link, msg: ev.ExpertsMoved) -> None:
@@ -241,6 +243,8 @@ class ServingService:
     def _on_recorded(self, seq: int, event: ev.Event) -> None:
         self.serving_stats.observe(event)
         t = type(event)
+        if t in TERMINAL:
+            self.admission.on_outcome(event)
         if (t in TERMINAL or t is ev.BlocksFreed or t is ev.CopiesReleased or t is ev.RebindCommitted
                 or t is ev.RebindRefused):   # room may have appeared for a waiting request, or its pool reopened
             self.admission.retry_soon()

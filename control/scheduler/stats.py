@@ -19,7 +19,8 @@ from residency.events import catalog as ev
 
 
 class ServingStats:
-    def __init__(self, proc, cost: CostModel, workers: ServingWorkers, requests: RequestTable, router: Router):
+    def __init__(self, proc, cost: CostModel, workers: ServingWorkers, requests: RequestTable, router: Router,
+                 restores: collections.Counter | None = None):
         self.proc = proc
         self.cost = cost
         self.workers = workers
@@ -29,6 +30,10 @@ class ServingStats:
         self.disk_bytes_kept = 0          # WorkerLost.bytes_kept recorded by this process
         self._kind_of: dict[str, str] = {}
         self._src_of: dict[str, str] = {}                          # restore move -> source tier
+        self.restores = restores if restores is not None else collections.Counter()   # Admission's: by path
+        self.steps: collections.Counter = collections.Counter()     # StepCompleted by decode path
+        self.restore_wait_ns = 0          # StepCompleted.restore_wait_ns summed (the steps that said one)
+        self.num_restore_waits = 0
 
     def observe(self, event: ev.Event) -> None:
         """Every event the control process records, on its loop thread."""
@@ -45,6 +50,11 @@ class ServingStats:
                 src = self._src_of.pop(event.move_id, None)
                 if src is not None and t is ev.MoveAcked:
                     self.cost.observe_transfer(src, event.bytes_moved, (event.finished_ns - event.started_ns) / 1e9)
+        elif t is ev.StepCompleted:
+            self.steps[event.decode_path or "unsaid"] += 1
+            if event.restore_wait_ns is not None:
+                self.restore_wait_ns += event.restore_wait_ns
+                self.num_restore_waits += 1
         elif t is ev.WorkerLost:
             self.disk_bytes_kept += event.bytes_kept
 
@@ -73,4 +83,6 @@ class ServingStats:
             restore_decisions=dict(sched.decisions) if sched is not None else {}, routed=dict(self.router.routed),
             draining=draining, disk_bytes_kept=self.disk_bytes_kept,
             disk_bytes_dropped=self.proc.metrics.get("disk_bytes_dropped", 0),
+            steps_by_path=dict(self.steps), restores_by_path=dict(self.restores),
+            restore_wait_s=self.restore_wait_ns / 1e9, num_restore_waits=self.num_restore_waits,
         )

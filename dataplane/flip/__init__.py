@@ -7,4 +7,8 @@
     plan.py      the rotation's arithmetic, pure (order, offsets, hazards, refusals)
     copies.py    the two copy directions: CUDA streams and events, or synchronous on a CPU
     rotation.py  the executor: runs a plan, verifies both images, rebinds the readers
+    model_image.py  a served model's weights as an image; the model runner as a reader of the arena
+
+The serving worker uses them through dataplane/weights_models.py (the models it was started
+with) and dataplane/weights_swap.py (SwapWeights: flip, sleep, wake).
 """

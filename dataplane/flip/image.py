@@ -115,11 +115,13 @@ class ImageSums:
 
 @dataclass(frozen=True)
 class Image:
-    """What a buffer holds: which model, its layout, and the checksums its bytes must match."""
+    """What a buffer holds: which model, its layout, and the checksums its bytes must match
+    (None: not taken yet; an image is checksummed before it first leaves the buffer it was
+    written to, e.g. a served model at its first sleep)."""
 
     model: str
     manifest: Manifest
-    sums: ImageSums
+    sums: ImageSums | None
 
     @property
     def nbytes(self) -> int:

@@ -105,17 +105,23 @@ class RotationExecutor:
         return plan_rotation(self.arena.image.nbytes, self.slab.image.nbytes, self.slab.offset, self.chunk_bytes,
                              self.ring_depth, self.slab.capacity_bytes, self.arena.capacity_bytes)
 
-    def flip(self, readers: Sequence[WeightsReader] = (), verify_before: bool = True) -> FlipResult:
+    def flip(self, readers: Sequence[WeightsReader] = (), verify_before: bool = True,
+             to_gen: int | None = None) -> FlipResult:
         """Swap the arena's image and the slab's; bind ``readers`` (the incoming model's) to the new
-        generation. Refusals raise before anything moves; see the module docstring."""
+        generation (``to_gen``, else one on). Refusals raise before anything moves; see the module
+        docstring."""
         plan = self.plan()
         if isinstance(plan, FlipRefused):
             raise plan
-        outgoing, incoming = self.arena.image, self.slab.image
+        if (why := self.arena.gen_refusal(to_gen)) is not None:
+            raise IntegrityError(why)
+        incoming = self.slab.image
         self.arena.check_readers(readers, incoming.manifest)
         t0 = time.perf_counter()
         if verify_before:
             self.slab.verify()
+        # the outgoing image is checked when it lands in the slab: its sums must exist before it leaves
+        outgoing = self.arena.seal()
         verify_before_s = time.perf_counter() - t0
         from_gen = self.arena.gen
         self.arena.detach()
@@ -135,14 +141,14 @@ class RotationExecutor:
             except ChecksumMismatch as e:
                 bad.append(str(e))
         verify_after_s = time.perf_counter() - t0
-        to_gen = None
+        bound_gen = None
         if not bad:
-            self.arena.install(incoming, readers)
-            to_gen = self.arena.gen
+            self.arena.install(incoming, readers, to_gen)
+            bound_gen = self.arena.gen
         else:
             self.arena.image = None             # the arena's bytes are not the image: no reader binds
         self.num_flips += 1
-        return FlipResult(outgoing.model, incoming.model, from_gen, to_gen, moved_out, moved_in, len(plan.steps),
+        return FlipResult(outgoing.model, incoming.model, from_gen, bound_gen, moved_out, moved_in, len(plan.steps),
                           plan.ring_depth, plan.chunk_bytes, plan.forward, overlapped, seen, started_ns, finished_ns,
                           wall_s, d2h_s, h2d_s, verify_before_s, verify_after_s, not bad, tuple(bad))
 

@@ -80,6 +80,17 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu",
     With ``tp`` (size > 1) only rank ``tp.rank``'s share of the weights is kept (a model that does
     not split is refused with its arithmetic, TensorParallelRefused, before any weight is read);
     ``model.config`` is then the share's shape, ``model.runner.model_config`` the whole model's."""
+    config, weights, tokenizer, digest, path = read_model(path, dtype, tp)
+    runner = ModelRunner(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
+                         max_positions=max_positions, tp=tp)
+    return LoadedModel(runner.config, tokenizer, runner.w, runner, digest, path)
+
+
+def read_model(path: str | None, dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None
+               ) -> tuple[ModelConfig, Weights, Tokenizer, str, str]:
+    """(config, weights in host memory as ``dtype`` — rank ``tp.rank``'s share with ``tp`` —,
+    tokenizer, digest, path) of a file, a directory or the embedded model (``path`` None); no
+    runner, nothing on a device."""
     path = path or embedded_model_path()
     if os.path.isdir(path):
         hf = read_hf_config(path)
@@ -95,9 +106,7 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu",
         digest = _file_digest(path)
     else:
         raise ModelFileError(f"{path}: no such file or directory (models are never fetched from a hub)")
-    runner = ModelRunner(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                         max_positions=max_positions, tp=tp)
-    return LoadedModel(runner.config, tokenizer, runner.w, runner, digest, path)
+    return config, weights, tokenizer, digest, path
 
 
 def _shard(config: ModelConfig, tp: TensorParallel | None) -> Shard | None:

@@ -88,6 +88,7 @@ class InFlight:
         # or a route that cannot tell).
         self.nearly = None
         self.ahead = False       # begun before its command came (Mover.begin_ahead) and not yet waited for
+        self.own_wait = False    # finished only by its own wait, never settled beside another (Mover.submit_own)
 
     def device_done(self) -> bool:
         """Whether everything this move enqueued on the device has finished, so ``finish()``

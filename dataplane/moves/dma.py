@@ -65,6 +65,13 @@ class TorchDma:
         for a, b, n in runs:
             dst[b : b + n].copy_(src[a : a + n], non_blocking=True)
 
+    def copy_runs_cols(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]],
+                       lo: int, hi: int) -> None:
+        """``copy_runs`` of columns [lo, hi) of each row only (one layer of a block: a layer-ordered
+        restore, dataplane/moves/layered.py)."""
+        for a, b, n in runs:
+            dst[b : b + n, lo:hi].copy_(src[a : a + n, lo:hi], non_blocking=True)
+
 
 class RawDma:
     name = "cudaMemcpyAsync"
@@ -75,6 +82,7 @@ class RawDma:
         self._memcpy = memcpy_async
         self._error_string = error_string
         self._batch = batch
+        self._memcpy2d = None            # cudaMemcpy2DAsync, bound by ``load`` (copy_runs_cols)
         self.batch_refused: str | None = None
         if batch is not None:
             self.name = "cudaMemcpyBatchAsync"
@@ -97,7 +105,16 @@ class RawDma:
         err_str = lib.cudaGetErrorString
         err_str.argtypes = [ctypes.c_int]
         err_str.restype = ctypes.c_char_p
-        return cls.checked(memcpy, err_str, *(_bind_batch(lib) if batch else (None, "not asked for (batch=False)")))
+        dma = cls.checked(memcpy, err_str, *(_bind_batch(lib) if batch else (None, "not asked for (batch=False)")))
+        try:
+            memcpy2d = lib.cudaMemcpy2DAsync
+            sz = ctypes.c_size_t
+            memcpy2d.argtypes = [ctypes.c_void_p, sz, ctypes.c_void_p, sz, sz, sz, ctypes.c_int, ctypes.c_void_p]
+            memcpy2d.restype = ctypes.c_int
+            dma._memcpy2d = memcpy2d
+        except AttributeError:
+            pass                         # torch's strided copy instead
+        return dma
 
     @classmethod
     def checked(cls, memcpy_async, error_string, batch, why: str | None = None) -> "RawDma":
@@ -140,6 +157,34 @@ class RawDma:
             err = memcpy(d0 + b * rb, s0 + a * rb, n * rb, _CUDA_MEMCPY_DEFAULT, handle)
             if err:
                 raise RuntimeError(f"cudaMemcpyAsync of {n * rb} bytes failed: cudaError {err} "
+                                   f"({self._error_string(err).decode(errors='replace')})")
+
+    def copy_runs_cols(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]],
+                       lo: int, hi: int) -> None:
+        """Columns [lo, hi) of each run's rows, one ``cudaMemcpy2DAsync`` per run (n rows of
+        ``hi - lo`` columns, a row apart on both sides): one layer of a run of blocks in one call.
+        Without the 2-D call bound, torch's copy of the strided views (correct, slower)."""
+        if self._memcpy2d is None:
+            TorchDma.copy_runs_cols(self, stream, dst, src, runs, lo, hi)
+            return
+        rb = _row_bytes(src, "DMA source")
+        if _row_bytes(dst, "DMA destination") != rb or dst.dtype != src.dtype:
+            raise ValueError(f"DMA rows differ: source {src.dtype} x {src.shape[1]}, destination "
+                             f"{dst.dtype} x {dst.shape[1]}")
+        if not 0 <= lo < hi <= src.shape[1]:
+            raise IndexError(f"columns [{lo}, {hi}) are outside the rows' [0, {src.shape[1]})")
+        s_rows, d_rows = src.shape[0], dst.shape[0]
+        for a, b, n in runs:
+            if n < 1 or a < 0 or b < 0 or a + n > s_rows or b + n > d_rows:
+                raise IndexError(f"DMA run (source row {a}, destination row {b}, {n} rows) is outside "
+                                 f"source rows [0, {s_rows}) or destination rows [0, {d_rows})")
+        es = src.element_size()
+        off, width = lo * es, (hi - lo) * es
+        s0, d0, handle = src.data_ptr() + off, dst.data_ptr() + off, stream.cuda_stream
+        for a, b, n in runs:
+            err = self._memcpy2d(d0 + b * rb, rb, s0 + a * rb, rb, width, n, _CUDA_MEMCPY_DEFAULT, handle)
+            if err:
+                raise RuntimeError(f"cudaMemcpy2DAsync of {n} rows x {width} bytes failed: cudaError {err} "
                                    f"({self._error_string(err).decode(errors='replace')})")
 
     def _check_batch(self) -> str | None:

@@ -69,3 +69,20 @@ def test_a_lost_worker_is_not_in_the_view_and_its_pins_are_gone():
     fold_decoded(state, [(99, 99, ev.WorkerLost(worker=0, reason="test"))])
     assert memory_view(state, {}, {}).workers == []
     assert state.workers[0].pinned == {} and state.workers[0].device_owned == {}
+
+
+def test_captured_graphs_are_their_own_owner_and_unmeasured_graphs_are_none_not_zero():
+    rng = random.Random()
+    bb, weights, scratch, graphs = rng.randrange(1000, 5000), rng.randrange(10**6, 10**7), rng.randrange(1, 10**5), \
+        rng.randrange(1, 10**6)
+    gpu = ev.WorkerJoined(worker=0, device="cuda:0", tiers={"device": 50 * bb, "host": 10 * bb, "disk": 10 * bb},
+                          block_bytes=bb, device_owned={"weights": weights, "scratch": scratch, "graphs": graphs})
+    cpu = ev.WorkerJoined(worker=1, device="cpu", tiers={"device": 50 * bb, "host": 10 * bb, "disk": 10 * bb},
+                          block_bytes=bb, device_owned={"weights": weights})
+    state = fold_decoded(State(), [(1, 1, gpu), (2, 2, cpu)])
+    g, c = (w.tiers["device"] for w in memory_view(state, {}, {}).workers)
+    assert (g.tenants.graphs, g.tenants.scratch, g.tenants.weights) == (graphs, scratch, weights)
+    assert g.used_bytes == weights + scratch + graphs == g.tenants.total() == g.hot_bytes
+    assert g.capacity_bytes == 50 * bb + weights + scratch + graphs
+    assert c.tenants.graphs is None and c.used_bytes == weights == c.tenants.total()
+    assert b'"graphs":null' in __import__("msgspec").json.encode(c.tenants)

@@ -27,6 +27,7 @@ from residency.dataplane.mover import Mover
 from residency.dataplane.model import ModelConfig, block_content_keys, random_model
 from residency.dataplane.pools import DataPlaneError, KVLayout
 from residency.dataplane.proc import WorkerProc
+from residency.dataplane.restore_pipeline import KeptRestores
 from residency.dataplane.serving import ServingLoop
 from residency.dataplane.serving_worker import attach
 from residency.dataplane.worker import WorkerCore, WorkerFaults
@@ -62,7 +63,8 @@ class ByteTokenizer:
 class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
                  policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
-                 max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0, workers: int = 1):
+                 max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0, workers: int = 1,
+                 pipelined: bool = True):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -80,12 +82,16 @@ class Stack:
         host = host_blocks * kv.block_bytes
         self.workers, self.threads = [], []
         for w in range(workers):             # one model, one worker thread each (as one process per GPU)
+            # pipelined: as serve builds a worker (restores land by layer and a returning turn reads them
+            # as they land); off: every restore is finished before the turn's Generate is sent
             mover = Mover(kv, device_blocks, host, self.dir / f"disk{w}",
-                           Mover.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False)
+                           Mover.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False,
+                           layered_restores=pipelined)
             core = WorkerCore(mover, w, WorkerFaults(), expected_errors=(DataPlaneError,))
+            core.restores = KeptRestores(mover) if pipelined else None
             loop = ServingLoop(worker=w, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(),
                                device_pool=mover.device_pool, model_id="tiny", model_digest=model.kv_digest,
-                               page_tokens=P, keys_fn=block_content_keys, max_seqs=max_seqs)
+                               page_tokens=P, keys_fn=block_content_keys, max_seqs=max_seqs, restores=core.restores)
             attach(core, loop, kv.block_bytes)
             self.workers.append(WorkerProc(worker=w, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
                                            block_bytes=kv.block_bytes, faults=WorkerFaults()))

@@ -156,6 +156,25 @@ def test_a_session_parked_to_disk_and_restored_between_turns_answers_like_one_ne
     assert usages["moved"][2].model_extra["restored_tokens"] == usages["moved"][2].prompt_tokens_details.cached_tokens
 
 
+def test_a_session_parked_to_host_comes_back_by_a_pipelined_restore_like_one_never_moved(quiet):
+    """Its Generate goes as soon as the restore is dispatched; the prefill reads each layer as it
+    lands (the same greedy tokens; its moves are the plain restore's, checked on replay below)."""
+    convo = {"still": [], "piped": []}
+    for n, text in enumerate(TURNS):
+        if n > 0:
+            r = quiet.admin("POST", "/admin/sessions/piped-h/park", json={"tier": "host"})
+            assert r.status_code == 200 and r.json()["tier"] == "host", r.text
+        for name in ("still", "piped"):
+            convo[name].append({"role": "user", "content": text})
+            r = chat(quiet, convo[name], session=name + "-h", max_tokens=20)
+            convo[name].append({"role": "assistant", "content": r.choices[0].message.content})
+            if name == "piped" and n > 0:
+                assert r.usage.model_extra["restored_tokens"] == r.usage.prompt_tokens_details.cached_tokens > 0
+    assert convo["piped"] == convo["still"]
+    text = httpx.get(quiet.url + "/metrics").text
+    assert 'residency_restores_total{path="pipelined"} 2.0' in text, text
+
+
 def test_admin_routes_check_the_key_and_the_session(quiet):
     assert quiet.admin("POST", "/admin/sessions/moved/park", key=None).status_code == 401
     r = quiet.admin("POST", "/admin/sessions/moved/park", key="wrong")
@@ -178,17 +197,20 @@ def test_the_quiet_ledger_replays_clean_and_the_reference_never_moved(quiet):
     # a release (src == dst) names its session too, but copies nothing anywhere
     moves = [e.event for e in events if type(e.event).__name__ == "MoveRequested" and e.event.session is not None
              and e.event.src != e.event.dst]
-    assert {m.session for m in moves} == {"moved"}, "nothing but the moved session may have moved"
+    assert {m.session for m in moves} == {"moved", "piped-h"}, "nothing but the moved sessions may have moved"
+    piped = [(m.kind, m.src, m.dst) for m in moves if m.session == "piped-h"]
+    assert piped == [("park", "device", "host"), ("restore", "host", "device")] * 2    # as a plain restore's
+    moves = [m for m in moves if m.session == "moved"]
     kinds = [(m.kind, m.src, m.dst) for m in moves]
     assert kinds.count(("park", "device", "host")) == 2 and kinds.count(("demote", "host", "disk")) == 2
     assert kinds.count(("restore", "disk", "device")) == 2
     names = [type(e.event).__name__ for e in events]
-    assert names.count("SessionRestored") == 2 and names.count("RequestAdmitted") == names.count("RequestFinished")
+    assert names.count("SessionRestored") == 4 and names.count("RequestAdmitted") == names.count("RequestFinished")
     # every forward step names its path: on this CPU host no graph exists, so each one is eager
     steps = [e.event for e in events if type(e.event).__name__ == "StepCompleted"]
     assert steps and {s.decode_path for s in steps} == {"eager"}
     restored = [e.event for e in events if type(e.event).__name__ == "SessionRestored"]
-    assert all(r.session == "moved" and r.restored_tokens > 0 for r in restored)
+    assert all(r.session in ("moved", "piped-h") and r.restored_tokens > 0 for r in restored)
     # byte for byte: every copy of a page carries the checksum the page had when it was parked
     by_id = {m.move_id: m for m in moves}
     sums: dict[int, set[int]] = {}

@@ -104,3 +104,42 @@ def test_a_worker_killed_with_a_request_in_flight_answers_it_503_with_retry_afte
     state.check_integrity()
     assert any(type(r.event) is ev.WorkerLost for r in events)
     assert [r.event.reason for r in events if type(r.event) is ev.RequestFinished] == ["error"]
+
+
+def test_a_worker_killed_while_its_pipelined_restore_lands_answers_that_turn_503_and_serves_the_next(
+        tmp_path, monkeypatch):
+    """The returning turn runs while its restore lands; the worker dies after the prefill that read
+    the landing pages and before the restore's ack (``crash_after_moves``: the park is move 1, the
+    restore move 2). That turn is answered as any on a lost worker, the books add up on replay,
+    and the session's next turn is served by the new incarnation (recomputed: the host copy died
+    with the process)."""
+    monkeypatch.setenv("RESIDENCY_WORKER_FAULTS", "crash_after_moves=2")
+    s = Server(tmp_path, "--no-policies", "--restore-policy", "restore").wait_ready()
+
+    def turn(convo):
+        body = {"model": MODEL, "messages": convo, "max_tokens": 6, "temperature": 0, "session_id": "s"}
+        return httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=120)
+
+    try:
+        convo = [{"role": "user", "content": "Hi! What is the capital of France?"}]
+        r = turn(convo)
+        assert r.status_code == 200, r.text
+        convo += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "And of Italy?"}]
+        assert s.admin("POST", "/admin/sessions/s/park").status_code == 200
+        _retryable(turn(convo), "worker_lost")
+        deadline = time.monotonic() + 180
+        while (again := turn(convo)).status_code == 503:          # until the new incarnation serves
+            assert time.monotonic() < deadline, s.tail()
+            time.sleep(0.5)
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["restored_tokens"] == 0
+    finally:
+        assert s.stop() == 0
+    events, state = read_ledger(s.ledger)
+    state.check_integrity()
+    restore = [r.event for r in events if type(r.event) is ev.MoveRequested and r.event.kind == "restore"]
+    assert len(restore) == 1 and any(type(r.event) is ev.WorkerLost for r in events)
+    ends = [type(r.event).__name__ for r in events if getattr(r.event, "move_id", None) == restore[0].move_id]
+    assert "MoveAcked" not in ends and any(e in ends for e in ("MoveAbandoned", "MoveStranded")), ends
+    assert "error" in [r.event.reason for r in events if type(r.event) is ev.RequestFinished]

@@ -178,7 +178,10 @@ def test_a_transfer_hidden_behind_the_prefill_of_new_tokens_is_priced_at_its_rem
     cost = CostModel(host_to_device_bytes_per_s=1000.0, prefill_tokens_per_s=100.0, fixed_restore_s=0.0)
     # 3000 bytes: 3 s of transfer; recomputing 100 cached tokens: 1 s
     assert cost.decide(cached_tokens=100, new_tokens=250, bytes_by_tier={"host": 3000}).choice == "recompute"
-    cost.overlap = True   # 250 new tokens take 2.5 s of prefill: only 0.5 s of the copy shows
+    cost.overlap = True   # ... but no worker has timed a prefill yet: nothing is priced as hidden
+    assert cost.decide(cached_tokens=100, new_tokens=250, bytes_by_tier={"host": 3000}).hidden_s == 0
+    cost.observe_prefill(100, 1.0)    # measured: 100 tokens/s
+    # 250 new tokens take 2.5 s of prefill: only 0.5 s of the copy shows
     d = cost.decide(cached_tokens=100, new_tokens=250, bytes_by_tier={"host": 3000})
     assert d.choice == "restore" and d.restore_s == pytest.approx(0.5) and d.hidden_s == pytest.approx(2.5)
 
@@ -198,6 +201,7 @@ def test_restores_are_priced_hidden_only_when_every_serving_worker_overlaps_them
             return list(range(n))
 
     cost = CostModel(host_to_device_bytes_per_s=1000.0, prefill_tokens_per_s=100.0, fixed_restore_s=0.0)
+    cost.observe_prefill(100, 1.0)
     workers = ServingWorkers(Proc(), cost, restore_policy="cost", share_prefixes=False)
     workers.sched = Scheduler(SchedulerConfig(page_tokens=16, max_context=4096), cost)
 

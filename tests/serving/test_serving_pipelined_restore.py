@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
+import pytest
 import torch
 
 from residency.dataplane.model import ModelConfig, block_content_keys, random_model
 from residency.dataplane.mover import Mover
 from residency.dataplane.pools import KVLayout
 from residency.dataplane.restore_layers import join_layers, landed
+from residency.dataplane.restore_pipeline import KeptRestores
 from residency.dataplane.serving import ServingLoop
-from residency.events.catalog import StepCompleted
-from residency.events.commands import Generate, SamplingParams, TokensGenerated
+from residency.events.catalog import MoveAcked, StepCompleted
+from residency.events.commands import ExecuteMove, Generate, SamplingParams, TokensGenerated
 from tests.serving.stack import ByteTokenizer
 
 P = 8
@@ -142,3 +145,84 @@ def test_the_waits_of_several_landing_sequences_are_joined_per_layer():
         assert "1 layers for a model of 2" in str(e)
     else:
         raise AssertionError("a list of the wrong length was joined")
+
+
+DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
+
+
+class JoinedDma:
+    """The mover's DMA issuer, whose layer copies wait (on CPU, in the copier thread) until a turn
+    has joined the restore: a tiny restore would otherwise land before the Generate is handled,
+    and the step would find its pages in place. On a GPU the copies are only enqueued here."""
+
+    def __init__(self, loop, base):
+        self.loop, self.base = loop, base
+
+    def __getattr__(self, name):            # everything else is the issuer's own
+        return getattr(self.base, name)
+
+    def copy_runs_cols(self, stream, dst, src, runs, lo, hi):
+        deadline = time.monotonic() + 10
+        while stream is None and not any(q.awaits for q in list(self.loop.seqs.values())) \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.base.copy_runs_cols(stream, dst, src, runs, lo, hi)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_turn_awaiting_a_kept_layered_restore_gives_the_tokens_of_a_plain_restores_turn(tmp_path, device):
+    """The worker's whole path without sockets: the mover lands the restore by layer, KeptRestores
+    keeps it unfinished, the Generate names it, the step reads the landing pages and settles the
+    move before sampling. Every free slot is poisoned (NaN) first: a layer read before it landed
+    could not give the same tokens."""
+    rng = random.Random()
+    model = random_model(CFG, device, torch.float32, seed=rng.randrange(1 << 16))
+    first = [rng.randrange(1, 257) for _ in range(37)]
+    more = [rng.randrange(1, 257) for _ in range(11)]
+
+    def run(pipelined: bool):
+        kv = KVLayout(CFG.num_layers, P, CFG.num_kv_heads, CFG.head_dim, dtype=torch.float32)
+        host = 16 * kv.block_bytes
+        mover = Mover(kv, 64, host, tmp_path / f"d{pipelined}", Mover.pinned_bytes_needed(kv, 64, host), device,
+                      fsync=False, layered_restores=pipelined)
+        kept = KeptRestores(mover) if pipelined else None
+        loop = ServingLoop(worker=0, runner=model.runner, tokenizer=ByteTokenizer(), device_pool=mover.device_pool,
+                           model_id="tiny", model_digest=model.kv_digest, page_tokens=P,
+                           keys_fn=block_content_keys, restores=kept)
+        pages = list(range(100, 100 + -(-(len(first) + 10) // P)))
+        out = drain(loop, loop.handle(Generate(request_id="t1", session="s", token_ids=first, block_ids=pages,
+                                               num_cached_tokens=0, sampling=GREEDY)))
+        history = first + tokens(out, "t1")
+        reuse = (len(history) - 1) // P
+        loop.pool.free([b for b in pages[reuse:] if loop.pool.has(b)])
+        park = ExecuteMove(move_id="park", kind="park", src="device", dst="host", blocks=pages[:reuse],
+                           keep_source=False, deadline_ns=0)
+        assert isinstance(mover.execute(park), MoveAcked)
+        pool = mover.device_pool
+        taken = set(pool.slots_of(pool.blocks()))
+        free = [i for i in range(pool.num_slots) if i not in taken]
+        pool.tensor[free] = float("nan")                  # whatever the restore claims is unreadable
+        back = ExecuteMove(move_id="back", kind="restore", src="host", dst="device", blocks=pages[:reuse],
+                           keep_source=False, deadline_ns=0)
+        if pipelined:
+            mover.ctx.dma = JoinedDma(loop, mover.ctx.dma)    # its layers cross once the turn joined them
+            kept.keep(back, begun=False)
+        else:
+            assert isinstance(mover.execute(back), MoveAcked)
+        prompt = history + more
+        block_ids = pages[:reuse] + list(range(200, 200 + -(-(len(prompt) + 10) // P) - reuse))
+        out2 = drain(loop, loop.handle(Generate(
+            request_id="t2", session="s", token_ids=prompt, block_ids=block_ids, num_cached_tokens=reuse * P,
+            sampling=GREEDY, awaits_move="back" if pipelined else "")))
+        settled = kept.take() if kept is not None else []
+        steps = [o for o in out2 if isinstance(o, StepCompleted)]
+        mover.check_integrity()
+        mover.close()
+        return tokens(out2, "t2"), settled, steps
+
+    want, _, plain_steps = run(False)
+    got, settled, steps = run(True)
+    assert got == want and len(got) == GREEDY.max_tokens
+    assert [(c.move_id, type(o).__name__, r) for c, o, r in settled] == [("back", "MoveAcked", [])]
+    assert steps[0].restore_wait_ns is not None and steps[0].decode_path == "eager"
+    assert all(s.restore_wait_ns is None for s in steps[1:] + plain_steps)
