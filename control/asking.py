@@ -79,6 +79,9 @@ class AskHandler:
         # asks another part answers (ask type -> handler(msg, asker, waiter)): the handler adds a
         # ref to ``waiter.open`` while it works and calls ``finish(waiter, ref)`` when it is done
         self.extra: dict[type, Callable] = {}
+        # a group's moves: each proposal for its leader and the same for every other rank
+        # (control/groups.py); a worker alone: as they are
+        self.expand: Callable[[list], list] = lambda proposals: proposals
 
     # ------------------------------------------------------------------ the ask socket
     def recv(self) -> bool:
@@ -130,9 +133,12 @@ class AskHandler:
             if type(msg) is AskMove:
                 self._ask_move(msg, f"{asker}:{msg.kind}", waiter)
             elif type(msg) is AskReleaseBlocks:
-                proposal = release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason, msg.session)
-                moves.validate(self.state, proposal, self.dispatcher.busy.by_worker)
-                self.dispatcher.request(proposal, waiter, self.asked_ns)
+                proposals = self.expand([release(f"{asker}:release", msg.worker, msg.tier, msg.blocks, msg.reason,
+                                                 msg.session)])
+                for p in proposals:
+                    moves.validate(self.state, p, self.dispatcher.busy.by_worker)
+                for p in proposals:
+                    self.dispatcher.request(p, waiter, self.asked_ns)
             elif type(msg) is AskSetBudget:
                 problem = budget.check_budget(self.state, msg.worker, msg.tier, msg.floor_bytes, msg.ceiling_bytes)
                 if problem:
@@ -167,7 +173,10 @@ class AskHandler:
     def _ask_move(self, msg: AskMove, origin: str, waiter: moves.AskWaiter) -> None:
         if msg.blocks and msg.kind != "release":
             self.dispatcher.wake_lane(msg.worker, len(msg.blocks))
-        proposals = moves.resolve(self.state, msg, origin, self.dispatcher.busy.by_worker)
+        proposals = self.expand(moves.resolve(self.state, msg, origin, self.dispatcher.busy.by_worker))
+        for p in proposals:               # a group's other ranks: their shards of the same blocks
+            if p.worker != msg.worker:
+                moves.validate(self.state, p, self.dispatcher.busy.by_worker)
         refusal = (self.dial.refuse_moves(proposals) if self.dial is not None else None) or moves.fund(
             self.state, proposals, self.dispatcher.reserved_bytes())
         if refusal is not None:

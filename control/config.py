@@ -76,6 +76,9 @@ class ControlConfig(msgspec.Struct, kw_only=True):
     keep_awake_linger_s: float = 1.0      # ... and this long after the last one is settled
     moves: moves.MoveConfig = msgspec.field(default_factory=moves.MoveConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    # tensor-parallel groups (``serve --tp N``): name -> its workers in rank order; the leader
+    # (rank 0) is planned for, every rank is told (control/groups.py)
+    groups: dict[str, list[int]] = {}
     # ---- test hooks (tests and benches set these; `residency serve` never does)
     # False: a stop leaves every copy where it is (tests that stop many controls skip the releases)
     release_on_stop: bool = True

@@ -71,6 +71,8 @@ class Dial:
         self._num = 0
         # replaced whole on the loop thread; read by health() from any thread
         self.problems: tuple[str, ...] = tuple(dial.torn_pools(state))
+        # whether a worker is a rank of a tensor-parallel group (set by the control for serve --tp)
+        self.in_group: Callable[[int], bool] = lambda worker: False
 
     # ------------------------------------------------------------------ readers and holds
     def add_reader(self, name: str, fn: Reader) -> None:
@@ -103,6 +105,11 @@ class Dial:
             dial.validate(self.state, worker, tier, nbytes)
         except dial.InvalidResize as e:
             raise moves.InvalidAsk(str(e)) from None
+        if self.in_group(worker):
+            # NOTE: a group's ranks must hold pools of one size (the same block ids on every rank);
+            # a resize that rebinds every rank together is not built, so none is started
+            raise moves.InvalidAsk(f"worker {worker} is a rank of a tensor-parallel group: resizing a group's "
+                                   "pools (every rank at once) is not supported")
         if worker not in self.workers.by_worker:
             raise moves.InvalidAsk(f"worker {worker} is not linked to this control process")
         running = self.runs.get(worker)

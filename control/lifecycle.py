@@ -67,6 +67,10 @@ class MoveDispatcher:
         # failure, which only the worker that had the command can send, is: MoveLateFailed).
         self.answered_stranded: set[str] = set()
         self.memo = RefusalMemo()
+        # a group's moves (control/groups.py): an ask's proposals for every rank, and a policy's
+        # proposal as the group's moves ([] when it names a follower, whose own view never decides)
+        self.expand: Callable[[list], list] = lambda proposals: proposals
+        self.for_policy: Callable[[object], list] = lambda proposal: [proposal]
         self._num_moves = 0
         self._unsent: dict[int, list[ev.MoveRequested]] = {}     # committed, but the worker was not linked
         self._next_park = time.monotonic_ns()
@@ -270,17 +274,20 @@ class MoveDispatcher:
         elif cfg.park:
             self._next_park = mono + S
         for proposal in plan(self.state, self.recency, now, cfg, self.memo, busy):
-            if dial.refuse_moves(self.state, [proposal], self.holds) is not None:
+            group = self.for_policy(proposal)       # a group's: every rank's shard, funded together
+            if not group or dial.refuse_moves(self.state, group, self.holds) is not None:
                 continue        # a closed pool (rebinding, torn): the policies wait, unrecorded
             try:
-                moves.validate(self.state, proposal, busy)
+                for p in group:
+                    moves.validate(self.state, p, busy)
             except moves.InvalidAsk:
                 continue
-            refusal = moves.fund(self.state, [proposal], self.reserved_bytes())
+            refusal = moves.fund(self.state, group, self.reserved_bytes())
             if refusal is not None:
                 self.memo.note(proposal, refusal.available_bytes, now)
                 log.info("move_refused", origin=proposal.origin, worker=proposal.worker, tier=refusal.tier,
                          asked_bytes=refusal.asked_bytes, available_bytes=refusal.available_bytes)
                 self.recorder.record(refusal.event(proposal.origin, proposal.session), correlation=proposal.session)
                 continue
-            self.request(proposal, None)
+            for p in group:
+                self.request(p, None)

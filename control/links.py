@@ -116,6 +116,8 @@ class WorkerRegistry:
         # worker -> (until when its disk copies wait for the next incarnation, why the last one went)
         self._replacing: dict[int, tuple[int, str]] = {}
         self.sizing: dict[int, PoolSizing | None] = {}   # how each incarnation sized its pool (its Hello)
+        # a Hello's group fields against serve's plan (control/groups.py): None, or why they disagree
+        self.check_group: Callable[[int, str, int, int], str | None] = lambda w, g, rank, ranks: None
 
     @property
     def adopting(self) -> Collection[int]:
@@ -264,6 +266,11 @@ class WorkerRegistry:
             log.warning("unexpected_worker", worker=w, expected=self.cfg.expected_workers)
             self._reply_error(identity, ErrorReply(error=UNKNOWN_WORKER, detail=f"worker {w} is not expected here"))
             return
+        wrong_group = self.check_group(w, msg.group, msg.rank, msg.ranks)
+        if wrong_group is not None:
+            log.error("worker_group_mismatch", worker=w, detail=wrong_group)
+            self._reply_error(identity, ErrorReply(error=WORKER_MISMATCH, detail=wrong_group))
+            return
         ws = self.state.workers.get(w)
         old = self.by_worker.get(w)
         found = msg.disk_blocks if self.cfg.keep_disk else ()
@@ -307,7 +314,8 @@ class WorkerRegistry:
         else:
             self.recorder.record(ev.WorkerJoined(worker=w, device=msg.device, tiers=dict(msg.tiers),
                                                  block_bytes=msg.block_bytes, device_owned=dict(msg.device_owned),
-                                                 pinned_limit_bytes=msg.pinned_limit_bytes),
+                                                 pinned_limit_bytes=msg.pinned_limit_bytes,
+                                                 group=msg.group, rank=msg.rank),
                                  causation=recovery.join_causation(w, msg.epoch))
             self.roster[w] = msg.epoch
             self._record_memory(w, msg)

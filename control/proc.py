@@ -57,6 +57,7 @@ from residency.control.probes import ControlFaults, MoveTraces
 from residency.control.recorder import Recorder
 from residency.control.startstop import SERVER_VERSION, Parts, recover, shut_down
 from residency.control.state import State
+from residency.control.groups import GroupBook
 from residency.control.transport import AskServer, WorkerRouter
 
 log = structlog.get_logger("control.proc")
@@ -101,6 +102,7 @@ class ControlProc:
         self._ask_handlers: dict[type, Callable] = {}       # ask type -> handler (the parts')
         self._pool_readers: dict[str, Callable] = {}        # the control's readers of device pools (the dial)
         self.dial = None                                    # control/dialing.py Dial, made by _recover()
+        self.groups = GroupBook(config.groups) if config.groups else None    # serve --tp N
         self._listeners: list[Callable[[int, ev.Event], None]] = []
         self._stop_hooks: list[Callable[[str], None]] = []
         self._router: WorkerRouter | None = None
@@ -246,14 +248,21 @@ class ControlProc:
         return self.recorder.record(event, correlation, causation)
 
     def send_to_worker(self, worker: int, msg) -> bool:
-        """Send any command to a joined worker (loop thread only; ``call`` from elsewhere)."""
-        return self.workers.send_to_worker(worker, msg)
+        """Send any command to a joined worker (loop thread only; ``call`` from elsewhere); a
+        serving command to a group's leader goes to every rank of the group (control/groups.py)."""
+        sent = self.workers.send_to_worker(worker, msg)
+        for w in self.groups.told_too(worker, msg) if self.groups is not None else ():
+            sent = self.workers.send_to_worker(w, msg) and sent
+        return sent
 
     def allocate_block_ids(self, worker: int, n: int) -> list[int]:
         return self.asks.allocate_block_ids(worker, n)
 
     def missing_workers(self) -> list[int]:
-        return self.workers.missing_workers()
+        """The workers the supervisor should start; not the ranks of a stopped group (a new rank
+        cannot join the running ones: the group serves again once serve restarts)."""
+        missing = self.workers.missing_workers()
+        return missing if self.groups is None else [w for w in missing if not self.groups.is_stopped(w)]
 
     # ================================================================== the loop
     def _run(self) -> None:
@@ -327,6 +336,11 @@ class ControlProc:
         self.workers, self.moves, self.asks, self.dial = parts.workers, parts.moves, parts.asks, parts.dial
         self.memory = parts.memory
         self.asks.extra.update(self._ask_handlers)
+        if self.groups is not None:       # one decision for the group, every rank's shard moved
+            self.asks.expand = self.moves.expand = self.groups.expand
+            self.moves.for_policy = self.groups.for_policy
+            self.workers.check_group = self.groups.check_hello
+            self.dial.in_group = self.groups.group_of.__contains__
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
         self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))

@@ -17,6 +17,17 @@ import structlog
 log = structlog.get_logger("dataplane.faults")
 
 
+def rank_faults(spec: str, rank: int) -> str:
+    """The parts of ``spec`` (separated by ';') for rank ``rank``: those naming ``on_rank=rank``
+    and those naming no rank, e.g. ``on_rank=1,drop_ack=1;on_rank=2,diverge_table=3``."""
+    kept = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        names = dict(x.strip().partition("=")[::2] for x in part.split(",") if x.strip())
+        if "on_rank" not in names or int(names["on_rank"]) == rank:
+            kept.append(part)
+    return ",".join(kept)
+
+
 class WorkerFaults:
     """The hooks, parsed from a spec such as ``drop_ack=0.1,seed=3``:
 
@@ -34,6 +45,11 @@ class WorkerFaults:
                              the I/O thread goes on answering pings (a wedged engine)
         miss_stamp=READER    on the next rebind of the device pool, that reader does not stamp
                              (the pool is torn); one-shot: the rebind after it stamps as usual
+        diverge_table=N      a rank of a group changes one page id of the block table of the Nth
+                             sequence it is told to run, before that sequence's first step (its
+                             tables digest then differs from its peers'; dataplane/group.py)
+        on_rank=R            the faults of this part act only on rank R of a group: serve passes
+                             one spec to every worker, parts separated by ';' (``rank_faults``)
         seed=S               the random source of the probabilities above
     """
 
@@ -46,6 +62,8 @@ class WorkerFaults:
         self.exec_delay_ms = 0.0
         self.stall_step, self.stall_ms = 0, 0.0
         self.miss_stamp: str | None = None
+        self.diverge_table = 0
+        self.on_rank: int | None = None
         seed = 0
         for part in filter(None, (x.strip() for x in spec.split(","))):
             name, _, value = part.partition("=")
@@ -65,13 +83,17 @@ class WorkerFaults:
                 if not value:
                     raise ValueError("miss_stamp needs a reader's name (mover, staging, serving, graphs)")
                 self.miss_stamp = value
+            elif name == "diverge_table":
+                self.diverge_table = int(value)
+            elif name == "on_rank":
+                self.on_rank = int(value)
             elif name == "seed":
                 seed = int(value)
             else:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
         self.rng = random.Random(seed)
         self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step
-                            or self.miss_stamp)
+                            or self.miss_stamp or self.diverge_table)
         self.counts: dict[str, int] = {}
         self.num_moves = 0
         self.num_steps = 0

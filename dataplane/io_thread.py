@@ -112,7 +112,7 @@ class IOThread:
         self.link.send(Hello(worker=self.worker, epoch=self.epoch, device=self.device,
                              tiers=dict(self.core.mover.capacities()), block_bytes=self.block_bytes,
                              lane=lane_identity_of(self.worker).decode(), disk_blocks=list(self.core.unclaimed_disk),
-                             pool_gen=pool_gen, readers=readers, **books))
+                             pool_gen=pool_gen, readers=readers, **books, **self.core.group_fields))
         for msg in self.core.hello_extras():     # e.g. ServingReady: the control learns the model again
             self.link.send(msg)
         self.device_thread.say_hello()           # after each Hello the lane says it is up

@@ -31,7 +31,8 @@ import zmq
 
 from residency.dataplane.build import build_core
 from residency.dataplane.device_thread import AfterMove, DeviceThread
-from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.faults import WorkerFaults, rank_faults
+from residency.dataplane.group import add_group_args
 from residency.dataplane.io_thread import IOThread, Mailbox
 from residency.dataplane.logconfig import configure_worker_logging
 from residency.dataplane.serving_worker import add_serving_args
@@ -114,6 +115,7 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-silent-s", type=float, default=1.0, help="say Hello again after this much silence")
     p.add_argument("--orphan-exit-s", type=float, default=60.0, help="exit after this much silence from the control")
     add_serving_args(p)
+    add_group_args(p)
     return p
 
 
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None,
         return 2
     pid_path = run_dir / f"worker-{args.worker}.pid"
     pid_path.write_text(f"{os.getpid()} {epoch}\n")
-    faults = WorkerFaults(args.faults)
+    faults = WorkerFaults(rank_faults(args.faults, args.rank))
     if faults.enabled:
         log.warning("worker_faults_enabled", worker=args.worker, faults=args.faults)
     try:

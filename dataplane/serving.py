@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 import torch
 
+from residency.dataplane.group import tables_digest
 from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from residency.dataplane.pools import DataPlaneError, TornPool
@@ -121,6 +122,8 @@ class ServingLoop:
             restores.listener = self.restore_settled
         self.wait_clock = WaitClock()            # what the steps' forwards waited for landing pages
         self.num_steps = 0
+        # a rank of a group: the sampled tokens as the group's rank 0 decided them (dataplane/group.py)
+        self.agree_tokens: Callable[[list[int]], list[int]] | None = None
         self.log = log.bind(worker=worker)
         # a reader of the pool (dataplane/pools/readers.py): the tensor the runner gets each step is
         # the one bound at ``gen``; a pool of another page shape is refused here (ReaderRefused)
@@ -347,12 +350,14 @@ class ServingLoop:
         return None
 
     # ------------------------------------------------------------------ the step
-    def _plan(self) -> list[tuple[_Seq, int]]:
-        """(sequence, new tokens) for this step: every decode, then prefill chunks in arrival order."""
+    def _plan(self, only: Collection[str] | None = None) -> list[tuple[_Seq, int]]:
+        """(sequence, new tokens) for this step: every decode, then prefill chunks in arrival order
+        (``only``: of these sequences, the ones a group agreed on)."""
         budget = self.max_step_tokens
-        plan = [(s, 1) for s in self.seqs.values() if not s.prefilling]
+        seqs = list(self.seqs.values()) if only is None else [self.seqs[i] for i in only if i in self.seqs]
+        plan = [(s, 1) for s in seqs if not s.prefilling]
         budget -= len(plan)
-        for s in self.seqs.values():
+        for s in seqs:
             if s.prefilling and budget > 0:
                 n = min(s.num_prompt - s.num_computed, budget)
                 plan.append((s, n))
@@ -369,10 +374,10 @@ class ServingLoop:
         joined = join_layers(per_seq, self.runner.config.num_layers)
         return timed(joined, self.wait_clock) if joined is not None else None
 
-    def step(self) -> list:
+    def step(self, only: Collection[str] | None = None) -> list:
         if self.restores is not None and self.restores.kept:
             self.restores.poll()          # landed meanwhile: settled first (a failed one fails its sequences)
-        plan = self._plan()
+        plan = self._plan(only)
         if not plan:
             return []
         t0 = time.perf_counter_ns()
@@ -406,7 +411,8 @@ class ServingLoop:
                                  digest_size=8).hexdigest()
         out.append(StepCompleted(worker=self.worker, step=self.num_steps, batch_digest=digest, num_seqs=len(plan),
                                  num_tokens=sum(n for _, n in plan), duration_ns=duration,
-                                 decode_path=path.path, restore_wait_ns=waited))
+                                 decode_path=path.path, restore_wait_ns=waited,
+                                 tables_digest=tables_digest([(s.request_id, s.cmd.block_ids) for s, _ in plan])))
         ready = []
         for i, (s, n) in enumerate(plan):
             if s.request_id not in self.seqs:            # failed with its restore: nothing of it leaves
@@ -428,6 +434,13 @@ class ServingLoop:
                 self.log.error("sampling_failed", error=repr(e), num_seqs=len(ready))
                 out += self._sample_each(rows, ready)
                 return out
+            if self.agree_tokens is not None:       # a group's rank: rank 0's tokens, never its own guess
+                try:
+                    tokens = self.agree_tokens(list(tokens))
+                except Exception as e:  # noqa: BLE001 - the group's store failed: these sequences cannot go on
+                    self.log.error("tokens_not_agreed", error=repr(e), num_seqs=len(ready))
+                    return out + [self._finish(s, "error", error=f"the group's tokens were not told: {e}")
+                                  for _, s in ready]
             for j, ((_, s), t) in enumerate(zip(ready, tokens)):
                 out.append(self._advance(s, t, lps.get(j)))
         return out

@@ -21,6 +21,7 @@ import re
 import structlog
 
 from residency.dataplane.faults import WorkerFaults
+from residency.dataplane.group import RENDEZVOUS_S, GroupRefused, group_spec
 from residency.dataplane.worker import WorkerCore
 from residency.events import catalog as ev
 from residency.events.commands import (
@@ -60,7 +61,11 @@ def model_id_for(path: str | None) -> str:
 
 
 def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
+    spec = group_spec(args)
     if getattr(args, "expert_budget", None):
+        if spec is not None:
+            raise GroupRefused(f"--tp {spec.ranks}: --expert-budget offloads a mixture-of-experts model, which is "
+                               "not split over ranks")
         return build_offload_core(args, faults)
     import torch  # noqa: PLC0415 - seconds of import, only for a worker that serves
 
@@ -82,6 +87,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.build import pool_sizing  # noqa: PLC0415
     from residency.dataplane.memory_books import MemoryBooks  # noqa: PLC0415
     from residency.dataplane.pools.disk import worker_disk_dir  # noqa: PLC0415
+    from residency.dataplane.model.tp import TensorParallel, TensorParallelRefused, init_group  # noqa: PLC0415
 
     device = args.device
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
@@ -91,7 +97,16 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     meter = sz.Meter(device)
     cuda = device.startswith("cuda")
     # every model read once; the first one's weights go to the arena, the second one's to the slab
-    loaded = load_models(specs, device, dtype, args.page_tokens, args.max_context)
+    if spec is not None and len(specs) > 1:
+        raise GroupRefused(f"--tp {spec.ranks}: one model per group (a flip of every rank at once is not built); "
+                           f"{len(specs)} were named")
+    tp = TensorParallel(spec.rank, spec.ranks) if spec is not None else None
+    try:       # a model that does not split is refused before a weight is read or a peer met
+        loaded = load_models(specs, device, dtype, args.page_tokens, args.max_context, tp=tp)
+    except TensorParallelRefused as e:
+        raise GroupRefused(f"--tp {spec.ranks}: {e}") from None
+    if spec is not None:     # before the graphs: their capture runs the step's collectives
+        init_group(spec.rank, spec.ranks, spec.init, device=device, timeout_s=RENDEZVOUS_S)
     models, first = loaded.models, loaded.models[0]
     c = first.model.config
     kv = KVLayout(c.num_layers, args.page_tokens, c.num_kv_heads, c.head_dim, dtype=dtype)
@@ -151,6 +166,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
                              ring_depth=ring, capture_graphs=True, books=core.books)
     swapper.tell_books()
     attach(core, loop, kv.block_bytes, swapper=swapper)
+    if spec is not None:
+        join_group(core, loop, spec, faults)
     log.info("serving_model_loaded", model=loop.model_id, models=[m.name for m in models], source=fm.source,
              dtype=str(dtype), max_context=loop.max_positions, device_blocks=sizing.num_blocks,
              block_bytes=kv.block_bytes, arena_bytes=weights_bytes, slab_bytes=slab_bytes,
@@ -247,6 +264,19 @@ def build_offload_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
              weights_bytes=weights_bytes, pool_sizing=sz.explain(sizing),
              expert_slots=offload.S)
     return core, kv.block_bytes
+
+
+def join_group(core: WorkerCore, loop, spec, faults: WorkerFaults) -> None:
+    """Make ``loop`` one rank of ``spec``'s group: its steps agreed with the other ranks
+    (dataplane/group.py), its Hello naming the group."""
+    from residency.dataplane.group import GroupLoop, StepRounds, open_store  # noqa: PLC0415
+
+    store = open_store(spec)
+    group = GroupLoop(loop, StepRounds(store, spec.rank, spec.ranks), faults)
+    for t in (Generate, CancelGenerate):
+        core.register(t, group.handle)
+    core.background = (group.has_work, group.step)
+    core.group_fields = spec.hello_fields()
 
 
 def attach(core: WorkerCore, loop, block_bytes: int, offload=None, swapper=None) -> None:

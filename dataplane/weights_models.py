@@ -97,11 +97,11 @@ class ServedWeights:
         return f"{self.sums.total:016x}" if self.sums is not None else ""
 
 
-def read_host(spec: ModelSpec, dtype: torch.dtype):
-    """(config, host weights, tokenizer, digest, source) of a spec."""
+def read_host(spec: ModelSpec, dtype: torch.dtype, tp=None):
+    """(config, host weights, tokenizer, digest, source) of a spec (``tp``: a rank's share only)."""
     from residency.dataplane.model.loader import read_model  # noqa: PLC0415
 
-    return read_model(spec.path, dtype)
+    return read_model(spec.path, dtype, tp)
 
 
 def check_layouts(models: list[tuple[str, object]], page_tokens: int, dtype: torch.dtype) -> None:
@@ -120,12 +120,13 @@ def check_layouts(models: list[tuple[str, object]], page_tokens: int, dtype: tor
 
 
 def build_runner(config, weights, device: str, dtype: torch.dtype, max_positions: int | None, digest: str, tok,
-                 source: str):
+                 source: str, tp=None):
     """A runner whose weights are hollow (bound to the arena later) and its LoadedModel."""
     from residency.dataplane.model.loader import LoadedModel  # noqa: PLC0415
     from residency.dataplane.model.runner import ModelRunner  # noqa: PLC0415
 
-    runner = ModelRunner(config, hollow(weights, "cpu"), device=device, dtype=dtype, max_positions=max_positions)
+    runner = ModelRunner(config, hollow(weights, "cpu"), device=device, dtype=dtype, max_positions=max_positions,
+                         tp=tp)
     return LoadedModel(runner.config, tok, runner.w, runner, digest, source)
 
 
@@ -158,17 +159,18 @@ class LoadedSet:
 
 
 def load_models(specs: list[ModelSpec], device: str, dtype: torch.dtype, page_tokens: int,
-                max_positions: int | None) -> LoadedSet:
-    """Read every model once (the third and later: their checksums taken, their bytes let go)."""
+                max_positions: int | None, tp=None) -> LoadedSet:
+    """Read every model once (the third and later: their checksums taken, their bytes let go).
+    ``tp`` (dataplane/model/tp.py TensorParallel): a group's rank reads and runs its share."""
     models: list[ServedWeights] = []
     host: dict[str, object] = {}
     configs = []
     for i, spec in enumerate(specs):
-        config, weights, tok, digest, source = read_host(spec, dtype)
+        config, weights, tok, digest, source = read_host(spec, dtype, tp)
         configs.append((spec.name, config))
         check_layouts(configs, page_tokens, dtype)
         manifest = manifest_of(weights)
-        loaded = build_runner(config, weights, device, dtype, max_positions, digest, tok, source)
+        loaded = build_runner(config, weights, device, dtype, max_positions, digest, tok, source, tp)
         reader = RunnerReader(spec.name, loaded.runner, manifest, tied(weights))
         sums = None
         if i >= 2:               # only in its file: checksummed now, read again at its flip

@@ -103,6 +103,8 @@ class WorkerCore:
         self.may_keep = False
         # what else holds pinned memory and must give it back at stop (the weights slab), before the mover
         self.closers: list[Callable[[], None]] = []
+        # a rank of a tensor-parallel group: its Hello's group, rank and ranks (dataplane/group.py)
+        self.group_fields: dict = {}
 
     def close(self) -> None:
         """The worker stops: its other pinned holders, then the mover (moves finished first)."""

@@ -46,6 +46,9 @@ class WorkerJoined(Event):
     # the limit of the worker's pinned budget (host pool and rings; None: not said): the bytes it may
     # pin without a host ceiling set
     pinned_limit_bytes: int | None = None
+    # the tensor-parallel group it is a rank of ("" alone) and its rank there
+    group: str = ""
+    rank: int = 0
 
 
 class WorkerHeartbeatMissed(Event):
@@ -357,6 +360,9 @@ class StepCompleted(Event):
     # time the step's forward waited for restored pages still landing (a pipelined restore), as the worker
     # measured it; None: the step waited for none (or it could not measure)
     restore_wait_ns: int | None = None
+    # the digest of the step's block tables (each sequence's logical page ids, in batch order): the
+    # ranks of a group compare it beside batch_digest; "": not said (a worker alone)
+    tables_digest: str = ""
 
 
 # ---------------------------------------------------------------- rebind
@@ -479,6 +485,10 @@ class GroupDiverged(Event):
 class GroupStopped(Event):
     group: str
     reason: str
+    # the step it stopped at (a divergence's onset; None: not a step's, e.g. a rank lost) and the
+    # group's blocks the stop names (a lost rank's shard of each)
+    step: int | None = None
+    blocks: list[int] = []
 
 
 # ---------------------------------------------------------------- outside tenants

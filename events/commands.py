@@ -195,6 +195,11 @@ class Hello(Message):
     # checksum (hex; "" not taken yet), for WeightsLoaded (issue #28)
     weights_tier_bytes: dict[str, int] = {}
     weights_checksum: str = ""
+    # A tensor-parallel group (docs/groups.md): its name ("" alone), this worker's rank in it and
+    # how many ranks it has. Every rank holds its shard of every block of the group.
+    group: str = ""
+    rank: int = 0
+    ranks: int = 1
 
 
 class Pong(Message):

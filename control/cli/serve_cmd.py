@@ -33,6 +33,7 @@ from residency.control.cli.ctl_cmd import parse_size
 from residency.control.cli.main import UserError
 from residency.control.cli.run_dir import drop_key, open_run_dir, run_key
 from residency.control.cli.serve_api import api_app, drain, start_api
+from residency.control.cli.groups import group_argv, group_plan, group_rendezvous, plan_group
 from residency.control.cli.supervisor import Supervisor, plan_workers
 from residency.control.scheduler.wedge import DEFAULT_FACTOR, DEFAULT_FLOOR_S
 
@@ -62,6 +63,10 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, help="number of workers (default: one per visible GPU, else one)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where workers run: auto (default) one per visible GPU, else one on the CPU")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="shard the model over N worker processes, one tensor-parallel group (N GPUs with NCCL, "
+                        "cuda:0..N-1; on a CPU host N processes over gloo); a model whose heads do not divide "
+                        "by N is refused at start (docs/groups.md)")
     p.add_argument("--worker-endpoint", help="tcp://HOST:PORT for the workers' socket (default: ipc in the run dir)")
     p.add_argument("--kv-layout", default="30,16,3,64,bfloat16",
                    help="num_layers,page_tokens,num_kv_heads,head_dim,dtype of one KV block")
@@ -277,6 +282,7 @@ def build_config(args, run_dir: Path, devices: list[str], peer_key: bytes | None
         moves=MoveConfig(deadline_base_s=args.move_deadline_s, page_tokens=page_tokens),
         policy=PolicyConfig(pressure=not args.no_policies, park=not args.no_policies,
                             park_idle_s=_park_idle_s(args)),
+        groups=group_plan(args, devices),
     )
 
 
@@ -299,7 +305,10 @@ def run(args) -> int:
         root = None if os.environ.get("RESIDENCY_RUN_ROOT") else per_user_root()
         run_dir = open_run_dir(default_run_dir(args.db), root)
     lock_fd = _lock(run_dir)
-    devices = plan_workers(args)
+    if args.tp < 1:
+        raise UserError(f"--tp {args.tp}: a group has at least one rank")
+    devices = plan_group(args) if args.tp > 1 else plan_workers(args)
+    rendezvous = group_rendezvous(args)
     args.admin_key = admin_key(args)
     store = LedgerStore.open(args.db, create=True)
     cfg = build_config(args, run_dir, devices, run_key(run_dir))
@@ -311,7 +320,8 @@ def run(args) -> int:
                 "--kv-layout", args.kv_layout, *_sizing_argv(args),
                 "--host-bytes", str(args.host_bytes), "--disk-bytes", str(args.disk_bytes),
                 "--disk-fsync" if args.disk_fsync else "--no-disk-fsync", "--orphan-exit-s", str(args.orphan_exit_s),
-                "--keep-disk" if args.keep_disk else "--no-keep-disk", *_worker_serving_argv(args)]
+                "--keep-disk" if args.keep_disk else "--no-keep-disk", *_worker_serving_argv(args),
+                *group_argv(args, w, rendezvous)]
 
     stop = threading.Event()
     hurry = threading.Event()

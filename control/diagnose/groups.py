@@ -1,14 +1,15 @@
 """Workers of one group whose step digests differ: onset, duration, recovery edge.
 
 Ranks of a tensor-parallel group run the same step on the same batch, so their
-``StepCompleted.batch_digest`` for a step number must match. A step is judged once every live
+``StepCompleted.batch_digest`` (and ``tables_digest``, their block tables, when said) for a step
+number must match. A step is judged once every live
 member has reported it (or once the group has moved ``_LAG`` steps past it). Divergence opens an
 episode; the first later step on which the members agree again is the recovery edge, and the
 finding carries the whole interval. While it persists the finding is ongoing (``until_ns=None``)
 with its duration so far and the last step it was seen on: it is never said once and then dropped.
 
-Membership: ``params.groups`` when given; otherwise workers that ever agreed on the digest of a
-non-empty batch (independent data-parallel workers never do, and empty batches agree by accident,
+Membership: ``params.groups`` when given; else the group a ``WorkerJoined`` names (a rank of
+``serve --tp N``); otherwise workers that ever agreed on the digest of a non-empty batch (independent data-parallel workers never do, and empty batches agree by accident,
 so they do not count). ``GroupDiverged`` rows recorded by the control plane open episodes too,
 under their own group name, and name their ranks as members; ``GroupStopped`` ends the episode
 without a recovery.
@@ -28,6 +29,10 @@ class GroupDivergence:
 
     def __init__(self, acct: Accounting, params: DiagnoseParams) -> None:
         self.explicit: dict[int, str] = {w: g for g, ws in params.groups.items() for w in ws}
+        self.joined: dict[int, str] = {}              # worker -> the group its WorkerJoined names
+        # groups a GroupStopped ended: the steps their ranks still had in flight are not judged
+        # again (the stop is the episode's edge) until one of their ranks joins anew
+        self.stopped: set[str] = set()
         self.parent: dict[int, int] = {}              # union-find over workers (inferred groups)
         self.alias: dict[int, str] = {}               # component root -> name from GroupDiverged
         self.pending: dict[int, dict[int, tuple]] = {}  # step -> worker -> (digest, seq, ts, num_seqs)
@@ -63,11 +68,16 @@ class GroupDivergence:
     def _group_of(self, w: int) -> str | None:
         if self.explicit:
             return self.explicit.get(w)
+        if w in self.joined:
+            return self.joined[w]
         root = self._find(w)
         return self.alias.get(root, f"workers@{root}")
 
     def _joined(self, rec: Recorded) -> None:
         self.live.add(rec.event.worker)
+        if rec.event.group:
+            self.joined[rec.event.worker] = rec.event.group
+        self.stopped.discard(self._group_of(rec.event.worker))
 
     def _lost(self, rec: Recorded) -> None:
         self.live.discard(rec.event.worker)
@@ -79,7 +89,8 @@ class GroupDivergence:
         reports = self.pending.get(ev.step)
         if reports is None:
             reports = self.pending[ev.step] = {}
-        reports[ev.worker] = (ev.batch_digest, rec.envelope.seq, rec.envelope.ts_ns, ev.num_seqs)
+        digest = f"{ev.batch_digest}/{ev.tables_digest}" if ev.tables_digest else ev.batch_digest
+        reports[ev.worker] = (digest, rec.envelope.seq, rec.envelope.ts_ns, ev.num_seqs)
         if len(reports) >= len(self.live):
             self._judge(ev.step, self.pending.pop(ev.step))
         horizon = ev.step - _LAG
@@ -105,7 +116,7 @@ class GroupDivergence:
             if g is not None:
                 groups.setdefault(g, {})[w] = rep
         for g, members in groups.items():
-            if len(members) < 2:
+            if len(members) < 2 or g in self.stopped:
                 continue
             digests = {rep[0] for rep in members.values()}
             if len(digests) > 1:
@@ -145,13 +156,14 @@ class GroupDivergence:
         self._diverge(ev.group, ev.step, dict(ev.digests_by_rank), rec.envelope.ts_ns, [rec.envelope.seq])
 
     def _stopped(self, rec: Recorded) -> None:
+        self.stopped.add(rec.event.group)
         if rec.event.group in self.open:
             self._recover(rec.event.group, -1, rec.envelope.ts_ns, [rec.envelope.seq], f"stopped: {rec.event.reason}")
 
     # ------------------------------------------------------------ findings
     def _finding(self, group: str, ep: dict, end_ns: int, until: tuple | None) -> Finding:
         digests = ep["last_digests"]
-        split = ", ".join(f"rank {r}={d[:8]}" for r, d in sorted(digests.items())[:6])
+        split = ", ".join(f"rank {r}={'/'.join(p[:8] for p in d.split('/'))}" for r, d in sorted(digests.items())[:6])
         if until is not None:
             step, edge, how = until
             where = f"at step {step}" if step >= 0 else ""

@@ -67,6 +67,10 @@ class Admission:
         if self.gate(r):
             return
         worker = self.router.choose_worker(r.req.session, r.req.model)
+        closed = self.workers.refusal() if worker is None else None
+        if closed is not None:          # e.g. a group stopped: said, never served by one rank's view
+            r.reject(BackendError(503, closed[1], type="server_error", code=closed[0]))
+            return
         if self.workers.sched is None or worker is None:
             r.reject(BackendError(503, "no worker is serving a model yet; retry shortly", type="server_error",
                                   code="model_loading"))
@@ -116,6 +120,10 @@ class Admission:
     def admit(self, r: RequestState) -> None:
         now = time.time_ns()
         sched = self.workers.sched
+        if r.worker in self.workers.closed:
+            code, message = self.workers.closed[r.worker]
+            self.refuse(r, 503, code, message)
+            return
         if self.workers.wedge.is_wedged(r.worker):
             self.refuse(r, 503, "worker_wedged", f"worker {r.worker} makes no progress; retry shortly",
                         retry_after_s=RETRY_AFTER_S)

@@ -41,6 +41,7 @@ from residency.control.scheduler.admission import Admission
 from residency.control.scheduler.asker import TERMINAL, Asker
 from residency.control.scheduler.bridge import RequestState, Stream
 from residency.control.scheduler.cost import CostModel
+from residency.control.scheduler.groups import GroupServing
 from residency.control.scheduler.reclaimer import Reclaimer, dial_of
 from residency.control.scheduler.port import BackendError, BackendStats, GenerateRequest, Health, ModelCard, SessionInfo
 from residency.control.scheduler.requests import RequestTable
@@ -105,7 +106,7 @@ class ServingService:
         self._stop = threading.Event()
         for msg_type, handler in ((ServingReady, self._on_ready), (Tokenized, self.admission.on_tokenized),
                                   (WeightsSwapped, self.flips.on_swapped),
-                                  (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self._on_step),
+                                  (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self.on_step),
                                   (Pong, self._on_pong), (ev.ExpertsMoved, self._on_experts)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
@@ -115,6 +116,9 @@ class ServingService:
         proc.add_stop_hook(self.flips.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
         proc.worker_gone = self._on_worker_gone
+        book = getattr(proc, "groups", None)
+        # serve --tp N: the leader served, every rank accounted and compared (its handlers replace those above)
+        self.groups = GroupServing(proc, self, book) if book is not None else None
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()
 
@@ -208,7 +212,9 @@ class ServingService:
                                       f"request(s) running (deadline {e.deadline_ms} ms, last step {e.last_step})")
         if wedged:
             detail["wedged_workers"] = sorted(wedged)
-        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged
+        closed = dict(self.workers.closed)
+        detail["problems"] += [message for _, message in closed.values()]
+        return Health(ok=h.healthy and bool(self.workers.ready) and not self.draining and not wedged and not closed
                       and not self.flips.problems, detail=detail)
 
     def _post_cancel(self, request_id: str, reason: str) -> None:
@@ -244,7 +250,7 @@ class ServingService:
             self.flips.on_ready(link.worker, msg)
             self.flips.release()
 
-    def _on_step(self, link, msg: ev.StepCompleted) -> None:
+    def on_step(self, link, msg: ev.StepCompleted) -> None:
         self.proc.record(msg)
         # the prefill's own speed: what the step waited for restored pages still landing is not prefill
         self.cost.observe_prefill(msg.num_tokens - msg.num_seqs, (msg.duration_ns - (msg.restore_wait_ns or 0)) / 1e9)

@@ -129,6 +129,11 @@ class GenerationStreams:
         return self._end_on_worker(worker, "worker_wedged", f"worker {worker} is wedged: {why}", cancel=True,
                                    phases=("running",))
 
+    def worker_stopped(self, worker: int, code: str, message: str) -> list[str]:
+        """The worker serves no more (its group stopped): every request it had is answered 503 with
+        ``code``, and a running one cancelled there so its pages are freed."""
+        return self._end_on_worker(worker, code, message, cancel=True)
+
     def _end_on_worker(self, worker: int, code: str, message: str, *, cancel: bool,
                        phases: tuple[str, ...] = ("running", "tokenizing", "waiting")) -> list[str]:
         ended = []

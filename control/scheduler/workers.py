@@ -28,6 +28,9 @@ class ServingWorkers:
         self.ready: dict[int, ServingReady] = {}
         self.sched: Scheduler | None = None
         self.wedge = wedge or WedgeWatch()      # which of them are up but make no progress
+        # workers that serve no more, with the 503's code and message (a stopped group's leader);
+        # replaced whole on the loop thread, read by the API's health
+        self.closed: dict[int, tuple[str, str]] = {}
 
     def on_ready(self, link, msg: ServingReady) -> None:
         if self.sched is None:
@@ -51,7 +54,16 @@ class ServingWorkers:
 
     def alive(self) -> list[int]:
         """Workers that said ``ServingReady`` and that the folded state still counts alive."""
-        return [w for w in self.ready if (ws := self.proc.state.workers.get(w)) is not None and ws.alive]
+        return [w for w in self.ready if (ws := self.proc.state.workers.get(w)) is not None and ws.alive
+                and w not in self.closed]
+
+    def close(self, worker: int, code: str, message: str) -> None:
+        """``worker`` serves no more: nothing is routed to it; requests are answered 503 ``code``."""
+        self.closed = {**self.closed, worker: (code, message)}
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(code, message) of a closed worker, when no worker is left to serve; else None."""
+        return next(iter(self.closed.values()), None) if not self.alive() else None
 
     def unwedged(self, workers: list[int]) -> list[int]:
         """Those of ``workers`` not wedged, or all of them when every one is (a request then goes

@@ -196,7 +196,9 @@ def is_sharded(weights, config: ModelConfig, size: int) -> bool:
     """Whether ``weights`` already hold one rank's share of ``config`` split over ``size``
     (told apart by the fused QKV rows); raises if they fit neither."""
     rows = weights.layers[0].wqkv.shape[0] if weights.layers else None
-    if size == 1 or rows is None:
+    # NOTE: hollow weights (no rows: bound later to a flip arena holding the rank's share, which
+    # serve reads already cut: dataplane/weights_models.py) are taken as the share
+    if size == 1 or rows is None or rows == 0:
         return True
     part = shard_config(config, size)
     if rows == part.qkv_rows:

@@ -1,5 +1,6 @@
 from residency.events import catalog as ev
 from residency.control.diagnose import DiagnoseParams, detect_group_divergence
+MS = 1_000_000
 
 
 def run_steps(L, steps, workers=(0, 1), diverge=(), gap_ms=50.0):
@@ -90,3 +91,24 @@ def test_explicit_groups_catch_a_divergence_from_the_first_step(L):
     assert detect_group_divergence(L.events, at_ns=L.now) == []     # never agreed: not known to be a group
     [f] = detect_group_divergence(L.events, at_ns=L.now, params=DiagnoseParams(groups={"tp": [0, 1]}))
     assert f.subject == "group tp" and f.detail["first_step"] == 1
+
+
+def test_ranks_a_worker_joined_names_diverge_on_their_block_tables_and_the_stop_ends_it(L):
+    for w in range(3):
+        L.add(ev.WorkerJoined(worker=w, device="cpu", block_bytes=4096, tiers={"device": 1 << 20},
+                              group="tp0", rank=w))
+    recs = {}
+    for s in range(1, 6):
+        batch = f"{L.rng.getrandbits(64):016x}"
+        for w in range(3):
+            tables = "bad" if (w == 2 and s >= 4) else "same"
+            recs[(s, w)] = L.add(ev.StepCompleted(worker=w, step=s, batch_digest=batch, num_seqs=1, num_tokens=1,
+                                                  duration_ns=MS, tables_digest=tables))
+    stop = L.add(ev.GroupStopped(group="tp0", reason="ranks diverged at step 4", step=4))
+    for w in range(3):          # the step the ranks had in flight when the stop came: not a new episode
+        L.add(ev.StepCompleted(worker=w, step=6, batch_digest="b", num_seqs=1, num_tokens=1, duration_ns=MS,
+                               tables_digest="bad" if w == 2 else "same"))
+    [f] = detect_group_divergence(L.events, at_ns=L.now)
+    assert f.subject == "group tp0"                 # named by WorkerJoined, though batches agreed
+    assert f.onset_ns == recs[(4, 0)].envelope.ts_ns and f.detail["first_step"] == 4
+    assert f.until_ns == stop.envelope.ts_ns and "stopped: ranks diverged at step 4" in f.title
