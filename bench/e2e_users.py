@@ -14,7 +14,6 @@ Every request yields one ``Turn`` record; none is retried. A failure is any answ
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -23,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from sse_chunks import SseChunks
 
 
 @dataclass
@@ -113,13 +113,8 @@ def _stream(http: httpx.Client, load: Load, sid: str, messages: list, t: Turn) -
                 r.read()
                 t.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return ""
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunk = json.loads(line[6:])
+            chunks = SseChunks(r.iter_lines())
+            for chunk in chunks:
                 if chunk.get("error"):
                     t.error = f"error event: {str(chunk['error'])[:200]}"
                     return ""
@@ -139,6 +134,7 @@ def _stream(http: httpx.Client, load: Load, sid: str, messages: list, t: Turn) -
                             t.gaps_s.append(now - prev)
                         prev = now
                         text.append(piece)
+            done = chunks.done
     except httpx.HTTPError as e:
         t.error = f"{type(e).__name__}: {str(e)[:200]}"
         return ""

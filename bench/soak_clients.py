@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from sse_chunks import SseChunks
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -158,26 +159,21 @@ class Client:
             if r.status_code == 200:
                 out.detail = r.json()["choices"][0]["message"]["content"] or ""
             return out
-        text, rid, done = [], None, False
+        text, rid = [], None
         with self.http.stream("POST", self.url + "/v1/chat/completions", json={**body, "stream": True},
                               headers=headers) as r:
             if r.status_code != 200:
                 r.read()
                 return self._answered(r)
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunk = json.loads(line[6:])
+            chunks = SseChunks(r.iter_lines())
+            for chunk in chunks:
                 rid = chunk.get("id", rid)
                 if chunk.get("error"):
                     return Outcome("", "stream_error", 200, detail=f"error in stream: {str(chunk['error'])[:160]}",
                                    request_id=rid)
                 for ch in chunk.get("choices") or []:
                     text.append((ch.get("delta") or {}).get("content") or "")
-        if not done:
+        if not chunks.done:
             return Outcome("", "stream_cut", 200, detail="the stream ended without [DONE]", request_id=rid)
         return Outcome("", "2xx", 200, detail="".join(text), request_id=rid)
 

@@ -44,9 +44,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def query(store, what: str, by: str, since_ns: int | None, until_ns: int | None, limit: int):
-    view = f"residency_{what}"
-    col = GROUP_COLUMNS[what][by]
+def _window(since_ns: int | None, until_ns: int | None) -> tuple[list[str], dict]:
+    """SQL conditions (and their parameters) keeping the rows of ``ts_ns`` in [since, until]; an
+    end that is None is open."""
     where, params = [], {}
     if since_ns is not None:
         where.append("ts_ns >= :since")
@@ -54,6 +54,13 @@ def query(store, what: str, by: str, since_ns: int | None, until_ns: int | None,
     if until_ns is not None:
         where.append("ts_ns <= :until")
         params["until"] = until_ns
+    return where, params
+
+
+def query(store, what: str, by: str, since_ns: int | None, until_ns: int | None, limit: int):
+    view = f"residency_{what}"
+    col = GROUP_COLUMNS[what][by]
+    where, params = _window(since_ns, until_ns)
     cond = (" WHERE " + " AND ".join(where)) if where else ""
     with store.engine.connect() as conn:
         totals = conn.execute(text(
@@ -67,13 +74,8 @@ def query(store, what: str, by: str, since_ns: int | None, until_ns: int | None,
 
 def tenants(store, since_ns: int | None, until_ns: int | None) -> list[dict]:
     """Per outside tenant and worker: bytes granted, released, held, and how many reclaims failed."""
-    where, params = ["type IN ('TenantReclaimed', 'TenantReleased', 'TenantReclaimFailed')"], {}
-    if since_ns is not None:
-        where.append("ts_ns >= :since")
-        params["since"] = since_ns
-    if until_ns is not None:
-        where.append("ts_ns <= :until")
-        params["until"] = until_ns
+    where, params = _window(since_ns, until_ns)
+    where.insert(0, "type IN ('TenantReclaimed', 'TenantReleased', 'TenantReclaimFailed')")
     with store.engine.connect() as conn:
         rows = conn.execute(text(
             "SELECT kind, worker, type, SUM(bytes) AS total, COUNT(*) AS n FROM events WHERE "
@@ -110,13 +112,17 @@ def run(args) -> int:
 
             return run_experts(store, since, until, args.limit, args.json)
         totals, rows = query(store, args.what, args.by, since, until, args.limit)
+    return _print_totals(args.what, args.by, totals, rows, args.json)
+
+
+def _print_totals(what: str, by: str, totals: list[tuple], rows: list[dict], as_json: bool) -> int:
     grand = sum(t for _, t, _ in totals)
-    if args.json:
-        print(json.dumps({"what": args.what, "by": args.by, "total_bytes": grand,
+    if as_json:
+        print(json.dumps({"what": what, "by": by, "total_bytes": grand,
                           "groups": [{"group": g, "bytes": t, "rows": n} for g, t, n in totals],
                           "behind": rows}, indent=2, default=str))
         return 0
-    print(f"{args.what} bytes by {args.by}: {human_bytes(grand)} ({grand} B) in all")
+    print(f"{what} bytes by {by}: {human_bytes(grand)} ({grand} B) in all")
     for g, t, n in totals:
         print(f"  {str(g):<24} {human_bytes(t):>12}  ({t} B, {n} rows)")
     if rows:

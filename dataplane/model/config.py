@@ -137,40 +137,15 @@ class ModelConfig:
         if self.rope_scaling is not None:
             rope = self.rope_scaling.to_hf()
         rope["rope_theta"] = self.rope_theta
-        if self.model_type == "olmoe":
-            return {
-                "model_type": "olmoe",
-                "architectures": ["OlmoeForCausalLM"],
-                "hidden_size": self.hidden,
-                "intermediate_size": self.intermediate,
-                "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads,
-                "vocab_size": self.vocab_size,
-                "rms_norm_eps": self.rms_eps,
-                "max_position_embeddings": self.max_position,
-                "tie_word_embeddings": self.tie_embeddings,
-                "attention_bias": self.attention_bias,
-                "hidden_act": "silu",
-                "rope_theta": self.rope_theta,
-                "rope_parameters": rope,
-                "rope_scaling": rope if self.rope_scaling is not None else None,
-                "num_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "norm_topk_prob": self.norm_topk_prob,
-                "clip_qkv": self.clip_qkv,
-                "pad_token_id": None,
-                "eos_token_id": None,
-            }
-        return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+        moe = self.model_type == "olmoe"
+        shared = {
+            "model_type": "olmoe" if moe else "llama",
+            "architectures": ["OlmoeForCausalLM" if moe else "LlamaForCausalLM"],
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
             "vocab_size": self.vocab_size,
             "rms_norm_eps": self.rms_eps,
             "max_position_embeddings": self.max_position,
@@ -181,6 +156,11 @@ class ModelConfig:
             "rope_parameters": rope,
             "rope_scaling": rope if self.rope_scaling is not None else None,
         }
+        if moe:     # OlmoeConfig derives head_dim from hidden / heads (config_from_hf checks they agree)
+            return {**shared, "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "norm_topk_prob": self.norm_topk_prob, "clip_qkv": self.clip_qkv,
+                    "pad_token_id": None, "eos_token_id": None}
+        return {**shared, "head_dim": self.head_dim}
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

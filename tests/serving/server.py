@@ -34,7 +34,12 @@ class Server:
                 "--run-dir", str(self.dir / "run"),
                 *(("--device-blocks", str(device_blocks)) if device_blocks is not None else ()), "--host-bytes", "256MiB",
                 "--disk-bytes", "512MiB", "--no-disk-fsync", "--admin-key", ADMIN_KEY, *extra]
-        env = dict(os.environ, RESIDENCY_LOG_FORMAT="json", RESIDENCY_WORKER_LOG_LEVEL="info")
+        # One torch thread in the worker (as the control-plane tests' workers run, --torch-threads 1):
+        # on a 2-core host shared with pytest, the control process and often a second server,
+        # OpenMP's spinning barriers made model loads and steps slower with two. OMP_NUM_THREADS
+        # set by the caller wins.
+        env = dict(os.environ, RESIDENCY_LOG_FORMAT="json", RESIDENCY_WORKER_LOG_LEVEL="info",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -56,7 +56,7 @@ def test_a_control_killed_with_a_request_running_is_named_a_crash_and_its_orphan
     t = threading.Thread(target=long_generation)
     t.start()
     until("the generation never ran", lambda: running(s) >= 1, server=s)
-    time.sleep(1)                               # a few steps recorded
+    until("no forward step was recorded", lambda: rows(s, ev.StepCompleted), server=s)
     os.killpg(s.proc.pid, signal.SIGKILL)       # the workers live in their own sessions: they survive
     s.proc.wait(10)
     s.log.close()

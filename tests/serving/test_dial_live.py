@@ -93,7 +93,10 @@ def test_the_device_pool_shrinks_and_grows_live_under_sessions_and_a_stream(tmp_
         out: dict = {}
         t = threading.Thread(target=lambda: out.update(r=chat(s, story, 120)))
         t.start()
-        time.sleep(1.0)                                          # the stream is running
+        deadline = time.monotonic() + 60
+        while metric(s, "residency_requests_running") < 1:       # the stream is running
+            assert time.monotonic() < deadline and t.is_alive(), out
+            time.sleep(0.05)
         shrunk = full // 4
         done = ctl_resize(s, shrunk)
         assert done.returncode == 0, done.stdout + done.stderr
