@@ -35,7 +35,7 @@ from residency.dataplane.model.runner import ModelRunner, SeqInput
 from residency.dataplane.model.sampler import SamplingParams as ModelSampling, make_generator, sample, token_logprobs
 from residency.dataplane.pools import DataPlaneError, TornPool
 from residency.dataplane.pools.readers import check_fits
-from residency.dataplane.restore_layers import WaitClock, join_layers, timed
+from residency.dataplane.restore_layers import LANDED, WaitClock, join_layers, timed
 from residency.dataplane.restore_pipeline import settled_ok, why_not
 from residency.dataplane.serving_graphs import StepGraphs
 from residency.dataplane.serving_text import TextStream
@@ -318,7 +318,10 @@ class ServingLoop:
         out = []
         for s in [s for s in self.seqs.values() if s.awaits == move_id]:
             if settled_ok(outcome):
-                s.awaits, s.landing, s.layer_ready = "", None, None
+                # landed before the step that reads it ran: that step still reads a restore's pages and
+                # reports its wait (measured: none), so it is a list of landed layers, not "no restore"
+                landed = [LANDED] * len(s.layer_ready) if s.layer_ready is not None else None
+                s.awaits, s.landing, s.layer_ready = "", None, landed
             else:
                 out.append(self._finish(s, "error", error=f"restore {move_id} of its reused pages failed: "
                                                           f"{why_not(outcome)}"))
