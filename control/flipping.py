@@ -349,8 +349,8 @@ class Flipper:
         run.waiter.events.extend(events)
         for _, e in events:
             if type(e) is ev.PoolResized and e.pool == "device":
-                if run.phase == "shrinking":
-                    self.kv_before[run.worker] = e.from_bytes
+                if run.phase == "shrinking":    # a pool already shrunk by an earlier sleep keeps its first size
+                    self.kv_before.setdefault(run.worker, e.from_bytes)
                 else:
                     self.kv_before.pop(run.worker, None)
         log.info("kv_pool_resized", worker=run.worker, action=run.plan.action, phase=run.phase,
