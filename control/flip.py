@@ -241,3 +241,50 @@ def stranded_at_recovery(state: State) -> list[ev.FlipFailed]:
         out.append(ev.FlipFailed(flip_id=fid, error="the control process restarted while the flip was in flight",
                                  stranded=True, stranded_bytes=arena.inflight_bytes if arena else None))
     return out
+
+
+# ------------------------------------------------------------------ the KV pool a sleep gives back
+# A sleep also shrinks the worker's device KV pool through the dial (control/dialing.py), and the
+# wake grows it back; the dial's asks carry this suffix in their origin so that the dial's own
+# refusal (a floor, a resize already running) is told apart from the sleep's: the sleep completes
+# all the same, and its answer says the pool stayed as it was and why.
+KV_POOL = "kv-pool"
+
+
+def kv_pool_origin(origin: str) -> str:
+    return f"{origin}:{KV_POOL}"
+
+
+def is_pool_refusal(e: ev.Event) -> bool:
+    """A refusal of the pool resize a sleep or wake asked for: not the sleep's own refusal."""
+    return type(e) is ev.MoveRefused and e.ask.endswith(f":{KV_POOL}")
+
+
+def kv_pool_outcome(events: list[ev.Event]) -> list[dict]:
+    """Per resize of a device KV pool among ``events`` (a sleep's or wake's answer): resized with
+    its bytes and what the driver measured freed, or not, with the refusal's words and arithmetic."""
+    pools = {e.rebind_id: e.worker for e in events if type(e) is ev.RebindRequested and e.pool != ARENA}
+    out: list[dict] = []
+    for e in events:
+        t = type(e)
+        if t is ev.PoolResized and e.pool != ARENA:
+            out.append({"worker": e.worker, "resized": True, "from_bytes": e.from_bytes, "to_bytes": e.to_bytes,
+                        "measured_freed_bytes": e.measured_freed_bytes})
+        elif is_pool_refusal(e):
+            out.append({"worker": e.worker, "resized": False, "asked_bytes": e.asked_bytes,
+                        "floor_bytes": e.floor_bytes, "reason": e.reason})
+        elif t is ev.RebindRefused and e.rebind_id in pools:
+            out.append({"worker": e.worker, "resized": False, "reason": f"the worker refused: {e.error}"})
+        elif t is ev.RebindTorn and e.rebind_id in pools:
+            out.append({"worker": pools[e.rebind_id], "resized": False,
+                        "reason": f"rebind {e.rebind_id} torn, readers behind: {e.readers_behind}"})
+    return out
+
+
+def freed_bytes(events: list[ev.Event]) -> int | None:
+    """Device bytes the driver saw freed by a sleep, weights and KV pool together (a wake: negative);
+    None when nothing was measured (a CPU host)."""
+    got = [e.measured_freed_bytes for e in events
+           if (type(e) is ev.FlipCompleted or (type(e) is ev.PoolResized and e.pool != ARENA))
+           and e.measured_freed_bytes is not None]
+    return sum(got) if got else None

@@ -5,9 +5,14 @@ that wait for a model meanwhile (the pure steps are control/flip.py and control/
     draining      the worker takes no new request (``holds``); those it runs end first
                   (past ``drain_s``: refused, naming them; nothing else recorded)
     parking       every idle session's device pages on it are parked (the moves' own events)
+    shrinking     a sleep: the worker's device KV pool is resized to one block through the dial
+                  (its own plan, refusals and write-ahead rebind, as ``ctl resize``); a refusal
+                  is recorded and the sleep goes on: a sleep never waits on its pool
     swapping      FlipRequested + RebindRequested committed, then SwapWeights; WeightsSwapped
                   records the verdict (``on_swapped``); past the deadline, or with the worker
                   gone, the arena is stranded (``watch``, watchdog.overdue_flips)
+    growing       a wake that completed (or a sleep the worker refused): the pool grows back to the
+                  size the sleep took it from, then requests flow again
 
 Requests for a model no worker serves now are held before they are tokenized (``gate``), since
 a worker tokenizes with its resident model: released to a worker once one serves it, else
@@ -44,7 +49,7 @@ class Run:
     def __init__(self, plan: flip.FlipPlan, origin: str, waiter: moves.AskWaiter, ref: str, now_ns: int,
                  causation: str | None):
         self.worker, self.plan, self.origin, self.waiter, self.ref = plan.worker, plan, origin, waiter, ref
-        self.phase = "draining"       # draining | parking | swapping
+        self.phase = "draining"       # draining | parking | shrinking | swapping | growing
         self.since_ns = now_ns
         self.parks: set[str] = set()  # sessions whose park is still unanswered
         self.req: ev.FlipRequested | None = None
@@ -73,6 +78,10 @@ class Flipper:
         # the models whose image a worker keeps in pinned host memory (ServingReady; then each flip
         # leaves the outgoing image in the host slab, where the incoming one was)
         self.on_host: dict[int, set[str]] = {}
+        # the device KV pool bytes each worker had before a sleep shrank it (the wake grows it back)
+        # NOTE: kept on the loop, not in the fold: a control restart while asleep forgets it and
+        # the wake leaves the pool small (``residency ctl resize`` grows it)
+        self.kv_before: dict[int, int] = {}
         # NOTE: a flip the policy started that did not complete (the worker refused it, a request
         # did not end) would be started again at the next tick, and the next: the policy leaves
         # that worker alone for ``policy_backoff_s``, so a lasting "no" is recorded once a while
@@ -92,6 +101,7 @@ class Flipper:
     def on_ready(self, worker: int, msg) -> None:
         self.arena_gen[worker] = msg.arena_gen
         self.on_host[worker] = {m.name for m in msg.models if m.host_image}
+        self.kv_before.pop(worker, None)      # a new incarnation starts with its pool at its own size
         self.since_ns.setdefault(worker, time.monotonic_ns())
         self._refresh()
 
@@ -260,7 +270,7 @@ class Flipper:
                 self.asker.ask(AskMove(ask_id=self.asker.new_id("park"), kind="park", worker=run.worker, session=s),
                                "serving", lambda ans, s=s, run=run: self._parked(run, s, ans))
         if run.phase == "parking" and not run.parks:
-            self._swap(run)
+            self._shrink(run)
 
     def _device_sessions(self, worker: int) -> list[str]:
         sched = self.workers.sched
@@ -285,7 +295,7 @@ class Flipper:
                                               f"the {run.plan.action}")
             return
         if not run.parks:
-            self._swap(run)
+            self._shrink(run)
 
     def _give_up(self, run: Run, code: str, reason: str) -> None:
         refused = flip.FlipRefused(worker=run.worker, action=run.plan.action, code=code, reason=reason,
@@ -294,6 +304,59 @@ class Flipper:
         log.warning("flip_refused", worker=run.worker, action=run.plan.action, code=code, reason=reason)
         run.waiter.events.append((self.proc.record(e, causation=run.causation), e))
         self._finish(run)
+
+    # ================================================================== the KV pool, through the dial
+    def _shrink(self, run: Run) -> None:
+        """A sleep gives the device KV pool back too (its sessions are parked by now): the dial
+        resizes it to one block, the least it holds, unless its floor says otherwise."""
+        ws = self.proc.state.workers.get(run.worker)
+        acc = ws.tiers.get("device") if ws is not None else None
+        if run.plan.action != "sleep" or acc is None or acc.capacity_bytes <= ws.block_bytes:
+            self._swap(run)
+            return
+        run.phase = "shrinking"
+        self._resize(run, ws.block_bytes, acc.capacity_bytes, self._swap)
+
+    def _grow(self, run: Run) -> bool:
+        """Grow the pool back to the size a sleep took it from; False when it was not shrunk."""
+        to_bytes = self.kv_before.get(run.worker)
+        ws = self.proc.state.workers.get(run.worker)
+        if to_bytes is None or ws is None or not ws.alive:
+            return False
+        run.phase = "growing"
+        self._resize(run, to_bytes, ws.tiers["device"].capacity_bytes, self._finish)
+        return True
+
+    def _resize(self, run: Run, to_bytes: int, from_bytes: int, then: Callable[[Run], None]) -> None:
+        origin = flip.kv_pool_origin(run.origin)
+        causation = run.causation or run.origin
+        waiter = moves.AskWaiter(f"{run.ref}:{flip.KV_POOL}",
+                                 lambda events, *_a, run=run: self._resized(run, events, then))
+        dialer = getattr(self.proc, "dial", None)
+        try:
+            if dialer is None:
+                raise moves.InvalidAsk("this control process has no dial")
+            dialer.resize(run.worker, "device", to_bytes, origin, waiter, causation=causation)
+        except moves.InvalidAsk as e:     # nothing recorded by the dial: the refusal is recorded here
+            refused = ev.MoveRefused(ask=origin, worker=run.worker, tier="device", asked_bytes=to_bytes,
+                                     available_bytes=from_bytes, floor_bytes=0,
+                                     reason=f"resize of the device pool of worker {run.worker} to {to_bytes}: {e}")
+            log.warning("kv_pool_not_resized", worker=run.worker, action=run.plan.action, reason=str(e))
+            run.waiter.events.append((self.proc.record(refused, causation=causation), refused))
+            then(run)
+
+    def _resized(self, run: Run, events: list, then: Callable[[Run], None]) -> None:
+        run.waiter.events.extend(events)
+        for _, e in events:
+            if type(e) is ev.PoolResized and e.pool == "device":
+                if run.phase == "shrinking":    # a pool already shrunk by an earlier sleep keeps its first size
+                    self.kv_before.setdefault(run.worker, e.from_bytes)
+                else:
+                    self.kv_before.pop(run.worker, None)
+        log.info("kv_pool_resized", worker=run.worker, action=run.plan.action, phase=run.phase,
+                 outcome=flip.kv_pool_outcome([e for _, e in events]))
+        if self.runs.get(run.worker) is run:
+            then(run)
 
     def _swap(self, run: Run) -> None:
         plan = run.plan
@@ -355,6 +418,12 @@ class Flipper:
         log.info("flip_answered", flip_id=req.flip_id, worker=run.worker, action=req.action,
                  error=msg.error or None, verdict=type(recorded[-1][1]).__name__, bytes_out=msg.bytes_out,
                  bytes_in=msg.bytes_in, measured_freed_bytes=msg.measured_freed_bytes)
+        # the pool grows back once the weights are (a wake), or when the worker refused the sleep
+        # and kept its weights (nothing changed but the pool); requests wait for it: still in ``runs``
+        completed = any(type(e) is ev.FlipCompleted for _, e in recorded)
+        refused = not completed and not any(type(e) is ev.FlipFailed and e.stranded for _, e in recorded)
+        if ((req.action == "wake" and completed) or (req.action == "sleep" and refused)) and self._grow(run):
+            return
         self._finish(run)
 
     # ================================================================== the tick

@@ -22,6 +22,11 @@ outcome:
     503 stranded    the worker died or missed the deadline: its arena serves nothing until a
                     complete flip or wake repairs it
     404             a model the server was not started with (the list is in the message)
+
+A sleep also shrinks each worker's device KV pool to one block through the dial, and the wake
+grows it back: ``kv_pool`` lists each resize (bytes, measured freed bytes) or why the pool was not
+resized (the dial's refusal, with its arithmetic: the sleep completes all the same), and
+``measured_freed_bytes`` sums what the driver saw freed, weights and pool (None: not measured).
     400             a bad level, worker or body
 
 They need the admin key when one is configured (admin_routes).
@@ -36,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from residency.control.api.admin_routes import _authorize
 from residency.control.api.errors import ApiError
+from residency.control import flip
 from residency.control.api.schemas import parse_json, validate
 from residency.events.asks import AskFlip
 from residency.events.codec import event_to_display_obj
@@ -69,15 +75,20 @@ async def _ask(request: Request, ask: AskFlip) -> JSONResponse:
             raise ApiError(404, detail.partition(": ")[2] or detail, param="to", code="model_not_found")
         status = 503 if answer.error == "shutting_down" else 400
         raise ApiError(status, detail, code=answer.error)
-    types = [type(e).__name__ for e in answer.events]
+    # the dial's refusal of the sleep's pool resize is no refusal of the sleep (kv_pool says it)
+    types = [type(e).__name__ for e in answer.events if not flip.is_pool_refusal(e)]
     stranded = any(type(e).__name__ == "FlipFailed" and e.stranded for e in answer.events)
     result, status = outcome(types, stranded)
     events = [dict(seq=s, **event_to_display_obj(e)) for s, e in zip(answer.seqs, answer.events)]
     body = {"ask_id": answer.ask_id, "action": ask.action, "outcome": result, "events": events}
     if ask.action == "flip":
         body["to"] = ask.to_model
+    else:       # the device KV pool the sleep shrank (or could not) and the wake grew back
+        body["kv_pool"] = flip.kv_pool_outcome(answer.events)
+        body["measured_freed_bytes"] = flip.freed_bytes(answer.events)
     if status != 200:
-        bad = next((e for e in events if e["type"] in ("FlipFailed", "MoveRefused")), None)
+        bad = next((d for d, e in zip(events, answer.events) if d["type"] in ("FlipFailed", "MoveRefused")
+                    and not flip.is_pool_refusal(e)), None)
         if bad is None:
             why, code = result, result
         elif bad["type"] == "MoveRefused":      # "code: reason"

@@ -241,3 +241,39 @@ def test_replaying_the_flip_events_in_pieces_gives_the_same_state(rng):
     parts = fold_all(fold_all(State(), lg.items[:cut]), lg.items[cut:])
     assert state_hash(whole) == state_hash(parts) and state_hash(whole).startswith("f6:")
     assert whole.arenas["0:weights"].num_flips == 3
+
+
+def test_a_sleep_whose_pool_shrink_the_dial_refuses_completes_and_says_why(rng):
+    """The dial's own plan refuses the one-block pool a sleep asks for (a budget floor): the refusal,
+    recorded under the sleep's pool origin, is the answer's ``kv_pool`` with its arithmetic, and
+    the sleep's outcome is still ``completed``; a shrink that ran adds its freed bytes to the sleep's."""
+    from residency.control import dial
+    from residency.control.api.flip_routes import outcome
+    from residency.control.policy.recency import Recency
+
+    lg, models = served(rng)
+    floor = rng.randrange(2, 40) * MiB
+    lg.add(ev.BudgetSet(worker=0, tier="device", floor_bytes=floor, ceiling_bytes=0))
+    state = lg.state()
+    refusal = dial.plan(state, Recency(), "api:sleep:kv-pool", 0, "device", MiB, set())
+    assert type(refusal).__name__ == "Refusal" and refusal.floor_bytes == floor
+    refused = refusal.event(flip.kv_pool_origin("api:sleep"))
+    lg.add(refused)
+    plan = flip.check(lg.state(), 0, "sleep", "", rng.choice((1, 2)), models)
+    events = [refused, *run_flip(lg, plan, "fl-s", rng)]
+    [kv] = flip.kv_pool_outcome(events)
+    assert (kv["worker"], kv["resized"], kv["asked_bytes"], kv["floor_bytes"]) == (0, False, MiB, floor)
+    assert f"< floor {floor}" in kv["reason"]
+    types = [type(e).__name__ for e in events if not flip.is_pool_refusal(e)]
+    assert outcome(types, False) == ("completed", 200)
+    # the sleep's own refusal (asleep already) is still a refusal
+    twin = flip.check(lg.state(), 0, "sleep", "", 1, models).event("api:sleep")
+    assert not flip.is_pool_refusal(twin) and outcome([type(twin).__name__], False)[0] == "refused"
+    assert flip.freed_bytes(events) is None                     # nothing measured (a CPU host)
+    freed = [rng.randrange(1, 1 << 30) for _ in range(2)]
+    done = ev.FlipCompleted(flip_id="fl-x", bytes_out=1, bytes_in=0, started_ns=0, finished_ns=1, overlapped_steps=0,
+                            checksum_ok=True, measured_freed_bytes=freed[0])
+    shrunk = ev.PoolResized(worker=0, pool="device", from_bytes=64 * MiB, to_bytes=MiB, gen=1,
+                            measured_freed_bytes=freed[1])
+    assert flip.freed_bytes([shrunk, done]) == sum(freed)
+    assert flip.kv_pool_outcome([shrunk])[0]["resized"] is True

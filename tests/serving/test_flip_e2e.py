@@ -2,10 +2,14 @@
 different sizes and the same KV pages (tiny random Llamas written as Hugging Face directories),
 driven over HTTP. Greedy output of the first model is the same before and after a flip to the
 second and back, and after sleeps at both levels; every flip is in the ledger ahead of its
-command with its verdict; the replayed ledger holds together and diagnose finds nothing stuck."""
+command with its verdict; the replayed ledger holds together and diagnose finds nothing stuck.
+A sleep shrinks the device KV pool to one block through the dial and the wake grows it back; with
+a budget floor the dial refuses the shrink and the sleep completes all the same, saying why."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -39,6 +43,12 @@ def chat(srv: Server, model: str, text: str) -> httpx.Response:
     return httpx.post(f"{srv.url}/v1/chat/completions", timeout=120,
                       json={"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 8,
                             "temperature": 0})
+
+
+def pool(srv: Server) -> tuple[int, int]:
+    """(device KV pool bytes, block bytes) of worker 0, as GET /admin/memory shows them."""
+    [w] = srv.admin("GET", "/admin/memory").json()["workers"]
+    return w["tiers"]["device"]["kv_capacity_bytes"], w["block_bytes"]
 
 
 def text_of(r: httpx.Response) -> str:
@@ -77,17 +87,43 @@ def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
         text_of(chat(srv, "b", "the other model"))
         assert text_of(chat(srv, "a", "the same words")) == before      # the policy flips back for it
 
+        full, bb = pool(srv)
+        assert full == 64 * bb
         for level in (1, 2):
+            if level == 2:      # a floor of 4 blocks: the dial refuses the shrink, the sleep goes on
+                out = subprocess.run([sys.executable, "-m", "residency.control.cli.main", "ctl", "budget", "--db",
+                                      srv.ledger, "--run-dir", str(srv.dir / "run"), "--tier", "device", "--floor",
+                                      str(4 * bb)], capture_output=True, text=True, timeout=120)
+                assert out.returncode == 0, out.stderr
             s = srv.admin("POST", f"/sleep?level={level}")
             assert s.status_code == 200 and s.json()["outcome"] == "completed", s.text
             slept = next(e for e in s.json()["events"] if e["type"] == "FlipCompleted")
             # None on a CPU host (not measured), a number of bytes the driver saw freed on a GPU
             assert (slept["measured_freed_bytes"] is None) == (DEVICE == "cpu"), slept
+            assert (s.json()["measured_freed_bytes"] is None) == (DEVICE == "cpu"), s.json()
+            [kv] = s.json()["kv_pool"]
+            if level == 1:      # the pool is given back down to one block, write-ahead as ctl resize
+                assert kv["resized"] and (kv["from_bytes"], kv["to_bytes"]) == (full, bb), kv
+                assert (kv["measured_freed_bytes"] is None) == (DEVICE == "cpu"), kv   # measured on a GPU
+                kinds = [e["type"] for e in s.json()["events"]]
+                assert kinds.index("RebindRequested") < kinds.index("PoolResized") < kinds.index("FlipRequested")
+                assert pool(srv) == (bb, bb)
+            else:               # refused with the dial's arithmetic; the pool keeps its size
+                assert not kv["resized"] and kv["floor_bytes"] >= 4 * bb and "floor" in kv["reason"], kv
+                assert pool(srv) == (full, bb)
             assert httpx.get(f"{srv.url}/is_sleeping").json() == {"is_sleeping": True}
             again = srv.admin("POST", "/sleep?level=1")
             assert again.status_code == 409 and again.json()["error"]["code"] == "already_asleep"
             w = srv.admin("POST", "/wake_up")
             assert w.status_code == 200 and w.json()["outcome"] == "completed", w.text
+            grown = w.json()["kv_pool"]
+            if level == 1:      # grown back after the weights, before requests flow again
+                assert [(g["resized"], g["from_bytes"], g["to_bytes"]) for g in grown] == [(True, bb, full)], grown
+                kinds = [e["type"] for e in w.json()["events"]]
+                assert kinds.index("FlipCompleted") < kinds.index("PoolResized")
+            else:
+                assert grown == []
+            assert pool(srv) == (full, bb)
             assert text_of(chat(srv, "a", "the same words")) == before
         assert srv.admin("POST", "/wake_up").json()["error"]["code"] == "not_asleep"
         assert srv.admin("POST", "/sleep", key="wrong").status_code == 401
@@ -105,6 +141,9 @@ def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
     assert ended == {f.flip_id for f in flips}
     committed = {r.event.rebind_id for r in events if type(r.event) is ev.RebindCommitted}
     assert {f.flip_id for f in flips} <= committed
+    resized = [r.event for r in events if type(r.event) is ev.PoolResized]
+    assert [(p.from_bytes, p.to_bytes) for p in resized] == [(full, bb), (bb, full)]
+    assert state.workers[0].tiers["device"].capacity_bytes == full
     arena = state.arenas["0:weights"]
     assert (arena.model, arena.asleep, arena.stranded, arena.num_flips) == ("a", False, None, 6)
     found = [f.detector for f in diagnose(events).findings if f.detector.startswith("flip_")]

@@ -246,3 +246,48 @@ def test_a_policy_flip_the_worker_refuses_is_recorded_once_not_retried_every_tic
     assert len(worker.calls) == 1 and len(failed) == 1 and "unknown model" in failed[0].error
     assert not failed[0].stranded and state.arenas["0:weights"].model == "tiny"
     assert s.chat("the resident model still serves", max_tokens=4).status_code == 200
+
+
+def test_a_sleep_the_dial_refuses_to_shrink_completes_and_one_the_worker_refuses_grows_its_pool_back(stack):
+    """The device KV pool a sleep gives back goes through the dial: under a budget floor the dial
+    refuses the one-block pool (its arithmetic in ``kv_pool``) and the sleep completes anyway;
+    when the worker refuses the sleep itself, the pool already shrunk is grown back at once."""
+    from residency.events.asks import AskSetBudget
+
+    s = stack(device_blocks=16)
+    worker = stand_in(s)
+    bb = s.proc.call(lambda p: p.state.workers[0].block_bytes).result(5)
+
+    def pool_bytes() -> int:
+        return s.proc.call(lambda p: p.state.workers[0].tiers["device"].capacity_bytes).result(5)
+
+    before = s.chat("the same words every time", max_tokens=8).json()["choices"][0]["message"]["content"]
+    assert s.proc.submit(AskSetBudget(ask_id="b1", worker=0, tier="device", floor_bytes=3 * bb,
+                                      ceiling_bytes=0)).result(5).error is None
+    r = s.client.post("/sleep?level=1")
+    assert r.status_code == 200 and r.json()["outcome"] == "completed", r.text
+    [kv] = r.json()["kv_pool"]
+    assert (kv["resized"], kv["floor_bytes"], kv["asked_bytes"]) == (False, 3 * bb, bb), kv
+    assert f"< floor {3 * bb}" in kv["reason"] and pool_bytes() == 16 * bb
+    w = s.client.post("/wake_up")
+    assert w.status_code == 200 and w.json()["kv_pool"] == [], w.text
+    assert s.chat("the same words every time", max_tokens=8).json()["choices"][0]["message"]["content"] == before
+
+    assert s.proc.submit(AskSetBudget(ask_id="b2", worker=0, tier="device", floor_bytes=0,
+                                      ceiling_bytes=0)).result(5).error is None
+
+    def refuse(cmd: SwapWeights) -> list:
+        t0 = time.time_ns()
+        return [WeightsSwapped(flip_id=cmd.flip_id, worker=0, action=cmd.action, from_model="tiny", resident="tiny",
+                               from_gen=worker.gen, to_gen=cmd.to_gen, bytes_out=0, bytes_in=0, checksum_ok=False,
+                               steps=0, stamps={}, started_ns=t0, finished_ns=t0, error="no pinned room for the image")]
+    s.worker.core.register(SwapWeights, refuse)
+    r = s.client.post("/sleep?level=1")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "flip_failed", r.text
+    assert [(k["resized"], k["from_bytes"], k["to_bytes"]) for k in r.json()["kv_pool"]] == [
+        (True, 16 * bb, bb), (True, bb, 16 * bb)], r.text
+    assert pool_bytes() == 16 * bb and s.client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert s.chat("the same words every time", max_tokens=8).json()["choices"][0]["message"]["content"] == before
+    events, state = s.ledger()
+    assert [(e.from_bytes, e.to_bytes) for e in events if type(e) is ev.PoolResized] == [(16 * bb, bb), (bb, 16 * bb)]
+    live_equals_replay(s)
