@@ -20,6 +20,9 @@
 The floor of a pool is what cannot leave it: the budget's floor (headroom no move may take) plus
 the pages that running requests and unsettled moves hold, plus bytes in flight toward it.
 
+A tensor-parallel group's pool is resized as one: the leader's plan, one rebind per rank, and
+``verdicts`` commits every rank's rebind or tears every rank that resized (docs/groups.md).
+
 A pool is *closed* while a rebind of it is requested (in progress) or torn: the scheduler places
 no request on it and no move goes into or out of it (``closed``), until a later complete rebind
 commits (``ctl resize`` to the same size rebinds in place).
