@@ -243,3 +243,24 @@ def test_a_group_rebind_commits_on_every_rank_or_is_torn_on_every_rank_that_resi
     assert dial.verdicts([solo], {"rb-9": set(everyone)}) == [ev.RebindCommitted(rebind_id="rb-9")]
     assert dial.verdicts([solo], {}) == [dial.unanswered(solo)]
     assert dial.verdicts([solo], {"rb-9": "refused"}) == []
+
+
+def test_a_group_pool_is_held_while_any_rank_s_pool_is_torn():
+    """The leader refused its rebind (its pool unchanged, open on its own books) while rank 1
+    resized and tore: the group's pool takes no request and no move on any rank (Dial.holds)."""
+    from residency.control.dialing import Dial
+
+    led = Ledger()
+    led.add(ev.WorkerJoined(worker=1, device="cpu", block_bytes=BB, group="tp0", rank=1,
+                            tiers={"device": 20 * BB, "host": 50 * BB, "disk": 10**9}))
+    reqs = [led.add(dial.requested(led.state, dial.rank_rebind_id("rb-1", k, 2), k, 0, [dial.SCHEDULER], ["serving"]))
+            for k in (0, 1)]
+    led.add(ev.RebindRefused(rebind_id=reqs[0].rebind_id, worker=0, error="no room"))
+    for e in dial.verdicts(reqs, {reqs[0].rebind_id: "no room", reqs[1].rebind_id: {dial.SCHEDULER, "serving"}}):
+        led.add(e)
+    assert dial.closed(led.state, 0) is None and dial.closed(led.state, 1)[0] == "pool_torn"
+    d = Dial.__new__(Dial)            # only what holds() reads: the state, the runs, the ranks
+    d.state, d.runs, d.ranks_of = led.state, {}, lambda w: [0, 1]
+    assert d.holds(0)[0] == d.holds(1)[0] == "pool_torn" and "rb-1.r1" in d.holds(0)[1]
+    d.ranks_of = lambda w: []         # a worker alone is judged on its own pool
+    assert d.holds(0) is None
