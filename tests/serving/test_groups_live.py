@@ -119,7 +119,7 @@ def test_two_ranks_serve_a_model_that_splits_and_step_and_move_alike(servers):
             steps.setdefault(e.step, {})[e.worker] = (e.batch_digest, e.tables_digest)
     assert len(steps) >= 12 and all(len(set(by.values())) == 1 and len(by) == 2 for by in steps.values())
     assert not [e for e in es if type(e).__name__ in ("GroupDiverged", "GroupStopped")]
-    parks = [e for e in es if type(e).__name__ == "MoveRequested" and e.kind == "park"]
+    parks = [e for e in es if type(e).__name__ == "MoveRequested" and e.kind == "park"][:2]   # carol's (dave's follow)
     assert sorted(e.worker for e in parks) == [0, 1] and len({tuple(e.blocks) for e in parks}) == 1
     acked = {e.move_id: e for e in es if type(e).__name__ == "MoveAcked"}
     assert [acked[e.move_id].bytes_moved for e in parks] == [len(parks[0].blocks) * whole // 2] * 2
@@ -130,11 +130,11 @@ def resize(s: Server, worker: int, nbytes: int) -> httpx.Response:
     return s.admin("POST", "/admin/resize", json={"worker": worker, "tier": "device", "bytes": nbytes})
 
 
-def device_bytes(s: Server, worker: int) -> int:
+def device_bytes(s: Server, worker: int, what: str = "capacity") -> int:
     for line in httpx.get(f"{s.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("residency_tier_capacity_bytes{") and f'worker="{worker}"' in line and 'tier="device"' in line:
+        if line.startswith(f"residency_tier_{what}_bytes{{") and f'worker="{worker}"' in line and 'tier="device"' in line:
             return int(float(line.rpartition(" ")[2]))
-    raise AssertionError(f"no device capacity for worker {worker}")
+    raise AssertionError(f"no device {what} for worker {worker}")
 
 
 def resize_the_group(s: Server, model: str) -> None:
@@ -145,31 +145,49 @@ def resize_the_group(s: Server, model: str) -> None:
     before = text()
     full = device_bytes(s, 0)
     assert device_bytes(s, 1) == full
+    shard = 2 * TINY_LLAMA.num_layers * 16 * TINY_LLAMA.num_kv_heads * TINY_LLAMA.head_dim * 4 // 2
+    # dave's idle pages stay on the device; the shrink leaves room for one page fewer than they
+    # hold, so the coldest must leave first: a group eviction (one move per rank, the same blocks)
+    chat = {"model": model, "messages": [{"role": "user", "content": "tell me about rivers " * 12}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "session_id": "dave"}
+    assert httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    used = device_bytes(s, 0, "used")
+    assert used == device_bytes(s, 1, "used") >= 2 * shard
+    small = used - shard
     # a follower's own view never decides: the group is resized through its leader
-    r = resize(s, 1, full // 2)
+    r = resize(s, 1, small)
     assert r.status_code == 400 and "resize its leader, worker 0" in r.json()["error"]["message"], r.text
     # rank 1's serving loop misses its stamp: both ranks resized, and both rebinds are torn
-    r = resize(s, 0, full // 2)
+    r = resize(s, 0, small)
     assert r.status_code == 503 and r.json()["outcome"] == "torn", r.text
     torn = {e["rebind_id"]: e["readers_behind"] for e in r.json()["events"] if e["type"] == "RebindTorn"}
     assert sorted(torn.values()) == [["serving"], ["worker 1: serving"]], torn
     health = httpx.get(f"{s.url}/health", timeout=10)
     assert health.status_code == 503 and all(rid in json.dumps(health.json()) for rid in torn)
-    # a complete group resize repairs it, shrunk; another grows it back: committed on both ranks
-    for size in (full // 2, full):
-        r = resize(s, 0, size)
-        assert r.status_code == 200 and r.json()["outcome"] == "committed", r.text
-        assert device_bytes(s, 0) == device_bytes(s, 1) <= size
-        assert text() == before                  # placement, never numerics
+    # a complete group resize repairs it at that size; dave parked makes room; then it grows back
+    r = resize(s, 0, small)
+    assert r.status_code == 200 and r.json()["outcome"] == "committed", r.text
+    assert device_bytes(s, 0) == device_bytes(s, 1) == small
+    assert s.admin("POST", "/admin/sessions/dave/park").status_code == 200
+    assert text() == before                      # placement, never numerics
+    r = resize(s, 0, full)
+    assert r.status_code == 200 and r.json()["outcome"] == "committed", r.text
+    assert device_bytes(s, 0) == device_bytes(s, 1) == full
+    assert text() == before
     assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
 
 
 def check_group_resizes(es: list, shard: int) -> None:
-    """Three resizes, each a RebindRequested and a PoolResized on every rank; the first torn on
-    both ranks, the others committed once per rank."""
+    """Three resizes, each a RebindRequested and a PoolResized on every rank; the first (after
+    its group evictions) torn on both ranks, the others committed once per rank."""
     reqs = [e for e in es if type(e).__name__ == "RebindRequested"]
     assert [e.worker for e in reqs] == [0, 1] * 3
     assert [e.rebind_id.rpartition(".")[2] for e in reqs] == ["r0", "r1"] * 3
+    evicts: dict[tuple, list[int]] = {}
+    for e in es:
+        if type(e).__name__ == "MoveRequested" and e.kind == "evict" and e.src == "device":
+            evicts.setdefault(tuple(e.blocks), []).append(e.worker)
+    assert evicts and all(sorted(ws) == [0, 1] for ws in evicts.values()), evicts   # group evictions
     resized = [e for e in es if type(e).__name__ == "PoolResized"]
     assert sorted(e.worker for e in resized) == [0, 0, 0, 1, 1, 1]
     assert all(e.to_bytes % shard == 0 and e.measured_freed_bytes is None for e in resized)   # CPU: not measured
