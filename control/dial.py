@@ -20,6 +20,9 @@
 The floor of a pool is what cannot leave it: the budget's floor (headroom no move may take) plus
 the pages that running requests and unsettled moves hold, plus bytes in flight toward it.
 
+A tensor-parallel group's pool is resized as one: the leader's plan, one rebind per rank, and
+``verdicts`` commits every rank's rebind or tears every rank that resized (docs/groups.md).
+
 A pool is *closed* while a rebind of it is requested (in progress) or torn: the scheduler places
 no request on it and no move goes into or out of it (``closed``), until a later complete rebind
 commits (``ctl resize`` to the same size rebinds in place).
@@ -208,6 +211,42 @@ def verdict(req: ev.RebindRequested, stamped: set[str]) -> ev.RebindCommitted | 
     if late:
         return ev.RebindTorn(rebind_id=req.rebind_id, readers_behind=late)
     return ev.RebindCommitted(rebind_id=req.rebind_id)
+
+
+def rank_rebind_id(rid: str, rank: int, num_ranks: int) -> str:
+    """The rebind id of one rank's pool in a resize of ``num_ranks`` pools (a worker alone: ``rid``)."""
+    return rid if num_ranks == 1 else f"{rid}.r{rank}"
+
+
+def verdicts(reqs: list[ev.RebindRequested], answers: dict[str, set[str] | str | None]) -> list[ev.Event]:
+    """The verdicts of one resize of the pools of every rank of a group (a worker alone: one rank),
+    once every rank answered or its answer is given up on (``answers`` by rebind id).
+
+    All or torn: a rank's pool counts as rebound only when EVERY rank's pool is, because the ranks
+    hold shards of the same block ids and one rank at another size (or with a reader behind) would
+    seat or move what its peers cannot. So when every rank stamped every reader, a RebindCommitted
+    per rank; when every rank refused, nothing (each RebindRefused is recorded with its answer:
+    no pool changed); otherwise a RebindTorn for every rank that resized or did not answer, naming
+    its own readers behind and each peer's shortfall (``worker W: reader`` / ``worker W: refused``),
+    which closes the group's pool until a complete group resize commits."""
+    short: dict[str, list[str]] = {}
+    for req in reqs:
+        a = answers.get(req.rebind_id)
+        if isinstance(a, str):
+            short[req.rebind_id] = ["refused"]
+        else:
+            short[req.rebind_id] = [r for r in req.readers if a is None or r not in a]
+    if all(isinstance(answers.get(req.rebind_id), str) for req in reqs):
+        return []
+    if not any(short.values()):
+        return [ev.RebindCommitted(rebind_id=req.rebind_id) for req in reqs]
+    out: list[ev.Event] = []
+    for req in reqs:
+        if isinstance(answers.get(req.rebind_id), str):
+            continue
+        peers = [f"worker {p.worker}: {r}" for p in reqs if p is not req for r in short[p.rebind_id]]
+        out.append(ev.RebindTorn(rebind_id=req.rebind_id, readers_behind=short[req.rebind_id] + peers))
+    return out
 
 
 def unanswered(req: ev.RebindRequested) -> ev.RebindTorn:

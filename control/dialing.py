@@ -5,6 +5,12 @@
     on_rebound  the worker's PoolRebound: stamps, PoolResized, the control's readers, the verdict
     watch       a rebind with no answer by its deadline (or whose worker went) is torn
 
+A group's pool (``serve --tp``) is resized as one: asked of its leader, planned on the leader's
+books (the block ids are the same on every rank, so one ``num_slots`` for every rank, each rank's
+bytes being its shard's), its evictions are group moves, then a RebindRequested per rank (its own
+readers, id ``<rid>.r<rank>``), ResizePool to every rank, and the verdict all or torn
+(``dial.verdicts``): committed on every rank only when every rank stamped every reader.
+
 A resize is asked with an ``AskWaiter`` (the operator's ask, or a reclaim's own): it is answered,
 after commit, with every event recorded for the resize, in seq order. One resize per worker at a
 time; from its start (the evictions included) the worker's pool takes no new request (``holds``).
@@ -39,16 +45,20 @@ Reader = Callable[[State, int, int, int], int]
 
 
 class Run:
-    """A resize in progress on one worker."""
+    """A resize in progress on one worker, or on every rank of a group (``ranks``, leader first)."""
 
-    __slots__ = ("rid", "worker", "origin", "plan", "waiter", "req", "deadline_ns", "phase", "epoch")
+    __slots__ = ("rid", "worker", "ranks", "origin", "plan", "waiter", "reqs", "answers", "deadline_ns", "phase",
+                 "epochs")
 
-    def __init__(self, rid: str, worker: int, origin: str, plan: dial.ResizePlan, waiter: moves.AskWaiter):
+    def __init__(self, rid: str, worker: int, origin: str, plan: dial.ResizePlan, waiter: moves.AskWaiter,
+                 ranks: list[int] | None = None):
         self.rid, self.worker, self.origin, self.plan, self.waiter = rid, worker, origin, plan, waiter
-        self.req: ev.RebindRequested | None = None
+        self.ranks = ranks or [worker]
+        self.reqs: dict[int, ev.RebindRequested] = {}            # rank's worker -> its rebind
+        self.answers: dict[str, set[str] | str] = {}             # rebind id -> stamped readers | error
         self.deadline_ns = 0          # wall clock: the rebind's answer is due by then
         self.phase = "moving"         # moving (evictions) | draining (others' moves end) | rebinding
-        self.epoch = -1               # the worker incarnation the ResizePool went to
+        self.epochs: dict[int, int] = {}     # the worker incarnation each ResizePool went to
 
 
 class Dial:
@@ -71,8 +81,8 @@ class Dial:
         self._num = 0
         # replaced whole on the loop thread; read by health() from any thread
         self.problems: tuple[str, ...] = tuple(dial.torn_pools(state))
-        # whether a worker is a rank of a tensor-parallel group (set by the control for serve --tp)
-        self.in_group: Callable[[int], bool] = lambda worker: False
+        # the ranks of the tensor-parallel group of a worker, leader first ([]: alone; set for serve --tp)
+        self.ranks_of: Callable[[int], list[int]] = lambda worker: []
 
     # ------------------------------------------------------------------ readers and holds
     def add_reader(self, name: str, fn: Reader) -> None:
@@ -81,12 +91,17 @@ class Dial:
 
     def holds(self, worker: int) -> tuple[str, str] | None:
         """(code, reason) when ``worker``'s device pool takes no new request and no move now: a
-        resize of it is moving blocks out, waiting for moves to end, or rebinding; or it is torn."""
+        resize of it is moving blocks out, waiting for moves to end, or rebinding; or it is torn.
+        A rank of a group is held when any rank's pool is (the ranks hold shards of one pool)."""
         run = self.runs.get(worker)
         if run is not None and run.phase != "rebinding":
             return ("pool_rebinding", f"the device pool of worker {worker} is being resized by {run.rid} "
                                       f"({'moving blocks out' if run.phase == 'moving' else 'waiting for its moves to end'} first)")
-        return dial.closed(self.state, worker)
+        for w in self.ranks_of(worker) or [worker]:
+            why = dial.closed(self.state, w)
+            if why is not None:
+                return why
+        return None
 
     def refuse_moves(self, proposals) -> Refusal | None:
         """The refusal of moves into or out of a held or closed device pool (``dial.refuse_moves``)."""
@@ -105,32 +120,42 @@ class Dial:
             dial.validate(self.state, worker, tier, nbytes)
         except dial.InvalidResize as e:
             raise moves.InvalidAsk(str(e)) from None
-        if self.in_group(worker):
-            # NOTE: a group's ranks must hold pools of one size (the same block ids on every rank);
-            # a resize that rebinds every rank together is not built, so none is started
-            raise moves.InvalidAsk(f"worker {worker} is a rank of a tensor-parallel group: resizing a group's "
-                                   "pools (every rank at once) is not supported")
-        if worker not in self.workers.by_worker:
-            raise moves.InvalidAsk(f"worker {worker} is not linked to this control process")
-        running = self.runs.get(worker)
+        ranks = self.ranks_of(worker) or [worker]
+        if ranks[0] != worker:      # a rank's own view never decides: the leader's plan is the group's
+            raise moves.InvalidAsk(f"worker {worker} is a follower rank of a tensor-parallel group: resize its "
+                                   f"leader, worker {ranks[0]}, and every rank's pool is resized with it")
+        for w in ranks:
+            if w != worker:
+                self._validate_rank(w)
+            if w not in self.workers.by_worker:
+                raise moves.InvalidAsk(f"worker {w} is not linked to this control process")
+        running = next((self.runs[w] for w in ranks if w in self.runs), None)
         if running is not None:
             to_bytes = nbytes // self.state.workers[worker].block_bytes * self.state.workers[worker].block_bytes
             self._refuse(dial.busy_refusal(self.state, worker, to_bytes, f"resize {running.rid}"), origin,
                          waiter, causation)
             return
-        pending = dial.open_rebind(self.state, worker)
-        if pending is not None and pending.status == "requested":   # a rebind this loop does not run
-            self._refuse(dial.busy_refusal(self.state, worker, nbytes, f"rebind {pending.rebind_id}"), origin,
-                         waiter, causation)
-            return
-        got = dial.plan(self.state, self.recency, origin, worker, tier, nbytes,
-                        self.blocks_in_use().get(worker, set()))
+        for w in ranks:
+            pending = dial.open_rebind(self.state, w)
+            if pending is not None and pending.status == "requested":   # a rebind this loop does not run
+                self._refuse(dial.busy_refusal(self.state, w, nbytes, f"rebind {pending.rebind_id}"), origin,
+                             waiter, causation)
+                return
+        in_use = self.blocks_in_use()
+        got = dial.plan(self.state, self.recency, origin, worker, tier, nbytes, in_use.get(worker, set()))
+        for w in ranks[1:]:     # the leader's plan is the group's; a rank whose own floor it breaks refuses it
+            if isinstance(got, Refusal):
+                break
+            slots = got.num_slots * self.state.workers[w].block_bytes
+            mine = dial.plan(self.state, self.recency, origin, w, tier, slots, in_use.get(w, set()))
+            got = mine if isinstance(mine, Refusal) else got
         if isinstance(got, Refusal):
             self._refuse(got, origin, waiter, causation)
             return
-        for p in got.evict:
+        evict = self.dispatcher.expand(got.evict) if len(ranks) > 1 else got.evict   # each rank's shard
+        for p in evict:
             moves.validate(self.state, p, self.dispatcher.busy.by_worker)
-        refusal = moves.fund(self.state, got.evict, self.dispatcher.reserved_bytes())
+        refusal = moves.fund(self.state, evict, self.dispatcher.reserved_bytes())
         if refusal is not None:     # host cannot take what must leave: refused whole, nothing moves
             pages = sum(len(p.blocks) for p in got.evict)
             self._refuse(msgspec.structs.replace(refusal, reason=(
@@ -138,17 +163,25 @@ class Dial:
                 f"pages that must leave the device: {refusal.reason}")), origin, waiter, causation)
             return
         self._num += 1
-        run = Run(dial.rebind_id(self.epoch, self._num), worker, origin, got, waiter)
-        self.runs[worker] = run
+        run = Run(dial.rebind_id(self.epoch, self._num), worker, origin, got, waiter, ranks)
+        for w in ranks:
+            self.runs[w] = run
         waiter.open.add(run.rid)
-        log.info("resize_started", rebind_id=run.rid, worker=worker, from_bytes=got.from_bytes,
+        log.info("resize_started", rebind_id=run.rid, worker=worker, ranks=ranks, from_bytes=got.from_bytes,
                  to_bytes=got.to_bytes, evictions=sum(len(p.blocks) for p in got.evict))
-        if got.evict:
+        if evict:
             moved = moves.AskWaiter(run.rid, lambda events, _m, _e, _d, run=run: self._moved(run, events))
-            for p in got.evict:
+            for p in evict:
                 self.dispatcher.request(p, moved)
         else:
             self._rebind(run)
+
+    def _validate_rank(self, worker: int) -> None:
+        """A follower rank can be resized with its leader (serving, a block size)."""
+        ws = self.state.workers.get(worker)
+        if ws is None or not ws.alive or ws.block_bytes <= 0:
+            raise moves.InvalidAsk(f"rank worker {worker} of the group is not serving: a group's pool is resized "
+                                   "on every rank or not at all")
 
     def _refuse(self, refusal: Refusal, origin: str, waiter: moves.AskWaiter, causation: str | None) -> None:
         e = refusal.event(origin)
@@ -174,44 +207,49 @@ class Dial:
     def _rebind(self, run: Run) -> None:
         # NOTE: the worker refuses a resize while any move of its runs (a slot may be mid-copy):
         # the pool is held from the start, so only moves asked before it can still be running
-        if any(mv.worker == run.worker for mv in self.state.inflight.values()):
+        if any(mv.worker in run.ranks for mv in self.state.inflight.values()):
             run.phase = "draining"          # watch() tries again as they end
             return
-        link = self.workers.by_worker.get(run.worker)
-        if link is None:
+        links = {w: self.workers.by_worker.get(w) for w in run.ranks}
+        if any(link is None for link in links.values()):
             log.warning("resize_stopped", rebind_id=run.rid, worker=run.worker, why="worker not linked")
             self._finish(run)
             return
-        req = dial.requested(self.state, run.rid, run.worker, link.pool_gen, list(self.readers), link.readers)
-        run.req, run.phase, run.epoch = req, "rebinding", link.epoch
+        run.phase = "rebinding"
         nbytes = abs(run.plan.from_bytes - run.plan.to_bytes)
         run.deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
-        seq = self.recorder.record(req, causation=run.origin)
-        run.waiter.events.append((seq, req))
-        cmd = ResizePool(rebind_id=run.rid, tier=dial.DEVICE, num_slots=run.plan.num_slots, to_gen=req.to_gen,
-                         deadline_ns=run.deadline_ns)
-        # write-ahead: the command leaves once RebindRequested is committed
-        gate = moves.AskWaiter(run.rid, lambda *_a, run=run, cmd=cmd: self._send(run, cmd))
+        cmds, seq = [], 0
+        for k, (w, link) in enumerate(links.items()):      # one rebind per rank: each its own readers
+            rid = dial.rank_rebind_id(run.rid, k, len(run.ranks))
+            req = dial.requested(self.state, rid, w, link.pool_gen, list(self.readers), link.readers)
+            run.reqs[w], run.epochs[w] = req, link.epoch
+            seq = self.recorder.record(req, causation=run.origin)
+            run.waiter.events.append((seq, req))
+            cmds.append((w, ResizePool(rebind_id=rid, tier=dial.DEVICE, num_slots=run.plan.num_slots,
+                                       to_gen=req.to_gen, deadline_ns=run.deadline_ns)))
+        # write-ahead: the commands leave once every rank's RebindRequested is committed
+        gate = moves.AskWaiter(run.rid, lambda *_a, run=run, cmds=cmds: self._send(run, cmds))
         gate.events.append((seq, req))
         self.answers.after_commit(gate)
 
-    def _send(self, run: Run, cmd: ResizePool) -> None:
+    def _send(self, run: Run, cmds: list[tuple[int, ResizePool]]) -> None:
         if self.runs.get(run.worker) is not run:
             return
-        link = self.workers.by_worker.get(run.worker)
-        if link is None or not self.workers.send(link, cmd):
-            log.warning("resize_not_sent", rebind_id=run.rid, worker=run.worker)   # torn at the deadline
-        else:
-            log.info("resize_sent", rebind_id=run.rid, worker=run.worker, num_slots=cmd.num_slots, to_gen=cmd.to_gen)
+        for w, cmd in cmds:
+            link = self.workers.by_worker.get(w)
+            if link is None or not self.workers.send(link, cmd):
+                log.warning("resize_not_sent", rebind_id=cmd.rebind_id, worker=w)   # torn at the deadline
+            else:
+                log.info("resize_sent", rebind_id=cmd.rebind_id, worker=w, num_slots=cmd.num_slots, to_gen=cmd.to_gen)
 
     def on_rebound(self, link: WorkerLink, msg: PoolRebound) -> None:
         run = self.runs.get(link.worker)
         if not msg.error:
             link.pool_gen = msg.to_gen    # what the worker's pool carries now, whatever we recorded
-        if run is None or run.req is None or run.rid != msg.rebind_id:
+        req = run.reqs.get(link.worker) if run is not None else None
+        if req is None or req.rebind_id != msg.rebind_id or req.rebind_id in run.answers:
             log.warning("rebound_unexpected", worker=link.worker, rebind_id=msg.rebind_id, error=msg.error)
             return
-        req = run.req
         recorded = [(self.recorder.record(e, causation=run.rid), e) for e in dial.worker_answer(req, msg)]
         stamped = {e.reader for _, e in recorded if type(e) is ev.ReaderStamped}
         if not msg.error:
@@ -220,46 +258,57 @@ class Dial:
                     e = ev.ReaderStamped(rebind_id=req.rebind_id, reader=name, gen=req.to_gen)
                     recorded.append((self.recorder.record(e, causation=run.rid), e))
                     stamped.add(name)
-            e = dial.verdict(req, stamped)
-            recorded.append((self.recorder.record(e, causation=run.rid), e))
+        run.answers[req.rebind_id] = msg.error or stamped
         run.waiter.events.extend(recorded)
-        log.info("resize_answered", rebind_id=run.rid, worker=run.worker, error=msg.error or None,
-                 verdict=type(recorded[-1][1]).__name__, measured_freed_bytes=msg.measured_freed_bytes)
+        log.info("resize_answered", rebind_id=req.rebind_id, worker=link.worker, error=msg.error or None,
+                 measured_freed_bytes=msg.measured_freed_bytes)
+        if len(run.answers) == len(run.reqs):      # every rank answered: the verdict of all of them
+            self._verdicts(run, run.rid)
+
+    def _verdicts(self, run: Run, causation: str) -> None:
+        """Record the verdicts of every rank's rebind (``dial.verdicts``: all or torn), then finish."""
+        for e in dial.verdicts(list(run.reqs.values()), run.answers):
+            run.waiter.events.append((self.recorder.record(e, causation=causation), e))
+        log.info("resize_decided", rebind_id=run.rid, ranks=run.ranks, answered=sorted(run.answers))
         self._finish(run)
 
     def watch(self, now_ns: int | None = None) -> None:
         """Tear the rebinds with no answer by their deadline, or whose worker went."""
         now = time.time_ns() if now_ns is None else now_ns
-        for run in list(self.runs.values()):
+        for run in {id(r): r for r in self.runs.values()}.values():     # a group's run is under every rank
             if run.phase == "draining":
-                if not any(mv.worker == run.worker for mv in self.state.inflight.values()):
+                if not any(mv.worker in run.ranks for mv in self.state.inflight.values()):
                     self._rebind(run)
                 continue
             if run.phase != "rebinding":
                 continue
-            ws = self.state.workers.get(run.worker)
-            link = self.workers.by_worker.get(run.worker)
-            gone = ws is None or not ws.alive or link is None or link.epoch != run.epoch
+            gone = [w for w, req in run.reqs.items() if req.rebind_id not in run.answers and not self._here(run, w)]
             if now < run.deadline_ns and not gone:
                 continue
-            e = dial.unanswered(run.req)
-            log.error("rebind_torn", rebind_id=run.rid, worker=run.worker, why="worker gone" if gone else "deadline")
-            run.waiter.events.append((self.recorder.record(e, causation=run.rid), e))
-            self._finish(run)
+            log.error("rebind_torn", rebind_id=run.rid, workers=run.ranks, gone=gone,
+                      why="worker gone" if gone else "deadline")
+            self._verdicts(run, run.rid)      # a rank with no answer is behind on every reader
         self.problems = tuple(dial.torn_pools(self.state))
 
     def stop(self, reason: str) -> None:
         """The control stops: a rebind still unanswered is torn (its readers unknown), and every
         resize's asker hears what was recorded for it."""
-        for run in list(self.runs.values()):
-            if run.phase == "rebinding":
-                e = dial.unanswered(run.req)
-                run.waiter.events.append((self.recorder.record(e, causation=f"control:stop: {reason}"), e))
-            self._finish(run)
+        for run in {id(r): r for r in self.runs.values()}.values():
+            if run.phase == "rebinding":     # a rank still unanswered: torn, its readers unknown
+                self._verdicts(run, f"control:stop: {reason}")
+            else:
+                self._finish(run)
+
+    def _here(self, run: Run, worker: int) -> bool:
+        """``worker`` is still the incarnation ``run``'s ResizePool went to."""
+        ws = self.state.workers.get(worker)
+        link = self.workers.by_worker.get(worker)
+        return ws is not None and ws.alive and link is not None and link.epoch == run.epochs.get(worker)
 
     def _finish(self, run: Run) -> None:
-        if self.runs.get(run.worker) is run:
-            del self.runs[run.worker]
+        for w in run.ranks:
+            if self.runs.get(w) is run:
+                del self.runs[w]
         run.waiter.open.discard(run.rid)
         if run.waiter.done:
             self.answers.after_commit(run.waiter)

@@ -340,7 +340,7 @@ class ControlProc:
             self.asks.expand = self.moves.expand = self.groups.expand
             self.moves.for_policy = self.groups.for_policy
             self.workers.check_group = self.groups.check_hello
-            self.dial.in_group = self.groups.group_of.__contains__
+            self.dial.ranks_of = lambda w: self.groups.members.get(self.groups.group_of.get(w), [])
         now = time.monotonic_ns()
         self._next = {"ping": now, "policy": now, "watchdog": now, "requery": now, "quiet": now + QUIET_NEVER_NS}
         self.recorder.record(ev.ServerStarted(version=SERVER_VERSION, config_digest=self.cfg.config_digest))

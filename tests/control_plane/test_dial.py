@@ -196,3 +196,71 @@ def test_the_scheduler_places_nothing_on_a_rebinding_or_torn_pool():
     led.add(dial.unanswered(rb))
     got = sched.plan(led.state, req)
     assert isinstance(got, Wait) and got.code == "pool_torn" and "rb-1" in got.reason
+
+
+def test_a_group_rebind_commits_on_every_rank_or_is_torn_on_every_rank_that_resized():
+    """The verdicts of one resize of three ranks' pools (control/dial.py verdicts): all or torn."""
+    led = Ledger()
+    for w in (1, 2):
+        led.add(ev.WorkerJoined(worker=w, device="cpu", block_bytes=BB, group="tp0", rank=w,
+                                tiers={"device": 20 * BB, "host": 50 * BB, "disk": 10**9}))
+    readers = ["serving", "mover"]
+
+    def start(n: int) -> list[ev.RebindRequested]:
+        return [led.add(dial.requested(led.state, dial.rank_rebind_id(f"rb-{n}", k, 3), w, n - 1,
+                                       [dial.SCHEDULER], readers)) for k, w in enumerate((0, 1, 2))]
+
+    everyone = {dial.SCHEDULER, *readers}
+    # every rank stamped every reader: committed on every rank
+    reqs = start(1)
+    assert [r.rebind_id for r in reqs] == ["rb-1.r0", "rb-1.r1", "rb-1.r2"]
+    got = dial.verdicts(reqs, {r.rebind_id: set(everyone) for r in reqs})
+    assert [(type(e), e.rebind_id) for e in got] == [(ev.RebindCommitted, r.rebind_id) for r in reqs]
+    for e in got:
+        led.add(e)
+    assert [dial.closed(led.state, w) for w in (0, 1, 2)] == [None, None, None]
+    # rank 1 missed one stamp: every rank's rebind is torn, each naming what is behind
+    reqs = start(2)
+    got = dial.verdicts(reqs, {reqs[0].rebind_id: set(everyone), reqs[1].rebind_id: everyone - {"mover"},
+                               reqs[2].rebind_id: set(everyone)})
+    assert [type(e) for e in got] == [ev.RebindTorn] * 3
+    assert [e.readers_behind for e in got] == [["worker 1: mover"], ["mover"], ["worker 1: mover"]]
+    for e in got:
+        led.add(e)
+    assert all(dial.closed(led.state, w)[0] == "pool_torn" for w in (0, 1, 2))
+    # rank 2 refused while the others resized, rank 1 never answered: the others are torn, the
+    # refusal changed nothing on rank 2 (its RebindRefused is recorded with its answer)
+    reqs = start(3)
+    got = dial.verdicts(reqs, {reqs[0].rebind_id: set(everyone), reqs[2].rebind_id: "no room"})
+    assert [(e.rebind_id, e.readers_behind) for e in got] == [
+        ("rb-3.r0", ["worker 1: scheduler", "worker 1: serving", "worker 1: mover", "worker 2: refused"]),
+        ("rb-3.r1", ["scheduler", "serving", "mover", "worker 2: refused"])]
+    # every rank refused: nothing changed anywhere, nothing more to record
+    reqs = start(4)
+    assert dial.verdicts(reqs, {r.rebind_id: "no room" for r in reqs}) == []
+    # a worker alone: the same rule is the single verdict
+    solo = led.add(dial.requested(led.state, "rb-9", 0, 5, [dial.SCHEDULER], readers))
+    assert dial.verdicts([solo], {"rb-9": set(everyone)}) == [ev.RebindCommitted(rebind_id="rb-9")]
+    assert dial.verdicts([solo], {}) == [dial.unanswered(solo)]
+    assert dial.verdicts([solo], {"rb-9": "refused"}) == []
+
+
+def test_a_group_pool_is_held_while_any_rank_s_pool_is_torn():
+    """The leader refused its rebind (its pool unchanged, open on its own books) while rank 1
+    resized and tore: the group's pool takes no request and no move on any rank (Dial.holds)."""
+    from residency.control.dialing import Dial
+
+    led = Ledger()
+    led.add(ev.WorkerJoined(worker=1, device="cpu", block_bytes=BB, group="tp0", rank=1,
+                            tiers={"device": 20 * BB, "host": 50 * BB, "disk": 10**9}))
+    reqs = [led.add(dial.requested(led.state, dial.rank_rebind_id("rb-1", k, 2), k, 0, [dial.SCHEDULER], ["serving"]))
+            for k in (0, 1)]
+    led.add(ev.RebindRefused(rebind_id=reqs[0].rebind_id, worker=0, error="no room"))
+    for e in dial.verdicts(reqs, {reqs[0].rebind_id: "no room", reqs[1].rebind_id: {dial.SCHEDULER, "serving"}}):
+        led.add(e)
+    assert dial.closed(led.state, 0) is None and dial.closed(led.state, 1)[0] == "pool_torn"
+    d = Dial.__new__(Dial)            # only what holds() reads: the state, the runs, the ranks
+    d.state, d.runs, d.ranks_of = led.state, {}, lambda w: [0, 1]
+    assert d.holds(0)[0] == d.holds(1)[0] == "pool_torn" and "rb-1.r1" in d.holds(0)[1]
+    d.ranks_of = lambda w: []         # a worker alone is judged on its own pool
+    assert d.holds(0) is None

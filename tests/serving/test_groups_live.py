@@ -9,7 +9,9 @@ Three serve starts, all at once (the CPU is shared; each start is most of this f
            STOP; rank 1 killed mid-move; the ledger replays true and `residency diagnose` shows it
     tp2    refused at start: SmolLM2's heads do not divide by 2
     pair   --tp 2 (gloo) with a tiny random Llama whose heads divide by 2: it serves, both ranks step
-           alike and move their halves of each block
+           alike and move their halves of each block; its pool is resized as one group: rank 1's
+           serving loop misses its stamp on the first rebind (tearing the group), then a complete
+           group resize repairs it shrunk, and another grows it, the greedy text unchanged
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ COMMON = ("--drain-s", "0", "--no-policies", "--retain-prefixes", "0", "--no-kee
 PROMPTS = ["The capital of France is", "Write one sentence about the sea and a lighthouse keeper."]
 # requests 1-2: the greedy prompts, 3-4: alice's and bob's turns, 5: the one whose table rank 2 changes
 FAULTS = "on_rank=1,drop_ack=1,exec_delay_ms=3000;on_rank=2,diverge_table=5"
+PAIR_FAULTS = "on_rank=1,miss_stamp=serving"       # rank 1 only, on the group's first rebind
 TINY_LLAMA = ModelConfig(name="tiny-llama", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate=128, vocab_size=320, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5,
                          max_position=2048, tie_embeddings=True)
@@ -57,7 +60,7 @@ def servers(tmp_path_factory):
     tiny = str(tmp / "tiny-llama")
     write_hf_dir(tiny, random_model(TINY_LLAMA, seed=random.randrange(1 << 30)))
     started = {"tp1": start(tmp, "tp1"), "tp3": start(tmp, "tp3", "--tp", "3", faults=FAULTS),
-               "tp2": start(tmp, "tp2", "--tp", "2"), "pair": start(tmp, "pair", "--tp", "2", "--model", tiny)}
+               "tp2": start(tmp, "tp2", "--tp", "2"), "pair": start(tmp, "pair", "--tp", "2", "--model", tiny, faults=PAIR_FAULTS)}
     try:
         yield started
     finally:
@@ -101,6 +104,7 @@ def test_two_ranks_serve_a_model_that_splits_and_step_and_move_alike(servers):
     r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert s.admin("POST", "/admin/sessions/carol/park").status_code == 200
+    resize_the_group(s, model)
     s.stop()
     events, state = read_ledger(s.ledger)
     state.check_integrity()
@@ -115,10 +119,80 @@ def test_two_ranks_serve_a_model_that_splits_and_step_and_move_alike(servers):
             steps.setdefault(e.step, {})[e.worker] = (e.batch_digest, e.tables_digest)
     assert len(steps) >= 12 and all(len(set(by.values())) == 1 and len(by) == 2 for by in steps.values())
     assert not [e for e in es if type(e).__name__ in ("GroupDiverged", "GroupStopped")]
-    parks = [e for e in es if type(e).__name__ == "MoveRequested" and e.kind == "park"]
+    parks = [e for e in es if type(e).__name__ == "MoveRequested" and e.kind == "park"][:2]   # carol's (dave's follow)
     assert sorted(e.worker for e in parks) == [0, 1] and len({tuple(e.blocks) for e in parks}) == 1
     acked = {e.move_id: e for e in es if type(e).__name__ == "MoveAcked"}
     assert [acked[e.move_id].bytes_moved for e in parks] == [len(parks[0].blocks) * whole // 2] * 2
+    check_group_resizes(es, whole // 2)
+
+
+def resize(s: Server, worker: int, nbytes: int) -> httpx.Response:
+    return s.admin("POST", "/admin/resize", json={"worker": worker, "tier": "device", "bytes": nbytes})
+
+
+def device_bytes(s: Server, worker: int, what: str = "capacity") -> int:
+    for line in httpx.get(f"{s.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"residency_tier_{what}_bytes{{") and f'worker="{worker}"' in line and 'tier="device"' in line:
+            return int(float(line.rpartition(" ")[2]))
+    raise AssertionError(f"no device {what} for worker {worker}")
+
+
+def resize_the_group(s: Server, model: str) -> None:
+    """One resize of the pair's pool is one decision for both ranks, committed on both or torn."""
+    body = {"model": model, "prompt": "the sea and the lighthouse", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    text = lambda: httpx.post(f"{s.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]  # noqa: E731
+    before = text()
+    full = device_bytes(s, 0)
+    assert device_bytes(s, 1) == full
+    shard = 2 * TINY_LLAMA.num_layers * 16 * TINY_LLAMA.num_kv_heads * TINY_LLAMA.head_dim * 4 // 2
+    # dave's idle pages stay on the device; the shrink leaves room for one page fewer than they
+    # hold, so the coldest must leave first: a group eviction (one move per rank, the same blocks)
+    chat = {"model": model, "messages": [{"role": "user", "content": "tell me about rivers " * 12}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "session_id": "dave"}
+    assert httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    used = device_bytes(s, 0, "used")
+    assert used == device_bytes(s, 1, "used") >= 2 * shard
+    small = used - shard
+    # a follower's own view never decides: the group is resized through its leader
+    r = resize(s, 1, small)
+    assert r.status_code == 400 and "resize its leader, worker 0" in r.json()["error"]["message"], r.text
+    # rank 1's serving loop misses its stamp: both ranks resized, and both rebinds are torn
+    r = resize(s, 0, small)
+    assert r.status_code == 503 and r.json()["outcome"] == "torn", r.text
+    torn = {e["rebind_id"]: e["readers_behind"] for e in r.json()["events"] if e["type"] == "RebindTorn"}
+    assert sorted(torn.values()) == [["serving"], ["worker 1: serving"]], torn
+    health = httpx.get(f"{s.url}/health", timeout=10)
+    assert health.status_code == 503 and all(rid in json.dumps(health.json()) for rid in torn)
+    # a complete group resize repairs it at that size; dave parked makes room; then it grows back
+    r = resize(s, 0, small)
+    assert r.status_code == 200 and r.json()["outcome"] == "committed", r.text
+    assert device_bytes(s, 0) == device_bytes(s, 1) == small
+    assert s.admin("POST", "/admin/sessions/dave/park").status_code == 200
+    assert text() == before                      # placement, never numerics
+    r = resize(s, 0, full)
+    assert r.status_code == 200 and r.json()["outcome"] == "committed", r.text
+    assert device_bytes(s, 0) == device_bytes(s, 1) == full
+    assert text() == before
+    assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+
+
+def check_group_resizes(es: list, shard: int) -> None:
+    """Three resizes, each a RebindRequested and a PoolResized on every rank; the first (after
+    its group evictions) torn on both ranks, the others committed once per rank."""
+    reqs = [e for e in es if type(e).__name__ == "RebindRequested"]
+    assert [e.worker for e in reqs] == [0, 1] * 3
+    assert [e.rebind_id.rpartition(".")[2] for e in reqs] == ["r0", "r1"] * 3
+    evicts: dict[tuple, list[int]] = {}
+    for e in es:
+        if type(e).__name__ == "MoveRequested" and e.kind == "evict" and e.src == "device":
+            evicts.setdefault(tuple(e.blocks), []).append(e.worker)
+    assert evicts and all(sorted(ws) == [0, 1] for ws in evicts.values()), evicts   # group evictions
+    resized = [e for e in es if type(e).__name__ == "PoolResized"]
+    assert sorted(e.worker for e in resized) == [0, 0, 0, 1, 1, 1]
+    assert all(e.to_bytes % shard == 0 and e.measured_freed_bytes is None for e in resized)   # CPU: not measured
+    verdict = {e.rebind_id: type(e).__name__ for e in es if type(e).__name__ in ("RebindCommitted", "RebindTorn")}
+    assert [verdict[e.rebind_id] for e in reqs] == ["RebindTorn"] * 2 + ["RebindCommitted"] * 4
 
 
 def test_one_group_of_three_ranks_serves_moves_stops_and_replays_true(servers):
