@@ -12,17 +12,7 @@ import os
 import sys
 import time
 
-
-def tests_importable(scratch: str) -> str:
-    """A directory holding only a link named ``tests`` to this checkout's tests: on sys.path it
-    makes ``tests.*`` importable without putting the checkout's top-level folders there (they
-    would shadow PyPI packages named events, kernels, control)."""
-    where = os.path.join(scratch, "importable")
-    os.makedirs(where, exist_ok=True)
-    link = os.path.join(where, "tests")
-    if not os.path.exists(link):
-        os.symlink(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), link)
-    return where
+from tests.model.helpers_tp import tests_importable
 
 
 def run_procs(target, n: int, args: tuple, out_dir: str, timeout_s: float = 240.0) -> list[dict]:
