@@ -8,7 +8,8 @@ Per worker and tier:
     capacity    = the tier's KV pool (as the worker reported it) + bytes held beside it
     used        = KV bytes on the tier (the fold's books) + bytes held beside it
     beside it   device: the weights, the mover's scratch and the captured decode graphs
-                        (WorkerJoined.device_owned; graphs None where not measured: a CPU worker);
+                        (WorkerJoined.device_owned; graphs as the probe says now, else as joined,
+                        None where not measured: a CPU worker);
                 host:   pinned rings, i.e. every pinned grant but the host pool's own
     hot         = bytes in use that must not move now: pages running requests read or write,
                   pages of moves in flight, and everything held beside the pool
@@ -137,7 +138,11 @@ def worker_view(state: State, worker: int, busy: set[int] | None, report: Memory
     # an arena asleep gave its device bytes back (level 1: its image is in a pinned grant on host)
     per_tier["device"].weights = 0 if arena is not None and arena.asleep else ws.device_owned.get("weights", 0)
     per_tier["device"].scratch = sum(v for k, v in ws.device_owned.items() if k not in ("weights", "graphs"))
-    per_tier["device"].graphs = ws.device_owned.get("graphs")       # absent: not measured
+    # the decode graphs are captured again after start (a pool resize, a flip, a wake) and dropped on a
+    # sleep, with no event: an answered probe carries the worker's books as they are now; without one,
+    # the figure the worker joined with. Absent either way: none held or not measured (None, never 0)
+    owned = report.device_owned if report is not None else ws.device_owned
+    per_tier["device"].graphs = owned.get("graphs")
     per_tier["host"].pinned_rings = sum(v for k, v in ws.pinned.items() if k != HOST_POOL_OWNER)
     # lent to outside tenants (reclaim): the device's bytes, held by another process, never ours to free
     per_tier["device"].outside = dict(ws.tenants)

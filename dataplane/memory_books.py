@@ -51,6 +51,16 @@ class MemoryBooks:
             self.device_owned["weights"] = device_bytes
             self.weights_tier_bytes, self.weights_checksum = dict(tier_bytes), checksum
 
+    def set_graphs(self, nbytes: int | None) -> None:
+        """The decode graphs were captured again (a pool rebind, a flip, a wake: StepGraphs) or
+        dropped: what the next probe says. ``None``: none captured or not measured, so the key
+        goes (the view shows None, never a stale figure or a 0 nobody measured). Any thread."""
+        with self._lock:
+            if nbytes is None:
+                self.device_owned.pop("graphs", None)
+            else:
+                self.device_owned["graphs"] = nbytes
+
     # ------------------------------------------------------------ pinned grants
     def on_grant(self, owner: str, nbytes: int, registered: bool) -> None:
         """The budget made (or gave back) a grant. Any thread."""

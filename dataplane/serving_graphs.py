@@ -104,6 +104,14 @@ class StepGraphs:
         self.graph_bytes = graph_bytes            # memory the capture took; None: nothing captured/measured
         self.num_steps = {"graph": 0, "eager": 0}
         self.last: DecodePath | None = None
+        self.books = None                         # MemoryBooks told of every capture and drop, once set
+
+    def _now_holds(self, graphs, graph_bytes: int | None) -> None:
+        """The one place the graphs change after start: the worker's memory books follow, so the
+        memory view says what the current capture took, not the first one's figure."""
+        self.graphs, self.graph_bytes = graphs, graph_bytes
+        if self.books is not None:
+            self.books.set_graphs(graph_bytes)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -151,9 +159,10 @@ class StepGraphs:
             del old
             try:
                 fresh = StepGraphs.capture(self.runner, t, max_seqs=max(sizes), max_blocks_per_seq=width)
-                self.graphs, self.graph_bytes = fresh.graphs, fresh.graph_bytes
+                self._now_holds(fresh.graphs, fresh.graph_bytes)
             except Exception as e:  # noqa: BLE001 - no graphs is a slower path, not a torn pool
                 log.warning("decode_graphs_dropped", gen=gen, error=repr(e))
+                self._now_holds(None, None)
         self.gen = gen
         pool.stamp(self.name, gen)
 
@@ -161,7 +170,7 @@ class StepGraphs:
     def drop(self) -> None:
         """Let the graphs go (the weights they read are leaving the device): every step eager
         until ``use_runner`` captures again."""
-        self.graphs, self.graph_bytes = None, None
+        self._now_holds(None, None)
 
     def use_runner(self, runner: ModelRunner, kv_pool: torch.Tensor, *, max_seqs: int, max_blocks_per_seq: int,
                    capture: bool) -> None:
@@ -174,7 +183,7 @@ class StepGraphs:
             return
         try:
             fresh = StepGraphs.capture(runner, kv_pool, max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
-            self.graphs, self.graph_bytes = fresh.graphs, fresh.graph_bytes
+            self._now_holds(fresh.graphs, fresh.graph_bytes)
         except Exception as e:  # noqa: BLE001 - no graphs is a slower path, not a wrong one
             log.warning("decode_graphs_dropped", error=repr(e))
 

@@ -161,6 +161,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
                              weights_bytes=weights_bytes, weights_allocator_bytes=allocator_bytes,
                              scratch_bytes=max(scratch, 0) if scratch is not None else None,
                              graphs_bytes=graphs.graph_bytes)
+    graphs.books = core.books           # a capture after start (a rebind, a flip, a wake) updates them
     swapper = WeightsSwapper(worker=args.worker, arena=arena, models=models, slab=slab, budget=mover.pinned,
                              loop=loop, graphs=graphs, pool=mover.device_pool, dtype=dtype, chunk_bytes=chunk,
                              ring_depth=ring, capture_graphs=True, books=core.books)

@@ -2,8 +2,9 @@
 
 Counted by the API as requests pass: requests by route and status, prompt/completion tokens (and
 how the prompt was served: reused from cache, restored, computed), time to first token and
-inter-token latency (streamed or not: both are timed as the tokens reach the API). Read from the control process at scrape time (``Backend.stats``): bytes per
-tier, moves by kind and outcome, stranded bytes, ledger append lag, queue depths.
+inter-token latency (streamed or not: both are timed as the tokens reach the API). Read from the
+control process at scrape time (``Backend.stats``): bytes per tier, moves by kind and outcome,
+expert moves and bytes (an offloaded MoE model), stranded bytes, ledger append lag, queue depths.
 """
 from __future__ import annotations
 
@@ -82,6 +83,20 @@ class _BackendCollector:
         yield SummaryMetricFamily("residency_restore_wait_seconds",
                                   "Time prefills waited for restored pages still landing, as the workers measured it "
                                   "(per step that waited)", count_value=s.num_restore_waits, sum_value=s.restore_wait_s)
+        experts = CounterMetricFamily("residency_expert_moves", "An offloaded MoE model's expert moves by kind: "
+                                      "fetch (the layer waited), prefetch (ahead of it), evict (slot reused)",
+                                      labels=["kind"])
+        for k, v in sorted(s.expert_moves.items()):
+            experts.add_metric([k], v)
+        yield experts
+        yield CounterMetricFamily("residency_expert_fetched_bytes", "Expert bytes copied host -> device "
+                                  "(fetches and prefetches)", value=s.expert_fetched_bytes)
+        served = CounterMetricFamily("residency_expert_served_bytes", "Bytes of the experts steps routed to, by "
+                                     "where they were: already on the device, or fetched for the step",
+                                     labels=["source"])
+        for src, v in sorted(s.expert_served_bytes.items()):
+            served.add_metric([src], v)
+        yield served
 
 
 class ApiMetrics:

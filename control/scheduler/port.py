@@ -119,6 +119,11 @@ class BackendStats:
     restores_by_path: dict[str, int] = field(default_factory=dict)  # turns run after a restore: pipelined|plain
     restore_wait_s: float = 0.0                   # what prefills waited for landing pages, as the workers measured
     num_restore_waits: int = 0                    # steps that waited for landing pages (the count of that sum)
+    # an offloaded MoE model's experts (ExpertsMoved as recorded): moves by kind (fetch|prefetch|evict),
+    # bytes copied host -> device, and the routed experts' bytes served by where they were (device|fetched)
+    expert_moves: dict[str, int] = field(default_factory=dict)
+    expert_fetched_bytes: int = 0
+    expert_served_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

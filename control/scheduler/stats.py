@@ -1,5 +1,6 @@
-"""What /metrics reads about serving: moves counted by kind and outcome as the ledger records them,
-and a snapshot of the folded state and the request table taken on the loop thread.
+"""What /metrics reads about serving: moves counted by kind and outcome as the ledger records them
+(an offloaded MoE model's expert moves too), and a snapshot of the folded state and the request
+table taken on the loop thread.
 
 A restore the worker timed also teaches the cost model its bandwidth (``CostModel.observe_transfer``):
 the terminal event is the one place that knows both the move's source tier and its duration.
@@ -34,6 +35,9 @@ class ServingStats:
         self.steps: collections.Counter = collections.Counter()     # StepCompleted by decode path
         self.restore_wait_ns = 0          # StepCompleted.restore_wait_ns summed (the steps that said one)
         self.num_restore_waits = 0
+        self.expert_moves: collections.Counter = collections.Counter()     # ExpertMove by kind
+        self.expert_fetched_bytes = 0
+        self.expert_served_bytes: collections.Counter = collections.Counter()   # device | fetched
 
     def observe(self, event: ev.Event) -> None:
         """Every event the control process records, on its loop thread."""
@@ -57,6 +61,17 @@ class ServingStats:
                 self.num_restore_waits += 1
         elif t is ev.WorkerLost:
             self.disk_bytes_kept += event.bytes_kept
+        elif t is ev.ExpertsMoved:
+            for m in event.moves:
+                self.expert_moves[m.kind] += 1
+            self.expert_fetched_bytes += event.fetched_bytes
+            self.expert_served_bytes["device"] += event.served_device_bytes
+            self.expert_served_bytes["fetched"] += event.served_fetched_bytes
+
+    def expert_fields(self) -> dict:
+        """The experts' part of ``BackendStats`` (copies: the counters go on counting)."""
+        return dict(expert_moves=dict(self.expert_moves), expert_fetched_bytes=self.expert_fetched_bytes,
+                    expert_served_bytes=dict(self.expert_served_bytes))
 
     def collect(self, draining: bool) -> BackendStats:
         """Loop thread only (``proc.call``): the state is consistent there."""
@@ -85,4 +100,5 @@ class ServingStats:
             disk_bytes_dropped=self.proc.metrics.get("disk_bytes_dropped", 0),
             steps_by_path=dict(self.steps), restores_by_path=dict(self.restores),
             restore_wait_s=self.restore_wait_ns / 1e9, num_restore_waits=self.num_restore_waits,
+            **self.expert_fields(),
         )

@@ -86,3 +86,23 @@ def test_captured_graphs_are_their_own_owner_and_unmeasured_graphs_are_none_not_
     assert g.capacity_bytes == 50 * bb + weights + scratch + graphs
     assert c.tenants.graphs is None and c.used_bytes == weights == c.tenants.total()
     assert b'"graphs":null' in __import__("msgspec").json.encode(c.tenants)
+
+
+def test_graphs_captured_again_after_start_show_as_the_probe_says_now():
+    """A pool resize, a flip or a wake captures the decode graphs again (a sleep drops them) with no
+    event: the worker's probe carries its books now, and the view believes it over the joined figure."""
+    rng = random.Random()
+    bb, weights, at_start, now = rng.randrange(1000, 5000), rng.randrange(10**6, 10**7), rng.randrange(1, 10**6), \
+        rng.randrange(10**6, 10**7)
+    joined = ev.WorkerJoined(worker=0, device="cuda:0", tiers={"device": 50 * bb, "host": 10 * bb, "disk": 10 * bb},
+                             block_bytes=bb, device_owned={"weights": weights, "graphs": at_start})
+    state = fold_decoded(State(), [(1, 1, joined)])
+    probe = MemoryReport(worker=0, nonce=1, device_owned={"weights": weights, "graphs": now})
+    [w] = memory_view(state, {}, {0: probe}).workers
+    d = w.tiers["device"]
+    assert d.tenants.graphs == now and d.used_bytes == weights + now == d.tenants.total()
+    asleep = MemoryReport(worker=0, nonce=2, device_owned={"weights": weights})      # dropped: none held
+    [w] = memory_view(state, {}, {0: asleep}).workers
+    assert w.tiers["device"].tenants.graphs is None and w.tiers["device"].used_bytes == weights
+    [w] = memory_view(state, {}, {}).workers                                        # no answer: as it joined
+    assert w.tiers["device"].tenants.graphs == at_start

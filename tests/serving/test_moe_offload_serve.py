@@ -34,6 +34,7 @@ def test_experts_offloaded_to_a_quarter_serve_the_all_resident_text_and_every_mo
             "model": NAME, "messages": messages, "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200, r.text
         body = r.json()
+        scraped = httpx.get(f"{server.url}/metrics", timeout=30).text
     finally:
         assert server.stop() == 0, server.tail()
 
@@ -56,6 +57,17 @@ def test_experts_offloaded_to_a_quarter_serve_the_all_resident_text_and_every_mo
     assert all(m.ns is not None for e in moved for m in e.moves)
     steps = {r.event.step for r in events if type(r.event) is ev.StepCompleted}
     assert {e.step for e in rest} <= steps
+    # /metrics counted the same events as the control recorded them: those of the first k steps (a
+    # step's ExpertsMoved may still be on its way when the answer is scraped)
+    got = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in scraped.splitlines()
+           if ln.startswith("residency_expert_")}
+    prefixes = [moved[:k] for k in range(1, len(moved) + 1)]
+    assert any(got == {"residency_expert_fetched_bytes_total": sum(e.fetched_bytes for e in p),
+                       'residency_expert_served_bytes_total{source="device"}': sum(e.served_device_bytes for e in p),
+                       'residency_expert_served_bytes_total{source="fetched"}': sum(e.served_fetched_bytes for e in p),
+                       **{f'residency_expert_moves_total{{kind="{k}"}}': sum(m.kind == k for e in p for m in e.moves)
+                          for k in {m.kind for e in p for m in e.moves}}}
+               for p in prefixes), got
     pinned = [r.event for r in events if type(r.event) is ev.PinnedRegistered and r.event.owner == "experts"]
     assert sum(p.bytes for p in pinned) >= first.host_bytes
 

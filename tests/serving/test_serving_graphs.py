@@ -215,10 +215,56 @@ def test_a_rebind_to_another_tensor_captures_the_graphs_again(tmp_path):
     model = random_model(CFG, "cuda", torch.bfloat16, seed=4)
     mover, loop = make_loop(model, tmp_path, graphs=True)
     old = mover.device_pool.tensor
+    from residency.dataplane.memory_books import MemoryBooks  # noqa: PLC0415
+
+    books = loop.graphs.books = MemoryBooks(0, "cuda", None, None, graphs_bytes=loop.graphs.graph_bytes)
     pool = _Pool(torch.empty(old.shape[0] * 2, *old.shape[1:], dtype=old.dtype, device=old.device))
     loop.graphs.bind(pool, 1)
     one = [SeqInput([7], 20, [0, 1])]
     assert pool.stamps == {"graphs": 1} and loop.graphs.sizes == (1, 2, 4, 8)
+    assert books.probe(1).device_owned.get("graphs") == loop.graphs.graph_bytes is not None   # the new capture's
     assert loop.graphs.choose(one, pool.tensor).path == "graph" and loop.graphs.choose(one, old).path == "eager"
     loop.graphs.bind(pool, 2)                                  # the same tensor again: kept as captured
     assert pool.stamps == {"graphs": 2} and loop.graphs.choose(one, pool.tensor).path == "graph"
+
+
+class _Captured:
+    """What a capture leaves at the edge the CPU cannot reach (CUDA graphs): the pool it read and its sizes."""
+
+    def __init__(self, pool, sizes=SIZES, max_blocks=4):
+        self.pool, self.sizes, self.max_blocks = pool, sizes, max_blocks
+
+
+def test_every_capture_after_start_updates_the_memory_books_and_a_drop_unknowns_them(monkeypatch):
+    """The books' ``graphs`` figure follows the current capture (a pool rebind, a flip or wake) and
+    leaves when none is held: never the start figure after a re-capture, never a 0 nobody measured."""
+    from residency.dataplane.memory_books import MemoryBooks  # noqa: PLC0415
+
+    model = random_model(CFG, "cpu", torch.float32, seed=5)
+    shape = model.runner.kv_pool_shape(1, P)[1:]
+    first = random.randrange(1 << 20, 1 << 30)
+    sg = StepGraphs(model.runner, _Captured(torch.empty(4, *shape)), graph_bytes=first)
+    books = MemoryBooks(0, "cpu", None, None, graphs_bytes=sg.graph_bytes)
+    sg.books = books
+    taken = []
+
+    def capture(runner, kv_pool, *, max_seqs, max_blocks_per_seq):
+        taken.append(random.randrange(1 << 20, 1 << 30))
+        return StepGraphs(runner, _Captured(kv_pool), graph_bytes=taken[-1])
+
+    monkeypatch.setattr(StepGraphs, "capture", staticmethod(capture))
+    pool = _Pool(torch.empty(8, *shape))
+    sg.bind(pool, 1)                                       # a resize: captured again over the new pool
+    assert books.probe(1).device_owned["graphs"] == taken[-1] != first
+    sg.use_runner(model.runner, pool.tensor, max_seqs=8, max_blocks_per_seq=4, capture=True)   # a flip or wake
+    assert books.probe(2).device_owned["graphs"] == taken[-1] and len(taken) == 2
+    sg.drop()                                              # a sleep: no graphs held, nothing measured
+    assert "graphs" not in books.probe(3).device_owned
+    sg.use_runner(model.runner, pool.tensor, max_seqs=8, max_blocks_per_seq=4, capture=True)
+
+    def refused(*a, **kw):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(StepGraphs, "capture", staticmethod(refused))
+    sg.bind(_Pool(torch.empty(16, *shape)), 2)             # a failed re-capture: eager, and not the old figure
+    assert sg.graphs is None and "graphs" not in books.probe(4).device_owned
