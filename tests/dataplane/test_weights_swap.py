@@ -337,3 +337,17 @@ def test_a_wake_whose_image_fails_its_checksum_is_refused_and_the_weights_stay_a
     assert r.error.startswith("ChecksumMismatch") and "arena image a" in r.error and r.resident == ""
     assert s.arena.held_bytes == 0 and s.asleep == ("a", 2)                     # the device given back again
     core.close()
+
+
+def test_host_copies_are_kept_only_when_the_measured_host_memory_covers_them_with_the_arithmetic_said():
+    from residency.dataplane.pools.budget import page_round
+    from residency.dataplane.weights_models import host_copy_bytes
+
+    need = page_round(5000)
+    kept, why = host_copy_bytes("auto", [5000, 3000], 10_000, 10_000 + need, page_round)
+    assert kept == need and f"pinned 10000 B + host copy {need} B = {10_000 + need} B <= available" in why
+    kept, why = host_copy_bytes("auto", [5000, 3000], 10_000, 10_000 + need - 1, page_round)
+    assert kept == 0 and f"= {10_000 + need} B > available {10_000 + need - 1} B: every flip rotates" in why
+    assert host_copy_bytes("auto", [5000, 3000], 0, None, page_round)[0] == 0              # not measured: rotate
+    assert host_copy_bytes("off", [5000, 3000], 0, 1 << 40, page_round)[0] == 0
+    assert "two models only" in host_copy_bytes("auto", [1, 2, 3], 0, 1 << 40, page_round)[1]
