@@ -88,7 +88,7 @@ def test_three_flip_cycles_keep_each_models_greedy_output_and_leave_memory_where
     alone = build(tmp_path / "alone", dirs, "b")
     b_alone = generate(alone, "alone").token_ids
     alone.close()
-    core = build(tmp_path, dirs, "a", "b", extra=("--flip-host-copies", "off"))     # the rotation, every flip
+    core = build(tmp_path, dirs, "a", "b")                  # --flip-host-copies off (default): the rotation
     s = swapper_of(core)
     assert s.keep is None and "weights-keep" not in core.books.pinned_by_owner()
     (ready,) = core.hello_extras()
@@ -125,7 +125,7 @@ def test_with_host_memory_for_both_images_a_flip_copies_only_the_incoming_bytes(
     alone = build(tmp_path / "alone", dirs, "b")
     b_alone = generate(alone, "alone").token_ids
     alone.close()
-    core = build(tmp_path, dirs, "a", "b")                  # auto: tiny images, the host holds both
+    core = build(tmp_path, dirs, "a", "b", extra=("--flip-host-copies", "auto"))   # tiny images: the host holds both
     s = swapper_of(core)
     a_n, b_n = s.models["a"].nbytes, s.models["b"].nbytes
     start = memory(core)
