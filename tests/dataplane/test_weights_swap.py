@@ -121,11 +121,14 @@ def test_three_flip_cycles_keep_each_models_greedy_output_and_leave_memory_where
     assert core.mover.pinned.in_use_bytes == 0
 
 
-def test_with_host_memory_for_both_images_a_flip_copies_only_the_incoming_bytes(tmp_path, dirs):
-    alone = build(tmp_path / "alone", dirs, "b")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: pinned host copies and H2D on a GPU"))])
+def test_with_host_memory_for_both_images_a_flip_copies_only_the_incoming_bytes(tmp_path, dirs, device):
+    on = ("--device", device)
+    alone = build(tmp_path / "alone", dirs, "b", extra=on)
     b_alone = generate(alone, "alone").token_ids
     alone.close()
-    core = build(tmp_path, dirs, "a", "b", extra=("--flip-host-copies", "auto"))   # tiny images: the host holds both
+    core = build(tmp_path, dirs, "a", "b", extra=(*on, "--flip-host-copies", "auto"))   # tiny images: both fit
     s = swapper_of(core)
     a_n, b_n = s.models["a"].nbytes, s.models["b"].nbytes
     start = memory(core)
