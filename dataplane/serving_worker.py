@@ -42,6 +42,10 @@ def add_serving_args(p) -> None:
     g.add_argument("--expert-budget", default=None, metavar="FRACTION|BYTES",
                    help="a MoE model: device bytes for its experts (50%%, 0.25 or 6GiB); the rest stay in pinned "
                         "host memory and are fetched when routed to (docs/moe.md)")
+    g.add_argument("--flip-host-copies", default="off", choices=("auto", "off"),
+                   help="two models; auto: keep both images in pinned host memory when the host's measured free "
+                        "memory allows, so a flip copies only the incoming one (docs/flip.md); off (default): "
+                        "every flip runs the rotation")
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
     g.add_argument("--dtype", default=None, choices=DTYPES,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -81,6 +85,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     from residency.dataplane.flip.slab import HostSlab  # noqa: PLC0415
     from residency.dataplane.weights_models import load_models, pack_into, parse_model_specs  # noqa: PLC0415
     from residency.dataplane.weights_models import rotation_chunk_bytes, store_in_slab  # noqa: PLC0415
+    from residency.dataplane.weights_models import host_available_bytes, host_copy_bytes  # noqa: PLC0415
     from residency.dataplane.weights_swap import GraphsReader, ServingReader, WeightsSwapper  # noqa: PLC0415
 
     from residency.dataplane import sizing as sz  # noqa: PLC0415
@@ -133,6 +138,11 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     # the pinned budget also funds the weights: the slab (several models) and a sleep's host copy
     pinned = (Mover.pinned_bytes_needed(kv, sizing.num_blocks, args.host_bytes)
               + (page_round(slab_bytes) if several else 0) + page_round(loaded.arena_bytes))
+    # a second host image (both models' images on the host): flips then move only incoming bytes
+    keep_bytes, keep_why = host_copy_bytes(args.flip_host_copies, [m.nbytes for m in models], pinned,
+                                           host_available_bytes(), page_round)
+    log.info("flip_host_copies", keep_bytes=keep_bytes, why=keep_why)
+    pinned += keep_bytes
     mid = torch.cuda.memory_allocated(torch.device(device)) if cuda else None
     # restores land layer by layer, so a returning turn's prefill reads each layer as it lands
     mover = Mover(kv, sizing.num_blocks, args.host_bytes, disk_dir, pinned, device, worker=args.worker,
@@ -143,6 +153,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     if several:
         slab = HostSlab(mover.pinned, slab_bytes)
         models[1].sums = store_in_slab(slab, models[1], loaded.host.pop(models[1].name), ring * chunk)
+    keep = HostSlab(mover.pinned, keep_bytes, owner="weights-keep") if keep_bytes else None
     core = WorkerCore(mover, args.worker, faults, expected_errors=(DataPlaneError,))
     core.restores = KeptRestores(mover)
     fm = first.model
@@ -164,7 +175,7 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     graphs.books = core.books           # a capture after start (a rebind, a flip, a wake) updates them
     swapper = WeightsSwapper(worker=args.worker, arena=arena, models=models, slab=slab, budget=mover.pinned,
                              loop=loop, graphs=graphs, pool=mover.device_pool, dtype=dtype, chunk_bytes=chunk,
-                             ring_depth=ring, capture_graphs=True, books=core.books)
+                             ring_depth=ring, capture_graphs=True, books=core.books, keep=keep)
     swapper.tell_books()
     attach(core, loop, kv.block_bytes, swapper=swapper)
     if spec is not None:

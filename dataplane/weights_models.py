@@ -148,6 +148,38 @@ def store_in_slab(slab, entry: ServedWeights, weights, offset: int):
     return slab.image.sums
 
 
+def host_available_bytes() -> int | None:
+    """The host's MemAvailable (Linux /proc/meminfo), None where it cannot be read (not measured)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_copy_bytes(mode: str, image_bytes: list[int], pinned_bytes: int, available: int | None,
+                    page_round) -> tuple[int, str]:
+    """Bytes of the second pinned host image a flip keeps (0: every flip runs the rotation) and
+    the arithmetic why. Two models only: with three, the slab is restaged from files and "both
+    images" names no fixed pair. ``pinned_bytes``: what the worker pins without the copy;
+    ``available``: the host's measured free memory (None: not measured, so not kept)."""
+    if mode == "off":
+        return 0, "--flip-host-copies off: every flip rotates"
+    if len(image_bytes) != 2:
+        return 0, f"{len(image_bytes)} models: host copies are kept for two models only; every flip rotates"
+    need = page_round(max(image_bytes))
+    if available is None:
+        return 0, "host memory not measured: every flip rotates"
+    if pinned_bytes + need > available:
+        return 0, (f"pinned {pinned_bytes} B + host copy {need} B = {pinned_bytes + need} B > available "
+                   f"{available} B: every flip rotates")
+    return need, (f"pinned {pinned_bytes} B + host copy {need} B = {pinned_bytes + need} B <= available "
+                  f"{available} B: both images stay on the host, a flip copies only the incoming one")
+
+
 @dataclass
 class LoadedSet:
     """What ``load_models`` read: each model (runner hollow), the host weights of the first two
@@ -189,4 +221,5 @@ def load_models(specs: list[ModelSpec], device: str, dtype: torch.dtype, page_to
 
 
 __all__ = ["ModelSpec", "ServedWeights", "LoadedSet", "StartRefused", "parse_model_specs", "load_models",
-           "check_layouts", "rotation_chunk_bytes", "kv_block_shape", "pack_into", "read_host", "store_in_slab"]
+           "check_layouts", "rotation_chunk_bytes", "kv_block_shape", "pack_into", "read_host", "store_in_slab",
+           "host_available_bytes", "host_copy_bytes"]

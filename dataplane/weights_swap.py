@@ -112,8 +112,13 @@ class WeightsSwapper:
 
     def __init__(self, *, worker: int, arena: WeightsArena, models: list[ServedWeights], slab: HostSlab | None,
                  budget, loop, graphs, pool, dtype: torch.dtype, chunk_bytes: int, ring_depth: int = 2,
-                 capture_graphs: bool = False, books=None, clock: Callable[[], int] = time.time_ns):
+                 capture_graphs: bool = False, books=None, clock: Callable[[], int] = time.time_ns,
+                 keep: HostSlab | None = None):
         self.worker, self.arena, self.slab, self.budget = worker, arena, slab, budget
+        # keep: a second pinned image buffer (two models, host memory for both; serving_worker
+        # decides at start). With it, the slab and keep hold both images and a flip copies only
+        # the incoming one; without it, every flip runs the rotation.
+        self.keep = keep
         self.models = {m.name: m for m in models}
         self.loop, self.dtype, self.books, self.clock = loop, dtype, books, clock
         self.executor = RotationExecutor(arena, slab, chunk_bytes, ring_depth) if slab is not None else None
@@ -165,13 +170,14 @@ class WeightsSwapper:
             out.append(ServedModel(name=e.name, digest=m.kv_digest, max_context=m.runner.max_positions,
                                    eos_token_ids=sorted(m.tokenizer.eos_token_ids), weights_bytes=e.nbytes,
                                    block_bytes=block_bytes, image_checksum=e.checksum_hex(),
-                                   host_image=e.where in ("host", "slept")))
+                                   host_image=e.where in ("host", "slept") or self._host_copy(e.name) is not None))
         return out
 
     def check_integrity(self) -> None:
         self.arena.check_integrity()
-        if self.slab is not None:
-            self.slab.check_integrity()
+        for buf in (self.slab, self.keep):
+            if buf is not None:
+                buf.check_integrity()
         on_device = [e.name for e in self.models.values() if e.where == "device"]
         if on_device != ([self.resident] if self.resident else []):
             raise DataPlaneError(f"models marked on the device {on_device}, the arena holds {self.resident!r}")
@@ -236,6 +242,8 @@ class WeightsSwapper:
         if not self.resident:
             return "the arena holds no verified image (an earlier flip's checksum failed): nothing to flip out"
         outgoing = self.models[self.resident]
+        if self.keep is not None:
+            return self._copy_flip(cmd, target, outgoing)
         if target.where == "file":
             self._stage(target)
         before = device_free_bytes(self.arena.device)
@@ -250,6 +258,71 @@ class WeightsSwapper:
         return dict(bytes_out=res.bytes_out, bytes_in=res.bytes_in, steps=res.steps,
                     overlapped_steps=res.overlapped_steps, checksum_ok=res.checksum_ok,
                     out_ns=int(res.d2h_s * 1e9), in_ns=int(res.h2d_s * 1e9),
+                    measured_freed_bytes=None if before is None else after - before)
+
+    def _host_copy(self, name: str) -> HostSlab | None:
+        """The pinned buffer (slab or keep) holding ``name``'s image, or None."""
+        for buf in (self.slab, self.keep):
+            if buf is not None and buf.image is not None and buf.image.model == name:
+                return buf
+        return None
+
+    def _copy_flip(self, cmd: SwapWeights, target: ServedWeights, outgoing: ServedWeights) -> dict | str:
+        """A flip when the host holds both images: weights are immutable while served, so the
+        outgoing image's host copy (checked against its checksums) is still the image and only the
+        incoming bytes cross the link. A host copy missing or rotted is made again first (D2H
+        into the buffer not holding the incoming image, verified), before the arena changes."""
+        src = self._host_copy(target.name)
+        if src is None:
+            return f"{target.name} has no host image (where: {target.where}): nothing to copy in"
+        readers = self.readers_for(target)
+        self.arena.check_readers(readers, target.manifest)
+        src.verify()                          # a host image that fails is refused before anything moves
+        spare = self.keep if src is self.slab else self.slab
+        before = device_free_bytes(self.arena.device)
+        image = self.arena.seal()
+        kept = spare.image is not None and spare.image.model == outgoing.name
+        if kept:
+            try:
+                spare.verify()
+            except ChecksumMismatch as e:     # the copy rotted: made again from the arena below
+                kept = False
+                self.log.warning("host_copy_failed_checksum", model=outgoing.name, why=str(e))
+        bytes_out = out_ns = 0
+        if not kept:
+            n = image.nbytes
+            off = spare.offset if spare.offset + n <= spare.capacity_bytes else 0
+            t0 = time.perf_counter_ns()
+            spare.image = None
+            spare.bytes[off: off + n].copy_(self.arena.image_bytes())
+            out_ns, bytes_out = time.perf_counter_ns() - t0, n
+            spare.image, spare.offset = image, off
+            try:
+                spare.verify()                # the arena is untouched yet: a bad copy is refused here
+            except ChecksumMismatch:
+                spare.image = None
+                raise
+        outgoing.sums = image.sums
+        self.arena.detach()
+        incoming = Image(target.name, target.manifest, src.image.sums)
+        t0 = time.perf_counter_ns()
+        ok, mismatches = True, []
+        try:
+            self.arena.copy_in(incoming, src.image_bytes())      # checked against the incoming sums
+        except ChecksumMismatch as e:
+            ok, mismatches = False, [str(e)]
+        in_ns = time.perf_counter_ns() - t0
+        outgoing.where = "host"
+        if ok:
+            self.arena.install(incoming, readers, cmd.to_gen)
+            target.where = "device"
+        else:                     # the arena is not the image: nothing serves; both host copies stand
+            target.where = "host"
+            self.log.error("flip_torn", flip_id=cmd.flip_id, mismatches=mismatches)
+        after = device_free_bytes(self.arena.device)
+        # one whole-image copy per direction that moved: steps count copies, none overlap
+        return dict(bytes_out=bytes_out, bytes_in=incoming.nbytes, steps=1 + (bytes_out > 0), overlapped_steps=0,
+                    checksum_ok=ok, out_ns=out_ns, in_ns=in_ns,
                     measured_freed_bytes=None if before is None else after - before)
 
     def _stage(self, target: ServedWeights) -> None:
@@ -372,7 +445,7 @@ class WeightsSwapper:
 
     def close(self) -> None:
         """Give the pinned buffers back (the worker is stopping)."""
-        for buf in (self.sleeper, self.slab):
+        for buf in (self.sleeper, self.slab, self.keep):
             if buf is not None and buf.bytes is not None:
                 buf.close()
         self.sleeper = None

@@ -88,8 +88,9 @@ def test_three_flip_cycles_keep_each_models_greedy_output_and_leave_memory_where
     alone = build(tmp_path / "alone", dirs, "b")
     b_alone = generate(alone, "alone").token_ids
     alone.close()
-    core = build(tmp_path, dirs, "a", "b")
+    core = build(tmp_path, dirs, "a", "b")                  # --flip-host-copies off (default): the rotation
     s = swapper_of(core)
+    assert s.keep is None and "weights-keep" not in core.books.pinned_by_owner()
     (ready,) = core.hello_extras()
     assert [m.name for m in ready.models] == ["a", "b"] and ready.resident == "a" and ready.arena_gen == 0
     assert [m.host_image for m in ready.models] == [False, True] and all(m.image_checksum for m in ready.models)
@@ -116,6 +117,49 @@ def test_three_flip_cycles_keep_each_models_greedy_output_and_leave_memory_where
     assert memory(core) == start
     assert core.books.hello_fields()["weights_tier_bytes"] == {"device": ready.models[0].weights_bytes}
     assert core.books.hello_fields()["weights_checksum"] == ready.models[0].image_checksum
+    core.close()
+    assert core.mover.pinned.in_use_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: pinned host copies and H2D on a GPU"))])
+def test_with_host_memory_for_both_images_a_flip_copies_only_the_incoming_bytes(tmp_path, dirs, device):
+    on = ("--device", device)
+    alone = build(tmp_path / "alone", dirs, "b", extra=on)
+    b_alone = generate(alone, "alone").token_ids
+    alone.close()
+    core = build(tmp_path, dirs, "a", "b", extra=(*on, "--flip-host-copies", "auto"))   # tiny images: both fit
+    s = swapper_of(core)
+    a_n, b_n = s.models["a"].nbytes, s.models["b"].nbytes
+    start = memory(core)
+    assert s.keep is not None and start["pinned"]["weights-keep"] >= max(a_n, b_n)
+    a_before = generate(core, "a0").token_ids
+    gen = 0
+    for cycle in range(3):
+        gen += 1
+        to_b = swap(core, f"f{cycle}b", "flip", gen, "b")
+        assert to_b.error == "" and to_b.checksum_ok and (to_b.from_model, to_b.resident) == ("a", "b")
+        assert to_b.bytes_out == (a_n if cycle == 0 else 0) and to_b.bytes_in == b_n     # a's copy kept after 1
+        assert to_b.overlapped_steps == 0 and to_b.stamps == {"runner": gen, "serving": gen, "graphs": gen}
+        assert generate(core, f"b{cycle}", model="b").token_ids == b_alone
+        gen += 1
+        to_a = swap(core, f"f{cycle}a", "flip", gen, "a")
+        assert to_a.error == "" and to_a.checksum_ok and to_a.bytes_out == 0 and to_a.bytes_in == a_n
+        assert [r.gen for r in s.arena.readers] == [gen] * 3
+        assert generate(core, f"a{cycle}", model="a").token_ids == a_before
+        s.check_integrity()
+    assert memory(core) == start
+    assert {m.name: m.host_image for m in core.hello_extras()[0].models} == {"a": True, "b": True}
+    at = s.keep.offset + a_n // 2
+    s.keep.bytes[at] ^= 0x10                                                     # a's kept host copy rots
+    r = swap(core, "rot", "flip", gen + 1, "b")
+    assert r.error == "" and r.bytes_out == a_n and r.bytes_in == b_n          # copied out again, checked
+    assert swap(core, "back", "flip", gen + 2, "a").bytes_out == 0
+    assert generate(core, "a-end", model="a").token_ids == a_before and memory(core) == start
+    s.slab.bytes[s.slab.offset + b_n // 3] ^= 0x01                              # b's only host copy rots
+    r = swap(core, "bad", "flip", gen + 3, "b")
+    assert r.error.startswith("ChecksumMismatch") and "host image b" in r.error and r.resident == "a"
+    assert generate(core, "a-still", model="a").token_ids == a_before
     core.close()
     assert core.mover.pinned.in_use_bytes == 0
 
@@ -296,3 +340,17 @@ def test_a_wake_whose_image_fails_its_checksum_is_refused_and_the_weights_stay_a
     assert r.error.startswith("ChecksumMismatch") and "arena image a" in r.error and r.resident == ""
     assert s.arena.held_bytes == 0 and s.asleep == ("a", 2)                     # the device given back again
     core.close()
+
+
+def test_host_copies_are_kept_only_when_the_measured_host_memory_covers_them_with_the_arithmetic_said():
+    from residency.dataplane.pools.budget import page_round
+    from residency.dataplane.weights_models import host_copy_bytes
+
+    need = page_round(5000)
+    kept, why = host_copy_bytes("auto", [5000, 3000], 10_000, 10_000 + need, page_round)
+    assert kept == need and f"pinned 10000 B + host copy {need} B = {10_000 + need} B <= available" in why
+    kept, why = host_copy_bytes("auto", [5000, 3000], 10_000, 10_000 + need - 1, page_round)
+    assert kept == 0 and f"= {10_000 + need} B > available {10_000 + need - 1} B: every flip rotates" in why
+    assert host_copy_bytes("auto", [5000, 3000], 0, None, page_round)[0] == 0              # not measured: rotate
+    assert host_copy_bytes("off", [5000, 3000], 0, 1 << 40, page_round)[0] == 0
+    assert "two models only" in host_copy_bytes("auto", [1, 2, 3], 0, 1 << 40, page_round)[1]
