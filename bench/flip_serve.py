@@ -61,6 +61,7 @@ def build(run_dir: str, device: str, models: list[str]):
             "--device-blocks", "512", "--host-bytes", str(64 << 20), "--no-disk-fsync"]
     for m in models:
         argv += ["--model", m]
+    argv += ["--flip-host-copies", "off"]     # the rotation is what this measures
     return build_serving_core(arg_parser().parse_args(argv), WorkerFaults(""))[0]
 
 

@@ -42,9 +42,9 @@ def add_serving_args(p) -> None:
     g.add_argument("--expert-budget", default=None, metavar="FRACTION|BYTES",
                    help="a MoE model: device bytes for its experts (50%%, 0.25 or 6GiB); the rest stay in pinned "
                         "host memory and are fetched when routed to (docs/moe.md)")
-    g.add_argument("--flip-host-copies", default="off", choices=("auto", "off"),
+    g.add_argument("--flip-host-copies", default="auto", choices=("auto", "off"),
                    help="two models; auto: keep both images in pinned host memory when the host's measured free "
-                        "memory allows, so a flip copies only the incoming one (docs/flip.md); off (default): "
+                        "memory allows, so a flip copies only the incoming one (default; docs/flip.md); off: "
                         "every flip runs the rotation")
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: from the file)")
     g.add_argument("--dtype", default=None, choices=DTYPES,

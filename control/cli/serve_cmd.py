@@ -130,6 +130,9 @@ def _serving_args(p) -> None:
     g.add_argument("--expert-budget", default=None, metavar="FRACTION|BYTES",
                    help="a MoE model: device bytes for its experts per worker (50%%, 0.25 or 6GiB); the others wait "
                         "in pinned host memory and are fetched when routed to, each move in the ledger (docs/moe.md)")
+    g.add_argument("--flip-host-copies", choices=("auto", "off"), default="auto",
+                   help="two models: when the host's measured free memory holds a pinned copy of both images, a flip "
+                        "copies only the incoming weights (auto, default); off: every flip rotates (docs/flip.md)")
     g.add_argument("--max-step-tokens", type=int, default=256, help="new tokens per forward step (prefill chunks)")
     g.add_argument("--restore-policy", choices=("cost", "restore", "recompute"), default="cost",
                    help="a parked prefix: restore or recompute, whichever costs less (default), or always one")
@@ -250,7 +253,8 @@ def _worker_serving_argv(args) -> list[str]:
     argv = [x for spec in model_specs(args) for x in ("--model", spec)]
     argv += ["--page-tokens", args.kv_layout.split(",")[1], "--max-step-tokens", str(args.max_step_tokens)]
     for flag, value in (("--served-model-name", args.served_model_name), ("--dtype", args.dtype),
-                        ("--max-context", args.max_context), ("--expert-budget", args.expert_budget)):
+                        ("--max-context", args.max_context), ("--expert-budget", args.expert_budget),
+                        ("--flip-host-copies", args.flip_host_copies)):
         if value is not None:
             argv += [flag, str(value)]
     return argv

@@ -45,7 +45,7 @@ def dirs(tmp_path_factory):
 def build(tmp_path, dirs, *names: str, extra: tuple[str, ...] = ()):
     argv = ["--worker", "0", "--control", "ipc:///unused", "--run-dir", str(tmp_path / "run"),
             "--device-blocks", "64", "--page-tokens", str(P), "--host-bytes", str(1 << 20), "--no-disk-fsync",
-            "--torch-threads", "1", *extra]
+            "--torch-threads", "1", "--flip-host-copies", "off", *extra]   # the rotation unless extra says auto
     for n in names:
         argv += ["--model", f"{n}={dirs[n]}"]
     core, _ = build_serving_core(arg_parser().parse_args(argv), WorkerFaults(""))
@@ -88,7 +88,7 @@ def test_three_flip_cycles_keep_each_models_greedy_output_and_leave_memory_where
     alone = build(tmp_path / "alone", dirs, "b")
     b_alone = generate(alone, "alone").token_ids
     alone.close()
-    core = build(tmp_path, dirs, "a", "b")                  # --flip-host-copies off (default): the rotation
+    core = build(tmp_path, dirs, "a", "b")                  # --flip-host-copies off: the rotation
     s = swapper_of(core)
     assert s.keep is None and "weights-keep" not in core.books.pinned_by_owner()
     (ready,) = core.hello_extras()

@@ -55,6 +55,7 @@ def worker_argv(endpoint: str, run_dir: Path, *models: str) -> list[str]:
             "--torch-threads", "1", "--orphan-exit-s", "60", "--dtype", "bfloat16"]
     for m in models:
         argv += ["--model", m]
+    argv += ["--flip-host-copies", "off"]     # the rotation is what this measures
     return argv
 
 
