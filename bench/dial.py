@@ -355,8 +355,9 @@ def main() -> None:
                  "pool_gib": pool_gib, "fill": args.fill, "tokens_each": tokens_each, "stream_tokens_asked": stream_tokens,
                  "model": {"layers": cfg.num_layers, "hidden": cfg.hidden, "kv_heads": cfg.num_kv_heads,
                            "head_dim": cfg.head_dim,
-                           "note": "random weights; few layers, realistic page bytes: the dial measures pool "
-                                   "memory, not the model"},
+                           "note": ("random weights; few layers but Llama-3-8B's 2 MiB KV page: the dial measures "
+                                    "pool memory, not the model") if cuda else
+                                   "random weights, tiny (8 KiB pages) so a small pool fills in seconds on CPU"},
                  "loadavg_start": os.getloadavg()}
     ph = Phases(res, out_path)
     with tempfile.TemporaryDirectory(prefix="dial-") as tmp:
