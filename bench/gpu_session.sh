@@ -40,8 +40,10 @@ fi
 [[ $parts == *" trace "* ]] && mkdir -p "$OUT/traces" && timeout 200 python3 bench/moves_trace.py --out "$OUT/moves-trace.json" \
   --trace-dir "$OUT/traces" 2>&1 | tail -8
 [[ $parts == *" keepawake "* ]] && timeout 120 python3 bench/keep_awake_cost.py --out "$OUT/keep-awake-cost.json" 2>&1 | tail -5
-[[ $parts == *" dial "* ]] && timeout 420 python3 bench/dial.py --device cuda --pool-gib 16 \
-  --out "$OUT/dial.json" 2>&1 | tail -16
+# the dial (bench/dial.py): ~2-3 min expected; 540 s leaves the install room inside a 600 s call. Each
+# phase prints its wall time to stderr and rewrites $OUT/dial.json, so a cut-off run says where it was.
+[[ $parts == *" dial "* ]] && timeout 540 python3 bench/dial.py --device cuda --pool-gib 16 \
+  --out "$OUT/dial.json" 2>&1 | tail -40
 [[ $parts == *" ttft "* ]] && timeout 200 python3 bench/serve_model.py --gpu --ttft-only --out "$OUT/serve-ttft.json" 2>&1 | tail -8
 # OLMoE-1B-7B-shaped decode at batch 1/8/32/64: fused MoE vs a per-expert loop vs transformers
 [[ $parts == *" moe "* ]] && timeout 400 python3 bench/moe.py --gpu --out "$OUT" 2>&1 | tail -24
