@@ -24,19 +24,12 @@ class _BackendCollector:
 
     def collect(self):
         s = self.backend.stats()
-        used = GaugeMetricFamily("residency_tier_used_bytes", "Bytes resident per worker and tier (acked copies)",
-                                 labels=["worker", "tier"])
-        for (w, t), v in sorted(s.tier_used_bytes.items()):
-            used.add_metric([w, t], v)
-        yield used
-        cap = GaugeMetricFamily("residency_tier_capacity_bytes", "Capacity per worker and tier", labels=["worker", "tier"])
-        for (w, t), v in sorted(s.tier_capacity_bytes.items()):
-            cap.add_metric([w, t], v)
-        yield cap
-        moves = CounterMetricFamily("residency_moves", "Moves by kind and terminal outcome", labels=["kind", "outcome"])
-        for (k, o), v in sorted(s.moves.items()):
-            moves.add_metric([k, o], v)
-        yield moves
+        yield _family(GaugeMetricFamily, "residency_tier_used_bytes", "Bytes resident per worker and tier (acked copies)",
+                      ["worker", "tier"], s.tier_used_bytes)
+        yield _family(GaugeMetricFamily, "residency_tier_capacity_bytes", "Capacity per worker and tier",
+                      ["worker", "tier"], s.tier_capacity_bytes)
+        yield _family(CounterMetricFamily, "residency_moves", "Moves by kind and terminal outcome", ["kind", "outcome"],
+                      s.moves)
         yield GaugeMetricFamily("residency_stranded_bytes", "Bytes that left a place and were not reported arriving",
                                 value=s.stranded_bytes)
         lag = GaugeMetricFamily("residency_ledger_append_lag_seconds",
@@ -46,22 +39,14 @@ class _BackendCollector:
         yield GaugeMetricFamily("residency_ledger_last_seq", "Last committed ledger seq", value=s.ledger_last_seq)
         yield GaugeMetricFamily("residency_requests_running", "Requests generating now", value=s.running_requests)
         yield GaugeMetricFamily("residency_requests_waiting", "Requests admitted, waiting for room", value=s.waiting_requests)
-        sess = GaugeMetricFamily("residency_sessions", "Sessions by the tier holding their blocks", labels=["tier"])
-        for t, v in sorted(s.sessions_by_tier.items()):
-            sess.add_metric([t], v)
-        yield sess
-        dec = CounterMetricFamily("residency_prefix_decisions",
-                                  "Parked prefixes restored or recomputed; prefixes shared from another session",
-                                  labels=["decision"])
-        for d, v in sorted(s.restore_decisions.items()):
-            dec.add_metric([d], v)
-        yield dec
-        routed = CounterMetricFamily("residency_requests_routed",
-                                     "Requests by why they run on their worker: their session's, the one sharing the "
-                                     "most of their prompt's pages, or the least loaded", labels=["reason"])
-        for r, v in sorted(s.routed.items()):
-            routed.add_metric([r], v)
-        yield routed
+        yield _family(GaugeMetricFamily, "residency_sessions", "Sessions by the tier holding their blocks", ["tier"],
+                      s.sessions_by_tier)
+        yield _family(CounterMetricFamily, "residency_prefix_decisions",
+                      "Parked prefixes restored or recomputed; prefixes shared from another session", ["decision"],
+                      s.restore_decisions)
+        yield _family(CounterMetricFamily, "residency_requests_routed",
+                      "Requests by why they run on their worker: their session's, the one sharing the "
+                      "most of their prompt's pages, or the least loaded", ["reason"], s.routed)
         yield GaugeMetricFamily("residency_draining", "1 while the server stops: new requests get 503",
                                 value=1 if s.draining else 0)
         yield CounterMetricFamily("residency_disk_kept_bytes", "Disk copies kept across worker incarnations",
@@ -69,34 +54,29 @@ class _BackendCollector:
         yield CounterMetricFamily("residency_disk_dropped_bytes",
                                   "Disk files a new worker incarnation deleted as not the ledger's",
                                   value=s.disk_bytes_dropped)
-        steps = CounterMetricFamily("residency_serving_steps", "Serving steps (batched forwards) by decode path: "
-                                    "a captured CUDA graph replayed, or eager", labels=["path"])
-        for p, v in sorted(s.steps_by_path.items()):
-            steps.add_metric([p], v)
-        yield steps
-        restores = CounterMetricFamily("residency_restores", "Turns that ran over a restored prefix: pipelined (the "
-                                       "prefill read each layer as it landed) or plain (after the restore's ack)",
-                                       labels=["path"])
-        for p, v in sorted(s.restores_by_path.items()):
-            restores.add_metric([p], v)
-        yield restores
+        yield _family(CounterMetricFamily, "residency_serving_steps", "Serving steps (batched forwards) by decode path: "
+                      "a captured CUDA graph replayed, or eager", ["path"], s.steps_by_path)
+        yield _family(CounterMetricFamily, "residency_restores", "Turns that ran over a restored prefix: pipelined (the "
+                      "prefill read each layer as it landed) or plain (after the restore's ack)", ["path"],
+                      s.restores_by_path)
         yield SummaryMetricFamily("residency_restore_wait_seconds",
                                   "Time prefills waited for restored pages still landing, as the workers measured it "
                                   "(per step that waited)", count_value=s.num_restore_waits, sum_value=s.restore_wait_s)
-        experts = CounterMetricFamily("residency_expert_moves", "An offloaded MoE model's expert moves by kind: "
-                                      "fetch (the layer waited), prefetch (ahead of it), evict (slot reused)",
-                                      labels=["kind"])
-        for k, v in sorted(s.expert_moves.items()):
-            experts.add_metric([k], v)
-        yield experts
+        yield _family(CounterMetricFamily, "residency_expert_moves", "An offloaded MoE model's expert moves by kind: "
+                      "fetch (the layer waited), prefetch (ahead of it), evict (slot reused)", ["kind"], s.expert_moves)
         yield CounterMetricFamily("residency_expert_fetched_bytes", "Expert bytes copied host -> device "
                                   "(fetches and prefetches)", value=s.expert_fetched_bytes)
-        served = CounterMetricFamily("residency_expert_served_bytes", "Bytes of the experts steps routed to, by "
-                                     "where they were: already on the device, or fetched for the step",
-                                     labels=["source"])
-        for src, v in sorted(s.expert_served_bytes.items()):
-            served.add_metric([src], v)
-        yield served
+        yield _family(CounterMetricFamily, "residency_expert_served_bytes", "Bytes of the experts steps routed to, by "
+                      "where they were: already on the device, or fetched for the step", ["source"],
+                      s.expert_served_bytes)
+
+
+def _family(kind, name: str, doc: str, labels: list[str], values: dict):
+    """A metric family with one sample per key of ``values`` (a key is one label value, or a tuple of them)."""
+    fam = kind(name, doc, labels=labels)
+    for key, v in sorted(values.items()):
+        fam.add_metric(list(key) if isinstance(key, tuple) else [key], v)
+    return fam
 
 
 class ApiMetrics:
