@@ -174,17 +174,18 @@ def check(state: State, worker: int, action: str, to_model: str, level: int,
 
 # ------------------------------------------------------------------ the rebind
 def requested(state: State, plan: FlipPlan, fid: str, from_gen: int,
-              deadline_ns: int) -> tuple[ev.FlipRequested, ev.RebindRequested]:
+              deadline_ns: int, kv_pool_bytes: int | None = None) -> tuple[ev.FlipRequested, ev.RebindRequested]:
     """The write-ahead records of a flip: the flip and the rebind of the arena's readers. The next
     gen is above every gen this arena has had in the ledger (a flip that never answered may have
-    moved it)."""
+    moved it). ``kv_pool_bytes``: a sleep's KV pool size before it shrank (the wake's target)."""
     arena = arena_of(state, plan.worker)
     seen = [rb.to_gen for rb in state.rebinds.values()
             if rb.worker == plan.worker and rb.pool == ARENA and rb.status != "superseded"]
     to_gen = max([from_gen, arena.gen if arena else 0] + seen) + 1
     flip = ev.FlipRequested(flip_id=fid, worker=plan.worker, arena=ARENA, from_model=plan.from_model,
                             to_model=plan.to_model, bytes_out=plan.bytes_out, bytes_in=plan.bytes_in,
-                            action=plan.action, level=plan.level, to_gen=to_gen, deadline_ns=deadline_ns)
+                            action=plan.action, level=plan.level, to_gen=to_gen, deadline_ns=deadline_ns,
+                            kv_pool_bytes=kv_pool_bytes if plan.action == "sleep" else None)
     rebind = ev.RebindRequested(rebind_id=fid, worker=plan.worker, pool=ARENA, from_gen=from_gen, to_gen=to_gen,
                                 readers=[ROUTER, WORKER])
     return flip, rebind

@@ -78,9 +78,9 @@ class Flipper:
         # the models whose image a worker keeps in pinned host memory (ServingReady; then each flip
         # leaves the outgoing image in the host slab, where the incoming one was)
         self.on_host: dict[int, set[str]] = {}
-        # the device KV pool bytes each worker had before a sleep shrank it (the wake grows it back)
-        # NOTE: kept on the loop, not in the fold: a control restart while asleep forgets it and
-        # the wake leaves the pool small (``residency ctl resize`` grows it)
+        # the device KV pool bytes each worker had before a sleep shrank it, until the sleep's
+        # FlipRequested carries it into the ledger (ArenaState.kv_pool_bytes, which the wake reads
+        # first, so a control restarted while asleep still grows the pool back)
         self.kv_before: dict[int, int] = {}
         # NOTE: a flip the policy started that did not complete (the worker refused it, a request
         # did not end) would be started again at the next tick, and the next: the policy leaves
@@ -318,8 +318,13 @@ class Flipper:
         self._resize(run, ws.block_bytes, acc.capacity_bytes, self._swap)
 
     def _grow(self, run: Run) -> bool:
-        """Grow the pool back to the size a sleep took it from; False when it was not shrunk."""
-        to_bytes = self.kv_before.get(run.worker)
+        """Grow the pool back to the size a sleep took it from; False when it was not shrunk. The
+        ledger's size first (it survives a control restart); the loop's where the sleep recorded
+        none (it shrank the pool but gave up before its FlipRequested)."""
+        arena = flip.arena_of(self.proc.state, run.worker)
+        to_bytes = arena.kv_pool_bytes if arena is not None else None
+        if to_bytes is None:
+            to_bytes = self.kv_before.get(run.worker)
         ws = self.proc.state.workers.get(run.worker)
         if to_bytes is None or ws is None or not ws.alive:
             return False
@@ -368,7 +373,12 @@ class Flipper:
         fid = flip.flip_id(self.proc.epoch, self._num)
         nbytes = plan.bytes_out + plan.bytes_in
         deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
-        req, rebind = flip.requested(self.proc.state, plan, fid, self.arena_gen.get(run.worker, 0), deadline_ns)
+        prior = flip.arena_of(self.proc.state, run.worker)
+        kv_pool = self.kv_before.get(run.worker)
+        if kv_pool is None and prior is not None:   # a pool an earlier sleep shrank, before a restart
+            kv_pool = prior.kv_pool_bytes
+        req, rebind = flip.requested(self.proc.state, plan, fid, self.arena_gen.get(run.worker, 0), deadline_ns,
+                                     kv_pool_bytes=kv_pool)
         run.req, run.phase = req, "swapping"
         for e in (req, rebind):
             run.waiter.events.append((self.proc.record(e, causation=run.causation or run.origin), e))

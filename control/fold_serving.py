@@ -102,6 +102,10 @@ def _pool_resized(s: State, e: ev.PoolResized, seq: int) -> None:
     ws = _worker(s, e.worker, seq, "PoolResized")
     if ws is not None and e.pool in ws.tiers:
         ws.tiers[e.pool].capacity_bytes = e.to_bytes
+    if e.pool == "device":            # resized again (the wake's grow, or ``ctl resize``): nothing to regrow;
+        for arena in s.arenas.values():   # a sleep's own shrink comes before its FlipRequested sets it
+            if arena.worker == e.worker:
+                arena.kv_pool_bytes = None
 
 
 def _weights_loaded(s: State, e: ev.WeightsLoaded, seq: int) -> None:
@@ -127,6 +131,8 @@ def _flip_requested(s: State, e: ev.FlipRequested, seq: int) -> None:
     arena.inflight_bytes = max(arena.bytes, e.bytes_in, e.bytes_out)
     if e.action == "sleep":
         arena.sleep_level = e.level   # the level it will sleep at, once completed (asleep says whether it does)
+        if e.kv_pool_bytes is not None:   # the size its wake grows the KV pool back to
+            arena.kv_pool_bytes = e.kv_pool_bytes
     s.flips[e.flip_id] = key
 
 

@@ -124,6 +124,9 @@ class ArenaState(msgspec.Struct, kw_only=True):
     stranded: str | None = None       # the flip that left the arena's image unknown
     stranded_bytes: int = 0
     num_flips: int = 0                # completed flips, sleeps and wakes
+    # the device KV pool bytes a sleep shrank the worker's pool from (FlipRequested.kv_pool_bytes):
+    # the size the wake grows it back to; None once the pool was resized again (or never shrunk)
+    kv_pool_bytes: int | None = None
 
 
 class RefusalSummary(msgspec.Struct, kw_only=True, array_like=True):
@@ -200,8 +203,9 @@ _snapshot_decoder = msgspec.msgpack.Decoder(State)
 # Version 4: a rebind refused by its worker, and a worker's open rebinds closed when a new
 # incarnation joins (control/fold_serving.py). Version 5: outside tenants' grants
 # (WorkerState.tenants). Version 6: a weights arena asleep or stranded, and the flip in flight's
-# action, deadline and bytes (ArenaState; issue #28).
-FOLD_VERSION = 6
+# action, deadline and bytes (ArenaState; issue #28). Version 7: the KV pool size a sleep shrank
+# the worker's pool from (ArenaState.kv_pool_bytes), which the wake grows it back to.
+FOLD_VERSION = 7
 _HASH_PREFIX = f"f{FOLD_VERSION}:"
 
 

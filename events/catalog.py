@@ -441,6 +441,10 @@ class FlipRequested(Event):
     level: int = 0
     to_gen: int = 0
     deadline_ns: int = 0
+    # a sleep: the worker's device KV pool bytes before the sleep shrank it, the size the wake grows
+    # it back to (in the ledger so that a control restarted while asleep still knows it); None: the
+    # sleep did not shrink the pool
+    kv_pool_bytes: int | None = None
 
 
 class FlipCompleted(Event):
