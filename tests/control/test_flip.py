@@ -56,10 +56,11 @@ def swapped(req: ev.FlipRequested, rng, **over) -> WeightsSwapped:
     return WeightsSwapped(**fields)
 
 
-def run_flip(lg: Ledger, plan: flip.FlipPlan, fid: str, rng, **answer) -> list[ev.Event]:
+def run_flip(lg: Ledger, plan: flip.FlipPlan, fid: str, rng, kv_pool_bytes: int | None = None,
+             **answer) -> list[ev.Event]:
     """Record a flip as the control would: the write-ahead pair, the worker's answer, the router's
     stamp (read from the fold), the verdict."""
-    req, rebind = flip.requested(lg.state(), plan, fid, from_gen=0, deadline_ns=10**18)
+    req, rebind = flip.requested(lg.state(), plan, fid, from_gen=0, deadline_ns=10**18, kv_pool_bytes=kv_pool_bytes)
     lg.add(req)
     lg.add(rebind)
     at_stake = lg.state().arenas["0:weights"].inflight_bytes
@@ -137,6 +138,32 @@ def test_bad_asks_are_invalid_and_name_what_is_served(rng):
         flip.check(state, 0, "rotate", "b", 0, models)
     same = flip.check(state, 0, "flip", "a", 0, models)
     assert isinstance(same, flip.FlipRefused) and same.code == "already_resident"
+
+
+def test_a_sleep_folds_the_kv_pool_size_its_wake_grows_back_to_until_the_pool_is_resized(rng):
+    """The sleep's FlipRequested carries the pool's size before its shrink; the fold keeps it while
+    asleep (a restarted control reads it there), and a later resize of the device pool (the wake's
+    grow) clears it. A sleep that did not shrink the pool records None."""
+    lg, models = served(rng)
+    before = rng.randrange(2, 64) * MiB
+    lg.add(ev.PoolResized(worker=0, pool="device", from_bytes=before, to_bytes=MiB, gen=1))
+    sleep = flip.check(lg.state(), 0, "sleep", "", rng.choice((1, 2)), models)
+    [req, *_] = run_flip(lg, sleep, "fl-s", rng, kv_pool_bytes=before)
+    assert req.kv_pool_bytes == before
+    state = lg.state()
+    assert state.arenas["0:weights"].asleep and state.arenas["0:weights"].kv_pool_bytes == before
+    cut = rng.randrange(1, len(lg.items))
+    assert state_hash(fold_all(fold_all(State(), lg.items[:cut]), lg.items[cut:])) == state_hash(state)
+    wake = flip.check(state, 0, "wake", "", 0, models)
+    [wreq, *_] = run_flip(lg, wake, "fl-w", rng, kv_pool_bytes=rng.randrange(1, 1 << 30))
+    assert wreq.kv_pool_bytes is None                       # only a sleep records it
+    assert lg.state().arenas["0:weights"].kv_pool_bytes == before   # the wake's grow has not run yet
+    lg.add(ev.PoolResized(worker=0, pool="device", from_bytes=MiB, to_bytes=before, gen=2))
+    assert lg.state().arenas["0:weights"].kv_pool_bytes is None
+    again = flip.check(lg.state(), 0, "sleep", "", 1, models)
+    run_flip(lg, again, "fl-s2", rng)                       # a sleep whose shrink the dial refused
+    assert lg.state().arenas["0:weights"].kv_pool_bytes is None
+    check_integrity(lg.state())
 
 
 def test_a_flip_while_one_runs_is_refused_naming_it(rng):
@@ -239,7 +266,7 @@ def test_replaying_the_flip_events_in_pieces_gives_the_same_state(rng):
     whole = fold_all(State(), lg.items)
     cut = rng.randrange(1, len(lg.items))
     parts = fold_all(fold_all(State(), lg.items[:cut]), lg.items[cut:])
-    assert state_hash(whole) == state_hash(parts) and state_hash(whole).startswith("f6:")
+    assert state_hash(whole) == state_hash(parts) and state_hash(whole).startswith("f7:")
     assert whole.arenas["0:weights"].num_flips == 3
 
 
