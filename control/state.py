@@ -195,7 +195,7 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 
-# The version of the fold, written into every state hash ("f6:<sha256>"). A StateCheckpoint from
+# The version of the fold, written into every state hash ("f7:<sha256>"). A StateCheckpoint from
 # another version hashed another state, so it cannot be compared with this fold's replay; `ledger
 # verify` says how many it left. Version 1 (the bare hex of earlier ledgers): before
 # SessionState.num_tokens, and before a stranding whose worker is lost counted under the loss.
