@@ -135,6 +135,10 @@ def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
     flips = [r.event for r in events if type(r.event) is ev.FlipRequested]
     assert [(f.action, f.to_model) for f in flips] == [("flip", "b"), ("flip", "a"), ("sleep", ""), ("wake", "a"),
                                                      ("sleep", ""), ("wake", "a")]
+    # the level-1 sleep shrank the pool and wrote its size ahead (a restarted control grows it back);
+    # the level-2 one, refused by the floor, did not; the wake's grow cleared it from the fold
+    assert [f.kv_pool_bytes for f in flips] == [None, None, full, None, None, None]
+    assert state.arenas["0:weights"].kv_pool_bytes is None
     seqs = {type(r.event).__name__: r.envelope.seq for r in events}
     assert seqs["FlipCompleted"] > seqs["FlipRequested"]
     ended = {r.event.flip_id for r in events if type(r.event) is ev.FlipCompleted}
