@@ -295,8 +295,9 @@ def describe(seq: int, e) -> str:
     if t == "FlipRequested":
         what = {"flip": f"flip {e.from_model!r} -> {e.to_model!r}", "sleep": f"sleep level {e.level} of {e.from_model!r}",
                 "wake": f"wake {e.to_model!r}"}.get(e.action, e.action)
+        kv = "" if e.kv_pool_bytes is None else f"; its wake grows the KV pool back to {hb(e.kv_pool_bytes)}"
         return (f"{what} on worker {e.worker} requested ({e.flip_id}): {hb(e.bytes_out)} out, {hb(e.bytes_in)} in, "
-                f"arena gen -> {e.to_gen} {at}")
+                f"arena gen -> {e.to_gen}{kv} {at}")
     if t == "FlipCompleted":
         freed = "not measured" if e.measured_freed_bytes is None else hb(e.measured_freed_bytes)
         return (f"flip {e.flip_id} completed on worker {e.worker}: {hb(e.bytes_out)} out, {hb(e.bytes_in)} in, "
