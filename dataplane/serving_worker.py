@@ -335,13 +335,22 @@ def attach(core: WorkerCore, loop, block_bytes: int, offload=None, swapper=None)
 
 
 def gate_requests(core: WorkerCore, loop, swapper) -> None:
-    """SwapWeights on the device thread; a Tokenize or Generate that names a model not on the
-    device (or comes while the weights sleep) answered at once with the reason, never held."""
+    """SwapWeights on the device thread; a Generate that names a model not on the device (or
+    comes while the weights sleep) answered at once with the reason, never held. A Tokenize that
+    names a served model runs with that model's own tokenizer whether it is resident or not (it
+    needs no weights); one naming no model is gated like a Generate, one naming an unknown model
+    gets ``model_unknown``."""
     core.register(SwapWeights, swapper.handle)
     core.closers.append(swapper.close)
 
+    from residency.dataplane.weights_swap import ModelTokenizer  # noqa: PLC0415
+
+    own = {name: ModelTokenizer(loop, e) for name, e in swapper.models.items()}
+
     def tokenize(msg: Tokenize) -> list:
-        with swapper.lock:          # the model must not change while its tokenizer runs
+        if msg.model in own:        # needs no weights: that model's tokenizer, resident or not
+            return [own[msg.model].tokenize(msg)]
+        with swapper.lock:          # the resident model must not change while its tokenizer runs
             why = swapper.gate(msg.model)
             if why is None:
                 return loop.handle(msg)

@@ -18,7 +18,9 @@ The arena's readers, stamped with ``to_gen`` all or none (arena.install):
     graphs    the decode CUDA graphs: captured again for the incoming weights (dropped on a sleep)
 
 While the device is without weights, or holds another model than a request names, ``gate``
-says why; the serving worker answers such a Generate or Tokenize with that error at once.
+says why; the serving worker answers such a Generate with that error at once. A Tokenize that
+names a model the worker serves needs no weights: ``ModelTokenizer`` answers it with that model's
+own tokenizer, resident or not; one naming no model is gated like a Generate.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from residency.dataplane.flip.rotation import RotationExecutor
 from residency.dataplane.flip.slab import HostSlab
 from residency.dataplane.pools.budget import page_round
 from residency.dataplane.pools.errors import ChecksumMismatch, DataPlaneError
+from residency.dataplane.serving import ServingLoop
 from residency.dataplane.flip.model_image import manifest_of
 from residency.dataplane.weights_models import ModelSpec, ServedWeights, pack_into, read_host
 from residency.events.commands import SwapWeights, WeightsSwapped
@@ -95,6 +98,22 @@ class GraphsReader:
     def unbind(self) -> None:
         self.graphs.drop()
         self.gen = None
+
+
+class ModelTokenizer:
+    """One model's Tokenize, whether or not its weights are on the device: rendering and encoding
+    read only its tokenizer, chat template, context, vocabulary and content-key digest, all fixed
+    at start. So the control can tokenize a request for a model while a flip brings it in (no lock:
+    nothing here changes under a flip). ``tokenize`` is the serving loop's own, so the ids and keys
+    are exactly those the loop gives once the model is resident."""
+
+    tokenize = ServingLoop.tokenize
+
+    def __init__(self, loop, entry: ServedWeights):
+        m = entry.model
+        self.worker, self.page, self.keys_fn = loop.worker, loop.page, loop.keys_fn
+        self.tokenizer, self.model_digest = m.tokenizer, m.kv_digest
+        self.max_positions, self.vocab_size = m.runner.max_positions, m.runner.config.vocab_size
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -455,4 +474,4 @@ def _spec(entry: ServedWeights) -> ModelSpec:
     return ModelSpec(entry.name, entry.path)
 
 
-__all__ = ["WeightsSwapper", "ServingReader", "GraphsReader", "device_free_bytes"]
+__all__ = ["WeightsSwapper", "ServingReader", "ModelTokenizer", "GraphsReader", "device_free_bytes"]

@@ -15,6 +15,7 @@ from residency.dataplane.serving_worker import build_serving_core, model_id_for
 from residency.dataplane.sizing import StartRefused
 from residency.dataplane.weights_models import ModelSpec, parse_model_specs
 from residency.dataplane.weights_swap import WeightsSwapper
+from residency.events.serving import ChatTurn
 from residency.events.commands import Generate, SamplingParams, SwapWeights, Tokenize, Tokenized, TokensGenerated
 from tests.model.helpers_model import write_hf_dir
 
@@ -178,6 +179,8 @@ def test_sleep_then_wake_at_either_level_gives_the_same_tokens_and_gives_every_b
     assert asleep.blocks_unused == [1, 2, 3, 4, 5]                             # every page handed back
     (tok,) = core.run(Tokenize(request_id="t1", prompt="hello"))
     assert tok.error.startswith("weights_asleep") and tok.token_ids == []
+    (named,) = core.run(Tokenize(request_id="t1a", prompt="hello", model="a"))      # named: needs no weights
+    assert named.error is None and named.token_ids
     assert swap(core, "s1b", "sleep", 2, level=1).error.startswith("already asleep")
     woke = swap(core, "w1", "wake", 2)
     assert woke.error == "" and woke.resident == "a" and woke.bytes_in == slept.bytes_out and woke.checksum_ok
@@ -285,12 +288,35 @@ def test_a_request_for_a_model_not_on_the_device_is_answered_by_name_never_held(
     r = generate(core, "r1", model="b")
     assert r.finish_reason == "error" and r.error.startswith("model_not_resident: b is not on the device (a is)")
     assert r.blocks_unused == [1, 2, 3, 4, 5] and not core.serving.seqs
-    (t,) = core.run(Tokenize(request_id="t", prompt="hi", model="b"))
-    assert isinstance(t, Tokenized) and t.error.startswith("model_not_resident")
     (t,) = core.run(Tokenize(request_id="t2", prompt="hi", model="zz"))
     assert t.error.startswith("model_unknown: this worker serves ['a', 'b']")
     (t,) = core.run(Tokenize(request_id="t3", prompt="hi", model="a"))
     assert t.error is None and t.token_ids
+    core.close()
+
+
+def test_a_tokenize_for_a_model_not_on_the_device_gives_that_models_own_ids_and_keys(tmp_path, dirs):
+    text = "the quick brown fox jumps over the lazy dog 1234567890 " * 2
+    asks = {"prompt": dict(prompt=text), "chat": dict(messages=[ChatTurn(role="user", content=text)]),
+            "ids": dict(prompt_token_ids=[310, 5, 301, 17, 299, 2, 315, 40])}       # 300..319: b's ids, not a's
+
+    def answers(core, model: str) -> dict:
+        return {k: core.run(Tokenize(request_id=f"{model}-{k}", model=model, **kw))[0] for k, kw in asks.items()}
+
+    alone = build(tmp_path / "alone", dirs, "b")                  # b resident: the ids and keys to match
+    b_resident = answers(alone, "b")
+    alone.close()
+    assert all(t.error is None and t.token_ids and t.keys for t in b_resident.values()), b_resident
+    core = build(tmp_path, dirs, "a", "b")
+    a_resident = answers(core, "a")
+    assert a_resident["ids"].error == "invalid_token_id: [310, 301, 315] not in [0, 300)"   # a's vocabulary
+    assert answers(core, "b") == b_resident                      # b not on the device: b's own tokenizer
+    assert {k: t.keys for k, t in a_resident.items()} != {k: t.keys for k, t in b_resident.items()}
+    (t,) = core.run(Tokenize(request_id="r", prompt=text))                    # "": the resident one, a
+    assert t.error is None and t.keys == a_resident["prompt"].keys
+    assert generate(core, "g", model="b").error.startswith("model_not_resident")   # generating still refused
+    assert swap(core, "f1", "flip", 1, "b").error == ""
+    assert answers(core, "a") == a_resident and answers(core, "b") == b_resident  # and after the flip
     core.close()
 
 
