@@ -38,7 +38,7 @@ from residency.dataplane.pools.readers import check_fits
 from residency.dataplane.restore_layers import LANDED, WaitClock, join_layers, timed
 from residency.dataplane.restore_pipeline import settled_ok, why_not
 from residency.dataplane.serving_graphs import StepGraphs
-from residency.dataplane.serving_text import TextStream
+from residency.dataplane.serving_text import TextStream, tokenize_prompt
 from residency.events.catalog import StepCompleted
 from residency.events.commands import (
     MAX_LOGPROBS, CancelGenerate, Generate, ServingReady, TokenChoice, TokenLogprobs, Tokenize, Tokenized, TokensGenerated,
@@ -196,40 +196,9 @@ class ServingLoop:
         raise TypeError(f"ServingLoop does not handle {type(msg).__name__}")
 
     def tokenize(self, msg: Tokenize) -> Tokenized:
-        def refuse(error: str) -> Tokenized:
-            return Tokenized(request_id=msg.request_id, worker=self.worker, token_ids=[], keys=[], error=error)
-
-        ctx = self.max_positions
-        too_long = f"context_length_exceeded: this model's context window is {ctx} tokens; the prompt is"
-        try:
-            if msg.messages is not None:
-                text, special = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt=True), False
-            else:
-                text, special = msg.prompt, True
-            if text is not None:
-                if self.tokenizer.surely_over(text, ctx):        # not worth encoding
-                    return refuse(f"{too_long} {len(text)} characters, more than {ctx} tokens can hold "
-                                  f"(none stands for over {self.tokenizer.max_token_bytes} bytes)")
-                ids = self.tokenizer.encode(text, add_special=special)
-            elif msg.prompt_token_ids is not None:
-                ids = list(msg.prompt_token_ids)
-            else:
-                return refuse("empty_prompt: no messages, prompt or prompt_token_ids")
-        except Exception as e:  # noqa: BLE001 - a template's raise_exception, a missing template
-            name = type(e).__name__
-            kind = "chat_template_missing" if name == "ChatTemplateMissing" else "invalid_messages"
-            return refuse(f"{kind}: {e}")
-        if not ids:
-            return refuse("empty_prompt: the prompt renders to no tokens")
-        if len(ids) >= ctx:        # refused here: no id checked, no content keys made, no ids sent back
-            return refuse(f"{too_long} {len(ids)} tokens")
-        if text is None:
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                return refuse(f"invalid_token_id: {bad[:4]} not in [0, {self.vocab_size})")
-        return Tokenized(request_id=msg.request_id, worker=self.worker, token_ids=ids,
-                         keys=self.keys_fn(ids, self.page, self.model_digest))
+        return tokenize_prompt(msg, worker=self.worker, tokenizer=self.tokenizer, max_positions=self.max_positions,
+                               vocab_size=self.vocab_size, keys_fn=self.keys_fn, page=self.page,
+                               model_digest=self.model_digest)
 
     def start(self, cmd: Generate, layer_ready: Sequence | None = None) -> list:
         """A sequence joins. ``layer_ready``: per layer, the wait for its reused pages, which a

@@ -1,4 +1,4 @@
-"""Token ids to text deltas for a stream, with stop strings. Pure (over a tokenizer).
+"""Token ids to text deltas for a stream, with stop strings (pure, over a tokenizer); and a prompt to token ids.
 
 Detokenizing one id at a time is wrong (byte-level BPE splits characters across tokens, and a
 leading space belongs to the next token), and re-decoding everything at each step is quadratic.
@@ -15,6 +15,8 @@ appears, the text before it is released and the rest (the stop string included) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from residency.events.serving import Tokenize, Tokenized
 
 
 class TextStream:
@@ -73,3 +75,45 @@ class TextStream:
             return ""
         text, self._held = self._held, ""
         return text
+
+
+def tokenize_prompt(msg: Tokenize, *, worker: int, tokenizer, max_positions: int, vocab_size: int, keys_fn,
+                    page: int, model_digest: str) -> Tokenized:
+    """Render (chat) and encode one model's prompt and make the content keys of its full pages, or
+    refuse it by name (too long, empty, an id outside the vocabulary, a template that fails). Reads
+    only the model's tokenizer and fixed values: the serving loop and a worker's per-model
+    tokenizers (a model that is not resident, dataplane/weights_swap.py) give the same answer."""
+    def refuse(error: str) -> Tokenized:
+        return Tokenized(request_id=msg.request_id, worker=worker, token_ids=[], keys=[], error=error)
+
+    ctx = max_positions
+    too_long = f"context_length_exceeded: this model's context window is {ctx} tokens; the prompt is"
+    try:
+        if msg.messages is not None:
+            text, special = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt=True), False
+        else:
+            text, special = msg.prompt, True
+        if text is not None:
+            if tokenizer.surely_over(text, ctx):        # not worth encoding
+                return refuse(f"{too_long} {len(text)} characters, more than {ctx} tokens can hold "
+                              f"(none stands for over {tokenizer.max_token_bytes} bytes)")
+            ids = tokenizer.encode(text, add_special=special)
+        elif msg.prompt_token_ids is not None:
+            ids = list(msg.prompt_token_ids)
+        else:
+            return refuse("empty_prompt: no messages, prompt or prompt_token_ids")
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception, a missing template
+        name = type(e).__name__
+        kind = "chat_template_missing" if name == "ChatTemplateMissing" else "invalid_messages"
+        return refuse(f"{kind}: {e}")
+    if not ids:
+        return refuse("empty_prompt: the prompt renders to no tokens")
+    if len(ids) >= ctx:        # refused here: no id checked, no content keys made, no ids sent back
+        return refuse(f"{too_long} {len(ids)} tokens")
+    if text is None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            return refuse(f"invalid_token_id: {bad[:4]} not in [0, {vocab_size})")
+    return Tokenized(request_id=msg.request_id, worker=worker, token_ids=ids,
+                     keys=keys_fn(ids, page, model_digest))

@@ -38,11 +38,11 @@ from residency.dataplane.flip.rotation import RotationExecutor
 from residency.dataplane.flip.slab import HostSlab
 from residency.dataplane.pools.budget import page_round
 from residency.dataplane.pools.errors import ChecksumMismatch, DataPlaneError
-from residency.dataplane.serving import ServingLoop
+from residency.dataplane.serving_text import tokenize_prompt
 from residency.dataplane.flip.model_image import manifest_of
 from residency.dataplane.weights_models import ModelSpec, ServedWeights, pack_into, read_host
 from residency.events.commands import SwapWeights, WeightsSwapped
-from residency.events.serving import ServedModel
+from residency.events.serving import ServedModel, Tokenize, Tokenized
 
 log = structlog.get_logger("dataplane.weights_swap")
 KEEP_ANSWERS = 64
@@ -104,16 +104,19 @@ class ModelTokenizer:
     """One model's Tokenize, whether or not its weights are on the device: rendering and encoding
     read only its tokenizer, chat template, context, vocabulary and content-key digest, all fixed
     at start. So the control can tokenize a request for a model while a flip brings it in (no lock:
-    nothing here changes under a flip). ``tokenize`` is the serving loop's own, so the ids and keys
-    are exactly those the loop gives once the model is resident."""
-
-    tokenize = ServingLoop.tokenize
+    nothing here changes under a flip). Both call ``tokenize_prompt``, so the ids and keys are
+    exactly those the loop gives once the model is resident."""
 
     def __init__(self, loop, entry: ServedWeights):
         m = entry.model
         self.worker, self.page, self.keys_fn = loop.worker, loop.page, loop.keys_fn
         self.tokenizer, self.model_digest = m.tokenizer, m.kv_digest
         self.max_positions, self.vocab_size = m.runner.max_positions, m.runner.config.vocab_size
+
+    def tokenize(self, msg: Tokenize) -> Tokenized:
+        return tokenize_prompt(msg, worker=self.worker, tokenizer=self.tokenizer, max_positions=self.max_positions,
+                               vocab_size=self.vocab_size, keys_fn=self.keys_fn, page=self.page,
+                               model_digest=self.model_digest)
 
 
 def device_free_bytes(device: torch.device) -> int | None:
