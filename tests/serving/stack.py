@@ -64,7 +64,7 @@ class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
                  policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
                  max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0, workers: int = 1,
-                 pipelined: bool = True):
+                 pipelined: bool = True, faults: str = ""):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -87,14 +87,15 @@ class Stack:
             mover = Mover(kv, device_blocks, host, self.dir / f"disk{w}",
                            Mover.pinned_bytes_needed(kv, device_blocks, host), "cpu", worker=w, fsync=False,
                            layered_restores=pipelined)
-            core = WorkerCore(mover, w, WorkerFaults(), expected_errors=(DataPlaneError,))
+            faults_w = WorkerFaults(faults)         # dataplane/faults.py spec, e.g. stall_step=N:MS
+            core = WorkerCore(mover, w, faults_w, expected_errors=(DataPlaneError,))
             core.restores = KeptRestores(mover) if pipelined else None
             loop = ServingLoop(worker=w, runner=model.runner, tokenizer=tokenizer or ByteTokenizer(),
                                device_pool=mover.device_pool, model_id="tiny", model_digest=model.kv_digest,
                                page_tokens=P, keys_fn=block_content_keys, max_seqs=max_seqs, restores=core.restores)
             attach(core, loop, kv.block_bytes)
             self.workers.append(WorkerProc(worker=w, epoch=1, endpoint=cfg.worker_endpoint, core=core, device="cpu",
-                                           block_bytes=kv.block_bytes, faults=WorkerFaults()))
+                                           block_bytes=kv.block_bytes, faults=faults_w))
             self.threads.append(threading.Thread(target=self.workers[-1].run, daemon=True))
             self.threads[-1].start()
         self.worker, self.thread = self.workers[0], self.threads[0]
@@ -146,8 +147,13 @@ def stack():
 def names(events) -> list[str]:
     return [type(e).__name__ for e in events]
 
+BUSY = "stall_step=2:1500"      # the worker's 2nd step (the long turn's first decode) waits 1.5 s
+
+
 def generating(s: Stack, session: str) -> tuple[threading.Thread, dict]:
-    """A long turn of ``session`` running in a thread, once the session says it is busy."""
+    """A long turn of ``session`` running in a thread, once the session says it is busy. The stack should
+    stall a step of it (``stack(faults=BUSY)``): a tiny model's turn can end before the next request
+    arrives."""
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(r=s.chat("a long one", session=session, max_tokens=60)))
     t.start()

@@ -15,7 +15,7 @@ import pytest
 
 from residency.control.policy import PolicyConfig
 from tests.serving.server import read_ledger
-from tests.serving.stack import P, ByteTokenizer, Stack, generating, names, stack  # noqa: F401 - stack: the fixture
+from tests.serving.stack import BUSY, P, ByteTokenizer, Stack, generating, names, stack  # noqa: F401 - stack: the fixture
 
 
 def test_a_chat_runs_through_the_whole_stack_and_is_recorded(stack):
@@ -108,7 +108,7 @@ def test_a_restored_session_and_a_rebuilt_one_count_its_tokens_not_its_page_slot
 
 
 def test_a_turn_on_a_busy_session_is_409(stack):
-    s = stack()
+    s = stack(faults=BUSY)
     t, out = generating(s, "busy")
     r = s.chat("again", session="busy")
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"

@@ -3,7 +3,7 @@ session, deletes recorded by the book and as the session's own, and a session th
 from __future__ import annotations
 
 from residency.ledger import LedgerStore
-from tests.serving.stack import generating, stack  # noqa: F401 - stack: the fixture
+from tests.serving.stack import BUSY, generating, stack  # noqa: F401 - stack: the fixture
 
 
 def test_the_session_list_has_every_session_most_recent_first_with_its_tier(stack):
@@ -79,7 +79,7 @@ def test_a_deleted_session_is_recorded_as_its_own_so_audit_timeline_and_status_s
 
 
 def test_a_session_generating_cannot_be_deleted(stack):
-    s = stack()
+    s = stack(faults=BUSY)
     t, out = generating(s, "live")
     r = s.client.delete("/admin/sessions/live")
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
