@@ -10,7 +10,8 @@ One MoE layer of a step (``mlp``):
 
     route (router, softmax, top-k)  ->  hit experts (one host sync: which ones, how often)
     wait for this layer's prefetch  ->  issue the next layer's prefetch on a side stream (hot experts
-                                        by measured frequency), overlapping this layer's compute
+                                        by measured frequency), overlapping this layer's compute; the
+                                        last layer prefetches layer 0 for the next step
     for each pass of at most S hit experts (ascending ids):
         fetch the missing ones host -> device slots, evicting the coldest resident (expert_policy)
         the fused kernel over the slot stacks, expert ids remapped to slots (``fused_moe_rows``)
@@ -169,8 +170,10 @@ class ExpertOffload:
         with self._lock:
             self._served[0] += on_device
             self._served[1] += len(hit) * self.expert_bytes - on_device
-        if layer + 1 < self.L:
-            self._prefetch(layer + 1)        # rides beside this layer's compute on the GPU
+        # the next layer's likely experts ride beside this layer's compute on the GPU; after the last
+        # layer that is layer 0 of the next step (its copies overlap the head, the sampling and the
+        # next step's embedding, and the side stream starts after everything enqueued so far)
+        self._prefetch((layer + 1) % self.L)
         passes = plan_passes(hit, self.S)
         rows = torch.empty(T * self.top_k, H, dtype=h.dtype, device=h.device) if fused else None
         out = None if fused else torch.zeros_like(h)

@@ -157,6 +157,35 @@ def test_the_next_layers_hot_experts_are_prefetched_while_this_layer_runs(olmoe)
     assert not [m for e in off.drain(0, 3) for m in e.moves if m.kind == "fetch"]
 
 
+def test_the_last_layer_prefetches_layer_0_for_the_next_step(olmoe):
+    """Layer 0 has no layer before it in a step: its hot set, pushed out by visitors, comes back
+    while the last layer runs, so the next step's layer 0 finds it on the device."""
+    _, off = offload_model(olmoe, parse_expert_budget("25%"))      # 4 slots of 16
+    H, last = TINY_OLMOE.hidden, off.L - 1
+    x = torch.randn(1, H)
+
+    def router_for(experts: list[int]) -> torch.Tensor:
+        r = torch.zeros(TINY_OLMOE.num_experts, H)
+        for rank, e in enumerate(experts):
+            r[e] = x[0] / x[0].dot(x[0]) * (4.0 - 0.5 * rank)
+        return r
+
+    hot, visitors = [5, 7, 9, 14], [0, 1, 2, 3]
+    for _ in range(5):
+        off.mlp(x, 0, router_for(hot), fused=False)
+    off.mlp(x, 0, router_for(visitors), fused=False)                # the hot set leaves layer 0
+    assert not set(hot) & set(off.expert_slot[0])
+    off.drain(0, 1)
+    off.mlp(x, last, router_for(visitors), fused=False)             # the step's last layer: layer 0's prefetch
+    prefetched = [(m.layer, m.expert) for m in off.drain(0, 2)[0].moves if m.kind == "prefetch"]
+    assert sorted(prefetched) == [(0, e) for e in hot]
+    before = off.served_totals()
+    off.mlp(x, 0, router_for(hot), fused=False)
+    after = off.served_totals()
+    assert (after[0] - before[0], after[1] - before[1]) == (4 * off.expert_bytes, 0)
+    assert not [m for e in off.drain(0, 3) for m in e.moves if m.kind == "fetch"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the fused kernel over slots, the prefetch side stream")
 @pytest.mark.parametrize("budget", ["50%", "25%"])
 def test_on_the_gpu_offloaded_logits_and_tokens_equal_the_all_resident_models(rng, gen, budget):
