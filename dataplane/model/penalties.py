@@ -1,0 +1,100 @@
+"""Sampling penalties and logit_bias: the logits a sequence's own tokens push down (or a client's bias
+moves), before temperature, top_p or greedy's argmax read them.
+
+For each row that asks for any, in this order (vLLM's):
+
+    x = logits + logit_bias                                   (bias[t] added at id t)
+    x = x / r  where x > 0 and t was seen  |  x * r  where x <= 0 and t was seen    (repetition_penalty r)
+    x = x - frequency_penalty * count(t) - presence_penalty * (count(t) > 0)
+
+"seen" (the repetition rule of CTRL, as Hugging Face applies it) is over the prompt and the
+completion's tokens; ``count`` (OpenAI's frequency and presence penalties) is over the tokens the
+completion generated, not the prompt.
+
+The counts are built on the logits' device each step from the sequences' token lists: one flat id
+tensor and one ``scatter_add_`` for the whole batch, so the work is O(tokens) in torch, never a
+Python loop over the vocabulary. The step's logits are never written: a captured graph's output
+buffer and the log-probabilities (the model's own distribution) read them.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+# A row's tokens so far (prompt, then what it generated) and how many of them are the prompt.
+History = tuple[Sequence[int], int]
+
+
+def _counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] float32: how many times each id occurs in each sequence."""
+    flat = list(itertools.chain.from_iterable(seqs))
+    counts = torch.zeros(len(seqs) * vocab, dtype=torch.float32, device=device)
+    if not flat:
+        return counts.view(len(seqs), vocab)
+    lo, hi = min(flat), max(flat)
+    if lo < 0 or hi >= vocab:
+        # NOTE: checked here, on the host: an index out of range in a CUDA scatter is a device-side
+        # assert that ends the process, not an exception one sequence can be failed with
+        raise ValueError(f"token id {hi if hi >= vocab else lo} in a sequence is outside the logits' {vocab} ids")
+    ids = torch.tensor(flat, dtype=torch.long, device=device)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+    counts.scatter_add_(0, rows * vocab + ids, torch.ones(len(flat), dtype=torch.float32, device=device))
+    return counts.view(len(seqs), vocab)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[History] | None) -> torch.Tensor:
+    """``logits`` [B, vocab] with each row's penalties and bias applied (``params[i]``: the
+    dataplane's SamplingParams). Returns ``logits`` itself when no row asks for any, else a new
+    float32 tensor; ``logits`` is never written. ValueError when a row asks for penalties and no
+    history is given, or an id (a bias's, a history's) is outside the vocabulary."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    vocab, dev = logits.shape[1], logits.device
+    x = logits[rows].float()                    # advanced indexing: a copy
+    ps = [params[i] for i in rows]
+
+    bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias.items()]
+    if bias:
+        js, ts, bs = zip(*bias)
+        out_of_range = [t for t in ts if not 0 <= t < vocab]
+        if out_of_range:
+            raise ValueError(f"logit_bias token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
+        x.index_put_((torch.tensor(js, device=dev), torch.tensor(ts, device=dev)),
+                     torch.tensor(bs, dtype=torch.float32, device=dev), accumulate=True)
+
+    wants_history = any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in ps)
+    if wants_history and (histories is None or len(histories) != len(params)):
+        raise ValueError(f"penalties need each row's tokens: {0 if histories is None else len(histories)} "
+                         f"histories for {len(params)} rows")
+
+    rep = [j for j, p in enumerate(ps) if p.repetition_penalty != 1.0]
+    if rep:
+        seen = _counts([histories[rows[j]][0] for j in rep], vocab, dev) > 0
+        r = _column([ps[j].repetition_penalty for j in rep], dev)
+        y = x[rep]
+        x[rep] = torch.where(seen, torch.where(y > 0, y / r, y * r), y)
+
+    fp = [j for j, p in enumerate(ps) if p.frequency_penalty or p.presence_penalty]
+    if fp:
+        gen = []
+        for j in fp:
+            tokens, num_prompt = histories[rows[j]]
+            gen.append(tokens[num_prompt:])
+        counts = _counts(gen, vocab, dev)
+        freq = _column([ps[j].frequency_penalty for j in fp], dev)
+        pres = _column([ps[j].presence_penalty for j in fp], dev)
+        x[fp] = x[fp] - freq * counts - pres * (counts > 0).float()
+
+    if len(rows) == logits.shape[0]:
+        return x
+    out = logits.float().clone()
+    out[rows] = x
+    return out
