@@ -54,6 +54,8 @@ def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[
     dataplane's SamplingParams). Returns ``logits`` itself when no row asks for any, else a new
     float32 tensor; ``logits`` is never written. ValueError when a row asks for penalties and no
     history is given, or an id (a bias's, a history's) is outside the vocabulary."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{len(params)} sampling parameters for {logits.shape[0]} rows of logits")
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
