@@ -11,10 +11,12 @@ For each row that asks for any, in this order (vLLM's):
 completion's tokens; ``count`` (OpenAI's frequency and presence penalties) is over the tokens the
 completion generated, not the prompt.
 
-The counts are built on the logits' device each step from the sequences' token lists: one flat id
-tensor and one ``scatter_add_`` for the whole batch, so the work is O(tokens) in torch, never a
-Python loop over the vocabulary. The step's logits are never written: a captured graph's output
-buffer and the log-probabilities (the model's own distribution) read them.
+Every rule touches only the (row, id) pairs a history or a bias names, never the whole vocabulary:
+the batch's histories become one flat tensor of ``row * vocab + id`` on the logits' device,
+``torch.unique`` counts it, and one gather and one scatter (``index_add_``, ``index_put_``) apply a
+rule. So past one copy of the rows that ask, a step's cost is O(tokens in their histories), the
+same on CPU and GPU, with no Python loop over the vocabulary. The step's logits are never written: a captured graph's output buffer
+and the log-probabilities (the model's own distribution) read them.
 """
 from __future__ import annotations
 
@@ -27,26 +29,28 @@ import torch
 History = tuple[Sequence[int], int]
 
 
-def _counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seqs), vocab] float32: how many times each id occurs in each sequence."""
+def _pairs(seqs: list[Sequence[int]], rows: list[int], vocab: int, device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ``rows[k] * vocab + id`` of every id in ``seqs[k]`` (flat indices into a
+    [R, vocab] tensor), and how many times each occurs."""
     flat = list(itertools.chain.from_iterable(seqs))
-    counts = torch.zeros(len(seqs) * vocab, dtype=torch.float32, device=device)
     if not flat:
-        return counts.view(len(seqs), vocab)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty
     lo, hi = min(flat), max(flat)
     if lo < 0 or hi >= vocab:
-        # NOTE: checked here, on the host: an index out of range in a CUDA scatter is a device-side
+        # NOTE: checked here, on the host: an index out of range in a CUDA gather is a device-side
         # assert that ends the process, not an exception one sequence can be failed with
         raise ValueError(f"token id {hi if hi >= vocab else lo} in a sequence is outside the logits' {vocab} ids")
     ids = torch.tensor(flat, dtype=torch.long, device=device)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
-    counts.scatter_add_(0, rows * vocab + ids, torch.ones(len(flat), dtype=torch.float32, device=device))
-    return counts.view(len(seqs), vocab)
+    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long, device=device)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device), lengths)
+    return torch.unique(row * vocab + ids, return_counts=True)
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1)
+def _per_pair(values: list[float], pairs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each pair's row's value (``values`` indexed by row)."""
+    return torch.tensor(values, dtype=torch.float32, device=pairs.device)[pairs // vocab]
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[History] | None) -> torch.Tensor:
@@ -77,12 +81,13 @@ def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[
         raise ValueError(f"penalties need each row's tokens: {0 if histories is None else len(histories)} "
                          f"histories for {len(params)} rows")
 
+    flat_x = x.view(-1)                          # x is a fresh contiguous copy
     rep = [j for j, p in enumerate(ps) if p.repetition_penalty != 1.0]
     if rep:
-        seen = _counts([histories[rows[j]][0] for j in rep], vocab, dev) > 0
-        r = _column([ps[j].repetition_penalty for j in rep], dev)
-        y = x[rep]
-        x[rep] = torch.where(seen, torch.where(y > 0, y / r, y * r), y)
+        seen, _ = _pairs([histories[rows[j]][0] for j in rep], rep, vocab, dev)
+        r = _per_pair([p.repetition_penalty for p in ps], seen, vocab)
+        y = flat_x[seen]
+        flat_x[seen] = torch.where(y > 0, y / r, y * r)
 
     fp = [j for j, p in enumerate(ps) if p.frequency_penalty or p.presence_penalty]
     if fp:
@@ -90,10 +95,10 @@ def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[
         for j in fp:
             tokens, num_prompt = histories[rows[j]]
             gen.append(tokens[num_prompt:])
-        counts = _counts(gen, vocab, dev)
-        freq = _column([ps[j].frequency_penalty for j in fp], dev)
-        pres = _column([ps[j].presence_penalty for j in fp], dev)
-        x[fp] = x[fp] - freq * counts - pres * (counts > 0).float()
+        pairs, counts = _pairs(gen, fp, vocab, dev)
+        freq = _per_pair([p.frequency_penalty for p in ps], pairs, vocab)
+        pres = _per_pair([p.presence_penalty for p in ps], pairs, vocab)
+        flat_x.index_add_(0, pairs, -(freq * counts + pres))
 
     if len(rows) == logits.shape[0]:
         return x
