@@ -257,8 +257,7 @@ class ServingLoop:
         if problem is None:
             sp = cmd.sampling
             try:
-                sampling = ModelSampling(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
-                                         max_tokens=max_tokens, ignore_eos=sp.ignore_eos)
+                sampling = ModelSampling.of(sp, max_tokens, self.vocab_size)     # penalties and logit_bias too
                 generator = make_generator(sampling, "cpu")
             except (ValueError, RuntimeError, OverflowError) as e:
                 problem = f"sampling: {e}"
@@ -400,7 +399,8 @@ class ServingLoop:
         if ready:
             rows = logits[[i for i, _ in ready]] if len(ready) < len(plan) else logits
             try:
-                tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready])
+                tokens = sample(rows, [s.sampling for _, s in ready], [s.generator for _, s in ready],
+                                [(s.tokens, s.num_prompt) for _, s in ready])
                 lps = self._logprobs(rows, ready, tokens)
             except Exception as e:  # noqa: BLE001 - one sequence's failure must neither fail nor wedge the batch
                 self.log.error("sampling_failed", error=repr(e), num_seqs=len(ready))
@@ -423,7 +423,7 @@ class ServingLoop:
         out = []
         for j, (_, s) in enumerate(ready):
             try:
-                (t,) = sample(rows[j:j + 1], [s.sampling], [s.generator])
+                (t,) = sample(rows[j:j + 1], [s.sampling], [s.generator], [(s.tokens, s.num_prompt)])
                 lp = self._logprobs(rows[j:j + 1], [(0, s)], [t]).get(0)
             except Exception as e:  # noqa: BLE001
                 out.append(self._finish(s, "error", error=f"{type(e).__name__}: {e}"))

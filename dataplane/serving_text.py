@@ -116,4 +116,4 @@ def tokenize_prompt(msg: Tokenize, *, worker: int, tokenizer, max_positions: int
         if bad:
             return refuse(f"invalid_token_id: {bad[:4]} not in [0, {vocab_size})")
     return Tokenized(request_id=msg.request_id, worker=worker, token_ids=ids,
-                     keys=keys_fn(ids, page, model_digest))
+                     keys=keys_fn(ids, page, model_digest), vocab_size=vocab_size)

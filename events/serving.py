@@ -21,6 +21,9 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=Fa
 
 
 MAX_LOGPROBS = 20                     # the most alternatives a token's logprobs may list
+MAX_PENALTY = 2.0                     # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_LOGIT_BIAS = 100.0                # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_LOGIT_BIAS_TOKENS = 1024          # the most token ids one request's logit_bias may name
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
@@ -31,6 +34,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     stop: list[str] = []              # stop strings; the text returned ends before the match
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; k: each token's log-probability and the k likeliest
+    # penalties, applied to the logits before temperature, top_p and greedy's argmax
+    # (dataplane/model/penalties.py); the defaults ask for none, so older senders still decode
+    presence_penalty: float = 0.0     # [-2, 2]: subtracted once from every token the completion generated
+    frequency_penalty: float = 0.0    # [-2, 2]: subtracted per time the completion generated the token
+    repetition_penalty: float = 1.0   # > 0: CTRL's rule over prompt + completion (1 = none)
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, [-100, 100]
 
 
 class TokenChoice(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -67,6 +76,7 @@ class Tokenized(Message):
     token_ids: list[int]
     keys: list[str]                   # content keys of token_ids' full pages, in order
     error: str | None = None          # e.g. "chat_template_missing: ..."; token_ids is then []
+    vocab_size: int | None = None     # the model's; the control checks logit_bias ids against it (None: not told)
 
 
 class ServedModel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):

@@ -1,14 +1,14 @@
 """Which request fields this server honours, and the refusal of every other one by name.
 
 A field the server does not act on must not pass silently: a client that asks for tools, a JSON
-answer or a repetition penalty would get an ordinary completion and believe it got what it asked.
+answer or an insertion suffix would get an ordinary completion and believe it got what it asked.
 So a request field is one of:
 
 - read: a field of the body's pydantic model (schemas.py), acted on;
 - a label: names the caller or the request and changes no token of the answer (``user``...),
   accepted and not used;
 - neutral-only: an OpenAI option this server does not implement, accepted only at the value that
-  asks for nothing (``presence_penalty: 0``, ``tools: []``, ``response_format: {"type": "text"}``),
+  asks for nothing (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type": "text"}``),
   because common clients send those defaults explicitly; any other value is a 400 naming it;
 - anything else: a 400 naming every unknown field.
 """
@@ -21,10 +21,6 @@ from residency.control.api.errors import ApiError
 
 # Fields that identify the caller or tag the request; no token of the answer depends on them.
 LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
-
-
-def _zero(v: Any) -> bool:
-    return v is None or (type(v) in (int, float) and v == 0)
 
 
 def _empty(v: Any) -> bool:
@@ -62,14 +58,7 @@ def _no_suffix(v: Any) -> bool:
 # name -> (is the value neutral?, what to tell a client that asks for more)
 Neutral = dict[str, tuple[Callable[[Any], bool], str]]
 
-_SAMPLING: Neutral = {
-    "presence_penalty": (_zero, "sampling penalties are not implemented; send 0 or leave it out"),
-    "frequency_penalty": (_zero, "sampling penalties are not implemented; send 0 or leave it out"),
-    "logit_bias": (_empty, "logit_bias is not implemented; send {} or leave it out"),
-}
-
 CHAT_NEUTRAL: Neutral = {
-    **_SAMPLING,
     "tools": (_empty, "tool calling is not supported; send [] or leave it out"),
     "tool_choice": (_none_choice, "tool calling is not supported; tool_choice may only be 'none'"),
     # parallel_tool_calls only shapes tool calls, which never happen here
@@ -88,7 +77,6 @@ CHAT_NEUTRAL: Neutral = {
 }
 
 COMPLETION_NEUTRAL: Neutral = {
-    **_SAMPLING,
     "suffix": (_no_suffix, "suffix (insertion) is not supported; send \"\" or leave it out"),
 }
 

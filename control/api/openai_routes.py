@@ -71,6 +71,10 @@ def _sampling(body, max_tokens: int | None) -> SamplingParams:
         stop=list(body.stop or []),
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs_k,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=body.logit_bias or {},
     )
 
 

@@ -1,15 +1,20 @@
 """Request bodies of the OpenAI-compatible routes, validated with pydantic.
 
 A field this server does not act on is refused by name, unless it is a label or sent at the value
-that asks for nothing (control/api/fields.py); so are ``best_of`` > 1 and ``echo``. ``n`` is served up to ``MAX_CHOICES`` (control/api/choices.py), ``logprobs``
-(chat: ``logprobs`` + ``top_logprobs``; completions: an int) up to ``MAX_LOGPROBS`` alternatives.
+that asks for nothing (control/api/fields.py); so are ``best_of`` > 1 and ``echo``. ``n`` is served
+up to ``MAX_CHOICES`` (control/api/choices.py), ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``;
+completions: an int) up to ``MAX_LOGPROBS`` alternatives. ``presence_penalty``,
+``frequency_penalty``, ``logit_bias`` and ``repetition_penalty`` (an extension, as vLLM's) are
+applied by the worker's sampler (dataplane/model/penalties.py); a logit_bias id beyond the model's
+vocabulary is refused once the worker has told its size (control/scheduler/admission.py).
 Residency's own field is ``session_id`` (the OpenAI client sends it through ``extra_body``); the
-``X-Session-Id`` header names a session too. ``ignore_eos`` (as in
-vLLM) keeps generating past the model's end-of-turn token, up to ``max_tokens`` (benchmarks).
+``X-Session-Id`` header names a session too. ``ignore_eos`` (as in vLLM) keeps generating past the
+model's end-of-turn token, up to ``max_tokens`` (benchmarks).
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, ClassVar, Literal
 
@@ -18,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from residency.control.api.errors import ApiError
 from residency.control.api.fields import CHAT_NEUTRAL, COMPLETION_NEUTRAL, Neutral, check_fields
 from residency.events.commands import MAX_LOGPROBS
+from residency.events.serving import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY
 
 MAX_CHOICES = 8                        # choices (``n``) one request may ask for
 
@@ -51,6 +57,39 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     session_id: str | None = None
     ignore_eos: StrictBool = False       # an extension (as vLLM's): run to max_tokens past end-of-turn
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)   # an extension (vLLM's)
+    logit_bias: dict[int, float] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        """Token id (an int, or the decimal string JSON keys must be) -> a bias in [-100, 100]; the
+        vocabulary's own bound is checked once the model is known (the worker tells it)."""
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+        if len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias names {len(v)} tokens, at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+        out: dict[int, float] = {}
+        for k, b in v.items():
+            if isinstance(k, str) and re.fullmatch(r"[0-9]{1,10}", k):
+                t = int(k)
+            elif type(k) is int:
+                t = k
+            else:
+                raise ValueError(f"key {k!r} is not a token id (an integer from 0 to {MAX_TOKEN_ID})")
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"token id {t} is outside [0, {MAX_TOKEN_ID}]")
+            if type(b) not in (int, float) or not math.isfinite(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {t} must be a number in [{-MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {b!r}")
+            if t in out:
+                raise ValueError(f"token id {t} is named twice")
+            out[t] = float(b)
+        return out
 
     @field_validator("stop")
     @classmethod

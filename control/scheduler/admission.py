@@ -98,6 +98,11 @@ class Admission:
             code, _, detail = msg.error.partition(": ")
             self.refuse(r, 400, code, detail or msg.error, param)
             return
+        outside = sorted(t for t in req.sampling.logit_bias if msg.vocab_size is not None and t >= msg.vocab_size)
+        if outside:
+            self.refuse(r, 400, "invalid_token_id", f"logit_bias names token id {outside[0]}, outside this model's "
+                                                    f"vocabulary of {msg.vocab_size} tokens", "logit_bias")
+            return
         ready = self.workers.ready[r.worker]
         n, ctx = len(msg.token_ids), next((m.max_context for m in ready.models if m.name == req.model), ready.max_context)
         if n >= ctx:

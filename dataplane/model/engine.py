@@ -201,7 +201,7 @@ class LocalEngine:
         emitted = []
         if ready:
             toks = sample(logits[[i for i, _ in ready]], [r.params for _, r in ready],
-                          [r.generator for _, r in ready])
+                          [r.generator for _, r in ready], [(r.tokens, len(r.prompt)) for _, r in ready])
             for (_, r), t in zip(ready, toks):
                 r.tokens.append(t)
                 r.generated.append(t)

@@ -1,11 +1,16 @@
-"""Turning logits into tokens: greedy, temperature, top-p, per-request seeds, stop conditions."""
+"""Turning logits into tokens: penalties and logit_bias, greedy, temperature, top-p, per-request
+seeds, stop conditions."""
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from residency.dataplane.model.penalties import History, apply_penalties
+from residency.events.serving import MAX_LOGIT_BIAS, MAX_PENALTY
 
 
 @dataclass(frozen=True)
@@ -16,6 +21,11 @@ class SamplingParams:
     max_tokens: int = 128
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    # dataplane/model/penalties.py; the defaults ask for none
+    presence_penalty: float = 0.0        # once per token the completion generated
+    frequency_penalty: float = 0.0       # per time the completion generated it
+    repetition_penalty: float = 1.0      # CTRL's rule over prompt + completion
+    logit_bias: Mapping[int, float] = field(default_factory=dict)   # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -24,10 +34,39 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:        # NaN fails too
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {v}")
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {t} must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b}")
+
+    @classmethod
+    def of(cls, wire, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """A worker's parameters from a Generate's (``events.serving.SamplingParams``). ValueError
+        names what is out of range, a logit_bias id outside the model's ``vocab_size`` included."""
+        outside = sorted(t for t in wire.logit_bias if not 0 <= t < vocab_size)
+        if outside:
+            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        return cls(temperature=wire.temperature, top_p=wire.top_p, seed=wire.seed, max_tokens=max_tokens,
+                   ignore_eos=wire.ignore_eos, presence_penalty=wire.presence_penalty,
+                   frequency_penalty=wire.frequency_penalty, repetition_penalty=wire.repetition_penalty,
+                   logit_bias=dict(wire.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits before they are sampled."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 # Temperatures below this sample as greedy: dividing logits by a temperature near 0 overflows to
@@ -45,8 +84,11 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` [B, vocab] (float32)."""
+           generators: Sequence[torch.Generator | None], histories: Sequence[History] | None = None) -> list[int]:
+    """One token per row of ``logits`` [B, vocab] (float32). ``histories[i]``: row i's tokens so far
+    (prompt, then generated) and its number of prompt tokens, which its penalties read; needed only
+    when a row asks for a penalty (ValueError otherwise). ``logits`` itself is not written."""
+    logits = apply_penalties(logits, params, histories)
     out = [0] * logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:

@@ -4,6 +4,8 @@ Only the edge is faked; tests/serving runs the real server with the real model.
 """
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -147,9 +149,6 @@ _CMPL = {"model": MODEL, "prompt": "x"}
     ("/v1/chat/completions", _chat(tool_choice="auto"), "tool_choice"),
     ("/v1/chat/completions", _chat(functions=[{"name": "f"}]), "functions"),
     ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format"),
-    ("/v1/chat/completions", _chat(presence_penalty=0.5), "presence_penalty"),
-    ("/v1/chat/completions", _chat(frequency_penalty=-1), "frequency_penalty"),
-    ("/v1/chat/completions", _chat(logit_bias={"42": 5}), "logit_bias"),
     ("/v1/chat/completions", _chat(modalities=["text", "audio"]), "modalities"),
     ("/v1/chat/completions", _chat(store=True), "store"),
     ("/v1/chat/completions", _chat(reasoning_effort="high"), "reasoning_effort"),
@@ -157,8 +156,6 @@ _CMPL = {"model": MODEL, "prompt": "x"}
     ("/v1/chat/completions", _chat(stream=True, stream_options={"include_usage": True, "every_n": 2}),
      "stream_options"),
     ("/v1/completions", {**_CMPL, "suffix": "the end"}, "suffix"),
-    ("/v1/completions", {**_CMPL, "presence_penalty": 1.0}, "presence_penalty"),
-    ("/v1/completions", {**_CMPL, "repetition_penalty": 1.1}, "repetition_penalty"),
     ("/v1/completions", {**_CMPL, "tools": []}, "tools"),       # a chat option, unknown to completions
 ])
 def test_a_field_the_server_does_not_act_on_is_400_naming_it(client, backend, route, body, param):
@@ -205,9 +202,60 @@ def test_what_common_clients_send_by_default_is_served(client, backend, oai):
                                     presence_penalty=0, frequency_penalty=0, response_format={"type": "text"})
     assert r.choices[0].message.content == "Hello, world!"
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], presence_penalty=0.6)
-    assert e.value.body["param"] == "presence_penalty"
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                    response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
     assert len(backend.submitted) == 3
+    assert all(r.sampling.presence_penalty == r.sampling.frequency_penalty == 0.0 and r.sampling.logit_bias == {}
+               and r.sampling.repetition_penalty == 1.0 for r in backend.submitted)
+
+
+def test_penalties_and_logit_bias_reach_the_backend_from_both_routes(client, backend, oai):
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], presence_penalty=0.6,
+                                frequency_penalty=-1.25, logit_bias={"42": 5, "7": -100},
+                                extra_body={"repetition_penalty": 1.15})
+    r = client.post("/v1/completions", json={**_CMPL, "frequency_penalty": 2, "logit_bias": {"0": 100}, "n": 2,
+                                            "repetition_penalty": 0.9})
+    assert r.status_code == 200, r.text
+    chat, *choices = backend.submitted
+    s = chat.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias) == (0.6, -1.25, 1.15,
+                                                                                             {42: 5.0, 7: -100.0})
+    assert len(choices) == 2        # n = 2: each choice is its own sequence, with the same penalties
+    for c in choices:
+        s = c.sampling
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias) == (0.0, 2.0, 0.9,
+                                                                                                 {0: 100.0})
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("presence_penalty", 2.5, "less than or equal to 2"),
+    ("presence_penalty", "Infinity", None),
+    ("frequency_penalty", -2.01, "greater than or equal to -2"),
+    ("frequency_penalty", "lots", None),
+    ("repetition_penalty", 0, "greater than 0"),
+    ("repetition_penalty", -1.5, "greater than 0"),
+    ("logit_bias", {"42": 101}, "token 42"),
+    ("logit_bias", {"42": -100.5}, "token 42"),
+    ("logit_bias", {"42": "high"}, "token 42"),
+    ("logit_bias", {"42": True}, "token 42"),
+    ("logit_bias", {"hello": 1}, "'hello'"),
+    ("logit_bias", {"-3": 1}, "'-3'"),
+    ("logit_bias", {"4.0": 1}, "'4.0'"),
+    ("logit_bias", {"99999999999": 1}, "99999999999"),
+    ("logit_bias", {"4": 1, "04": 1}, "token id 4 is named twice"),
+    ("logit_bias", {str(i): 1 for i in range(1025)}, "at most 1024"),
+    ("logit_bias", [1, 2], "object"),
+])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_penalty_or_bias_out_of_range_is_400_naming_it(client, backend, route, field, value, said):
+    body = _chat() if route == "/v1/chat/completions" else dict(_CMPL)
+    raw = f'{{"model": "{MODEL}", "{field}": {json.dumps(value) if value != "Infinity" else "Infinity"}, ' + \
+          (f'"messages": {json.dumps(body["messages"])}}}' if "messages" in body else '"prompt": "x"}')
+    r = client.post(route, content=raw.encode(), headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400, code="invalid_value", param=field)
+    assert field in err["message"] and (said is None or said in err["message"]), err
+    assert backend.submitted == []
 
 
 @pytest.mark.parametrize("route,raw,param", [

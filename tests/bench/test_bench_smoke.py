@@ -136,3 +136,10 @@ def test_the_prefix_sharing_bench_shares_a_system_prompt_and_answers_the_same(tm
     assert s["shared_session"]["shared_tokens_p50"] > 0 and s["shared_none"]["shared_tokens_p50"] > 0
     assert s["not_shared_session"]["shared_tokens_p50"] == 0
     assert s["answers_identical_with_and_without_sharing"] is True
+
+
+def test_the_sampler_penalties_bench_runs_on_the_cpu():
+    p = _run(["bench/sampler_penalties.py", "--batch", "3", "--vocab", "97", "--prompt", "5", "--generated", "4",
+              "--device", "cpu", "--repeat", "2"])
+    res = json.loads(p.stdout)
+    assert {"ms_none", "ms_all", "ms_half", "commit"} <= set(res)

@@ -127,6 +127,38 @@ def test_n_choices_sampled_with_a_seed_differ_and_repeat(quiet):
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
 
 
+def smollm2_tokenizer():
+    from residency.dataplane.model.gguf_file import GGUFFile
+    from residency.dataplane.model.loader import embedded_model_path
+    from residency.dataplane.model.tokenizer import tokenizer_from_gguf
+    return tokenizer_from_gguf(GGUFFile(embedded_model_path()).metadata)
+
+
+def test_a_frequency_penalty_changes_the_greedy_continuation_of_a_repetitive_prompt(quiet):
+    la = [{"role": "user", "content": "Repeat after me: " + "la " * 12}]
+    plain = chat(quiet, la, max_tokens=40).choices[0].message.content
+    stream = client(quiet).chat.completions.create(model=MODEL, messages=la, temperature=0, max_tokens=40,
+                                                   frequency_penalty=2.0, stream=True)
+    penalized = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert penalized != plain, plain
+    # each of n choices counts its own tokens: every one is the text of one choice alone (streamed above)
+    three = chat(quiet, la, max_tokens=40, frequency_penalty=2.0, n=3)
+    assert [c.message.content for c in three.choices] == [penalized] * 3
+
+
+def test_a_logit_bias_of_100_makes_greedy_pick_that_token_and_an_id_beyond_the_vocabulary_is_400(quiet):
+    tok = smollm2_tokenizer()
+    (paris,) = tok.encode(" Paris")
+    r = chat(quiet, [{"role": "user", "content": "Name a fruit."}], max_tokens=5, logit_bias={str(paris): 100})
+    assert r.choices[0].message.content == tok.decode([paris] * 5)
+    c = client(quiet).completions.create(model=MODEL, prompt="My favourite fruit is", max_tokens=3, temperature=0,
+                                         logit_bias={str(paris): 100})
+    assert c.choices[0].text == tok.decode([paris] * 3)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(quiet, QUESTION, logit_bias={str(tok.vocab_size): 1})
+    assert e.value.body["param"] == "logit_bias" and str(tok.vocab_size) in e.value.body["message"]
+
+
 # ------------------------------------------------------------------ sessions: moved vs never moved
 TURNS = ["Hi! What is the capital of France?", "And what is the capital of Italy?", "Which of the two is bigger?"]
 

@@ -411,10 +411,10 @@ def test_a_sequence_whose_sampling_raises_ends_alone_and_the_batch_goes_on(model
                              free_on_finish=True))
     real = serving_mod.sample
 
-    def sample(rows, params, gens):
+    def sample(rows, params, gens, histories=None):
         if any(p.seed == 666 for p in params):
             raise ValueError("invalid multinomial distribution")
-        return real(rows, params, gens)
+        return real(rows, params, gens, histories)
 
     monkeypatch.setattr(serving_mod, "sample", sample)
     out = []
