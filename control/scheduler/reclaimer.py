@@ -125,9 +125,11 @@ class Reclaimer:
         ws = state.workers[msg.worker]
         acc = ws.tiers["device"]
         _, free_pages = sched.device_room(state, msg.worker)
+        context = self.workers.context_floor(msg.worker)
         pool = Pool(worker=msg.worker, block_bytes=ws.block_bytes, capacity_bytes=acc.capacity_bytes,
                     free_pages=free_pages, floor_bytes=acc.floor_bytes,
-                    host_room_bytes=available_bytes(ws.tiers["host"]))
+                    host_room_bytes=available_bytes(ws.tiers["host"]),
+                    context_pages=context.pages if context is not None else 0)
         plan = plan_reclaim(tenant.name, tenant.routes, pool, self.candidates(msg.worker), msg.bytes)
         if isinstance(plan, ReclaimRefused):
             e = plan.event()
