@@ -324,8 +324,9 @@ def describe_group(events) -> str:
         if len(ranks) > 1:
             measured = [e.measured_bytes for e in ranks]
             said = "not measured" if None in measured else hb(sum(measured))
-            return (f"the group's pools (workers {', '.join(str(e.worker) for e in ranks)}) {verb} "
-                    f"{hb(sum(getattr(e, field) for e in ranks))} for tenant {ranks[0].tenant}; the driver measured {said}")
+            total = hb(sum(getattr(e, field) for e in ranks))
+            return (f"the group's pools (workers {', '.join(str(e.worker) for e in ranks)}) {verb} {total} for "
+                    f"tenant {ranks[0].tenant}; the driver measured {said}")
     return ""
 
 

@@ -60,7 +60,8 @@ def servers(tmp_path_factory):
     tiny = str(tmp / "tiny-llama")
     write_hf_dir(tiny, random_model(TINY_LLAMA, seed=random.randrange(1 << 30)))
     started = {"tp1": start(tmp, "tp1"), "tp3": start(tmp, "tp3", "--tp", "3", faults=FAULTS),
-               "tp2": start(tmp, "tp2", "--tp", "2"), "pair": start(tmp, "pair", "--tp", "2", "--model", tiny, "--max-context", "512", faults=PAIR_FAULTS)}
+               "tp2": start(tmp, "tp2", "--tp", "2"),
+               "pair": start(tmp, "pair", "--tp", "2", "--model", tiny, "--max-context", "512", faults=PAIR_FAULTS)}
     try:
         yield started
     finally:
@@ -150,8 +151,9 @@ def resize_the_group(s: Server, model: str) -> None:
     # than they hold, so the coldest must leave first: a group eviction (one move per rank, the same
     # blocks). Two sessions: the pool keeps one sequence of the whole context (--max-context 512)
     for session in ("dave", "erin"):
-        chat = {"model": model, "messages": [{"role": "user", "content": f"I am {session}. " + "tell me about rivers " * 12}],
-                "max_tokens": 4, "temperature": 0, "ignore_eos": True, "session_id": session}
+        text_of_turn = f"I am {session}. " + "tell me about rivers " * 12
+        chat = {"model": model, "messages": [{"role": "user", "content": text_of_turn}], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True, "session_id": session}
         assert httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
     used = device_bytes(s, 0, "used")
     assert used == device_bytes(s, 1, "used") >= 2 * shard
