@@ -20,6 +20,12 @@
 The floor of a pool is what cannot leave it: the budget's floor (headroom no move may take) plus
 the pages that running requests and unsettled moves hold, plus bytes in flight toward it.
 
+The context floor of a serving pool is one sequence of the whole context: ceil(max_context /
+page_tokens) pages. A shrink that ends below it is refused (a request of the full context could
+never be seated again), unless the shrink is a sleep's: the model leaves the device with it and
+its wake grows the pool back. A resize to the same size or larger always passes it (a pool
+started smaller with ``--device-blocks`` can still be repaired in place or grown).
+
 A tensor-parallel group's pool is resized as one: the leader's plan, one rebind per rank, and
 ``verdicts`` commits every rank's rebind or tears every rank that resized (docs/groups.md).
 
@@ -48,6 +54,17 @@ _NOT_DECIDING = ("refused", "superseded")
 
 class InvalidResize(ValueError):
     """A resize that names nothing resizable; nothing is recorded, the asker gets the reason."""
+
+
+class ContextFloor(msgspec.Struct, frozen=True, kw_only=True):
+    """The pages one sequence of the whole context takes on a serving worker's pool."""
+
+    max_context: int                  # positions (prompt + completion) of the longest model it serves
+    page_tokens: int
+
+    @property
+    def pages(self) -> int:
+        return -(-self.max_context // self.page_tokens)
 
 
 class ResizePlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,13 +140,35 @@ def validate(state: State, worker: int, tier: str, nbytes: int) -> tuple[int, in
     return num_slots, num_slots * bb
 
 
+def below_context(state: State, worker: int, num_slots: int, context: ContextFloor | None) -> Refusal | None:
+    """The refusal of a shrink of ``worker``'s device pool to ``num_slots`` pages that ends below
+    one sequence of the whole context; None when it does not (or the worker serves no model)."""
+    ws = state.workers[worker]
+    bb, acc = ws.block_bytes, ws.tiers[DEVICE]
+    from_slots = acc.capacity_bytes // bb
+    if context is None or num_slots >= context.pages or num_slots >= from_slots:
+        return None
+    floor = context.pages * bb
+    return Refusal(worker=worker, tier=DEVICE, asked_bytes=num_slots * bb, available_bytes=acc.capacity_bytes,
+                   floor_bytes=floor, ceiling_bytes=acc.capacity_bytes, used_bytes=acc.used_bytes,
+                   inflight_bytes=acc.inflight_in_bytes,
+                   reason=(f"resize of the device pool of worker {worker} to {num_slots * bb} ({num_slots} pages) < "
+                           f"context floor {floor} = ceil(max_context {context.max_context} / page_tokens "
+                           f"{context.page_tokens}) = {context.pages} pages x {bb}: a sequence of the whole "
+                           f"context could not be seated (only a sleep shrinks a pool below it)"))
+
+
 def plan(state: State, recency: Recency, origin: str, worker: int, tier: str, nbytes: int,
-         in_use: set[int]) -> ResizePlan | Refusal:
+         in_use: set[int], context: ContextFloor | None = None) -> ResizePlan | Refusal:
     """What resizing ``worker``'s pool to ``nbytes`` takes, or the refusal with its arithmetic.
 
     ``in_use``: pages running requests read or write (never moved); those not written yet hold
-    room in the pool all the same (reserved)."""
+    room in the pool all the same (reserved). ``context``: the serving worker's context floor, which
+    a shrink may not go below (None: not checked, as for a sleep's shrink or a worker with no model)."""
     num_slots, to_bytes = validate(state, worker, tier, nbytes)
+    refused = below_context(state, worker, num_slots, context)
+    if refused is not None:
+        return refused
     ws = state.workers[worker]
     bb, acc = ws.block_bytes, ws.tiers[DEVICE]
     from_bytes = acc.capacity_bytes

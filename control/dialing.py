@@ -83,6 +83,8 @@ class Dial:
         self.problems: tuple[str, ...] = tuple(dial.torn_pools(state))
         # the ranks of the tensor-parallel group of a worker, leader first ([]: alone; set for serve --tp)
         self.ranks_of: Callable[[int], list[int]] = lambda worker: []
+        # the context floor of a serving worker's pool (None: it serves no model; set by the serving path)
+        self.context_of: Callable[[int], dial.ContextFloor | None] = lambda worker: None
 
     # ------------------------------------------------------------------ readers and holds
     def add_reader(self, name: str, fn: Reader) -> None:
@@ -113,9 +115,11 @@ class Dial:
         self.resize(msg.worker, msg.tier, msg.bytes, origin, waiter, causation=msg.ask_id or None)
 
     def resize(self, worker: int, tier: str, nbytes: int, origin: str, waiter: moves.AskWaiter,
-               causation: str | None = None) -> None:
+               causation: str | None = None, sleeping: bool = False) -> None:
         """Resize ``worker``'s ``tier`` pool to ``nbytes``; ``waiter`` is answered after commit with
-        every event recorded for it (a refusal: its MoveRefused). The entry point for a reclaim."""
+        every event recorded for it (a refusal: its MoveRefused). The entry point for a reclaim.
+        ``sleeping``: the shrink of a sleep (control/flipping.py), the one resize that may end below
+        the pool's context floor: the model leaves the device with it, and its wake grows it back."""
         try:
             dial.validate(self.state, worker, tier, nbytes)
         except dial.InvalidResize as e:
@@ -142,7 +146,8 @@ class Dial:
                              waiter, causation)
                 return
         in_use = self.blocks_in_use()
-        got = dial.plan(self.state, self.recency, origin, worker, tier, nbytes, in_use.get(worker, set()))
+        context = None if sleeping else self.context_of(worker)
+        got = dial.plan(self.state, self.recency, origin, worker, tier, nbytes, in_use.get(worker, set()), context)
         for w in ranks[1:]:     # the leader's plan is the group's; a rank whose own floor it breaks refuses it
             if isinstance(got, Refusal):
                 break

@@ -341,7 +341,7 @@ class Flipper:
         try:
             if dialer is None:
                 raise moves.InvalidAsk("this control process has no dial")
-            dialer.resize(run.worker, "device", to_bytes, origin, waiter, causation=causation)
+            dialer.resize(run.worker, "device", to_bytes, origin, waiter, causation=causation, sleeping=run.phase == "shrinking")
         except moves.InvalidAsk as e:     # nothing recorded by the dial: the refusal is recorded here
             refused = ev.MoveRefused(ask=origin, worker=run.worker, tier="device", asked_bytes=to_bytes,
                                      available_bytes=from_bytes, floor_bytes=0,

@@ -82,6 +82,9 @@ class ControlProc:
         # A worker's process is gone but its loss waits for the next incarnation (its disk copies,
         # WorkerRegistry): the serving path answers what ran there now (loop thread).
         self.worker_gone: Callable[[int], None] = lambda worker: None
+        # The context floor of a serving worker's device pool (control/dial.py ContextFloor; None:
+        # it serves no model): the dial refuses a shrink below it. Set by the serving path.
+        self.context_of: Callable[[int], object] = lambda worker: None
         # NOTE: a ZAP handler serves a whole context: a keyed control owns one, so two of them
         # in one process (tests) never meet on the same handler
         self._own_ctx = ctx is None and config.peer_key is not None
@@ -334,6 +337,7 @@ class ControlProc:
                                     self.cfg.anchor_every_events, rec.last_seq) if self.cfg.anchor_file else None)
         self.awake, self.keep_awake = parts.awake, parts.keep_awake
         self.workers, self.moves, self.asks, self.dial = parts.workers, parts.moves, parts.asks, parts.dial
+        self.dial.context_of = lambda w: self.context_of(w)
         self.memory = parts.memory
         self.asks.extra.update(self._ask_handlers)
         if self.groups is not None:       # one decision for the group, every rank's shard moved

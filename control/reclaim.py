@@ -14,6 +14,7 @@ refusal out; the loop thread (control/scheduler/reclaimer.py) builds the candida
     pages to empty = granted pages + floor pages - free pages   (none when already free)
     available      = free + reclaimable by the tenant's routes - floor
     granted > available: refused whole, before anything moves; never retried smaller.
+    new cap < context floor (one sequence of the whole context): refused whole the same way.
 
 Reclaimable counts a page once, under the first route of the tenant's order that can take it; a
 page whose copy must land on host counts only while the host has room for it (the same order).
@@ -46,6 +47,7 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     free_pages: int                   # free slots less those running requests reserved
     floor_bytes: int = 0
     host_room_bytes: int = 0          # what moves may still bring into the host tier
+    context_pages: int = 0            # the pool keeps one sequence of the whole context (control/dial.py)
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,12 +134,18 @@ def plan_reclaim(tenant: str, routes: tuple[str, ...], pool: Pool, candidates: l
     free = max(0, pool.free_pages) * bb
     reclaimable = sum(by_route.values())
     available = max(0, free + reclaimable - pool.floor_bytes)
-    if granted > available or granted > pool.capacity_bytes - pool.floor_bytes:
-        avail = min(available, max(0, pool.capacity_bytes - pool.floor_bytes))
+    keep = pool.context_pages * bb
+    cap = max(0, pool.capacity_bytes - max(pool.floor_bytes, keep))
+    if granted > available or granted > cap:
+        avail = min(available, cap)
         parts = ", ".join(f"{r} {b}" for r, b in by_route.items())
         reason = (f"asked {granted} ({granted_pages} pages of {bb}) > available {avail} = free {free} + reclaimable "
-                  f"{reclaimable} ({parts}) - floor {pool.floor_bytes}"
-                  + (f", capped by capacity {pool.capacity_bytes} - floor" if avail < available else ""))
+                  f"{reclaimable} ({parts}) - floor {pool.floor_bytes}")
+        if avail < available and keep > pool.floor_bytes:
+            reason += (f", capped by capacity {pool.capacity_bytes} - context floor {keep} ({pool.context_pages} "
+                       f"pages: one sequence of the whole context)")
+        elif avail < available:
+            reason += f", capped by capacity {pool.capacity_bytes} - floor"
         return ReclaimRefused(tenant=tenant, worker=pool.worker, asked_bytes=asked_bytes, granted_bytes=granted,
                               available_bytes=avail, floor_bytes=pool.floor_bytes, free_bytes=free,
                               reclaimable_bytes=by_route, reason=reason)

@@ -5,7 +5,9 @@ Both are asks to the control process (``AskReclaim``/``AskReleaseTenant``), answ
 they recorded is committed. The answer is what the ledger recorded:
 
     200  TenantReclaimed / TenantReleased: the bytes granted, those the moves freed, and what the
-         driver measured (null: not measured, never a guess)
+         driver measured (null: not measured, never a guess). A tensor-parallel group records one
+         per rank: the answer sums them (measured: null unless every rank was measured) and lists
+         each under ``ranks``
     400  an unknown tenant (the declared ones named), bytes <= 0, a worker that does not serve
     409  refused whole (MoveRefused with asked, available, floor and the sum); nothing moved.
          Or a reclaim/resize already under way.
@@ -66,13 +68,21 @@ def answer_json(ans: AskAnswered) -> tuple[int, dict]:
                            "moves": e.moves, "stranded_bytes": e.stranded_bytes, "stranded_moves": e.stranded_moves,
                            "outcomes": moves}
         return 503, body
+    ranks = [(s, r) for s, r in zip(ans.seqs, ans.events) if type(r) is t]    # a group: one per rank, leader first
+    measured = [r.measured_bytes for _, r in ranks]
+    group = {"measured_bytes": None if None in measured else sum(measured), "rebind_id": e.rebind_id}
     if t is ev.TenantReclaimed:
         return 200, {"object": "tenant.reclaim", "seq": seq, "tenant": e.tenant, "worker": e.worker,
-                     "asked_bytes": e.asked_bytes, "granted_bytes": e.granted_bytes, "freed_bytes": e.freed_bytes,
-                     "measured_bytes": e.measured_bytes, "rebind_id": e.rebind_id, "moves": e.moves,
-                     "sessions": e.sessions, "outcomes": moves}
-    return 200, {"object": "tenant.release", "seq": seq, "tenant": e.tenant, "worker": e.worker, "bytes": e.bytes,
-                 "measured_bytes": e.measured_bytes, "rebind_id": e.rebind_id}
+                     "asked_bytes": e.asked_bytes, "granted_bytes": sum(r.granted_bytes for _, r in ranks),
+                     "freed_bytes": sum(r.freed_bytes for _, r in ranks), **group,
+                     "moves": [m for _, r in ranks for m in r.moves], "sessions": e.sessions, "outcomes": moves,
+                     "ranks": [{"seq": s, "worker": r.worker, "granted_bytes": r.granted_bytes,
+                                "freed_bytes": r.freed_bytes, "measured_bytes": r.measured_bytes,
+                                "rebind_id": r.rebind_id} for s, r in ranks]}
+    return 200, {"object": "tenant.release", "seq": seq, "tenant": e.tenant, "worker": e.worker,
+                 "bytes": sum(r.bytes for _, r in ranks), **group,
+                 "ranks": [{"seq": s, "worker": r.worker, "bytes": r.bytes, "measured_bytes": r.measured_bytes,
+                            "rebind_id": r.rebind_id} for s, r in ranks]}
 
 
 _FINAL = (ev.TenantReclaimed, ev.TenantReclaimFailed, ev.TenantReleased, ev.MoveRefused)

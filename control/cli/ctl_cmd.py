@@ -314,6 +314,22 @@ def describe(seq: int, e) -> str:
     return f"{t} {at}"
 
 
+def describe_group(events) -> str:
+    """The group's figure of a tensor-parallel group's reclaim or release (one event per rank):
+    the ranks' bytes summed, measured only when every rank was; "" for a worker alone."""
+    from residency.control.views import human_bytes as hb  # noqa: PLC0415
+
+    for name, field, verb in (("TenantReclaimed", "granted_bytes", "gave up"), ("TenantReleased", "bytes", "took back")):
+        ranks = [e for e in events if type(e).__name__ == name]
+        if len(ranks) > 1:
+            measured = [e.measured_bytes for e in ranks]
+            said = "not measured" if None in measured else hb(sum(measured))
+            total = hb(sum(getattr(e, field) for e in ranks))
+            return (f"the group's pools (workers {', '.join(str(e.worker) for e in ranks)}) {verb} {total} for "
+                    f"tenant {ranks[0].tenant}; the driver measured {said}")
+    return ""
+
+
 def run(args) -> int:
     from residency.events.codec import event_to_display_obj  # noqa: PLC0415
 
@@ -330,6 +346,9 @@ def run(args) -> int:
             print(describe(seq, e))
         if not reply.events and reply.detail:       # nothing to do (a park of a parked session)
             print(reply.detail)
+        group = describe_group(reply.events)
+        if group:
+            print(group)
     from residency.control.flip import is_pool_refusal  # noqa: PLC0415
 
     # a sleep whose KV pool the dial would not shrink still slept: the refusal is shown, not failed on

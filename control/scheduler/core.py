@@ -227,9 +227,13 @@ class Scheduler:
         num_restore = sum(len(bl) for bl in restore.values())
         needed = num_new + num_restore
         limit, free = self.device_room(state, w)
-        if needed > limit:
+        if needed > limit:      # never seated while the pool is this size: answered now, never held
+            written = req.prompt_tokens + max(0, req.max_tokens - 1)
             return Refuse(request_id=req.request_id, status=503, code="insufficient_kv_capacity",
-                          reason=f"the sequence needs {needed} pages on the device; its limit is {limit} pages",
+                          reason=(f"the sequence needs {needed} pages on the device ({total} = ceil((prompt "
+                                  f"{req.prompt_tokens} + max_tokens {req.max_tokens} - 1 = {written} tokens) / "
+                                  f"page_tokens {P}), {total - num_new} reused, {num_restore} of those to restore); "
+                                  f"its limit is {limit} pages of worker {w}'s device pool now"),
                           needed_blocks=needed, available_blocks=free)
         if needed > free:
             short = needed - free

@@ -12,6 +12,13 @@ planner (control/reclaim.py).
                ─► TenantReclaimed{granted, freed by the moves, measured by the driver | None}
     AskReleaseTenant ─► the dial grows the pool by the tenant's grant ─► TenantReleased
 
+A tensor-parallel group (``serve --tp``) is asked through its leader (a follower is refused,
+naming it). Its page is every rank's shard of one block, so the planner counts the group's bytes:
+the ask is rounded up to whole group pages, the moves are group moves, the dial shrinks every
+rank's pool by those pages, and each rank records its own ``TenantReclaimed`` (its shard's bytes,
+its own freed and measured bytes, its rebind), so each worker's books say whose its memory is.
+A release grows every rank back and records a ``TenantReleased`` per rank the same way.
+
 Loop thread only. The dial is a callable given after construction (``dial``):
 ``dial(worker, to_bytes, origin, then)``; ``then`` gets a ``DialOutcome``.
 """
@@ -23,7 +30,7 @@ from typing import Callable
 import structlog
 
 from residency.control.budget import available_bytes
-from residency.control.reclaim import Candidate, Pool, ReclaimRefused, plan_reclaim
+from residency.control.reclaim import Candidate, Pool, ReclaimRefused, pages_for, plan_reclaim
 from residency.control.scheduler.asker import Asker
 from residency.control.scheduler.retain import is_retained
 from residency.control.scheduler.workers import ServingWorkers
@@ -47,6 +54,14 @@ class DialOutcome:
     error: str | None = None
     events: tuple = ()
 
+    def by_rank(self, worker: int) -> tuple[str, int | None]:
+        """(rebind id, measured freed bytes) of ``worker``'s own pool in this resize (one rank of a
+        group, or the worker alone)."""
+        rid = next((e.rebind_id for _, e in self.events if type(e) is ev.RebindRequested and e.worker == worker),
+                   self.rebind_id)
+        resized = next((e for _, e in self.events if type(e) is ev.PoolResized and e.worker == worker), None)
+        return rid, resized.measured_freed_bytes if resized is not None else None
+
 
 def dial_of(proc) -> Callable:
     """The control process's dial (control/dialing.py, made when the loop starts) as the
@@ -63,8 +78,10 @@ def dial_of(proc) -> Callable:
 def outcome_of(to_bytes: int, events: list, error: str | None = None, detail: str = "") -> DialOutcome:
     """A DialOutcome from what the dial recorded: committed only with a ``RebindCommitted``."""
     rid = next((e.rebind_id for _, e in events if type(e) is ev.RebindRequested), "")
-    resized = next((e for _, e in events if type(e) is ev.PoolResized), None)
-    measured = getattr(resized, "measured_freed_bytes", None) if resized is not None else None
+    resized = [e for _, e in events if type(e) is ev.PoolResized]
+    # every rank's pool (a group) or the worker's: None unless each was measured, never a partial sum
+    measured = (None if not resized or any(e.measured_freed_bytes is None for e in resized)
+                else sum(e.measured_freed_bytes for e in resized))
     if error is None and any(type(e) is ev.RebindCommitted for _, e in events):
         return DialOutcome(rebind_id=rid, to_bytes=to_bytes, measured_freed_bytes=measured, events=tuple(events))
     words = error and f"{error}: {detail}"
@@ -94,6 +111,10 @@ class Reclaimer:
             t = lookup(self.tenants, tenant)
         except TenantError as e:
             raise InvalidAsk(str(e)) from None
+        ranks = self.ranks(worker)
+        if ranks[0] != worker:
+            raise InvalidAsk(f"worker {worker} is a follower rank of a tensor-parallel group: ask its leader, worker "
+                             f"{ranks[0]}; the group's pool gives up (and takes back) the same pages on every rank")
         ws = self.proc.state.workers.get(worker)
         if ws is None or not ws.alive or worker not in self.workers.ready:
             raise InvalidAsk(f"worker {worker} is not serving (serving: {sorted(self.workers.alive())})")
@@ -105,6 +126,32 @@ class Reclaimer:
         if held is not None:
             raise InvalidAsk(f"busy: {held}; ask again when it is answered")
         return t
+
+    def ranks(self, worker: int) -> list[int]:
+        """The ranks of ``worker``'s tensor-parallel group, leader first ([worker]: alone)."""
+        dialer = getattr(self.proc, "dial", None)
+        return (dialer.ranks_of(worker) if dialer is not None else []) or [worker]
+
+    def pool(self, worker: int, ranks: list[int]) -> Pool:
+        """``worker``'s device pool as the next admission sees it. A group's page is every rank's
+        shard of one block: its bytes, capacity, floor and host room count every rank (the floor
+        and host room in whole pages, those of the tightest rank)."""
+        state = self.proc.state
+        ws = state.workers[worker]
+        acc = ws.tiers["device"]
+        _, free_pages = self.workers.sched.device_room(state, worker)
+        context = self.workers.context_floor(worker)
+        ctx = context.pages if context is not None else 0
+        if len(ranks) == 1:
+            return Pool(worker=worker, block_bytes=ws.block_bytes, capacity_bytes=acc.capacity_bytes,
+                        free_pages=free_pages, floor_bytes=acc.floor_bytes,
+                        host_room_bytes=available_bytes(ws.tiers["host"]), context_pages=ctx)
+        rs = [state.workers[r] for r in ranks]
+        page = sum(r.block_bytes for r in rs)
+        floor = max(pages_for(r.tiers["device"].floor_bytes, r.block_bytes) for r in rs)
+        room = min(available_bytes(r.tiers["host"]) // r.block_bytes for r in rs)
+        return Pool(worker=worker, block_bytes=page, capacity_bytes=acc.capacity_bytes // ws.block_bytes * page,
+                    free_pages=free_pages, floor_bytes=floor * page, host_room_bytes=room * page, context_pages=ctx)
 
     def resizing(self, worker: int) -> str | None:
         """Why the worker's pool cannot be resized now (a resize under way, a torn pool), or None."""
@@ -120,14 +167,8 @@ class Reclaimer:
         if msg.bytes <= 0:
             raise InvalidAsk(f"bytes must be > 0, not {msg.bytes}")
         tenant = self._check(msg.tenant, msg.worker)
-        sched = self.workers.sched
-        state = self.proc.state
-        ws = state.workers[msg.worker]
-        acc = ws.tiers["device"]
-        _, free_pages = sched.device_room(state, msg.worker)
-        pool = Pool(worker=msg.worker, block_bytes=ws.block_bytes, capacity_bytes=acc.capacity_bytes,
-                    free_pages=free_pages, floor_bytes=acc.floor_bytes,
-                    host_room_bytes=available_bytes(ws.tiers["host"]))
+        ranks = self.ranks(msg.worker)
+        pool = self.pool(msg.worker, ranks)
         plan = plan_reclaim(tenant.name, tenant.routes, pool, self.candidates(msg.worker), msg.bytes)
         if isinstance(plan, ReclaimRefused):
             e = plan.event()
@@ -140,13 +181,14 @@ class Reclaimer:
         waiter.open.add(ref)
         log.info("reclaim_planned", tenant=tenant.name, worker=msg.worker, granted_bytes=plan.granted_bytes,
                  pages_to_empty=plan.pages_to_empty, steps=len(plan.steps))
-        run = _Run(self, plan, msg, waiter, ref)
+        run = _Run(self, plan, msg, waiter, ref, pool.block_bytes, ranks)
         run.start()
 
     def on_release(self, msg: AskReleaseTenant, asker: str, waiter) -> None:
         tenant = self._check(msg.tenant, msg.worker)
         ws = self.proc.state.workers[msg.worker]
         held = ws.tenants.get(tenant.name, 0)
+        ranks = self.ranks(msg.worker)
         if held <= 0:
             raise InvalidAsk(f"tenant {tenant.name!r} holds nothing on worker {msg.worker} "
                              f"(grants there: {dict(ws.tenants) or 'none'})")
@@ -158,15 +200,20 @@ class Reclaimer:
         def resized(out: DialOutcome) -> None:
             self.busy_with = None
             if out.error is not None:
-                e = ev.TenantReclaimFailed(tenant=tenant.name, worker=msg.worker, asked_bytes=held,
-                                           reason=f"release: the pool did not grow back to {to_bytes}, the grant "
-                                                  f"stays the tenant's: {out.error}")
-            else:
-                taken = None if out.measured_freed_bytes is None else -out.measured_freed_bytes
-                e = ev.TenantReleased(tenant=tenant.name, worker=msg.worker, bytes=held, measured_bytes=taken,
-                                      rebind_id=out.rebind_id)
+                es = [ev.TenantReclaimFailed(tenant=tenant.name, worker=msg.worker, asked_bytes=held,
+                                             reason=f"release: the pool did not grow back to {to_bytes}, the grant "
+                                                    f"stays the tenant's: {out.error}")]
+            else:     # each rank gives back its own share (a worker alone: its whole grant)
+                es = []
+                for w in ranks:
+                    share = self.proc.state.workers[w].tenants.get(tenant.name, 0)
+                    if share > 0:
+                        rid, measured = out.by_rank(w)
+                        es.append(ev.TenantReleased(tenant=tenant.name, worker=w, bytes=share, rebind_id=rid,
+                                                    measured_bytes=None if measured is None else -measured))
             waiter.events.extend(out.events)
-            waiter.events.append((self.proc.record(e, causation=msg.ask_id or None), e))
+            for e in es:
+                waiter.events.append((self.proc.record(e, causation=msg.ask_id or None), e))
             self.proc.finish_ask(waiter, ref)
         self._resize(msg.worker, to_bytes, f"tenant:{tenant.name}", resized)
 
@@ -220,13 +267,17 @@ class Reclaimer:
 class _Run:
     """One reclaim under way: its moves, then the dial."""
 
-    def __init__(self, owner: Reclaimer, plan, msg: AskReclaim, waiter, ref: str):
+    def __init__(self, owner: Reclaimer, plan, msg: AskReclaim, waiter, ref: str, page_bytes: int,
+                 ranks: list[int]):
         self.owner, self.plan, self.msg, self.waiter, self.ref = owner, plan, msg, waiter, ref
         self.proc = owner.proc
+        self.page_bytes = page_bytes          # the plan's page: every rank's shard of one block
+        self.ranks = ranks                    # leader first; [worker] alone
         self.pending = 0
         self.move_ids: list[str] = []
+        self.move_worker: dict[str, int] = {}     # move id -> the rank it ran on
         self.sessions: list[str] = []
-        self.freed_bytes = 0
+        self.freed_bytes: dict[int, int] = {}     # rank -> device bytes its moves' answers freed
         self.bad: list[ev.Event] = []
         self.errors: list[str] = []
 
@@ -263,12 +314,14 @@ class _Run:
             self.errors.append(f"{ans.error}: {ans.detail}")
         for e in ans.events:
             t = type(e)
+            if getattr(e, "move_id", None) and isinstance(getattr(e, "worker", None), int):
+                self.move_worker[e.move_id] = e.worker
             if t in BAD:
                 self.bad.append(e)
             elif t is ev.MoveAcked:
-                self.freed_bytes += e.bytes_freed_src
+                self.freed_bytes[e.worker] = self.freed_bytes.get(e.worker, 0) + e.bytes_freed_src
             elif t is ev.CopiesReleased and e.tier == "device":
-                self.freed_bytes += e.bytes
+                self.freed_bytes[e.worker] = self.freed_bytes.get(e.worker, 0) + e.bytes
         if self.pending == 0:
             self.moved()
 
@@ -285,13 +338,14 @@ class _Run:
         # NOTE: requests admitted while the moves ran may have taken the emptied slots
         state, w = self.proc.state, self.msg.worker
         _, free_pages = self.owner.workers.sched.device_room(state, w)
-        bb = state.workers[w].block_bytes
-        need = self.plan.granted_bytes // bb + -(-self.plan.floor_bytes // bb)
+        pages = self.plan.granted_bytes // self.page_bytes
+        need = pages + pages_for(self.plan.floor_bytes, self.page_bytes)
         if free_pages < need:
             self.fail(f"the pool has {free_pages} free pages after the moves, the grant and the floor need {need} "
                       f"(requests admitted meanwhile took the rest); nothing was granted")
             return
-        to_bytes = state.workers[w].tiers["device"].capacity_bytes - self.plan.granted_bytes
+        ws = state.workers[w]      # the leader's bytes: the dial resizes every rank by the same pages
+        to_bytes = ws.tiers["device"].capacity_bytes - pages * ws.block_bytes
         self.owner._resize(w, to_bytes, f"tenant:{self.plan.tenant}", self.resized)
 
     def resized(self, out: DialOutcome) -> None:
@@ -299,10 +353,16 @@ class _Run:
         if out.error is not None:
             self.fail(f"the dial did not shrink the pool to {out.to_bytes}: {out.error}")
             return
-        self.finish(ev.TenantReclaimed(tenant=self.plan.tenant, worker=self.msg.worker, asked_bytes=self.msg.bytes,
-                                       granted_bytes=self.plan.granted_bytes, freed_bytes=self.freed_bytes,
-                                       measured_bytes=out.measured_freed_bytes, rebind_id=out.rebind_id,
-                                       moves=self.move_ids, sessions=self.sessions))
+        pages = self.plan.granted_bytes // self.page_bytes
+        grants = []
+        for w in self.ranks:       # each rank's own share, on its own books (a worker alone: the grant)
+            rid, measured = out.by_rank(w)
+            grants.append(ev.TenantReclaimed(
+                tenant=self.plan.tenant, worker=w, asked_bytes=self.msg.bytes,
+                granted_bytes=pages * self.proc.state.workers[w].block_bytes, freed_bytes=self.freed_bytes.get(w, 0),
+                measured_bytes=measured, rebind_id=rid, sessions=self.sessions,
+                moves=[m for m in self.move_ids if self.move_worker.get(m, self.ranks[0]) == w]))
+        self.finish(*grants)
 
     def fail(self, reason: str, stranded_bytes: int = 0, stranded_moves: list[str] | None = None) -> None:
         log.warning("reclaim_failed", tenant=self.plan.tenant, worker=self.msg.worker, reason=reason,
@@ -311,7 +371,8 @@ class _Run:
                                            asked_bytes=self.msg.bytes, reason=reason, moves=self.move_ids,
                                            stranded_bytes=stranded_bytes, stranded_moves=stranded_moves or []))
 
-    def finish(self, e: ev.Event) -> None:
+    def finish(self, *events: ev.Event) -> None:
         self.owner.busy_with = None
-        self.waiter.events.append((self.proc.record(e, causation=self.msg.ask_id or None), e))
+        for e in events:
+            self.waiter.events.append((self.proc.record(e, causation=self.msg.ask_id or None), e))
         self.proc.finish_ask(self.waiter, self.ref)

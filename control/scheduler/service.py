@@ -115,6 +115,7 @@ class ServingService:
         proc.add_stop_hook(self.streams.stop)
         proc.add_stop_hook(self.flips.stop)
         proc.blocks_in_use = self.workers.blocks_in_use
+        proc.context_of = self.workers.context_floor
         proc.worker_gone = self._on_worker_gone
         book = getattr(proc, "groups", None)
         # serve --tp N: the leader served, every rank accounted and compared (its handlers replace those above)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import structlog
 
+from residency.control.dial import ContextFloor
 from residency.control.scheduler.config import SchedulerConfig
 from residency.control.scheduler.core import Scheduler
 from residency.control.scheduler.cost import CostModel
@@ -89,6 +90,15 @@ class ServingWorkers:
             return
         lost = {b for e in self.sched.sessions.values() if e.worker == worker for b in e.blocks} - kept
         self.sched.forget_blocks(worker, lost)
+
+    def context_floor(self, worker: int) -> ContextFloor | None:
+        """One sequence of the whole context of the longest model ``worker`` serves, in pages
+        (None: it said no ServingReady). A follower rank has none: its leader's decides."""
+        r = self.ready.get(worker)
+        if r is None:
+            return None
+        return ContextFloor(max_context=max([r.max_context, *(m.max_context for m in r.models)]),
+                            page_tokens=r.page_tokens)
 
     def blocks_in_use(self) -> dict[int, set[int]]:
         """Pages running requests read or write (the control process's policies leave them be)."""

@@ -16,9 +16,9 @@ from residency.events.envelope import Envelope, Recorded
 BB = 3 * 4096 + 512        # an irregular page size, so rounding shows
 
 
-def _pool(free=2, capacity=20, floor=0, host_room=1 << 40):
+def _pool(free=2, capacity=20, floor=0, host_room=1 << 40, context_pages=0):
     return Pool(worker=0, block_bytes=BB, capacity_bytes=capacity * BB, free_pages=free, floor_bytes=floor,
-                host_room_bytes=host_room)
+                host_room_bytes=host_room, context_pages=context_pages)
 
 
 def _cands():
@@ -225,3 +225,14 @@ def test_the_memory_view_shows_what_each_outside_tenant_holds():
     assert view.outside_tenants == {"trainer": 2 * BB} and device.tenants.outside == {"trainer": 2 * BB}
     assert device.tenants.total() == device.used_bytes            # the lent bytes are on the books ...
     assert device.reclaimable_bytes == device.used_bytes - device.hot_bytes == 0    # ... and never ours to free
+
+
+def test_a_reclaim_that_would_leave_less_than_one_sequence_of_the_context_is_refused_whole():
+    # 20 pages, 14 of them reclaimable or free; the context takes 12: at most 8 may be granted
+    pool = _pool(free=6, context_pages=12)
+    got = plan_reclaim("t", ("prefixes", "park", "evict"), pool, _cands(), 9 * BB)
+    assert isinstance(got, ReclaimRefused)
+    assert got.available_bytes == 8 * BB and got.granted_bytes == 9 * BB
+    assert f"context floor {12 * BB} (12 pages" in got.reason
+    ok = plan_reclaim("t", ("prefixes", "park", "evict"), pool, _cands(), 8 * BB)
+    assert isinstance(ok, ReclaimPlan) and ok.to_bytes == 12 * BB

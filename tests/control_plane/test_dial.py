@@ -80,6 +80,29 @@ def test_a_grow_or_a_rebind_in_place_moves_nothing():
         assert isinstance(got, dial.ResizePlan) and got.evict == []
 
 
+def test_a_shrink_below_one_sequence_of_the_whole_context_is_refused_with_its_arithmetic():
+    led = Ledger()                               # 20 pages; the context takes ceil(50 / 4) = 13 of them
+    ctx = dial.ContextFloor(max_context=50, page_tokens=4)
+    got = dial.plan(led.state, led.recency, "operator:resize", 0, "device", 12 * BB + 999, in_use=set(), context=ctx)
+    assert isinstance(got, Refusal)
+    assert (got.asked_bytes, got.floor_bytes, got.available_bytes) == (12 * BB, 13 * BB, 20 * BB)
+    assert "context floor 13000 = ceil(max_context 50 / page_tokens 4) = 13 pages x 1000" in got.reason
+    assert isinstance(dial.plan(led.state, led.recency, "operator:resize", 0, "device", 13 * BB, in_use=set(),
+                                context=ctx), dial.ResizePlan)
+    # a sleep's shrink passes no context: it may go down to one page
+    assert isinstance(dial.plan(led.state, led.recency, "sleep", 0, "device", BB, in_use=set()), dial.ResizePlan)
+
+
+def test_a_pool_already_below_the_context_floor_may_be_rebound_in_place_or_grown_never_shrunk():
+    led = Ledger(device_pages=5)                 # started small (--device-blocks, or asleep)
+    ctx = dial.ContextFloor(max_context=64, page_tokens=4)      # 16 pages
+    for pages in (5, 9, 40):
+        assert isinstance(dial.plan(led.state, led.recency, "operator:resize", 0, "device", pages * BB, in_use=set(),
+                                    context=ctx), dial.ResizePlan)
+    got = dial.plan(led.state, led.recency, "operator:resize", 0, "device", 4 * BB, in_use=set(), context=ctx)
+    assert isinstance(got, Refusal) and got.floor_bytes == 16 * BB and "context floor" in got.reason
+
+
 @pytest.mark.parametrize("tier,nbytes,why", [("host", 10 * BB, "only the device pool"),
                                              ("device", BB - 1, "less than one block")])
 def test_a_resize_that_names_nothing_resizable_is_invalid(tier, nbytes, why):

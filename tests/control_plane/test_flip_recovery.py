@@ -85,9 +85,9 @@ def test_a_wake_after_a_restart_grows_the_kv_pool_to_the_size_the_sleep_took_it_
         real = p.dial
 
         class Spy:              # the edge: what the flipper asks of the dial (the real dial still answers)
-            def resize(self, worker, pool, to_bytes, origin, waiter, causation=None):
-                asked.append((worker, pool, to_bytes))
-                real.resize(worker, pool, to_bytes, origin, waiter, causation=causation)
+            def resize(self, worker, pool, to_bytes, origin, waiter, causation=None, sleeping=False):
+                asked.append((worker, pool, to_bytes, sleeping))
+                real.resize(worker, pool, to_bytes, origin, waiter, causation=causation, sleeping=sleeping)
         p.dial = Spy()
         f = Flipper(p, workers=SimpleNamespace(ready={}), requests=SimpleNamespace(by_id={}), asker=None)
         plan = flip.FlipPlan(worker=0, action="wake", from_model="", to_model="a", level=1, bytes_out=0,
@@ -98,4 +98,4 @@ def test_a_wake_after_a_restart_grows_the_kv_pool_to_the_size_the_sleep_took_it_
         p.dial = real
         return grew
     assert proc.call(wake).result(5) is True
-    assert asked == [(0, "device", before)]
+    assert asked == [(0, "device", before, False)]     # a wake's grow: the context floor applies

@@ -64,7 +64,7 @@ class Stack:
     def __init__(self, device_blocks: int = 64, restore_policy: str = "cost", park_idle_s: float | None = None,
                  policy: PolicyConfig | None = None, host_blocks: int = 256, tokenizer=None,
                  max_seqs: int = 64, share_prefixes: bool = True, retain_fraction: float = 0.0, workers: int = 1,
-                 pipelined: bool = True, faults: str = ""):
+                 pipelined: bool = True, faults: str = "", max_context: int | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="rsv-", dir="/tmp"))
         self.url = f"sqlite:///{self.dir / 'ledger.db'}"
         self.store = LedgerStore.open(self.url, create=True)
@@ -77,7 +77,8 @@ class Stack:
                                       share_prefixes=share_prefixes, retain_fraction=retain_fraction)
         self.app = create_app(self.service, ApiConfig(admin_key=None))
         self.proc.start()
-        model = random_model(TINY, seed=0)
+        # max_context: the model's positions capped (as serve --max-context), so a pool may shrink further
+        model = random_model(TINY, seed=0, max_positions=max_context)
         kv = KVLayout(TINY.num_layers, P, TINY.num_kv_heads, TINY.head_dim, dtype=torch.float32)
         host = host_blocks * kv.block_bytes
         self.workers, self.threads = [], []

@@ -1,6 +1,8 @@
 """The dial on a real ``residency serve`` (embedded model, SQLite): the device pool shrunk and grown
-live while sessions hold pages and a stream runs, refusals with their arithmetic, and a torn
-rebind that closes the pool until a complete resize repairs it. The ledger tells all of it."""
+live while sessions hold pages and a stream runs, refusals with their arithmetic, a torn rebind
+that closes the pool until a complete resize repairs it, and the context floor (no shrink below
+one sequence of the whole context but a sleep's; a request the pool cannot hold answered at
+once). The ledger tells all of it."""
 from __future__ import annotations
 
 import json
@@ -82,7 +84,9 @@ def verify(server: Server) -> None:
 
 
 def test_the_device_pool_shrinks_and_grows_live_under_sessions_and_a_stream(tmp_path):
-    s = Server(tmp_path, "--drain-s", "0", "--park-after-s", "600", name="dial").wait_ready()   # pages stay until the dial moves them
+    # pages stay until the dial moves them; --max-context 512: one sequence of the whole context is
+    # 32 pages of 16 tokens, under the quarter of the pool the shrink leaves
+    s = Server(tmp_path, "--drain-s", "0", "--park-after-s", "600", "--max-context", "512", name="dial").wait_ready()
     try:
         story = "Write a long story about a lighthouse keeper and the sea. "
         before = text_of(chat(s, story, 120))                    # the reference, no resize near it
@@ -129,7 +133,7 @@ def test_the_device_pool_shrinks_and_grows_live_under_sessions_and_a_stream(tmp_
 
 def test_refusals_change_nothing_and_a_torn_pool_waits_until_repaired(tmp_path, monkeypatch):
     monkeypatch.setenv("RESIDENCY_WORKER_FAULTS", "miss_stamp=mover")
-    s = Server(tmp_path, "--drain-s", "0", name="torn").wait_ready()
+    s = Server(tmp_path, "--drain-s", "0", "--max-context", "512", name="torn").wait_ready()
     try:
         full = device_bytes(s)
         # not a resize: another tier, a bad body
@@ -175,4 +179,55 @@ def test_refusals_change_nothing_and_a_torn_pool_waits_until_repaired(tmp_path, 
         check_replay_is_live(s)
     finally:
         s.stop()
+    verify(s)
+
+
+def test_no_shrink_goes_below_one_sequence_of_the_context_but_a_sleep_and_too_long_a_request_is_answered(tmp_path):
+    # pages of 16 tokens and --max-context 512: one sequence of the whole context is 32 pages; the
+    # pool starts at 8 (--device-blocks), below that
+    s = Server(tmp_path, "--drain-s", "0", "--max-context", "512", name="ctx", device_blocks=8).wait_ready()
+    try:
+        bb = device_bytes(s) // 8
+        # a request the pool can never hold is answered now, with its arithmetic, never held
+        r = chat(s, "Tell me a story about the sea.", 120, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_kv_capacity", r.text
+        said = r.json()["error"]["message"]
+        assert "max_tokens 120" in said and "page_tokens 16" in said and "its limit is 8 pages" in said, said
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "temperature": 0}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)     # no max_tokens: the context's rest
+        assert r.status_code == 503 and "its limit is 8 pages" in r.json()["error"]["message"], r.text
+        assert chat(s, "Hello", 8).status_code == 200                            # what fits is served
+        # a shrink below the context floor is refused with its arithmetic; in place and grows pass
+        r = resize(s, 4 * bb)
+        assert r.status_code == 409 and r.json()["outcome"] == "refused", r.text
+        [refused] = r.json()["events"]
+        assert refused["type"] == "MoveRefused" and refused["floor_bytes"] == 32 * bb
+        assert "ceil(max_context 512 / page_tokens 16) = 32 pages" in refused["reason"], refused
+        assert device_bytes(s) == 8 * bb
+        for pages in (8, 32):
+            r = resize(s, pages * bb)
+            assert r.status_code == 200 and r.json()["outcome"] == "committed", r.text
+        assert text_of(chat(s, "Tell me a story about the sea.", 120))           # it fits now
+        r = resize(s, 31 * bb)
+        assert r.status_code == 409 and "context floor" in r.json()["events"][0]["reason"], r.text
+        # a sleep is the one shrink below it (the model leaves with it), and its wake grows the pool back
+        slept = s.admin("POST", "/sleep?level=1")
+        assert slept.status_code == 200 and slept.json()["outcome"] == "completed", slept.text
+        assert [(k["resized"], k["to_bytes"]) for k in slept.json()["kv_pool"]] == [(True, bb)], slept.text
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=chat(s, "Tell me a story about the sea.", 120)))
+        t.start()                   # held for the wake, never seated on (or refused by) the one-page pool
+        time.sleep(1.0)
+        assert t.is_alive(), out
+        woke = s.admin("POST", "/wake_up")
+        assert woke.status_code == 200 and woke.json()["outcome"] == "completed", woke.text
+        assert [(k["resized"], k["to_bytes"]) for k in woke.json()["kv_pool"]] == [(True, 32 * bb)], woke.text
+        t.join(180)
+        assert text_of(out["r"])
+        check_replay_is_live(s)
+    finally:
+        s.stop()
+    events, _ = read_ledger(s.ledger)
+    refusals = [r.event for r in events if type(r.event) is ev.MoveRefused and "context floor" in r.event.reason]
+    assert [e.asked_bytes for e in refusals] == [4 * bb, 31 * bb]
     verify(s)

@@ -24,7 +24,7 @@ def live_equals_replay(s) -> None:
 
 
 def test_a_resize_through_the_api_keeps_greedy_output_and_a_torn_pool_answers_pool_torn(stack):
-    s = stack(device_blocks=64)
+    s = stack(device_blocks=64, max_context=96)       # the context floor: 96 / 4 = 24 pages
     bb = block_bytes(s)
     before = s.chat("the same words every time", max_tokens=12).json()["choices"][0]["message"]["content"]
     assert s.chat("a session's turn", session="s1", max_tokens=8).status_code == 200

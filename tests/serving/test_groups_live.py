@@ -60,7 +60,8 @@ def servers(tmp_path_factory):
     tiny = str(tmp / "tiny-llama")
     write_hf_dir(tiny, random_model(TINY_LLAMA, seed=random.randrange(1 << 30)))
     started = {"tp1": start(tmp, "tp1"), "tp3": start(tmp, "tp3", "--tp", "3", faults=FAULTS),
-               "tp2": start(tmp, "tp2", "--tp", "2"), "pair": start(tmp, "pair", "--tp", "2", "--model", tiny, faults=PAIR_FAULTS)}
+               "tp2": start(tmp, "tp2", "--tp", "2"),
+               "pair": start(tmp, "pair", "--tp", "2", "--model", tiny, "--max-context", "512", faults=PAIR_FAULTS)}
     try:
         yield started
     finally:
@@ -146,14 +147,18 @@ def resize_the_group(s: Server, model: str) -> None:
     full = device_bytes(s, 0)
     assert device_bytes(s, 1) == full
     shard = 2 * TINY_LLAMA.num_layers * 16 * TINY_LLAMA.num_kv_heads * TINY_LLAMA.head_dim * 4 // 2
-    # dave's idle pages stay on the device; the shrink leaves room for one page fewer than they
-    # hold, so the coldest must leave first: a group eviction (one move per rank, the same blocks)
-    chat = {"model": model, "messages": [{"role": "user", "content": "tell me about rivers " * 12}], "max_tokens": 4,
-            "temperature": 0, "ignore_eos": True, "session_id": "dave"}
-    assert httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    # dave's and erin's idle pages stay on the device; the shrink leaves room for one page fewer
+    # than they hold, so the coldest must leave first: a group eviction (one move per rank, the same
+    # blocks). Two sessions: the pool keeps one sequence of the whole context (--max-context 512)
+    for session in ("dave", "erin"):
+        text_of_turn = f"I am {session}. " + "tell me about rivers " * 12
+        chat = {"model": model, "messages": [{"role": "user", "content": text_of_turn}], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True, "session_id": session}
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
     used = device_bytes(s, 0, "used")
     assert used == device_bytes(s, 1, "used") >= 2 * shard
     small = used - shard
+    assert small >= 512 // 16 * shard, (used, shard)     # above the context floor: a shrink may go there
     # a follower's own view never decides: the group is resized through its leader
     r = resize(s, 1, small)
     assert r.status_code == 400 and "resize its leader, worker 0" in r.json()["error"]["message"], r.text

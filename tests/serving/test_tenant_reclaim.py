@@ -56,15 +56,16 @@ def _ctl(srv: Server, *argv: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
+    # --max-context 256: no reclaim leaves the pool less than one sequence of it, 16 pages of 16 tokens
     s = Server(tmp_path_factory.mktemp("tenants"), "--no-policies", "--tenant", "trainer",
-               "--tenant", "judge=prefixes", "--retain-prefixes", "0").wait_ready()
+               "--tenant", "judge=prefixes", "--retain-prefixes", "0", "--max-context", "256").wait_ready()
     yield s
     s.stop()
 
 
 def test_a_reclaim_parks_idle_sessions_and_shrinks_the_pool_by_whole_pages(srv):
     for i in range(3):
-        assert _chat(srv, f"Session {i}: tell me about the ledger of a memory server, please. " * 3,
+        assert _chat(srv, f"Session {i}: tell me about the ledger of a memory server, please. " * 6,
                      session=f"idle-{i}").status_code == 200
     _, st = _status(srv)
     ws = st.workers[0]
@@ -177,10 +178,11 @@ def test_a_park_whose_answer_never_comes_is_named_stranded_and_nothing_is_grante
     # every move's outcome is dropped by the worker: the reclaim's park strands at its deadline
     monkeypatch.setenv("RESIDENCY_WORKER_FAULTS", "drop_ack=1")
     s = Server(tmp_path, "--no-policies", "--tenant", "trainer", "--retain-prefixes", "0",
-               "--move-deadline-s", "1").wait_ready()
+               "--move-deadline-s", "1", "--max-context", "128").wait_ready()
     try:
-        assert _chat(s, "A conversation that will be parked, about ledgers and pages. " * 3,
-                     session="quiet").status_code == 200
+        for name in ("quiet", "still"):         # the pool keeps 8 pages (the context floor): the park leaves more
+            assert _chat(s, f"A conversation of {name} that will be parked, about ledgers and pages. " * 3,
+                         session=name).status_code == 200
         _, st = _status(s)
         dev, bb = st.workers[0].tiers["device"], st.workers[0].block_bytes
         r = s.admin("POST", "/admin/reclaim",
