@@ -19,6 +19,11 @@ a worker tokenizes with its resident model: released to a worker once one serves
 answered 503 after ``wait_s`` naming what they waited for (the sleep, the flip, or a model not
 resident). While a model has requests held and its worker's policy says so, a flip starts.
 
+The Flipper runs the state machine above; it hands out what has a table of its own: the requests
+held for a model (control/flip_waiting.py), the KV pool a sleep gives back (control/flip_pool.py),
+the model cards the API shows (control/flip_cards.py); the policy's choice is pure
+(control/flip_policy.py ``pick``).
+
 Loop thread only; ``cards`` and ``sleeping`` are snapshots replaced whole, read by the API.
 """
 from __future__ import annotations
@@ -32,12 +37,14 @@ from residency.events import catalog as ev
 from residency.events.asks import AskAnswered, AskFlip, AskMove
 from residency.events.commands import SwapWeights, WeightsSwapped
 from residency.control import flip, flip_policy, moves, watchdog
+from residency.control.flip_cards import model_cards
+from residency.control.flip_pool import KVPoolSteps
+from residency.control.flip_waiting import HeldRequests
 from residency.control.scheduler.port import ModelCard
 
 log = structlog.get_logger("control.flip")
 S = 1_000_000_000
 _BUSY = ("tokenizing", "restoring", "running")
-_RANK = {"resident": 0, "asleep": 1, "host": 2, "file": 3}
 
 
 class Run:
@@ -66,30 +73,23 @@ class Flipper:
         self.requests = requests          # RequestTable
         self.asker = asker
         self.drain_ns = int(drain_s * S)
-        self.wait_ns = int(wait_s * S)
+        self.waiting = HeldRequests(proc, requests, wait_s)      # requests held for a model
+        self.pool = KVPoolSteps(proc, lambda run: self.runs.get(run.worker) is run)
         self.deadline_s = deadline_s
         self.deadline_bytes_per_s = deadline_bytes_per_s
         self.policy = policy
         self.runs: dict[int, Run] = {}
-        self.held: list = []              # RequestState held for a model, in arrival order
         self.bandwidth: float | None = None           # bytes/s of the last flip measured (both ways)
         self.arena_gen: dict[int, int] = {}           # what each worker's arena carries (ServingReady, answers)
         self.since_ns: dict[int, int] = {}            # when each worker's model became resident
         # the models whose image a worker keeps in pinned host memory (ServingReady; then each flip
         # leaves the outgoing image in the host slab, where the incoming one was)
         self.on_host: dict[int, set[str]] = {}
-        # the device KV pool bytes each worker had before a sleep shrank it, until the sleep's
-        # FlipRequested carries it into the ledger (ArenaState.kv_pool_bytes, which the wake reads
-        # first, so a control restarted while asleep still grows the pool back)
-        self.kv_before: dict[int, int] = {}
         # NOTE: a flip the policy started that did not complete (the worker refused it, a request
         # did not end) would be started again at the next tick, and the next: the policy leaves
         # that worker alone for ``policy_backoff_s``, so a lasting "no" is recorded once a while
         self.policy_backoff_ns = 10 * S
         self._backoff: dict[int, int] = {}           # worker -> no policy flip before (monotonic ns)
-        self.begin: Callable = lambda r: None         # Admission.begin: a released request starts over
-        self.refuse: Callable = lambda r, status, code, message, retry_after_s=None: None
-        self.left: Callable = lambda r: None          # a held request whose client went away (closed in the ledger)
         self.changed: Callable[[], None] = lambda: None   # Admission.retry_soon
         self._num = 0
         # replaced whole on the loop thread, read from the API thread
@@ -101,7 +101,7 @@ class Flipper:
     def on_ready(self, worker: int, msg) -> None:
         self.arena_gen[worker] = msg.arena_gen
         self.on_host[worker] = {m.name for m in msg.models if m.host_image}
-        self.kv_before.pop(worker, None)      # a new incarnation starts with its pool at its own size
+        self.pool.forget(worker)
         self.since_ns.setdefault(worker, time.monotonic_ns())
         self._refresh()
 
@@ -154,17 +154,8 @@ class Flipper:
         ``begin`` once one does, or is refused after ``wait_s``."""
         if self.workers.sched is None or not self.workers.alive() or self.serving(r.req.model):
             return False
-        if r.phase != "held":
-            r.phase, r.wait_since_ns = "held", time.monotonic_ns()
-            self.held.append(r)
-            self.requests.add(r)        # in hand (a client that leaves cancels it; the drain at stop counts it)
-            code, reason = self._why_held(r.req.model)
-            r.wait_code, r.wait_reason = code, reason
-            cands = self.workers.alive()
-            self.proc.record(ev.RequestQueued(request_id=r.request_id, session=r.session,
-                                              worker=cands[0] if cands else -1, prompt_tokens=0,
-                                              waiting_for=f"{code}: {reason}"), correlation=r.request_id)
-            log.info("request_held_for_model", request_id=r.request_id, model=r.req.model, code=code)
+        cands = self.workers.alive()
+        self.waiting.hold(r, *self._why_held(r.req.model), worker=cands[0] if cands else -1)
         self.consider()
         return True
 
@@ -180,25 +171,7 @@ class Flipper:
 
     def release(self) -> None:
         """Start over every held request whose model a worker serves now."""
-        for r in list(self.held):
-            if r.cancelled:
-                self.held.remove(r)
-                self.left(r)
-            elif self.serving(r.req.model):
-                self.held.remove(r)
-                r.phase = "new"
-                self.begin(r)
-
-    def expire(self, now_ns: int) -> None:
-        for r in list(self.held):
-            if r.cancelled or now_ns - r.wait_since_ns > self.wait_ns:
-                self.held.remove(r)
-                if r.cancelled:
-                    self.left(r)
-                    continue
-                code, reason = self._why_held(r.req.model)
-                self.refuse(r, 503, code, f"waited {self.wait_ns // S} s for {r.req.model!r}: {reason}",
-                            retry_after_s=1)
+        self.waiting.release(self.serving)
 
     # ================================================================== asks
     def on_ask(self, msg: AskFlip, asker: str, waiter: moves.AskWaiter) -> None:
@@ -270,7 +243,7 @@ class Flipper:
                 self.asker.ask(AskMove(ask_id=self.asker.new_id("park"), kind="park", worker=run.worker, session=s),
                                "serving", lambda ans, s=s, run=run: self._parked(run, s, ans))
         if run.phase == "parking" and not run.parks:
-            self._shrink(run)
+            self.pool.shrink(run, self._swap)
 
     def _device_sessions(self, worker: int) -> list[str]:
         sched = self.workers.sched
@@ -295,7 +268,7 @@ class Flipper:
                                               f"the {run.plan.action}")
             return
         if not run.parks:
-            self._shrink(run)
+            self.pool.shrink(run, self._swap)
 
     def _give_up(self, run: Run, code: str, reason: str) -> None:
         refused = flip.FlipRefused(worker=run.worker, action=run.plan.action, code=code, reason=reason,
@@ -305,64 +278,11 @@ class Flipper:
         run.waiter.events.append((self.proc.record(e, causation=run.causation), e))
         self._finish(run)
 
-    # ================================================================== the KV pool, through the dial
-    def _shrink(self, run: Run) -> None:
-        """A sleep gives the device KV pool back too (its sessions are parked by now): the dial
-        resizes it to one block, the least it holds, unless its floor says otherwise."""
-        ws = self.proc.state.workers.get(run.worker)
-        acc = ws.tiers.get("device") if ws is not None else None
-        if run.plan.action != "sleep" or acc is None or acc.capacity_bytes <= ws.block_bytes:
-            self._swap(run)
-            return
-        run.phase = "shrinking"
-        self._resize(run, ws.block_bytes, acc.capacity_bytes, self._swap)
-
     def _grow(self, run: Run) -> bool:
-        """Grow the pool back to the size a sleep took it from; False when it was not shrunk. The
-        ledger's size first (it survives a control restart); the loop's where the sleep recorded
-        none (it shrank the pool but gave up before its FlipRequested)."""
-        arena = flip.arena_of(self.proc.state, run.worker)
-        to_bytes = arena.kv_pool_bytes if arena is not None else None
-        if to_bytes is None:
-            to_bytes = self.kv_before.get(run.worker)
-        ws = self.proc.state.workers.get(run.worker)
-        if to_bytes is None or ws is None or not ws.alive:
-            return False
-        run.phase = "growing"
-        self._resize(run, to_bytes, ws.tiers["device"].capacity_bytes, self._finish)
-        return True
+        """The pool back to the size the sleep took it from, then the run ends; False: not shrunk."""
+        return self.pool.grow(run, self._finish)
 
-    def _resize(self, run: Run, to_bytes: int, from_bytes: int, then: Callable[[Run], None]) -> None:
-        origin = flip.kv_pool_origin(run.origin)
-        causation = run.causation or run.origin
-        waiter = moves.AskWaiter(f"{run.ref}:{flip.KV_POOL}",
-                                 lambda events, *_a, run=run: self._resized(run, events, then))
-        dialer = getattr(self.proc, "dial", None)
-        try:
-            if dialer is None:
-                raise moves.InvalidAsk("this control process has no dial")
-            dialer.resize(run.worker, "device", to_bytes, origin, waiter, causation=causation)
-        except moves.InvalidAsk as e:     # nothing recorded by the dial: the refusal is recorded here
-            refused = ev.MoveRefused(ask=origin, worker=run.worker, tier="device", asked_bytes=to_bytes,
-                                     available_bytes=from_bytes, floor_bytes=0,
-                                     reason=f"resize of the device pool of worker {run.worker} to {to_bytes}: {e}")
-            log.warning("kv_pool_not_resized", worker=run.worker, action=run.plan.action, reason=str(e))
-            run.waiter.events.append((self.proc.record(refused, causation=causation), refused))
-            then(run)
-
-    def _resized(self, run: Run, events: list, then: Callable[[Run], None]) -> None:
-        run.waiter.events.extend(events)
-        for _, e in events:
-            if type(e) is ev.PoolResized and e.pool == "device":
-                if run.phase == "shrinking":    # a pool already shrunk by an earlier sleep keeps its first size
-                    self.kv_before.setdefault(run.worker, e.from_bytes)
-                else:
-                    self.kv_before.pop(run.worker, None)
-        log.info("kv_pool_resized", worker=run.worker, action=run.plan.action, phase=run.phase,
-                 outcome=flip.kv_pool_outcome([e for _, e in events]))
-        if self.runs.get(run.worker) is run:
-            then(run)
-
+    # ================================================================== the swap
     def _swap(self, run: Run) -> None:
         plan = run.plan
         link = self.proc.workers.by_worker.get(run.worker)
@@ -373,10 +293,7 @@ class Flipper:
         fid = flip.flip_id(self.proc.epoch, self._num)
         nbytes = plan.bytes_out + plan.bytes_in
         deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
-        prior = flip.arena_of(self.proc.state, run.worker)
-        kv_pool = self.kv_before.get(run.worker)
-        if kv_pool is None and prior is not None:   # a pool an earlier sleep shrank, before a restart
-            kv_pool = prior.kv_pool_bytes
+        kv_pool = self.pool.before_sleep(run.worker)
         req, rebind = flip.requested(self.proc.state, plan, fid, self.arena_gen.get(run.worker, 0), deadline_ns,
                                      kv_pool_bytes=kv_pool)
         run.req, run.phase = req, "swapping"
@@ -445,7 +362,7 @@ class Flipper:
         for run in list(self.runs.values()):
             if run.phase == "draining":
                 self._advance(run)
-        self.expire(time.monotonic_ns())
+        self.waiting.expire(time.monotonic_ns(), self._why_held)
         self.consider()
         self._refresh()
 
@@ -471,9 +388,7 @@ class Flipper:
                 self._strand(run.req.flip_id, f"the control process stopped ({reason}) with the flip in flight")
             else:
                 self._finish(run)
-        for r in list(self.held):
-            self.held.remove(r)
-            self.refuse(r, 503, "server_stopped", f"the server stopped ({reason}) before {r.req.model!r} was served")
+        self.waiting.stop(reason)
 
     def _finish(self, run: Run) -> None:
         if self.runs.get(run.worker) is run:
@@ -488,60 +403,35 @@ class Flipper:
     # ================================================================== the policy
     def consider(self) -> None:
         """Flip a worker toward the model its held requests wait for, when the policy says so."""
-        if not self.held:
+        if not self.waiting:
             return
         state = self.proc.state
         now = time.monotonic_ns()
-        backlog: dict[str, list[int]] = {}
-        for r in self.held:
-            backlog.setdefault(r.req.model, []).append(r.wait_since_ns)
-        others = [flip_policy.Backlog(model=m, waiting=len(v), oldest_wait_ns=min(v)) for m, v in backlog.items()]
         cands = []
         for w in self.workers.alive():
             arena = flip.arena_of(state, w)
             if w in self.runs or arena is None or flip.closed(state, w) is not None or self._backoff.get(w, 0) > now:
                 continue        # busy, asleep (an operator's state) or stranded (an operator repairs it)
             models = self.models_of(w)
-            if len(models) < 2:
-                continue
-            in_hand = sum(1 for r in self.requests.by_id.values() if r.worker == w)
-            cands.append((in_hand, w, arena, models))
-        for in_hand, w, arena, models in sorted(cands, key=lambda c: (c[0], c[1])):
-            mine = [b for b in others if b.model in models]
-            d = flip_policy.decide(now, arena.model, self.since_ns.get(w, 0), in_hand, mine, models,
-                                   self.bandwidth, self.policy)
-            if d.flip:
-                log.info("flip_policy", worker=w, to_model=d.to_model, reason=d.reason)
-                waiter = moves.AskWaiter(f"policy-flip-{w}", lambda events, _m, error, detail, w=w: log.info(
-                    "policy_flip_done", worker=w, outcome=[type(e).__name__ for _, e in events][-2:], error=error))
-                self.start(w, "flip", d.to_model, 0, "policy:flip", waiter, causation=f"policy:flip: {d.reason}")
-                if waiter.done:
-                    self.proc.answers.after_commit(waiter)
-                return
+            if len(models) >= 2:
+                in_hand = sum(1 for r in self.requests.by_id.values() if r.worker == w)
+                cands.append(flip_policy.Candidate(worker=w, resident=arena.model, in_hand=in_hand,
+                                                   resident_since_ns=self.since_ns.get(w, 0), image_bytes=models))
+        got = flip_policy.pick(now, self.waiting.backlog(), cands, self.bandwidth, self.policy)
+        if got is None:
+            return
+        w, d = got
+        log.info("flip_policy", worker=w, to_model=d.to_model, reason=d.reason)
+        waiter = moves.AskWaiter(f"policy-flip-{w}", lambda events, _m, error, detail, w=w: log.info(
+            "policy_flip_done", worker=w, outcome=[type(e).__name__ for _, e in events][-2:], error=error))
+        self.start(w, "flip", d.to_model, 0, "policy:flip", waiter, causation=f"policy:flip: {d.reason}")
+        if waiter.done:
+            self.proc.answers.after_commit(waiter)
 
     # ================================================================== what the API shows
     def _refresh(self) -> None:
-        state = self.proc.state
-        best: dict[str, tuple[str, int | None, int]] = {}    # model -> (residency, arena gen, max context)
-        sleeping = False
-        for w in list(self.workers.ready):
-            ready = self.workers.ready[w]
-            arena = flip.arena_of(state, w)
-            sleeping = sleeping or bool(arena is not None and arena.asleep)
-            served = list(ready.models) or [None]
-            for m in served:
-                name = m.name if m is not None else ready.model
-                ctx = m.max_context if m is not None else ready.max_context
-                if arena is not None and arena.model == name:
-                    res, gen = ("asleep" if arena.asleep else "resident"), arena.gen
-                else:
-                    res, gen = ("host" if name in self.on_host.get(w, ()) else "file"), None
-                if name not in best or _RANK[res] < _RANK[best[name][0]]:
-                    best[name] = (res, gen, ctx)
-        self.cards = tuple(ModelCard(id=n, max_context=ctx, created=0, residency=res, arena_gen=gen)
-                           for n, (res, gen, ctx) in best.items())
-        self.sleeping = sleeping
-        self.problems = tuple(flip.stranded_arenas(state))
+        self.cards, self.sleeping = model_cards(self.proc.state, self.workers.ready, self.on_host)
+        self.problems = tuple(flip.stranded_arenas(self.proc.state))
 
 
 def _running(run: Run) -> tuple[str, str]:

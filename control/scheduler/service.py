@@ -91,10 +91,10 @@ class ServingService:
         # sleep, wake and flips of the weights arena; requests for a model not resident wait there
         self.flips = Flipper(proc, self.workers, self.requests, self.asker, wait_s=flip_wait_s, drain_s=flip_drain_s,
                              policy=flip_policy or FlipPolicyConfig())
-        self.flips.begin, self.flips.refuse, self.flips.changed = (self.admission.begin, self.admission.refuse,
-                                                                   self.admission.retry_soon)
+        held = self.flips.waiting
+        held.begin, held.refuse, self.flips.changed = self.admission.begin, self.admission.refuse, self.admission.retry_soon
         self.admission.gate, self.admission.flip_holds = self.flips.gate, self.flips.holds
-        self.flips.left = lambda r: self.admission.end_waiting(
+        held.left = lambda r: self.admission.end_waiting(
             r, r.cancelled or "disconnected", BackendError(499, "the client went away", code="client_disconnected"),
             client_left=True)
         self.router.serving = self.flips.serving
