@@ -36,32 +36,16 @@ import structlog
 from residency.events import catalog as ev
 from residency.events.asks import AskAnswered, AskFlip, AskMove
 from residency.events.commands import SwapWeights, WeightsSwapped
-from residency.control import flip, flip_policy, moves, watchdog
+from residency.control import flip, flip_group, flip_policy, moves, watchdog
 from residency.control.flip_cards import model_cards
 from residency.control.flip_pool import KVPoolSteps
+from residency.control.flip_run import Run, running_reason
 from residency.control.flip_waiting import HeldRequests
 from residency.control.scheduler.port import ModelCard
 
 log = structlog.get_logger("control.flip")
 S = 1_000_000_000
 _BUSY = ("tokenizing", "restoring", "running")
-
-
-class Run:
-    """A flip, sleep or wake in progress on one worker."""
-
-    __slots__ = ("worker", "plan", "origin", "waiter", "ref", "phase", "since_ns", "parks", "req", "at_stake",
-                 "causation")
-
-    def __init__(self, plan: flip.FlipPlan, origin: str, waiter: moves.AskWaiter, ref: str, now_ns: int,
-                 causation: str | None):
-        self.worker, self.plan, self.origin, self.waiter, self.ref = plan.worker, plan, origin, waiter, ref
-        self.phase = "draining"       # draining | parking | shrinking | swapping | growing
-        self.since_ns = now_ns
-        self.parks: set[str] = set()  # sessions whose park is still unanswered
-        self.req: ev.FlipRequested | None = None
-        self.at_stake = 0
-        self.causation = causation
 
 
 class Flipper:
@@ -91,6 +75,11 @@ class Flipper:
         self.policy_backoff_ns = 10 * S
         self._backoff: dict[int, int] = {}           # worker -> no policy flip before (monotonic ns)
         self.changed: Callable[[], None] = lambda: None   # Admission.retry_soon
+        # serve --tp N: the ranks of a worker's group, leader first ([]: alone), and the group's stop
+        # (control/scheduler/groups.py) for a flip whose ranks would not hold one model
+        self.ranks_of: Callable[[int], list[int]] = lambda worker: []
+        self.stop_group: Callable[[int, str], None] = lambda leader, reason: None
+        self.ready: dict[int, object] = {}           # every worker's (every rank's) last ServingReady
         self._num = 0
         # replaced whole on the loop thread, read from the API thread
         self.cards: tuple[ModelCard, ...] = ()
@@ -99,6 +88,8 @@ class Flipper:
 
     # ================================================================== what the worker serves
     def on_ready(self, worker: int, msg) -> None:
+        """A worker's ServingReady (a group's follower's too: its own models and arena)."""
+        self.ready[worker] = msg
         self.arena_gen[worker] = msg.arena_gen
         self.on_host[worker] = {m.name for m in msg.models if m.host_image}
         self.pool.forget(worker)
@@ -108,7 +99,7 @@ class Flipper:
     def models_of(self, worker: int) -> dict[str, int]:
         """The worker's models -> their image bytes (ServingReady.models; a worker that lists none
         serves its one model, its bytes as the arena's books say)."""
-        ready = self.workers.ready.get(worker)
+        ready = self.ready.get(worker) or self.workers.ready.get(worker)
         if ready is None:
             return {}
         if ready.models:
@@ -123,7 +114,7 @@ class Flipper:
         w = r.worker
         run = self.runs.get(w)
         if run is not None:
-            return _running(run)
+            return running_reason(run)
         why = flip.closed(self.proc.state, w)
         if why is not None:
             return why
@@ -163,7 +154,7 @@ class Flipper:
         state = self.proc.state
         for w in self.workers.alive():
             if w in self.runs:
-                return _running(self.runs[w])
+                return running_reason(self.runs[w])
             why = flip.closed(state, w)
             if why is not None:
                 return why
@@ -194,30 +185,45 @@ class Flipper:
         for w in targets:
             self.start(w, msg.action, msg.to_model, msg.level, origin, waiter, causation=msg.ask_id or None)
 
-    def _check(self, worker: int, action: str, to_model: str, level: int):
-        try:
-            return flip.check(self.proc.state, worker, action, to_model, level, self.models_of(worker))
-        except flip.InvalidFlip as e:
-            raise moves.InvalidAsk(str(e)) from None
+    def _check(self, worker: int, action: str, to_model: str, level: int) -> list[flip.FlipPlan] | flip.FlipRefused:
+        """Every rank's plan (a worker alone: its own), or the first refusal among them; raises
+        InvalidAsk for one that names nothing, or names a follower rank of a group."""
+        ranks = self.ranks_of(worker) or [worker]
+        if ranks[0] != worker:      # a rank's own view never decides: the leader's flip is the group's
+            raise moves.InvalidAsk(f"worker {worker} is a follower rank of a tensor-parallel group: ask its "
+                                   f"leader, worker {ranks[0]}, and every rank's weights {action} with it")
+        plans = []
+        for w in ranks:
+            try:
+                got = flip.check(self.proc.state, w, action, to_model, level, self.models_of(w))
+            except flip.InvalidFlip as e:
+                raise moves.InvalidAsk(str(e) if w == worker else f"rank worker {w} of the group: {e}") from None
+            if isinstance(got, flip.FlipRefused):
+                return got
+            plans.append(got)
+        return plans
 
     def start(self, worker: int, action: str, to_model: str, level: int, origin: str, waiter: moves.AskWaiter,
               causation: str | None = None) -> None:
         got = self._check(worker, action, to_model, level)
-        running = self.runs.get(worker)
+        running = next((self.runs[w] for w in self.ranks_of(worker) or [worker] if w in self.runs), None)
         if running is not None and not isinstance(got, flip.FlipRefused):
-            got = flip.FlipRefused(worker=worker, action=action, code="flip_in_progress", asked_bytes=got.bytes_in,
-                                   reason=f"a {running.plan.action} of worker {worker} is running ({running.phase}); "
-                                          f"ask again once it has ended")
+            got = flip.FlipRefused(worker=worker, action=action, code="flip_in_progress",
+                                   asked_bytes=got[0].bytes_in,
+                                   reason=f"a {running.plan.action} of worker {running.worker} is running "
+                                          f"({running.phase}); ask again once it has ended")
         if isinstance(got, flip.FlipRefused):
             e = got.event(origin)
             log.info("flip_refused", worker=worker, action=action, code=got.code, reason=got.reason)
             waiter.events.append((self.proc.record(e, causation=causation), e))
             return
         self._num += 1
-        run = Run(got, origin, waiter, f"flip:{worker}:{self._num}", time.monotonic_ns(), causation)
-        self.runs[worker] = run
+        run = Run(got[0], origin, waiter, f"flip:{worker}:{self._num}", time.monotonic_ns(), causation, plans=got)
+        for w in run.ranks:
+            self.runs[w] = run
         waiter.open.add(run.ref)
-        log.info("flip_started", worker=worker, action=action, to_model=to_model or None, origin=origin)
+        log.info("flip_started", worker=worker, ranks=run.ranks, action=action, to_model=to_model or None,
+                 origin=origin)
         # NOTE: the first step runs after this handler returns: a run that ends at once (its
         # requests did not end in time, its worker is gone) answers through ``finish_ask``, and
         # the ask handler, which answers a waiter it finds done on return, must not find it so
@@ -284,49 +290,100 @@ class Flipper:
 
     # ================================================================== the swap
     def _swap(self, run: Run) -> None:
-        plan = run.plan
-        link = self.proc.workers.by_worker.get(run.worker)
-        if link is None:
-            self._give_up(run, "worker_unavailable", f"worker {run.worker} is not linked to this control process")
+        """Write ahead every rank's FlipRequested and rebind; SwapWeights to each once committed."""
+        gone = [w for w in run.ranks if w not in self.proc.workers.by_worker]
+        if gone:
+            self._give_up(run, "worker_unavailable", f"worker {gone[0]} is not linked to this control process")
             return
         self._num += 1
         fid = flip.flip_id(self.proc.epoch, self._num)
-        nbytes = plan.bytes_out + plan.bytes_in
+        nbytes = max(p.bytes_out + p.bytes_in for p in run.plans.values())
         deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
+        # the pool a sleep shrank is the group's, resized from the leader's books: the leader's
+        # FlipRequested carries its size back to the wake
         kv_pool = self.pool.before_sleep(run.worker)
-        req, rebind = flip.requested(self.proc.state, plan, fid, self.arena_gen.get(run.worker, 0), deadline_ns,
-                                     kv_pool_bytes=kv_pool)
-        run.req, run.phase = req, "swapping"
-        for e in (req, rebind):
-            run.waiter.events.append((self.proc.record(e, causation=run.causation or run.origin), e))
-        arena = flip.arena_of(self.proc.state, run.worker)
-        run.at_stake = arena.inflight_bytes if arena is not None else max(plan.bytes_in, plan.bytes_out)
-        cmd = SwapWeights(flip_id=fid, action=plan.action, to_model=plan.to_model, level=max(plan.level, 1),
-                          to_gen=req.to_gen, deadline_ns=deadline_ns)
-        # write-ahead: the command leaves once FlipRequested and the rebind are committed
-        gate = moves.AskWaiter(fid, lambda *_a, run=run, cmd=cmd: self._send(run, cmd))
+        run.phase, cmds = "swapping", []
+        for k, (w, plan) in enumerate(run.plans.items()):
+            rfid = flip_group.rank_flip_id(fid, k, len(run.ranks))
+            req, rebind = flip.requested(self.proc.state, plan, rfid, self.arena_gen.get(w, 0), deadline_ns,
+                                         kv_pool_bytes=kv_pool if w == run.worker else None)
+            run.reqs[w] = req
+            for e in (req, rebind):
+                run.waiter.events.append((self.proc.record(e, causation=run.causation or run.origin), e))
+            arena = flip.arena_of(self.proc.state, w)
+            run.stakes[w] = arena.inflight_bytes if arena is not None else max(plan.bytes_in, plan.bytes_out)
+            cmds.append((w, SwapWeights(flip_id=rfid, action=plan.action, to_model=plan.to_model,
+                                        level=max(plan.level, 1), to_gen=req.to_gen, deadline_ns=deadline_ns)))
+        run.req, run.at_stake = run.reqs[run.worker], run.stakes[run.worker]
+        # write-ahead: the commands leave once every rank's FlipRequested and rebind are committed
+        gate = moves.AskWaiter(fid, lambda *_a, run=run, cmds=cmds: self._send(run, cmds))
         gate.events.append(run.waiter.events[-1])
         self.proc.answers.after_commit(gate)
         self._refresh()
 
-    def _send(self, run: Run, cmd: SwapWeights) -> None:
+    def _send(self, run: Run, cmds: list[tuple[int, SwapWeights]]) -> None:
         if self.runs.get(run.worker) is not run:
             return
-        if not self.proc.send_to_worker(run.worker, cmd):
-            log.warning("flip_not_sent", flip_id=cmd.flip_id, worker=run.worker)     # stranded at the deadline
-        else:
-            log.info("flip_sent", flip_id=cmd.flip_id, worker=run.worker, action=cmd.action, to_gen=cmd.to_gen)
+        for w, cmd in cmds:
+            if not self.proc.send_to_worker(w, cmd):
+                log.warning("flip_not_sent", flip_id=cmd.flip_id, worker=w)     # stranded at the deadline
+            else:
+                log.info("flip_sent", flip_id=cmd.flip_id, worker=w, action=cmd.action, to_gen=cmd.to_gen)
 
     def on_swapped(self, link, msg: WeightsSwapped) -> None:
         run = self.runs.get(link.worker)
         if not msg.error:
             self.arena_gen[link.worker] = msg.to_gen      # what the worker's arena carries now
-        if run is None or run.req is None or run.req.flip_id != msg.flip_id:
+        req = run.reqs.get(link.worker) if run is not None else None
+        if req is None or req.flip_id != msg.flip_id or link.worker in run.answers:
             log.warning("swapped_unexpected", worker=link.worker, flip_id=msg.flip_id, error=msg.error or None)
             return
-        req = run.req
+        run.answers[link.worker] = msg
+        log.info("flip_answered", flip_id=req.flip_id, worker=link.worker, action=req.action,
+                 error=msg.error or None, bytes_out=msg.bytes_out, bytes_in=msg.bytes_in,
+                 measured_freed_bytes=msg.measured_freed_bytes)
+        if len(run.answers) == len(run.ranks):        # every rank answered: one verdict for all
+            self._decide(run)
+
+    def _decide(self, run: Run, silent_why: str = "") -> None:
+        """The verdict of every rank (``flip_group``: all completed, all refused, or torn and the
+        group stopped); a rank with no answer (``silent_why``: the deadline, its loss) is behind."""
+        kind = flip_group.outcome(run.reqs, run.answers)
+        if len(run.ranks) == 1 or kind != "torn":    # a worker alone: its answer as it is (worker_answer)
+            recorded = [x for w in run.ranks for x in self._record_rank(run, w)]
+            completed = any(type(e) is ev.FlipCompleted for _, e in recorded)
+            refused = not completed and not any(type(e) is ev.FlipFailed and e.stranded for _, e in recorded)
+        else:
+            events, why = flip_group.torn(run.reqs, run.answers, run.stakes, silent_why)
+            recorded = [(self.proc.record(e, causation=run.req.flip_id), e) for e in events]
+            completed = refused = False
+            log.error("flip_group_torn", flip_id=run.req.flip_id, ranks=run.ranks, why=why)
+            self.stop_group(run.worker, why)
+        run.waiter.events.extend(recorded)
+        msg = run.answers.get(run.worker)
+        if completed and msg is not None:
+            took_s = (msg.finished_ns - msg.started_ns) / S
+            if took_s > 0 and msg.bytes_in + msg.bytes_out > 0:
+                self.bandwidth = (msg.bytes_in + msg.bytes_out) / took_s
+            self.since_ns[run.worker] = time.monotonic_ns()
+            if run.req.action == "flip":
+                for w in run.ranks:
+                    self.on_host[w] = {run.req.from_model}
+        log.info("flip_decided", flip_id=run.req.flip_id, ranks=run.ranks, outcome=kind,
+                 verdict=type(recorded[-1][1]).__name__ if recorded else None)
+        # the pool grows back once the weights are (a wake), or when the worker refused the sleep
+        # and kept its weights (nothing changed but the pool); requests wait for it: still in ``runs``
+        action = run.req.action
+        if ((action == "wake" and completed) or (action == "sleep" and refused)) and self._grow(run):
+            return
+        self._finish(run)
+
+    def _record_rank(self, run: Run, w: int) -> list:
+        """One rank's answer as the worker gave it: FlipCompleted (its measured bytes) with its
+        readers' stamps and rebind verdict, or FlipFailed with RebindRefused or RebindTorn."""
+        req, msg = run.reqs[w], run.answers[w]
         recorded = [(self.proc.record(e, causation=req.flip_id), e)
-                    for e in flip.worker_answer(req, msg, run.at_stake)]
+                    for e in flip.worker_answer(req, msg, run.stakes[w])]
         if any(type(e) is ev.FlipCompleted for _, e in recorded):
             stamped = {flip.WORKER}
             if flip.router_at(self.proc.state, req):      # after FlipCompleted is folded: it sees the image
@@ -335,31 +392,20 @@ class Flipper:
                 stamped.add(flip.ROUTER)
             e = flip.verdict(req, stamped)
             recorded.append((self.proc.record(e, causation=req.flip_id), e))
-            took_s = (msg.finished_ns - msg.started_ns) / S
-            if took_s > 0 and msg.bytes_in + msg.bytes_out > 0:
-                self.bandwidth = (msg.bytes_in + msg.bytes_out) / took_s
-            self.since_ns[link.worker] = time.monotonic_ns()
-            if req.action == "flip":
-                self.on_host[link.worker] = {req.from_model}
-        run.waiter.events.extend(recorded)
-        log.info("flip_answered", flip_id=req.flip_id, worker=run.worker, action=req.action,
-                 error=msg.error or None, verdict=type(recorded[-1][1]).__name__, bytes_out=msg.bytes_out,
-                 bytes_in=msg.bytes_in, measured_freed_bytes=msg.measured_freed_bytes)
-        # the pool grows back once the weights are (a wake), or when the worker refused the sleep
-        # and kept its weights (nothing changed but the pool); requests wait for it: still in ``runs``
-        completed = any(type(e) is ev.FlipCompleted for _, e in recorded)
-        refused = not completed and not any(type(e) is ev.FlipFailed and e.stranded for _, e in recorded)
-        if ((req.action == "wake" and completed) or (req.action == "sleep" and refused)) and self._grow(run):
-            return
-        self._finish(run)
+        return recorded
 
     # ================================================================== the tick
+    def _each_run(self) -> list[Run]:
+        """Every run once (a group's is under each of its ranks)."""
+        return list({id(r): r for r in self.runs.values()}.values())
+
     def watch(self, now_ns: int | None = None) -> None:
         """Strand the flips past their deadline or whose worker went; move the runs waiting on
         their worker's requests; answer held requests that waited too long; ask the policy."""
         for fid, why in watchdog.overdue_flips(self.proc.state, time.time_ns() if now_ns is None else now_ns):
-            self._strand(fid, why)
-        for run in list(self.runs.values()):
+            if fid in self.proc.state.flips:      # a group's verdict may have ended its peers' already
+                self._strand(fid, why)
+        for run in self._each_run():
             if run.phase == "draining":
                 self._advance(run)
         self.waiting.expire(time.monotonic_ns(), self._why_held)
@@ -367,7 +413,10 @@ class Flipper:
         self._refresh()
 
     def _strand(self, fid: str, why: str) -> None:
-        run = next((r for r in self.runs.values() if r.req is not None and r.req.flip_id == fid), None)
+        run = next((r for r in self._each_run() if any(q.flip_id == fid for q in r.reqs.values())), None)
+        if run is not None and len(run.ranks) > 1:    # a rank silent or lost: the group's verdict now
+            self._decide(run, silent_why=why)
+            return
         arena = self.proc.state.arenas.get(self.proc.state.flips.get(fid, ""))
         at_stake = run.at_stake if run is not None else (arena.inflight_bytes if arena is not None else None)
         events: list[ev.Event] = [ev.FlipFailed(flip_id=fid, error=why, stranded=True, stranded_bytes=at_stake)]
@@ -383,7 +432,7 @@ class Flipper:
     def stop(self, reason: str) -> None:
         """The control stops: a flip still unanswered strands its arena (its image is unknown to
         the next start); every asker hears what was recorded; held requests are answered."""
-        for run in list(self.runs.values()):
+        for run in self._each_run():
             if run.phase == "swapping" and run.req is not None and run.req.flip_id in self.proc.state.flips:
                 self._strand(run.req.flip_id, f"the control process stopped ({reason}) with the flip in flight")
             else:
@@ -391,8 +440,9 @@ class Flipper:
         self.waiting.stop(reason)
 
     def _finish(self, run: Run) -> None:
-        if self.runs.get(run.worker) is run:
-            del self.runs[run.worker]
+        for w in run.ranks:
+            if self.runs.get(w) is run:
+                del self.runs[w]
         if run.origin == "policy:flip" and not any(type(e) is ev.FlipCompleted for _, e in run.waiter.events):
             self._backoff[run.worker] = time.monotonic_ns() + self.policy_backoff_ns
         self.proc.finish_ask(run.waiter, run.ref)
@@ -432,14 +482,6 @@ class Flipper:
     def _refresh(self) -> None:
         self.cards, self.sleeping = model_cards(self.proc.state, self.workers.ready, self.on_host)
         self.problems = tuple(flip.stranded_arenas(self.proc.state))
-
-
-def _running(run: Run) -> tuple[str, str]:
-    what = run.plan.action
-    to = f" to {run.plan.to_model!r}" if what == "flip" else ""
-    if run.req is not None:
-        return ("flip_in_progress", f"worker {run.worker} is running {what} {run.req.flip_id}{to}")
-    return ("flip_in_progress", f"worker {run.worker} is getting ready to {what}{to} ({run.phase})")
 
 
 __all__ = ["Flipper", "Run"]

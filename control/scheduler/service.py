@@ -104,7 +104,7 @@ class ServingService:
         self._last_prune_ns = 0
         self._wedged: dict[int, ev.WorkerWedged] = {}    # replaced whole on the loop thread, read by health()
         self._stop = threading.Event()
-        for msg_type, handler in ((ServingReady, self._on_ready), (Tokenized, self.admission.on_tokenized),
+        for msg_type, handler in ((ServingReady, self.on_ready), (Tokenized, self.admission.on_tokenized),
                                   (WeightsSwapped, self.flips.on_swapped),
                                   (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self.on_step),
                                   (Pong, self._on_pong), (ev.ExpertsMoved, self._on_experts)):
@@ -119,6 +119,9 @@ class ServingService:
         book = getattr(proc, "groups", None)
         # serve --tp N: the leader served, every rank accounted and compared (its handlers replace those above)
         self.groups = GroupServing(proc, self, book) if book is not None else None
+        if book is not None:        # a group's weights flip, sleep and wake on every rank at once
+            self.flips.ranks_of = lambda w: book.members.get(book.group_of.get(w), [])
+            self.flips.stop_group = self.groups.stop_of
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()
 
@@ -244,7 +247,7 @@ class ServingService:
         return await asyncio.wait_for(fut, self.api_timeout_s)
 
     # ================================================================== loop thread
-    def _on_ready(self, link, msg: ServingReady) -> None:
+    def on_ready(self, link, msg: ServingReady) -> None:
         self.workers.on_ready(link, msg)
         if link.worker in self.workers.ready:
             self.flips.on_ready(link.worker, msg)

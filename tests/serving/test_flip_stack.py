@@ -78,7 +78,7 @@ def two_models(s, other_bytes: int) -> None:
                               block_bytes=p.state.workers[0].block_bytes),
                   ServedModel(name="other", digest="d2", max_context=ready.max_context, eos_token_ids=[],
                               weights_bytes=other_bytes, block_bytes=p.state.workers[0].block_bytes, host_image=True)]
-        s.service._on_ready(p.workers.by_worker[0], msgspec.structs.replace(ready, models=models, resident="tiny"))
+        s.service.on_ready(p.workers.by_worker[0], msgspec.structs.replace(ready, models=models, resident="tiny"))
     s.proc.call(inject).result(5)
 
 
