@@ -231,7 +231,7 @@ class WeightsSwapper:
         act = {"flip": self._flip, "sleep": self._sleep, "wake": self._wake}.get(cmd.action)
         if act is None:
             return refuse(f"unknown action {cmd.action!r} (flip, sleep, wake)")
-        if self.faults is not None and self.faults.take_refuse_swap():
+        if self.faults is not None and self.faults.before_swap():
             return refuse(f"fault_injected: refuse_swap={self.faults.refuse_swap} (nothing moved)")
         if (why := self.arena.gen_refusal(cmd.to_gen)) is not None:
             return refuse(why)

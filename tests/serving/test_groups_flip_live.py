@@ -12,13 +12,19 @@ models of one worker share its pool). Each rank loads its share of both.
            swap: the group is stopped and named (503 on requests and /health), ranks 0 and 1 are
            stranded, rank 2 kept its model; no rank's FlipCompleted is recorded
 
+    lost   rank 1 of the first server stalls in its next SwapWeights and is killed: the flip is
+           never completed on any rank, every rank's arena is stranded, the group is stopped
+
 Both ledgers verify and replay after the run.
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -37,10 +43,10 @@ SMALL = ModelConfig(name="small", num_layers=30, hidden=96, num_heads=3, num_kv_
                     intermediate=192, vocab_size=300, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5,
                     max_position=2048, tie_embeddings=False)
 RANKS = (0, 1, 2)
+STALLED = 9       # rank 1 of "flip" stalls its 9th SwapWeights: the flip after the first test's eight
 
 
 def start(tmp, name: str, small: str, faults: str = "") -> Server:
-    import os
     old = os.environ.get("RESIDENCY_WORKER_FAULTS")
     os.environ["RESIDENCY_WORKER_FAULTS"] = faults
     try:
@@ -58,7 +64,8 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("groups-flip")
     small = str(tmp / "small")
     write_hf_dir(small, random_model(SMALL, seed=random.randrange(1 << 30)))
-    started = {"flip": start(tmp, "flip", small), "torn": start(tmp, "torn", small, faults="on_rank=2,refuse_swap=1")}
+    started = {"flip": start(tmp, "flip", small, faults=f"on_rank=1,stall_swap={STALLED}:120000"),
+               "torn": start(tmp, "torn", small, faults="on_rank=2,refuse_swap=1")}
     try:
         for s in started.values():
             wait_resident(s, "smol")
@@ -125,26 +132,27 @@ def test_a_group_flips_sleeps_and_wakes_every_rank_at_once_and_keeps_each_models
     assert r.status_code == 200 and r.json()["outcome"] == "completed", r.text
     assert text_of(chat(s, "smol", "Name a colour.")) == smol
 
-    slept = s.admin("POST", "/sleep?level=1")
-    assert slept.status_code == 200 and slept.json()["outcome"] == "completed", slept.text
-    assert sorted(e["worker"] for e in per_rank(slept.json(), "FlipCompleted")) == list(RANKS)
-    shrunk = slept.json()["kv_pool"]
-    assert sorted(k["worker"] for k in shrunk if k["resized"]) == list(RANKS), shrunk
-    assert httpx.get(f"{s.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
-    woke = s.admin("POST", "/wake_up")
-    assert woke.status_code == 200 and woke.json()["outcome"] == "completed", woke.text
-    grown = woke.json()["kv_pool"]
-    assert sorted(k["worker"] for k in grown if k["resized"]) == list(RANKS), grown
-    assert text_of(chat(s, "smol", "Name a colour.")) == smol
-    assert s.stop() == 0, s.tail()
+    for level in (1, 2):      # level 2 drops the weights: each rank reads its share from the file again
+        slept = s.admin("POST", f"/sleep?level={level}")
+        assert slept.status_code == 200 and slept.json()["outcome"] == "completed", slept.text
+        assert sorted(e["worker"] for e in per_rank(slept.json(), "FlipCompleted")) == list(RANKS)
+        shrunk = slept.json()["kv_pool"]     # the group's pool, resized on every rank through the dial
+        assert sorted(k["worker"] for k in shrunk if k["resized"]) == list(RANKS), shrunk
+        assert httpx.get(f"{s.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+        woke = s.admin("POST", "/wake_up")
+        assert woke.status_code == 200 and woke.json()["outcome"] == "completed", woke.text
+        grown = woke.json()["kv_pool"]
+        assert sorted(k["worker"] for k in grown if k["resized"]) == list(RANKS), grown
+        assert text_of(chat(s, "smol", "Name a colour.")) == smol
 
-    events, state = read_ledger(s.ledger)
+    events, state = read_ledger(s.ledger)         # every answer above came after its events' commit
     state.check_integrity()
     es = [r.event for r in events]
     asked = [e for e in es if type(e) is ev.FlipRequested]
     assert [(e.action, e.to_model) for e in asked[::3]] == [("flip", "small"), ("flip", "smol"), ("flip", "small"),
-                                                          ("flip", "smol"), ("sleep", ""), ("wake", "smol")]
-    assert [e.worker for e in asked] == list(RANKS) * 6
+                                                          ("flip", "smol"), ("sleep", ""), ("wake", "smol"),
+                                                          ("sleep", ""), ("wake", "smol")]
+    assert [e.worker for e in asked] == list(RANKS) * (STALLED - 1)
     completed = {e.flip_id for e in es if type(e) is ev.FlipCompleted}
     assert completed == {e.flip_id for e in asked}
     assert {e.rebind_id for e in es if type(e) is ev.RebindCommitted} >= completed
@@ -180,4 +188,36 @@ def test_a_rank_that_refuses_its_swap_stops_the_group_never_half_flipped(servers
     arenas = {w: state.arenas[f"{w}:weights"] for w in RANKS}
     assert [bool(arenas[w].stranded) for w in RANKS] == [True, True, False]
     assert arenas[2].model == "smol"
+    verify(s)
+
+
+def test_a_rank_lost_in_the_middle_of_a_group_flip_strands_the_group_never_completes_it(servers):
+    s = servers["flip"]           # after the first test: rank 1 stalls in this flip's SwapWeights
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=flip_to(s, "small")))
+    t.start()
+    deadline = time.monotonic() + 120
+    while "fault_injected_stall" not in s.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline and t.is_alive(), s.tail()
+        time.sleep(0.2)
+    os.kill(int((s.dir / "run" / "worker-1.pid").read_text().split()[0]), signal.SIGKILL)
+    t.join(180)
+    r = out["r"]
+    assert r.status_code == 503 and r.json()["outcome"] == "stranded", r.text
+    assert not per_rank(r.json(), "FlipCompleted")
+    failed = {e["flip_id"].rpartition(".")[2]: e for e in per_rank(r.json(), "FlipFailed")}
+    assert sorted(failed) == ["r0", "r1", "r2"] and all(e["stranded"] for e in failed.values()), failed
+    assert "worker 1: no answer" in failed["r0"]["error"], failed
+    refused = chat(s, "smol", "Name a colour.")
+    assert refused.status_code == 503 and "group tp0 stopped" in refused.text, refused.text
+    s.stop()
+    events, state = read_ledger(s.ledger)
+    state.check_integrity()
+    es = [r.event for r in events]
+    asked = [e for e in es if type(e) is ev.FlipRequested][-3:]
+    assert [e.worker for e in asked] == list(RANKS)
+    ended = [e for e in es if type(e) in (ev.FlipCompleted, ev.FlipFailed) and e.flip_id in {a.flip_id for a in asked}]
+    assert sorted(type(e).__name__ for e in ended) == ["FlipFailed"] * 3
+    assert [e for e in es if type(e) is ev.GroupStopped]
+    assert all(state.arenas[f"{w}:weights"].stranded for w in RANKS)
     verify(s)
