@@ -19,6 +19,13 @@ a worker tokenizes with its resident model: released to a worker once one serves
 answered 503 after ``wait_s`` naming what they waited for (the sleep, the flip, or a model not
 resident). While a model has requests held and its worker's policy says so, a flip starts.
 
+A tensor-parallel group (``serve --tp N``) flips, sleeps and wakes as one run asked of its leader
+(a follower's ask is refused naming the leader): the leader's requests drain, its sessions park
+and its pool is resized (the park and the dial take every rank with it); then a FlipRequested per
+rank (``<fid>.r<rank>``), SwapWeights to each, and one verdict once every rank answered, or at the
+deadline, or when a rank is lost: all completed, all refused, or torn and the group stopped
+(control/flip_group.py).
+
 The Flipper runs the state machine above; it hands out what has a table of its own: the requests
 held for a model (control/flip_waiting.py), the KV pool a sleep gives back (control/flip_pool.py),
 the model cards the API shows (control/flip_cards.py); the policy's choice is pure
