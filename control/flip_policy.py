@@ -83,3 +83,28 @@ def decide(now_ns: int, resident: str, resident_since_ns: int, in_hand_resident:
     return FlipDecision(flip=True, to_model=best.model, cost_s=cost,
                         reason=f"{best.waiting} wait for {best.model!r} (> {in_hand_resident} in hand for "
                                f"{resident!r}), the oldest {waited_s:.3g} s > the flip's cost ~{cost:.3g} s ({how})")
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker the policy may flip: idle of any flip, awake, not stranded, with two models or more."""
+
+    worker: int
+    resident: str
+    resident_since_ns: int
+    in_hand: int                      # its requests running or waiting
+    image_bytes: dict[str, int]       # its models -> their image bytes
+
+
+def pick(now_ns: int, backlog: dict[str, list[int]], candidates: list[Candidate],
+         measured_bytes_per_s: float | None, cfg: FlipPolicyConfig = FlipPolicyConfig()
+         ) -> tuple[int, FlipDecision] | None:
+    """The first worker (fewest requests in hand, then lowest id) that ``decide`` flips toward the
+    models ``backlog`` holds requests for (model -> when each began to wait), or None."""
+    others = [Backlog(model=m, waiting=len(v), oldest_wait_ns=min(v)) for m, v in backlog.items()]
+    for c in sorted(candidates, key=lambda c: (c.in_hand, c.worker)):
+        mine = [b for b in others if b.model in c.image_bytes]
+        d = decide(now_ns, c.resident, c.resident_since_ns, c.in_hand, mine, c.image_bytes, measured_bytes_per_s,
+                   cfg)
+        if d.flip:
+            return c.worker, d
+    return None

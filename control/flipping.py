@@ -19,6 +19,18 @@ a worker tokenizes with its resident model: released to a worker once one serves
 answered 503 after ``wait_s`` naming what they waited for (the sleep, the flip, or a model not
 resident). While a model has requests held and its worker's policy says so, a flip starts.
 
+A tensor-parallel group (``serve --tp N``) flips, sleeps and wakes as one run asked of its leader
+(a follower's ask is refused naming the leader): the leader's requests drain, its sessions park
+and its pool is resized (the park and the dial take every rank with it); then a FlipRequested per
+rank (``<fid>.r<rank>``), SwapWeights to each, and one verdict once every rank answered, or at the
+deadline, or when a rank is lost: all completed, all refused, or torn and the group stopped
+(control/flip_group.py).
+
+The Flipper runs the state machine above; it hands out what has a table of its own: the requests
+held for a model (control/flip_waiting.py), the KV pool a sleep gives back (control/flip_pool.py),
+the model cards the API shows (control/flip_cards.py); the policy's choice is pure
+(control/flip_policy.py ``pick``).
+
 Loop thread only; ``cards`` and ``sleeping`` are snapshots replaced whole, read by the API.
 """
 from __future__ import annotations
@@ -31,30 +43,16 @@ import structlog
 from residency.events import catalog as ev
 from residency.events.asks import AskAnswered, AskFlip, AskMove
 from residency.events.commands import SwapWeights, WeightsSwapped
-from residency.control import flip, flip_policy, moves, watchdog
+from residency.control import flip, flip_group, flip_policy, moves, watchdog
+from residency.control.flip_cards import model_cards
+from residency.control.flip_pool import KVPoolSteps
+from residency.control.flip_run import Run, running_reason
+from residency.control.flip_waiting import HeldRequests
 from residency.control.scheduler.port import ModelCard
 
 log = structlog.get_logger("control.flip")
 S = 1_000_000_000
 _BUSY = ("tokenizing", "restoring", "running")
-_RANK = {"resident": 0, "asleep": 1, "host": 2, "file": 3}
-
-
-class Run:
-    """A flip, sleep or wake in progress on one worker."""
-
-    __slots__ = ("worker", "plan", "origin", "waiter", "ref", "phase", "since_ns", "parks", "req", "at_stake",
-                 "causation")
-
-    def __init__(self, plan: flip.FlipPlan, origin: str, waiter: moves.AskWaiter, ref: str, now_ns: int,
-                 causation: str | None):
-        self.worker, self.plan, self.origin, self.waiter, self.ref = plan.worker, plan, origin, waiter, ref
-        self.phase = "draining"       # draining | parking | shrinking | swapping | growing
-        self.since_ns = now_ns
-        self.parks: set[str] = set()  # sessions whose park is still unanswered
-        self.req: ev.FlipRequested | None = None
-        self.at_stake = 0
-        self.causation = causation
 
 
 class Flipper:
@@ -66,31 +64,29 @@ class Flipper:
         self.requests = requests          # RequestTable
         self.asker = asker
         self.drain_ns = int(drain_s * S)
-        self.wait_ns = int(wait_s * S)
+        self.waiting = HeldRequests(proc, requests, wait_s)      # requests held for a model
+        self.pool = KVPoolSteps(proc, lambda run: self.runs.get(run.worker) is run)
         self.deadline_s = deadline_s
         self.deadline_bytes_per_s = deadline_bytes_per_s
         self.policy = policy
         self.runs: dict[int, Run] = {}
-        self.held: list = []              # RequestState held for a model, in arrival order
         self.bandwidth: float | None = None           # bytes/s of the last flip measured (both ways)
         self.arena_gen: dict[int, int] = {}           # what each worker's arena carries (ServingReady, answers)
         self.since_ns: dict[int, int] = {}            # when each worker's model became resident
         # the models whose image a worker keeps in pinned host memory (ServingReady; then each flip
         # leaves the outgoing image in the host slab, where the incoming one was)
         self.on_host: dict[int, set[str]] = {}
-        # the device KV pool bytes each worker had before a sleep shrank it, until the sleep's
-        # FlipRequested carries it into the ledger (ArenaState.kv_pool_bytes, which the wake reads
-        # first, so a control restarted while asleep still grows the pool back)
-        self.kv_before: dict[int, int] = {}
         # NOTE: a flip the policy started that did not complete (the worker refused it, a request
         # did not end) would be started again at the next tick, and the next: the policy leaves
         # that worker alone for ``policy_backoff_s``, so a lasting "no" is recorded once a while
         self.policy_backoff_ns = 10 * S
         self._backoff: dict[int, int] = {}           # worker -> no policy flip before (monotonic ns)
-        self.begin: Callable = lambda r: None         # Admission.begin: a released request starts over
-        self.refuse: Callable = lambda r, status, code, message, retry_after_s=None: None
-        self.left: Callable = lambda r: None          # a held request whose client went away (closed in the ledger)
         self.changed: Callable[[], None] = lambda: None   # Admission.retry_soon
+        # serve --tp N: the ranks of a worker's group, leader first ([]: alone), and the group's stop
+        # (control/scheduler/groups.py) for a flip whose ranks would not hold one model
+        self.ranks_of: Callable[[int], list[int]] = lambda worker: []
+        self.stop_group: Callable[[int, str], None] = lambda leader, reason: None
+        self.ready: dict[int, object] = {}           # every worker's (every rank's) last ServingReady
         self._num = 0
         # replaced whole on the loop thread, read from the API thread
         self.cards: tuple[ModelCard, ...] = ()
@@ -99,16 +95,18 @@ class Flipper:
 
     # ================================================================== what the worker serves
     def on_ready(self, worker: int, msg) -> None:
+        """A worker's ServingReady (a group's follower's too: its own models and arena)."""
+        self.ready[worker] = msg
         self.arena_gen[worker] = msg.arena_gen
         self.on_host[worker] = {m.name for m in msg.models if m.host_image}
-        self.kv_before.pop(worker, None)      # a new incarnation starts with its pool at its own size
+        self.pool.forget(worker)
         self.since_ns.setdefault(worker, time.monotonic_ns())
         self._refresh()
 
     def models_of(self, worker: int) -> dict[str, int]:
         """The worker's models -> their image bytes (ServingReady.models; a worker that lists none
         serves its one model, its bytes as the arena's books say)."""
-        ready = self.workers.ready.get(worker)
+        ready = self.ready.get(worker) or self.workers.ready.get(worker)
         if ready is None:
             return {}
         if ready.models:
@@ -123,7 +121,7 @@ class Flipper:
         w = r.worker
         run = self.runs.get(w)
         if run is not None:
-            return _running(run)
+            return running_reason(run)
         why = flip.closed(self.proc.state, w)
         if why is not None:
             return why
@@ -154,17 +152,8 @@ class Flipper:
         ``begin`` once one does, or is refused after ``wait_s``."""
         if self.workers.sched is None or not self.workers.alive() or self.serving(r.req.model):
             return False
-        if r.phase != "held":
-            r.phase, r.wait_since_ns = "held", time.monotonic_ns()
-            self.held.append(r)
-            self.requests.add(r)        # in hand (a client that leaves cancels it; the drain at stop counts it)
-            code, reason = self._why_held(r.req.model)
-            r.wait_code, r.wait_reason = code, reason
-            cands = self.workers.alive()
-            self.proc.record(ev.RequestQueued(request_id=r.request_id, session=r.session,
-                                              worker=cands[0] if cands else -1, prompt_tokens=0,
-                                              waiting_for=f"{code}: {reason}"), correlation=r.request_id)
-            log.info("request_held_for_model", request_id=r.request_id, model=r.req.model, code=code)
+        cands = self.workers.alive()
+        self.waiting.hold(r, *self._why_held(r.req.model), worker=cands[0] if cands else -1)
         self.consider()
         return True
 
@@ -172,7 +161,7 @@ class Flipper:
         state = self.proc.state
         for w in self.workers.alive():
             if w in self.runs:
-                return _running(self.runs[w])
+                return running_reason(self.runs[w])
             why = flip.closed(state, w)
             if why is not None:
                 return why
@@ -180,25 +169,7 @@ class Flipper:
 
     def release(self) -> None:
         """Start over every held request whose model a worker serves now."""
-        for r in list(self.held):
-            if r.cancelled:
-                self.held.remove(r)
-                self.left(r)
-            elif self.serving(r.req.model):
-                self.held.remove(r)
-                r.phase = "new"
-                self.begin(r)
-
-    def expire(self, now_ns: int) -> None:
-        for r in list(self.held):
-            if r.cancelled or now_ns - r.wait_since_ns > self.wait_ns:
-                self.held.remove(r)
-                if r.cancelled:
-                    self.left(r)
-                    continue
-                code, reason = self._why_held(r.req.model)
-                self.refuse(r, 503, code, f"waited {self.wait_ns // S} s for {r.req.model!r}: {reason}",
-                            retry_after_s=1)
+        self.waiting.release(self.serving)
 
     # ================================================================== asks
     def on_ask(self, msg: AskFlip, asker: str, waiter: moves.AskWaiter) -> None:
@@ -221,30 +192,45 @@ class Flipper:
         for w in targets:
             self.start(w, msg.action, msg.to_model, msg.level, origin, waiter, causation=msg.ask_id or None)
 
-    def _check(self, worker: int, action: str, to_model: str, level: int):
-        try:
-            return flip.check(self.proc.state, worker, action, to_model, level, self.models_of(worker))
-        except flip.InvalidFlip as e:
-            raise moves.InvalidAsk(str(e)) from None
+    def _check(self, worker: int, action: str, to_model: str, level: int) -> list[flip.FlipPlan] | flip.FlipRefused:
+        """Every rank's plan (a worker alone: its own), or the first refusal among them; raises
+        InvalidAsk for one that names nothing, or names a follower rank of a group."""
+        ranks = self.ranks_of(worker) or [worker]
+        if ranks[0] != worker:      # a rank's own view never decides: the leader's flip is the group's
+            raise moves.InvalidAsk(f"worker {worker} is a follower rank of a tensor-parallel group: ask its "
+                                   f"leader, worker {ranks[0]}, and every rank's weights {action} with it")
+        plans = []
+        for w in ranks:
+            try:
+                got = flip.check(self.proc.state, w, action, to_model, level, self.models_of(w))
+            except flip.InvalidFlip as e:
+                raise moves.InvalidAsk(str(e) if w == worker else f"rank worker {w} of the group: {e}") from None
+            if isinstance(got, flip.FlipRefused):
+                return got
+            plans.append(got)
+        return plans
 
     def start(self, worker: int, action: str, to_model: str, level: int, origin: str, waiter: moves.AskWaiter,
               causation: str | None = None) -> None:
         got = self._check(worker, action, to_model, level)
-        running = self.runs.get(worker)
+        running = next((self.runs[w] for w in self.ranks_of(worker) or [worker] if w in self.runs), None)
         if running is not None and not isinstance(got, flip.FlipRefused):
-            got = flip.FlipRefused(worker=worker, action=action, code="flip_in_progress", asked_bytes=got.bytes_in,
-                                   reason=f"a {running.plan.action} of worker {worker} is running ({running.phase}); "
-                                          f"ask again once it has ended")
+            got = flip.FlipRefused(worker=worker, action=action, code="flip_in_progress",
+                                   asked_bytes=got[0].bytes_in,
+                                   reason=f"a {running.plan.action} of worker {running.worker} is running "
+                                          f"({running.phase}); ask again once it has ended")
         if isinstance(got, flip.FlipRefused):
             e = got.event(origin)
             log.info("flip_refused", worker=worker, action=action, code=got.code, reason=got.reason)
             waiter.events.append((self.proc.record(e, causation=causation), e))
             return
         self._num += 1
-        run = Run(got, origin, waiter, f"flip:{worker}:{self._num}", time.monotonic_ns(), causation)
-        self.runs[worker] = run
+        run = Run(got[0], origin, waiter, f"flip:{worker}:{self._num}", time.monotonic_ns(), causation, plans=got)
+        for w in run.ranks:
+            self.runs[w] = run
         waiter.open.add(run.ref)
-        log.info("flip_started", worker=worker, action=action, to_model=to_model or None, origin=origin)
+        log.info("flip_started", worker=worker, ranks=run.ranks, action=action, to_model=to_model or None,
+                 origin=origin)
         # NOTE: the first step runs after this handler returns: a run that ends at once (its
         # requests did not end in time, its worker is gone) answers through ``finish_ask``, and
         # the ask handler, which answers a waiter it finds done on return, must not find it so
@@ -270,7 +256,7 @@ class Flipper:
                 self.asker.ask(AskMove(ask_id=self.asker.new_id("park"), kind="park", worker=run.worker, session=s),
                                "serving", lambda ans, s=s, run=run: self._parked(run, s, ans))
         if run.phase == "parking" and not run.parks:
-            self._shrink(run)
+            self.pool.shrink(run, self._swap)
 
     def _device_sessions(self, worker: int) -> list[str]:
         sched = self.workers.sched
@@ -295,7 +281,7 @@ class Flipper:
                                               f"the {run.plan.action}")
             return
         if not run.parks:
-            self._shrink(run)
+            self.pool.shrink(run, self._swap)
 
     def _give_up(self, run: Run, code: str, reason: str) -> None:
         refused = flip.FlipRefused(worker=run.worker, action=run.plan.action, code=code, reason=reason,
@@ -305,111 +291,106 @@ class Flipper:
         run.waiter.events.append((self.proc.record(e, causation=run.causation), e))
         self._finish(run)
 
-    # ================================================================== the KV pool, through the dial
-    def _shrink(self, run: Run) -> None:
-        """A sleep gives the device KV pool back too (its sessions are parked by now): the dial
-        resizes it to one block, the least it holds, unless its floor says otherwise."""
-        ws = self.proc.state.workers.get(run.worker)
-        acc = ws.tiers.get("device") if ws is not None else None
-        if run.plan.action != "sleep" or acc is None or acc.capacity_bytes <= ws.block_bytes:
-            self._swap(run)
-            return
-        run.phase = "shrinking"
-        self._resize(run, ws.block_bytes, acc.capacity_bytes, self._swap)
-
     def _grow(self, run: Run) -> bool:
-        """Grow the pool back to the size a sleep took it from; False when it was not shrunk. The
-        ledger's size first (it survives a control restart); the loop's where the sleep recorded
-        none (it shrank the pool but gave up before its FlipRequested)."""
-        arena = flip.arena_of(self.proc.state, run.worker)
-        to_bytes = arena.kv_pool_bytes if arena is not None else None
-        if to_bytes is None:
-            to_bytes = self.kv_before.get(run.worker)
-        ws = self.proc.state.workers.get(run.worker)
-        if to_bytes is None or ws is None or not ws.alive:
-            return False
-        run.phase = "growing"
-        self._resize(run, to_bytes, ws.tiers["device"].capacity_bytes, self._finish)
-        return True
+        """The pool back to the size the sleep took it from, then the run ends; False: not shrunk."""
+        return self.pool.grow(run, self._finish)
 
-    def _resize(self, run: Run, to_bytes: int, from_bytes: int, then: Callable[[Run], None]) -> None:
-        origin = flip.kv_pool_origin(run.origin)
-        causation = run.causation or run.origin
-        waiter = moves.AskWaiter(f"{run.ref}:{flip.KV_POOL}",
-                                 lambda events, *_a, run=run: self._resized(run, events, then))
-        dialer = getattr(self.proc, "dial", None)
-        try:
-            if dialer is None:
-                raise moves.InvalidAsk("this control process has no dial")
-            dialer.resize(run.worker, "device", to_bytes, origin, waiter, causation=causation, sleeping=run.phase == "shrinking")
-        except moves.InvalidAsk as e:     # nothing recorded by the dial: the refusal is recorded here
-            refused = ev.MoveRefused(ask=origin, worker=run.worker, tier="device", asked_bytes=to_bytes,
-                                     available_bytes=from_bytes, floor_bytes=0,
-                                     reason=f"resize of the device pool of worker {run.worker} to {to_bytes}: {e}")
-            log.warning("kv_pool_not_resized", worker=run.worker, action=run.plan.action, reason=str(e))
-            run.waiter.events.append((self.proc.record(refused, causation=causation), refused))
-            then(run)
-
-    def _resized(self, run: Run, events: list, then: Callable[[Run], None]) -> None:
-        run.waiter.events.extend(events)
-        for _, e in events:
-            if type(e) is ev.PoolResized and e.pool == "device":
-                if run.phase == "shrinking":    # a pool already shrunk by an earlier sleep keeps its first size
-                    self.kv_before.setdefault(run.worker, e.from_bytes)
-                else:
-                    self.kv_before.pop(run.worker, None)
-        log.info("kv_pool_resized", worker=run.worker, action=run.plan.action, phase=run.phase,
-                 outcome=flip.kv_pool_outcome([e for _, e in events]))
-        if self.runs.get(run.worker) is run:
-            then(run)
-
+    # ================================================================== the swap
     def _swap(self, run: Run) -> None:
-        plan = run.plan
-        link = self.proc.workers.by_worker.get(run.worker)
-        if link is None:
-            self._give_up(run, "worker_unavailable", f"worker {run.worker} is not linked to this control process")
+        """Write ahead every rank's FlipRequested and rebind; SwapWeights to each once committed."""
+        gone = [w for w in run.ranks if w not in self.proc.workers.by_worker]
+        if gone:
+            self._give_up(run, "worker_unavailable", f"worker {gone[0]} is not linked to this control process")
             return
         self._num += 1
         fid = flip.flip_id(self.proc.epoch, self._num)
-        nbytes = plan.bytes_out + plan.bytes_in
+        nbytes = max(p.bytes_out + p.bytes_in for p in run.plans.values())
         deadline_ns = time.time_ns() + int((self.deadline_s + nbytes / self.deadline_bytes_per_s) * S)
-        prior = flip.arena_of(self.proc.state, run.worker)
-        kv_pool = self.kv_before.get(run.worker)
-        if kv_pool is None and prior is not None:   # a pool an earlier sleep shrank, before a restart
-            kv_pool = prior.kv_pool_bytes
-        req, rebind = flip.requested(self.proc.state, plan, fid, self.arena_gen.get(run.worker, 0), deadline_ns,
-                                     kv_pool_bytes=kv_pool)
-        run.req, run.phase = req, "swapping"
-        for e in (req, rebind):
-            run.waiter.events.append((self.proc.record(e, causation=run.causation or run.origin), e))
-        arena = flip.arena_of(self.proc.state, run.worker)
-        run.at_stake = arena.inflight_bytes if arena is not None else max(plan.bytes_in, plan.bytes_out)
-        cmd = SwapWeights(flip_id=fid, action=plan.action, to_model=plan.to_model, level=max(plan.level, 1),
-                          to_gen=req.to_gen, deadline_ns=deadline_ns)
-        # write-ahead: the command leaves once FlipRequested and the rebind are committed
-        gate = moves.AskWaiter(fid, lambda *_a, run=run, cmd=cmd: self._send(run, cmd))
+        # the pool a sleep shrank is the group's, resized from the leader's books: the leader's
+        # FlipRequested carries its size back to the wake
+        kv_pool = self.pool.before_sleep(run.worker)
+        run.phase, cmds = "swapping", []
+        for k, (w, plan) in enumerate(run.plans.items()):
+            rfid = flip_group.rank_flip_id(fid, k, len(run.ranks))
+            req, rebind = flip.requested(self.proc.state, plan, rfid, self.arena_gen.get(w, 0), deadline_ns,
+                                         kv_pool_bytes=kv_pool if w == run.worker else None)
+            run.reqs[w] = req
+            for e in (req, rebind):
+                run.waiter.events.append((self.proc.record(e, causation=run.causation or run.origin), e))
+            arena = flip.arena_of(self.proc.state, w)
+            run.stakes[w] = arena.inflight_bytes if arena is not None else max(plan.bytes_in, plan.bytes_out)
+            cmds.append((w, SwapWeights(flip_id=rfid, action=plan.action, to_model=plan.to_model,
+                                        level=max(plan.level, 1), to_gen=req.to_gen, deadline_ns=deadline_ns)))
+        run.req, run.at_stake = run.reqs[run.worker], run.stakes[run.worker]
+        # write-ahead: the commands leave once every rank's FlipRequested and rebind are committed
+        gate = moves.AskWaiter(fid, lambda *_a, run=run, cmds=cmds: self._send(run, cmds))
         gate.events.append(run.waiter.events[-1])
         self.proc.answers.after_commit(gate)
         self._refresh()
 
-    def _send(self, run: Run, cmd: SwapWeights) -> None:
+    def _send(self, run: Run, cmds: list[tuple[int, SwapWeights]]) -> None:
         if self.runs.get(run.worker) is not run:
             return
-        if not self.proc.send_to_worker(run.worker, cmd):
-            log.warning("flip_not_sent", flip_id=cmd.flip_id, worker=run.worker)     # stranded at the deadline
-        else:
-            log.info("flip_sent", flip_id=cmd.flip_id, worker=run.worker, action=cmd.action, to_gen=cmd.to_gen)
+        for w, cmd in cmds:
+            if not self.proc.send_to_worker(w, cmd):
+                log.warning("flip_not_sent", flip_id=cmd.flip_id, worker=w)     # stranded at the deadline
+            else:
+                log.info("flip_sent", flip_id=cmd.flip_id, worker=w, action=cmd.action, to_gen=cmd.to_gen)
 
     def on_swapped(self, link, msg: WeightsSwapped) -> None:
         run = self.runs.get(link.worker)
         if not msg.error:
             self.arena_gen[link.worker] = msg.to_gen      # what the worker's arena carries now
-        if run is None or run.req is None or run.req.flip_id != msg.flip_id:
+        req = run.reqs.get(link.worker) if run is not None else None
+        if req is None or req.flip_id != msg.flip_id or link.worker in run.answers:
             log.warning("swapped_unexpected", worker=link.worker, flip_id=msg.flip_id, error=msg.error or None)
             return
-        req = run.req
+        run.answers[link.worker] = msg
+        log.info("flip_answered", flip_id=req.flip_id, worker=link.worker, action=req.action,
+                 error=msg.error or None, bytes_out=msg.bytes_out, bytes_in=msg.bytes_in,
+                 measured_freed_bytes=msg.measured_freed_bytes)
+        if len(run.answers) == len(run.ranks):        # every rank answered: one verdict for all
+            self._decide(run)
+
+    def _decide(self, run: Run, silent_why: str = "") -> None:
+        """The verdict of every rank (``flip_group``: all completed, all refused, or torn and the
+        group stopped); a rank with no answer (``silent_why``: the deadline, its loss) is behind."""
+        kind = flip_group.outcome(run.reqs, run.answers)
+        if len(run.ranks) == 1 or kind != "torn":    # a worker alone: its answer as it is (worker_answer)
+            recorded = [x for w in run.ranks for x in self._record_rank(run, w)]
+            completed = any(type(e) is ev.FlipCompleted for _, e in recorded)
+            refused = not completed and not any(type(e) is ev.FlipFailed and e.stranded for _, e in recorded)
+        else:
+            events, why = flip_group.torn(run.reqs, run.answers, run.stakes, silent_why)
+            recorded = [(self.proc.record(e, causation=run.req.flip_id), e) for e in events]
+            completed = refused = False
+            log.error("flip_group_torn", flip_id=run.req.flip_id, ranks=run.ranks, why=why)
+            self.stop_group(run.worker, why)
+        run.waiter.events.extend(recorded)
+        msg = run.answers.get(run.worker)
+        if completed and msg is not None:
+            took_s = (msg.finished_ns - msg.started_ns) / S
+            if took_s > 0 and msg.bytes_in + msg.bytes_out > 0:
+                self.bandwidth = (msg.bytes_in + msg.bytes_out) / took_s
+            self.since_ns[run.worker] = time.monotonic_ns()
+            if run.req.action == "flip":
+                for w in run.ranks:
+                    self.on_host[w] = {run.req.from_model}
+        log.info("flip_decided", flip_id=run.req.flip_id, ranks=run.ranks, outcome=kind,
+                 verdict=type(recorded[-1][1]).__name__ if recorded else None)
+        # the pool grows back once the weights are (a wake), or when the worker refused the sleep
+        # and kept its weights (nothing changed but the pool); requests wait for it: still in ``runs``
+        action = run.req.action
+        if ((action == "wake" and completed) or (action == "sleep" and refused)) and self._grow(run):
+            return
+        self._finish(run)
+
+    def _record_rank(self, run: Run, w: int) -> list:
+        """One rank's answer as the worker gave it: FlipCompleted (its measured bytes) with its
+        readers' stamps and rebind verdict, or FlipFailed with RebindRefused or RebindTorn."""
+        req, msg = run.reqs[w], run.answers[w]
         recorded = [(self.proc.record(e, causation=req.flip_id), e)
-                    for e in flip.worker_answer(req, msg, run.at_stake)]
+                    for e in flip.worker_answer(req, msg, run.stakes[w])]
         if any(type(e) is ev.FlipCompleted for _, e in recorded):
             stamped = {flip.WORKER}
             if flip.router_at(self.proc.state, req):      # after FlipCompleted is folded: it sees the image
@@ -418,39 +399,31 @@ class Flipper:
                 stamped.add(flip.ROUTER)
             e = flip.verdict(req, stamped)
             recorded.append((self.proc.record(e, causation=req.flip_id), e))
-            took_s = (msg.finished_ns - msg.started_ns) / S
-            if took_s > 0 and msg.bytes_in + msg.bytes_out > 0:
-                self.bandwidth = (msg.bytes_in + msg.bytes_out) / took_s
-            self.since_ns[link.worker] = time.monotonic_ns()
-            if req.action == "flip":
-                self.on_host[link.worker] = {req.from_model}
-        run.waiter.events.extend(recorded)
-        log.info("flip_answered", flip_id=req.flip_id, worker=run.worker, action=req.action,
-                 error=msg.error or None, verdict=type(recorded[-1][1]).__name__, bytes_out=msg.bytes_out,
-                 bytes_in=msg.bytes_in, measured_freed_bytes=msg.measured_freed_bytes)
-        # the pool grows back once the weights are (a wake), or when the worker refused the sleep
-        # and kept its weights (nothing changed but the pool); requests wait for it: still in ``runs``
-        completed = any(type(e) is ev.FlipCompleted for _, e in recorded)
-        refused = not completed and not any(type(e) is ev.FlipFailed and e.stranded for _, e in recorded)
-        if ((req.action == "wake" and completed) or (req.action == "sleep" and refused)) and self._grow(run):
-            return
-        self._finish(run)
+        return recorded
 
     # ================================================================== the tick
+    def _each_run(self) -> list[Run]:
+        """Every run once (a group's is under each of its ranks)."""
+        return list({id(r): r for r in self.runs.values()}.values())
+
     def watch(self, now_ns: int | None = None) -> None:
         """Strand the flips past their deadline or whose worker went; move the runs waiting on
         their worker's requests; answer held requests that waited too long; ask the policy."""
         for fid, why in watchdog.overdue_flips(self.proc.state, time.time_ns() if now_ns is None else now_ns):
-            self._strand(fid, why)
-        for run in list(self.runs.values()):
+            if fid in self.proc.state.flips:      # a group's verdict may have ended its peers' already
+                self._strand(fid, why)
+        for run in self._each_run():
             if run.phase == "draining":
                 self._advance(run)
-        self.expire(time.monotonic_ns())
+        self.waiting.expire(time.monotonic_ns(), self._why_held)
         self.consider()
         self._refresh()
 
     def _strand(self, fid: str, why: str) -> None:
-        run = next((r for r in self.runs.values() if r.req is not None and r.req.flip_id == fid), None)
+        run = next((r for r in self._each_run() if any(q.flip_id == fid for q in r.reqs.values())), None)
+        if run is not None and len(run.ranks) > 1:    # a rank silent or lost: the group's verdict now
+            self._decide(run, silent_why=why)
+            return
         arena = self.proc.state.arenas.get(self.proc.state.flips.get(fid, ""))
         at_stake = run.at_stake if run is not None else (arena.inflight_bytes if arena is not None else None)
         events: list[ev.Event] = [ev.FlipFailed(flip_id=fid, error=why, stranded=True, stranded_bytes=at_stake)]
@@ -466,18 +439,17 @@ class Flipper:
     def stop(self, reason: str) -> None:
         """The control stops: a flip still unanswered strands its arena (its image is unknown to
         the next start); every asker hears what was recorded; held requests are answered."""
-        for run in list(self.runs.values()):
+        for run in self._each_run():
             if run.phase == "swapping" and run.req is not None and run.req.flip_id in self.proc.state.flips:
                 self._strand(run.req.flip_id, f"the control process stopped ({reason}) with the flip in flight")
             else:
                 self._finish(run)
-        for r in list(self.held):
-            self.held.remove(r)
-            self.refuse(r, 503, "server_stopped", f"the server stopped ({reason}) before {r.req.model!r} was served")
+        self.waiting.stop(reason)
 
     def _finish(self, run: Run) -> None:
-        if self.runs.get(run.worker) is run:
-            del self.runs[run.worker]
+        for w in run.ranks:
+            if self.runs.get(w) is run:
+                del self.runs[w]
         if run.origin == "policy:flip" and not any(type(e) is ev.FlipCompleted for _, e in run.waiter.events):
             self._backoff[run.worker] = time.monotonic_ns() + self.policy_backoff_ns
         self.proc.finish_ask(run.waiter, run.ref)
@@ -488,68 +460,35 @@ class Flipper:
     # ================================================================== the policy
     def consider(self) -> None:
         """Flip a worker toward the model its held requests wait for, when the policy says so."""
-        if not self.held:
+        if not self.waiting:
             return
         state = self.proc.state
         now = time.monotonic_ns()
-        backlog: dict[str, list[int]] = {}
-        for r in self.held:
-            backlog.setdefault(r.req.model, []).append(r.wait_since_ns)
-        others = [flip_policy.Backlog(model=m, waiting=len(v), oldest_wait_ns=min(v)) for m, v in backlog.items()]
         cands = []
         for w in self.workers.alive():
             arena = flip.arena_of(state, w)
             if w in self.runs or arena is None or flip.closed(state, w) is not None or self._backoff.get(w, 0) > now:
                 continue        # busy, asleep (an operator's state) or stranded (an operator repairs it)
             models = self.models_of(w)
-            if len(models) < 2:
-                continue
-            in_hand = sum(1 for r in self.requests.by_id.values() if r.worker == w)
-            cands.append((in_hand, w, arena, models))
-        for in_hand, w, arena, models in sorted(cands, key=lambda c: (c[0], c[1])):
-            mine = [b for b in others if b.model in models]
-            d = flip_policy.decide(now, arena.model, self.since_ns.get(w, 0), in_hand, mine, models,
-                                   self.bandwidth, self.policy)
-            if d.flip:
-                log.info("flip_policy", worker=w, to_model=d.to_model, reason=d.reason)
-                waiter = moves.AskWaiter(f"policy-flip-{w}", lambda events, _m, error, detail, w=w: log.info(
-                    "policy_flip_done", worker=w, outcome=[type(e).__name__ for _, e in events][-2:], error=error))
-                self.start(w, "flip", d.to_model, 0, "policy:flip", waiter, causation=f"policy:flip: {d.reason}")
-                if waiter.done:
-                    self.proc.answers.after_commit(waiter)
-                return
+            if len(models) >= 2:
+                in_hand = sum(1 for r in self.requests.by_id.values() if r.worker == w)
+                cands.append(flip_policy.Candidate(worker=w, resident=arena.model, in_hand=in_hand,
+                                                   resident_since_ns=self.since_ns.get(w, 0), image_bytes=models))
+        got = flip_policy.pick(now, self.waiting.backlog(), cands, self.bandwidth, self.policy)
+        if got is None:
+            return
+        w, d = got
+        log.info("flip_policy", worker=w, to_model=d.to_model, reason=d.reason)
+        waiter = moves.AskWaiter(f"policy-flip-{w}", lambda events, _m, error, detail, w=w: log.info(
+            "policy_flip_done", worker=w, outcome=[type(e).__name__ for _, e in events][-2:], error=error))
+        self.start(w, "flip", d.to_model, 0, "policy:flip", waiter, causation=f"policy:flip: {d.reason}")
+        if waiter.done:
+            self.proc.answers.after_commit(waiter)
 
     # ================================================================== what the API shows
     def _refresh(self) -> None:
-        state = self.proc.state
-        best: dict[str, tuple[str, int | None, int]] = {}    # model -> (residency, arena gen, max context)
-        sleeping = False
-        for w in list(self.workers.ready):
-            ready = self.workers.ready[w]
-            arena = flip.arena_of(state, w)
-            sleeping = sleeping or bool(arena is not None and arena.asleep)
-            served = list(ready.models) or [None]
-            for m in served:
-                name = m.name if m is not None else ready.model
-                ctx = m.max_context if m is not None else ready.max_context
-                if arena is not None and arena.model == name:
-                    res, gen = ("asleep" if arena.asleep else "resident"), arena.gen
-                else:
-                    res, gen = ("host" if name in self.on_host.get(w, ()) else "file"), None
-                if name not in best or _RANK[res] < _RANK[best[name][0]]:
-                    best[name] = (res, gen, ctx)
-        self.cards = tuple(ModelCard(id=n, max_context=ctx, created=0, residency=res, arena_gen=gen)
-                           for n, (res, gen, ctx) in best.items())
-        self.sleeping = sleeping
-        self.problems = tuple(flip.stranded_arenas(state))
-
-
-def _running(run: Run) -> tuple[str, str]:
-    what = run.plan.action
-    to = f" to {run.plan.to_model!r}" if what == "flip" else ""
-    if run.req is not None:
-        return ("flip_in_progress", f"worker {run.worker} is running {what} {run.req.flip_id}{to}")
-    return ("flip_in_progress", f"worker {run.worker} is getting ready to {what}{to} ({run.phase})")
+        self.cards, self.sleeping = model_cards(self.proc.state, self.workers.ready, self.on_host)
+        self.problems = tuple(flip.stranded_arenas(self.proc.state))
 
 
 __all__ = ["Flipper", "Run"]

@@ -48,6 +48,11 @@ class WorkerFaults:
         diverge_table=N      a rank of a group changes one page id of the block table of the Nth
                              sequence it is told to run, before that sequence's first step (its
                              tables digest then differs from its peers'; dataplane/group.py)
+        refuse_swap=N        the Nth SwapWeights this worker is sent is refused before anything
+                             moves (with on_rank=R: one rank of a group refuses while its peers
+                             swap, so the group's flip is torn)
+        stall_swap=N:MS      the device thread freezes MS ms before it runs the Nth SwapWeights
+                             (a rank a test can kill in the middle of a group's flip)
         on_rank=R            the faults of this part act only on rank R of a group: serve passes
                              one spec to every worker, parts separated by ';' (``rank_faults``)
         seed=S               the random source of the probabilities above
@@ -63,6 +68,9 @@ class WorkerFaults:
         self.stall_step, self.stall_ms = 0, 0.0
         self.miss_stamp: str | None = None
         self.diverge_table = 0
+        self.refuse_swap = 0
+        self.stall_swap, self.stall_swap_ms = 0, 0.0
+        self.num_swaps = 0
         self.on_rank: int | None = None
         seed = 0
         for part in filter(None, (x.strip() for x in spec.split(","))):
@@ -85,6 +93,11 @@ class WorkerFaults:
                 self.miss_stamp = value
             elif name == "diverge_table":
                 self.diverge_table = int(value)
+            elif name == "stall_swap":
+                n, _, ms = value.partition(":")
+                self.stall_swap, self.stall_swap_ms = int(n), float(ms or 10_000)
+            elif name == "refuse_swap":
+                self.refuse_swap = int(value)
             elif name == "on_rank":
                 self.on_rank = int(value)
             elif name == "seed":
@@ -93,7 +106,7 @@ class WorkerFaults:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
         self.rng = random.Random(seed)
         self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step
-                            or self.miss_stamp or self.diverge_table)
+                            or self.miss_stamp or self.diverge_table or self.refuse_swap or self.stall_swap)
         self.counts: dict[str, int] = {}
         self.num_moves = 0
         self.num_steps = 0
@@ -125,6 +138,20 @@ class WorkerFaults:
         if name is not None:
             self.counts["miss_stamp"] = self.counts.get("miss_stamp", 0) + 1
         return name
+
+    def before_swap(self) -> bool:
+        """A SwapWeights is about to run: ``stall_swap`` freezes the device thread here; True when
+        ``refuse_swap`` refuses this one, the Nth this worker was sent (device thread only)."""
+        self.num_swaps += 1
+        if self.stall_swap and self.num_swaps == self.stall_swap:
+            log.warning("fault_injected_stall", fault="stall_swap", n=self.num_swaps, ms=self.stall_swap_ms)
+            self.counts["stall_swap"] = 1
+            time.sleep(self.stall_swap_ms / 1000)
+        hit = bool(self.refuse_swap) and self.num_swaps == self.refuse_swap
+        if hit:
+            self.counts["refuse_swap"] = 1
+            log.warning("fault_injected_swap_refusal", fault="refuse_swap", n=self.num_swaps)
+        return hit
 
     def before_step(self) -> None:
         """A serving step is about to run: ``stall_step`` freezes the device thread here (device

@@ -147,8 +147,9 @@ class StepRounds:
 class GroupLoop:
     """A serving loop as one rank of a group: its steps agreed with the other ranks."""
 
-    def __init__(self, loop, rounds: StepRounds, faults=None):
+    def __init__(self, loop, rounds: StepRounds, faults=None, admit=None):
         self.loop = loop
+        self.admit = admit or loop.handle           # how a Generate reaches the loop (a gate may answer it)
         self.rounds = rounds
         self.faults = faults
         self.posted: list[str] | None = None       # this round's post, until the round runs
@@ -174,6 +175,7 @@ class GroupLoop:
             self.num_started += 1
             if self.faults is not None and self.faults.diverge_table == self.num_started:
                 self.diverge_id = msg.request_id
+            return self.admit(msg)
         elif isinstance(msg, CancelGenerate) and self.posted is not None and msg.request_id in self.posted:
             self.cancel_after.append(msg)     # the posted round names it: it runs that round first
             return []

@@ -101,10 +101,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     specs = parse_model_specs(args.model, args.served_model_name, model_id_for)
     meter = sz.Meter(device)
     cuda = device.startswith("cuda")
-    # every model read once; the first one's weights go to the arena, the second one's to the slab
-    if spec is not None and len(specs) > 1:
-        raise GroupRefused(f"--tp {spec.ranks}: one model per group (a flip of every rank at once is not built); "
-                           f"{len(specs)} were named")
+    # every model read once (a group's rank: its share of each); the first one's weights go to the
+    # arena, the second one's to the slab; the arena is sized for the largest share
     tp = TensorParallel(spec.rank, spec.ranks) if spec is not None else None
     try:       # a model that does not split is refused before a weight is read or a peer met
         loaded = load_models(specs, device, dtype, args.page_tokens, args.max_context, tp=tp)
@@ -175,7 +173,8 @@ def build_serving_core(args, faults: WorkerFaults) -> tuple[WorkerCore, int]:
     graphs.books = core.books           # a capture after start (a rebind, a flip, a wake) updates them
     swapper = WeightsSwapper(worker=args.worker, arena=arena, models=models, slab=slab, budget=mover.pinned,
                              loop=loop, graphs=graphs, pool=mover.device_pool, dtype=dtype, chunk_bytes=chunk,
-                             ring_depth=ring, capture_graphs=True, books=core.books, keep=keep)
+                             ring_depth=ring, capture_graphs=True, books=core.books, keep=keep, tp=tp,
+                             faults=faults)
     swapper.tell_books()
     attach(core, loop, kv.block_bytes, swapper=swapper)
     if spec is not None:
@@ -284,7 +283,9 @@ def join_group(core: WorkerCore, loop, spec, faults: WorkerFaults) -> None:
     from residency.dataplane.group import GroupLoop, StepRounds, open_store  # noqa: PLC0415
 
     store = open_store(spec)
-    group = GroupLoop(loop, StepRounds(store, spec.rank, spec.ranks), faults)
+    # a Generate goes through the weights' gate first (gate_requests): one naming a model not on
+    # the device is answered at once, alike on every rank (the ranks flip together)
+    group = GroupLoop(loop, StepRounds(store, spec.rank, spec.ranks), faults, admit=core.handlers.get(Generate))
     for t in (Generate, CancelGenerate):
         core.register(t, group.handle)
     core.background = (group.has_work, group.step)

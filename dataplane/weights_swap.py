@@ -135,12 +135,14 @@ class WeightsSwapper:
     def __init__(self, *, worker: int, arena: WeightsArena, models: list[ServedWeights], slab: HostSlab | None,
                  budget, loop, graphs, pool, dtype: torch.dtype, chunk_bytes: int, ring_depth: int = 2,
                  capture_graphs: bool = False, books=None, clock: Callable[[], int] = time.time_ns,
-                 keep: HostSlab | None = None):
+                 keep: HostSlab | None = None, tp=None, faults=None):
         self.worker, self.arena, self.slab, self.budget = worker, arena, slab, budget
         # keep: a second pinned image buffer (two models, host memory for both; serving_worker
         # decides at start). With it, the slab and keep hold both images and a flip copies only
         # the incoming one; without it, every flip runs the rotation.
         self.keep = keep
+        self.tp = tp                           # a group's rank: a model read again is read as its share
+        self.faults = faults
         self.models = {m.name: m for m in models}
         self.loop, self.dtype, self.books, self.clock = loop, dtype, books, clock
         self.executor = RotationExecutor(arena, slab, chunk_bytes, ring_depth) if slab is not None else None
@@ -229,6 +231,8 @@ class WeightsSwapper:
         act = {"flip": self._flip, "sleep": self._sleep, "wake": self._wake}.get(cmd.action)
         if act is None:
             return refuse(f"unknown action {cmd.action!r} (flip, sleep, wake)")
+        if self.faults is not None and self.faults.before_swap():
+            return refuse(f"fault_injected: refuse_swap={self.faults.refuse_swap} (nothing moved)")
         if (why := self.arena.gen_refusal(cmd.to_gen)) is not None:
             return refuse(why)
         if self.loop.seqs and cmd.action != "wake":
@@ -351,7 +355,7 @@ class WeightsSwapper:
         """Read a model that lives only in its file into the slab, where the slab's image sits; the
         image there goes back to being only in its file. Checked against the sums of start: a
         file that changed is refused (ChecksumMismatch) before a byte reaches the device."""
-        _, weights, *_ = read_host(_spec(target), self.dtype)
+        _, weights, *_ = read_host(_spec(target), self.dtype, self.tp)
         if manifest_of(weights) != target.manifest:
             raise DataPlaneError(f"model file of {target.name} no longer gives the image it gave at start")
         for e in self.models.values():
@@ -429,7 +433,7 @@ class WeightsSwapper:
             if level == 1:
                 self.arena.copy_in(image, self.sleeper.image_bytes())
             else:
-                _, weights, *_ = read_host(_spec(entry), self.dtype)
+                _, weights, *_ = read_host(_spec(entry), self.dtype, self.tp)
                 if manifest_of(weights) != entry.manifest:
                     raise DataPlaneError(f"model file of {name} no longer gives the image it gave at start")
                 pack_into(self.arena.buffer, entry.manifest, weights)     # straight into the arena

@@ -8,6 +8,7 @@ rank is accounted, the ranks' steps are compared. Loop thread only.
     StepCompleted  every rank's is recorded and compared (control/groups.py StepDigests): the
                    first step whose digests differ records GroupDiverged and GroupStopped
     WorkerLost     of any rank: GroupStopped naming the rank and the group's blocks it held
+    a torn flip    of the group's weights (control/flip_group.py): GroupStopped naming each rank's state
 
 A stopped group serves no more: its running requests end with 503 ``group_stopped`` (their
 pages freed by a cancel on every rank), and new ones are answered 503 naming the group and the
@@ -49,13 +50,15 @@ class GroupServing:
     def on_ready(self, link, msg: ServingReady) -> None:
         g = self.book.group_of.get(link.worker)
         if g is None:
-            self.service.workers.on_ready(link, msg)
+            self.service.on_ready(link, msg)
             return
         self.ready[g][link.worker] = (link, msg)
+        if self.book.is_follower(link.worker):      # its own arena and models, for the group's flips
+            self.service.flips.on_ready(link.worker, msg)
         if g in self.stopped or len(self.ready[g]) < len(self.book.members[g]):
             return
         leader = self.book.leader(g)
-        self.service.workers.on_ready(*self.ready[g][leader])
+        self.service.on_ready(*self.ready[g][leader])
         log.info("group_serving", group=g, ranks=len(self.book.members[g]))
 
     # ------------------------------------------------------------------ tokens and pages
@@ -116,6 +119,12 @@ class GroupServing:
         g = self.book.group_of.get(worker)
         if g is not None and g not in self.stopped:
             self.stop(g, f"rank {self.book.rank_of(worker)} (worker {worker}): its process exited")
+
+    def stop_of(self, worker: int, reason: str) -> None:
+        """Stop the group ``worker`` leads or serves in, unless it is stopped already."""
+        g = self.book.group_of.get(worker)
+        if g is not None and g not in self.stopped:
+            self.stop(g, reason)
 
     def stop(self, group: str, reason: str, *, step: int | None = None, blocks: list[int] | None = None) -> None:
         """The group serves no more: recorded, its requests answered 503, new ones refused naming it."""

@@ -91,10 +91,10 @@ class ServingService:
         # sleep, wake and flips of the weights arena; requests for a model not resident wait there
         self.flips = Flipper(proc, self.workers, self.requests, self.asker, wait_s=flip_wait_s, drain_s=flip_drain_s,
                              policy=flip_policy or FlipPolicyConfig())
-        self.flips.begin, self.flips.refuse, self.flips.changed = (self.admission.begin, self.admission.refuse,
-                                                                   self.admission.retry_soon)
+        held = self.flips.waiting
+        held.begin, held.refuse, self.flips.changed = self.admission.begin, self.admission.refuse, self.admission.retry_soon
         self.admission.gate, self.admission.flip_holds = self.flips.gate, self.flips.holds
-        self.flips.left = lambda r: self.admission.end_waiting(
+        held.left = lambda r: self.admission.end_waiting(
             r, r.cancelled or "disconnected", BackendError(499, "the client went away", code="client_disconnected"),
             client_left=True)
         self.router.serving = self.flips.serving
@@ -104,7 +104,7 @@ class ServingService:
         self._last_prune_ns = 0
         self._wedged: dict[int, ev.WorkerWedged] = {}    # replaced whole on the loop thread, read by health()
         self._stop = threading.Event()
-        for msg_type, handler in ((ServingReady, self._on_ready), (Tokenized, self.admission.on_tokenized),
+        for msg_type, handler in ((ServingReady, self.on_ready), (Tokenized, self.admission.on_tokenized),
                                   (WeightsSwapped, self.flips.on_swapped),
                                   (TokensGenerated, self.streams.on_tokens), (ev.StepCompleted, self.on_step),
                                   (Pong, self._on_pong), (ev.ExpertsMoved, self._on_experts)):
@@ -120,6 +120,9 @@ class ServingService:
         book = getattr(proc, "groups", None)
         # serve --tp N: the leader served, every rank accounted and compared (its handlers replace those above)
         self.groups = GroupServing(proc, self, book) if book is not None else None
+        if book is not None:        # a group's weights flip, sleep and wake on every rank at once
+            self.flips.ranks_of = lambda w: book.members.get(book.group_of.get(w), [])
+            self.flips.stop_group = self.groups.stop_of
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick_s,), name="serving-tick", daemon=True)
         self._ticker.start()
 
@@ -245,7 +248,7 @@ class ServingService:
         return await asyncio.wait_for(fut, self.api_timeout_s)
 
     # ================================================================== loop thread
-    def _on_ready(self, link, msg: ServingReady) -> None:
+    def on_ready(self, link, msg: ServingReady) -> None:
         self.workers.on_ready(link, msg)
         if link.worker in self.workers.ready:
             self.flips.on_ready(link.worker, msg)

@@ -78,7 +78,7 @@ def two_models(s, other_bytes: int) -> None:
                               block_bytes=p.state.workers[0].block_bytes),
                   ServedModel(name="other", digest="d2", max_context=ready.max_context, eos_token_ids=[],
                               weights_bytes=other_bytes, block_bytes=p.state.workers[0].block_bytes, host_image=True)]
-        s.service._on_ready(p.workers.by_worker[0], msgspec.structs.replace(ready, models=models, resident="tiny"))
+        s.service.on_ready(p.workers.by_worker[0], msgspec.structs.replace(ready, models=models, resident="tiny"))
     s.proc.call(inject).result(5)
 
 
@@ -124,16 +124,16 @@ def test_sleep_parks_first_holds_requests_and_wake_lets_them_flow_with_the_same_
     assert names(added) == ["MoveRefused"] and added[0].reason.startswith("already_asleep")
     assert s.client.post("/sleep?level=3").status_code == 400
 
-    s.service.flips.wait_ns = SECOND // 2           # a request arriving asleep waits, then 503 naming the state
+    s.service.flips.waiting.wait_ns = SECOND // 2           # a request arriving asleep waits, then 503 naming the state
     held = s.chat("asleep?", max_tokens=4)
     assert held.status_code == 503 and held.json()["error"]["code"] == "asleep", held.text
 
-    s.service.flips.wait_ns = 30 * SECOND
+    s.service.flips.waiting.wait_ns = 30 * SECOND
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(r=s.chat("the same words every time", max_tokens=10)))
     t.start()
     deadline = time.monotonic() + 10
-    while not s.proc.call(lambda p: len(s.service.flips.held)).result(5):
+    while not s.proc.call(lambda p: len(s.service.flips.waiting.held)).result(5):
         assert time.monotonic() < deadline and t.is_alive()
         time.sleep(0.02)
     w = s.client.post("/wake_up")
@@ -162,7 +162,7 @@ def test_a_flip_the_worker_never_answers_is_stranded_and_a_complete_wake_repairs
     assert r.json()["events"][-1]["type"] == "RebindTorn"
     health = s.client.get("/health")
     assert health.status_code == 503 and failed["flip_id"] in str(health.json())
-    s.service.flips.wait_ns = SECOND // 2
+    s.service.flips.waiting.wait_ns = SECOND // 2
     refused = s.chat("nothing serves a stranded arena", max_tokens=4)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_stranded", refused.text
 
@@ -238,7 +238,7 @@ def test_a_policy_flip_the_worker_refuses_is_recorded_once_not_retried_every_tic
     other = TINY_WEIGHTS_BYTES + 4096
     worker = stand_in(s, {"tiny": TINY_WEIGHTS_BYTES})      # it does not know "other": it refuses the flip
     two_models(s, other)
-    s.service.flips.wait_ns = 2 * SECOND
+    s.service.flips.waiting.wait_ns = 2 * SECOND
     r = chat_model(s, "other", "a model the worker will not take")
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_resident", r.text
     events, state = s.ledger()
