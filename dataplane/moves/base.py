@@ -169,8 +169,24 @@ class InFlight:
         self.drain()
         self.rollback()
 
+    # Where a route keeps the destination slots it holds for its blocks, dropped by ``rollback``:
+    # ``claimed`` (slots taken off the free list, not yet recorded against the blocks) and the
+    # attribute named here (slots recorded as reserved: the blocks arrive there). None: a route
+    # that reserves nothing on a device or host pool (the disk writers keep their own).
+    reserved_slots: str | None = None
+
     def rollback(self) -> None:
-        """Drop destination reservations (subclasses)."""
+        """Drop the destination reservations: unclaim what was claimed and not recorded, cancel
+        what was recorded (the pool exactly as before the move). Idempotent."""
+        if self.reserved_slots is None:
+            return
+        pool = self.ctx.device if self.route[1] == "device" else self.ctx.host
+        if getattr(self, "claimed", None) is not None:
+            pool.table.unclaim(self.claimed)
+            self.claimed = None
+        if getattr(self, self.reserved_slots, None) is not None:
+            pool.cancel(self.ids)
+            setattr(self, self.reserved_slots, None)
 
     def after_compute(self, *streams) -> None:
         """Order ``streams`` after the work already queued on the caller's compute stream."""

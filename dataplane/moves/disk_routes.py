@@ -79,6 +79,7 @@ class SpillToDisk(_DiskWriter):
 
 class RestoreFromDisk(_DiskReader):
     route = ("disk", "device")
+    reserved_slots = "dslots"
 
     def begin(self) -> None:
         c, s = self.ctx, self.ctx.streams
@@ -121,11 +122,6 @@ class RestoreFromDisk(_DiskReader):
         s.wait_event(self.compute, done)
         return self.acked(self.free_source(), sums)
 
-    def rollback(self) -> None:
-        if getattr(self, "dslots", None) is not None:
-            self.ctx.device.cancel(self.ids)
-            self.dslots = None
-
 
 class Demote(_DiskWriter):
     route = ("host", "disk")
@@ -159,6 +155,7 @@ class Demote(_DiskWriter):
 
 class Promote(_DiskReader):
     route = ("disk", "host")
+    reserved_slots = "hslots"
 
     def begin(self) -> None:
         c = self.ctx
@@ -192,8 +189,3 @@ class Promote(_DiskReader):
         c.host.publish(self.ids)
         self.hslots = None
         return self.acked(self.free_source(), sums)
-
-    def rollback(self) -> None:
-        if getattr(self, "hslots", None) is not None:
-            self.ctx.host.cancel(self.ids)
-            self.hslots = None
