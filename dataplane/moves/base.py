@@ -40,6 +40,9 @@ from residency.kernels.checksum import block_checksums
 
 
 _DONE = object()
+# The fewest bytes of one block a restore from disk that lands by layer reads at a time
+# (moves/layered_disk.py: a band of layers; a smaller read costs a file's reopening for little)
+DISK_READ_BYTES = 256 << 10
 
 
 @dataclass
@@ -64,6 +67,8 @@ class MoveContext:
     dma: TorchDma | RawDma = field(default_factory=TorchDma)
     # what copies a device<->host move's blocks: Copier, or a bench's variant of it
     copier: Callable[..., Copier] = Copier
+    # the fewest bytes of a block a layer-by-layer restore from disk reads at a time (a band of layers)
+    disk_read_bytes: int = DISK_READ_BYTES
 
 
 class InFlight:

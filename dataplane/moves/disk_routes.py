@@ -51,6 +51,10 @@ class SpillToDisk(_DiskWriter):
         self.hashed = self.hasher.done()
 
     def finish(self):
+        with self.ctx.ring.lock:             # the ring's rows are this move's until it returns
+            return self._finish_through_ring()
+
+    def _finish_through_ring(self):
         c, s = self.ctx, self.ctx.streams
         ring, n = c.ring, len(self.ids)
         self.hashed.synchronize()
@@ -88,6 +92,10 @@ class RestoreFromDisk(_DiskReader):
         self.after_compute(s.h2d)   # see RestoreFromHost: old readers of these slots
 
     def finish(self):
+        with self.ctx.ring.lock:             # the ring's rows are this move's until it returns
+            return self._finish_through_ring()
+
+    def _finish_through_ring(self):
         c, s = self.ctx, self.ctx.streams
         ring = c.ring
         headers: list[int] = []
