@@ -151,3 +151,33 @@ def test_a_parked_donors_shared_prefix_is_restored_pipelined_for_a_copy_and_for_
 
 
 P_TOKENS = 4     # tests.serving.stack.P
+
+
+def test_a_donors_corrupted_spill_file_fails_the_sharing_turn_and_the_donor_gives_up_those_pages(stack):
+    s = joined(stack(device_blocks=160, restore_policy="restore"))
+    off = stack(share_prefixes=False, device_blocks=160)
+    ask_b = [SYSTEM, {"role": "user", "content": "second question"}]
+    for st in (s, off):
+        st.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
+    assert s.client.post("/admin/sessions/a/park", json={"tier": "disk"}).status_code == 200
+    disk = s.worker.core.mover.disk_tier
+    bad = sorted(disk.blocks())[0]                       # a's first page: in the prefix b shares
+    with open(disk.path_of(bad), "r+b") as f:
+        f.seek(HEADER_BYTES + 5)
+        was = f.read(1)[0]
+        f.seek(HEADER_BYTES + 5)
+        f.write(bytes([was ^ 0x10]))
+    r = s.chat(ask_b, session="b", max_tokens=8)
+    assert r.status_code == 500 and f"block {bad}" in r.json()["error"]["message"], r.text
+    again = s.chat(ask_b, session="b", max_tokens=8)      # nothing of a's broken prefix is offered again
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["shared_tokens"] == again.json()["usage"]["restored_tokens"] == 0
+    assert again.json()["choices"] == off.chat(ask_b, session="b", max_tokens=8).json()["choices"]
+    events, state = s.ledger()                             # replays clean
+    assert len([e for e in events if type(e).__name__ == "MoveFailed"]) == 1
+    assert bad not in state.blocks[0], "the donor's broken page is given up"
+    freed = [b for e in events if type(e).__name__ == "BlocksFreed" for b in e.blocks]
+    assert len(freed) == len(set(freed)), "a page freed twice"
+    mover = s.worker.core.mover
+    assert not mover.device_pool.table.reserved_blocks()
+    assert state.workers[0].tiers["device"].used_bytes == mover.device_pool.used_bytes
