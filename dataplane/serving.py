@@ -295,7 +295,11 @@ class ServingLoop:
                 # landed before the step that reads it ran: that step still reads a restore's pages and
                 # reports its wait (measured: none), so it is a list of landed layers, not "no restore"
                 landed = [LANDED] * len(s.layer_ready) if s.layer_ready is not None else None
-                copy_landed(self.pool, s.copy_later)       # a donor's pages, verified now: copied
+                try:
+                    copy_landed(self.pool, s.copy_later)   # a donor's pages, verified now: copied
+                except Exception as e:  # noqa: BLE001 - the sequence cannot go on without them
+                    out.append(self._finish(s, "error", error=f"the copies of restore {move_id}'s pages failed: {e}"))
+                    continue
                 s.awaits, s.landing, s.layer_ready, s.copy_later = "", None, landed, []
             else:
                 out.append(self._finish(s, "error", error=f"restore {move_id} of its reused pages failed: "
