@@ -35,7 +35,8 @@ import torch
 from residency.dataplane.block_ops import BlockOps, seeded_words
 from residency.dataplane.moves import EXECUTORS, PRIME_CHUNKS, Copier, DeviceStaging, InFlight, MoveContext, validate
 from residency.dataplane.moves.dma import RawDma, TorchDma, dma_issuer
-from residency.dataplane.moves.layered import RestoreByLayer
+from residency.dataplane.moves.layered import LandsByLayer, RestoreByLayer
+from residency.dataplane.moves.layered_disk import RestoreFromDiskByLayer
 from residency.dataplane.moves.record import MoveRecord, Outcome
 from residency.dataplane.pools import DataPlaneError, IntegrityError, KVLayout, TornPool
 from residency.dataplane.rebind import attach_mover_readers
@@ -79,6 +80,9 @@ _STARTED = object()
 # the disk routes write files, so they wait for their command.
 AHEAD_ROUTES = {("device", "host"), ("host", "device")}
 
+# A serving worker's restores (``layered_restores``): from the host or from disk, layer by layer
+LAYERED: dict[tuple[str, str], type[InFlight]] = {cls.route: cls for cls in (RestoreByLayer, RestoreFromDiskByLayer)}
+
 
 @dataclass(frozen=True)
 class MoveTicket:
@@ -108,8 +112,8 @@ class Mover:
         runs of rows are copied (None: the runtime's own, ``dma_issuer``); the copy mode follows
         from it (``copy_modes_for``). ``copier``: what copies a device<->host move's blocks (the
         benches pass their own variants to compare against it). ``layered_restores``: restores from
-        the host land layer by layer (``RestoreByLayer``), so a prefill can read each layer as it
-        lands (a serving worker's; see ``landing``)."""
+        the host or from disk land layer by layer (``RestoreByLayer``, ``RestoreFromDiskByLayer``),
+        so a prefill can read each layer as it lands (a serving worker's; see ``landing``)."""
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DataPlaneError(f"device {device!r} asked for, but this host has no CUDA device")
@@ -255,8 +259,7 @@ class Mover:
             if record:
                 self.record.add(plan)
             return None
-        executor = RestoreByLayer if self.layered_restores and plan.route == RestoreByLayer.route else \
-            EXECUTORS[plan.route]
+        executor = (LAYERED.get(plan.route) if self.layered_restores else None) or EXECUTORS[plan.route]
         mv = executor(self.ctx, plan, self.clock())
         mv.phases["submitted"] = t0
         mv.mark("validated")
@@ -356,7 +359,7 @@ class Mover:
         published: whoever reads them before ``wait`` returns an ack must not let anything
         computed from them out unless it does (dataplane/restore_pipeline.py)."""
         mv = self._inflight.get(move_id)
-        if type(mv) is not RestoreByLayer:
+        if not isinstance(mv, LandsByLayer):
             return None
         return mv.landing()
 

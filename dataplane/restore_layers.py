@@ -5,7 +5,8 @@ only for layer l's pages (``ModelRunner.forward(..., layer_ready)``). What it wa
 object per layer with ``wait()``:
 
     CUDA   a ``torch.cuda.Event`` recorded on the copy stream after layer l's copies: ``wait()``
-           makes the compute stream wait, the host never blocks
+           makes the compute stream wait, the host never blocks; from disk, the host first waits
+           for the layer to be read (``ReadThenCopied``, dataplane/moves/layered_disk.py)
     CPU    a ``threading.Event`` set by whoever copies layer l (or ``LANDED``: already there)
 
 A step can hold several sequences whose pages land; their waits for layer l are joined here.
@@ -100,7 +101,8 @@ class Timed:
 def _on_cuda(w) -> bool:
     if isinstance(w, AllOf):
         return any(_on_cuda(x) for x in w.waits)
-    return type(w).__module__.startswith("torch")
+    # a gate of a restore from disk on a GPU says so (moves/layered_disk.py ReadThenCopied)
+    return getattr(w, "on_cuda", False) or type(w).__module__.startswith("torch")
 
 
 def timed(waits: Sequence[LayerReady], clock: WaitClock) -> list[LayerReady]:

@@ -2,8 +2,8 @@
 
 The control sends a returning turn's ``Generate`` as soon as the restore of its history is
 dispatched, naming the move (``Generate.awaits_move``); the commands reach the device thread in
-that order. A serving worker's mover lands host -> device restores layer by layer
-(dataplane/moves/layered.py), and this keeps such a move's finish (wait, verify, commit, ack)
+that order. A serving worker's mover lands restores from the host or from disk layer by layer
+(dataplane/moves/layered.py, layered_disk.py), and this keeps such a move's finish (wait, verify, commit, ack)
 for later, so the Generate that follows can join its layers:
 
     ExecuteMove(restore)  ─► submitted, kept here           (no outcome yet: the record says running)
@@ -32,6 +32,8 @@ from residency.events.commands import CancelGenerate, ExecuteMove, Generate
 log = structlog.get_logger("dataplane.restore_pipeline")
 # the commands a kept restore's finish waits past; any other is run after it is settled
 PASSES = (Generate, CancelGenerate)
+# the routes a serving worker's mover lands layer by layer (Mover.LAYERED): from the host, from disk
+KEPT_ROUTES = (("host", "device"), ("disk", "device"))
 
 
 class KeptRestores:
@@ -44,7 +46,7 @@ class KeptRestores:
         self.listener: Callable[[str, object], list] | None = None
 
     def can_keep(self, cmd: ExecuteMove) -> bool:
-        return getattr(self.mover, "layered_restores", False) and (cmd.src, cmd.dst) == ("host", "device")
+        return getattr(self.mover, "layered_restores", False) and (cmd.src, cmd.dst) in KEPT_ROUTES
 
     def keep(self, cmd: ExecuteMove, begun: bool) -> None:
         """Submit ``cmd`` (or take it over, ``begun`` on its CommandAhead) and keep its finish."""

@@ -38,6 +38,7 @@ from residency.dataplane.pools.readers import check_fits
 from residency.dataplane.restore_layers import LANDED, WaitClock, join_layers, timed
 from residency.dataplane.restore_pipeline import settled_ok, why_not
 from residency.dataplane.serving_graphs import StepGraphs
+from residency.dataplane.serving_pages import copy_landed, take_copies
 from residency.dataplane.serving_text import TextStream, tokenize_prompt
 from residency.events.catalog import StepCompleted
 from residency.events.commands import (
@@ -66,9 +67,11 @@ class _Seq:
     # the first step that reads them (they are in place once that step's layer l has run)
     layer_ready: list | None = None
     # the kept restore of its reused pages (Generate.awaits_move) until it is settled, and where its
-    # pages are landing meanwhile (block -> slot: reserved, not yet published)
+    # pages are landing meanwhile (block -> slot: reserved, not yet published), and the copies of a
+    # donor's pages to make once it is verified (dataplane/serving_pages.py: (source, destination))
     awaits: str = ""
     landing: dict | None = None
+    copy_later: list = field(default_factory=list)
     t_start_ns: int = field(default_factory=time.monotonic_ns)
 
     @property
@@ -232,10 +235,7 @@ class ServingLoop:
                 problem = str(e)
         landing = None
         if problem is None and cmd.awaits_move and self.restores is not None:
-            if cmd.copy_from:               # copied before the prefill: the restore must be finished first
-                self.restores.settle(cmd.awaits_move)
-            else:
-                landing = self.restores.landing(cmd.awaits_move)
+            landing = self.restores.landing(cmd.awaits_move)
         if problem is None:
             reused = list(cmd.copy_from) or cmd.block_ids[:cached_pages]
             try:
@@ -261,8 +261,12 @@ class ServingLoop:
                 generator = make_generator(sampling, "cpu")
             except (ValueError, RuntimeError, OverflowError) as e:
                 problem = f"sampling: {e}"
+        later: list = []                            # copies to make once the awaited restore is verified
         if problem is None and cmd.copy_from:       # last: a refusal never has copies to free
-            problem = self._copy_pages(cmd.copy_from, cmd.block_ids[:cached_pages])
+            problem, later, reads = take_copies(self.pool, cmd.copy_from, cmd.block_ids[:cached_pages],
+                                                landing[1] if landing is not None else None)
+            if landing is not None:                 # the prefill reads the donor's landing slots meanwhile
+                landing = (landing[0], reads)
         if problem is not None:
             self.log.warning("generate_refused", request_id=cmd.request_id, problem=problem)
             return [TokensGenerated(request_id=cmd.request_id, worker=self.worker, token_ids=[], text="",
@@ -277,6 +281,7 @@ class ServingLoop:
         if landing is not None:
             seq = self.seqs[cmd.request_id]
             seq.awaits, seq.landing, seq.layer_ready = cmd.awaits_move, landing[1], list(landing[0])
+            seq.copy_later = later
         return []
 
     def restore_settled(self, move_id: str, outcome) -> list:
@@ -289,36 +294,24 @@ class ServingLoop:
                 # landed before the step that reads it ran: that step still reads a restore's pages and
                 # reports its wait (measured: none), so it is a list of landed layers, not "no restore"
                 landed = [LANDED] * len(s.layer_ready) if s.layer_ready is not None else None
-                s.awaits, s.landing, s.layer_ready = "", None, landed
+                try:
+                    copy_landed(self.pool, s.copy_later)   # a donor's pages, verified now: copied
+                except Exception as e:  # noqa: BLE001 - the sequence cannot go on without them
+                    out.append(self._finish(s, "error", error=f"the copies of restore {move_id}'s pages failed: {e}"))
+                    continue
+                s.awaits, s.landing, s.layer_ready, s.copy_later = "", None, landed, []
             else:
                 out.append(self._finish(s, "error", error=f"restore {move_id} of its reused pages failed: "
                                                           f"{why_not(outcome)}"))
         return out
 
     def _slots(self, s: _Seq, blocks: Sequence[int]) -> list[int]:
-        """The pool slots of ``blocks``; those still landing in the awaited restore, from it."""
+        """The pool slots of ``blocks``; those still landing in the awaited restore (or, for a copy
+        not made yet, its source's landing slot: dataplane/serving_pages.py), from it."""
         if s.landing is None:
             return self.pool.slots_of(blocks)
-        has = self.pool.has
-        return [self.pool.slot_of(b) if has(b) else s.landing[b] for b in blocks]
-
-    def _copy_pages(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> str | None:
-        """Copy another session's resident pages into fresh pages of this pool, on the stream the
-        model runs on (so the prefill that reads them is ordered after). A problem, or None."""
-        try:
-            dst = self.pool.allocate(dst_blocks)
-        except DataPlaneError as e:
-            return f"no room for the copied pages: {e}"
-        words = self.pool.words
-        src = self.pool.slots_of(src_blocks)
-        i = 0
-        while i < len(src):            # one copy per run of slots consecutive on both sides (disjoint)
-            j = i + 1
-            while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
-                j += 1
-            words[dst[i]:dst[i] + j - i].copy_(words[src[i]:src[i] + j - i])
-            i = j
-        return None
+        landing, slot_of = s.landing, self.pool.slot_of
+        return [landing[b] if b in landing else slot_of(b) for b in blocks]
 
     # ------------------------------------------------------------------ the step
     def _plan(self, only: Collection[str] | None = None) -> list[tuple[_Seq, int]]:

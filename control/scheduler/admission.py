@@ -58,8 +58,9 @@ class Admission:
         # restores whose turn ran: "pipelined" (its Generate sent once the restore was dispatched,
         # the prefill reading layers as they land) or "plain" (sent after the restore's ack)
         self.restores: collections.Counter = collections.Counter()
-        # pipelined restores whose turn runs while they land: move_id -> (worker, session, pages)
-        self._landing: dict[str, tuple[int, str | None, list[int]]] = {}
+        # pipelined restores whose turn runs while they land: move_id -> (worker, the pages' session,
+        # the pages, whether they are another session's shared with the turn)
+        self._landing: dict[str, tuple[int, str | None, list[int], bool]] = {}
 
     def begin(self, r: RequestState) -> None:
         if r.cancelled:
@@ -185,11 +186,12 @@ class Admission:
 
     def _can_pipeline(self, r: RequestState, plan: Admit) -> bool:
         """The worker starts a prefill while its restore lands (``ServingReady.restore_overlap``),
-        and the restore is one move from the host into the sequence's own reused pages (from disk
-        it goes through the host first; a shared prefix may be copied before the prefill)."""
+        and the restore is one move: every page from one tier, the host or disk (pages from both
+        are two moves, and a Generate awaits one). The pages are the turn's own, or a donor's that
+        the turn reads in place or copies (the worker copies them once they are verified)."""
         ready = self.workers.ready.get(r.worker)
-        return (ready is not None and ready.restore_overlap and set(plan.restore) == {"host"}
-                and not plan.shared)
+        tiers = [t for t, bl in plan.restore.items() if bl]
+        return ready is not None and ready.restore_overlap and len(tiers) == 1 and tiers[0] in ("host", "disk")
 
     def _dispatched(self, r: RequestState, ans: AskAnswered) -> None:
         """A pipelined restore's MoveRequested is committed and its command sent: the Generate goes
@@ -206,22 +208,26 @@ class Admission:
             self.end_unstarted(r)
             return
         self.restores["pipelined"] += 1
-        self._landing[ans.move_ids[0]] = (r.worker, r.session, list(r.admit.reused))
+        a = r.admit
+        self._landing[ans.move_ids[0]] = ((r.worker, a.shared_from, list(a.shared), True) if a.shared
+                                          else (r.worker, r.session, list(a.reused), False))
         self._run(r, awaits_move=ans.move_ids[0])
 
     def on_outcome(self, event) -> None:
         """A terminal event of a move (every one recorded). A pipelined restore that failed or was
         rejected: the worker failed the turn that read it (its error reached the client, its own
         pages were freed and recorded); its session gives up the prefix it could not bring back,
-        as a plain restore that failed does, so the next turn computes it instead of failing again."""
+        as a plain restore that failed does, so the next turn computes it instead of failing again.
+        A donor's shared pages are given up only when their bytes failed (MoveFailed: unreadable or
+        not what was parked), so no later turn reads them again; a rejected move left them as they were."""
         landing = self._landing.pop(event.move_id, None)
         if landing is None or type(event) is ev.MoveAcked:
             return
         if type(event) is ev.MoveStranded:          # no answer yet: it may still land (a late ack)
             self._landing[event.move_id] = landing
             return
-        worker, session, pages = landing
-        if type(event) not in (ev.MoveFailed, ev.MoveRejected):
+        worker, session, pages, shared = landing
+        if type(event) not in (ev.MoveFailed, ev.MoveRejected) or (shared and type(event) is not ev.MoveFailed):
             return
         wb = self.proc.state.blocks.get(worker, {})
         drop: dict[str, list[int]] = {}

@@ -2,10 +2,18 @@
 
     recompute  ─ prefill the cached tokens again:            cached_tokens / prefill_tokens_per_s
     restore    ─ copy the pages back, minus what hides        max(0, transfer_s - hidden_s) + fixed_s
-                 behind the prefill of the new tokens:        hidden_s = new_tokens / prefill_tokens_per_s
-                                                                         (0 when the worker cannot overlap,
-                                                                          or no prefill was measured yet)
+                 behind the prefill of the new tokens:        hidden_s = min(new_tokens / prefill_tokens_per_s,
+                                                                             link_s)
+                                                                (0 when the worker cannot overlap, when
+                                                                 the pages come from two tiers, or when
+                                                                 a figure it needs is not measured yet)
     transfer_s = Σ bytes_from_tier / bandwidth(tier→device)   (disk pages cross disk→host→device)
+    link_s     = from the host: bytes / bandwidth(host)
+                 from disk:     max(bytes / bandwidth(disk), bytes / bandwidth(host)): the slower link
+
+A restore from disk crosses two links, and the worker reads the next band of layers while the
+last one is copied: the prefill can hide behind the slower link's time, never behind both (the
+faster link's part of ``transfer_s`` is always paid).
 
 A transfer hidden behind compute is nearly free, so raw bytes are never the price: only the
 unhidden remainder is. The same rule prices an offloaded MoE expert's fetch (``price_expert_fetch``:
@@ -14,7 +22,8 @@ copies (``ExpertsMoved``) teach the same host -> device bandwidth the restores d
 prefill speed start from configured values and follow what the workers measure (``MoveAcked``
 times, step durations less what they waited for landing pages) as an exponentially weighted
 average. What hides is priced only from a measured prefill speed: until a worker has timed one, a
-restore is priced as if nothing hid (the safe direction).
+restore is priced as if nothing hid (the safe direction); the same holds for a restore from disk
+until a disk restore has been timed (``num_transfers_measured``).
 """
 from __future__ import annotations
 
@@ -55,6 +64,8 @@ class CostModel:
         self.overlap = overlap
         self.smoothing = smoothing
         self.num_prefills_measured = 0   # steps that taught prefill_tokens_per_s (0: still the configured guess)
+        # transfers that taught each link's bandwidth (0: still the configured guess)
+        self.num_transfers_measured = {"host": 0, "disk": 0}
 
     # ------------------------------------------------------------------ decision
     def transfer_s(self, bytes_by_tier: dict[str, int]) -> float:
@@ -68,10 +79,25 @@ class CostModel:
                 t += n / self.bandwidth["host"]
         return t
 
+    def hidden_s(self, new_tokens: int, bytes_by_tier: dict[str, int]) -> float:
+        """What of a restore's copy hides behind the new tokens' prefill (see the module's doc): only
+        for one move (pages from one tier), a worker that overlaps, and measured figures."""
+        tiers = [(t, n) for t, n in bytes_by_tier.items() if n > 0]
+        if not (self.overlap and self.num_prefills_measured and len(tiers) == 1):
+            return 0.0
+        tier, n = tiers[0]
+        if tier == "disk":
+            if not self.num_transfers_measured["disk"]:
+                return 0.0
+            link = max(n / self.bandwidth["disk"], n / self.bandwidth["host"])
+        else:
+            link = n / self.bandwidth["host"]
+        return min(new_tokens / self.prefill_tokens_per_s, link)
+
     def decide(self, *, cached_tokens: int, new_tokens: int, bytes_by_tier: dict[str, int]) -> PrefixDecision:
         """Which choice adds less time to this request. Ties go to restore (no recompute work)."""
         transfer = self.transfer_s(bytes_by_tier)
-        hidden = new_tokens / self.prefill_tokens_per_s if self.overlap and self.num_prefills_measured else 0.0
+        hidden = self.hidden_s(new_tokens, bytes_by_tier)
         restore = max(0.0, transfer - hidden) + self.fixed_restore_s
         recompute = cached_tokens / self.prefill_tokens_per_s
         choice = "restore" if restore <= recompute else "recompute"
@@ -102,6 +128,7 @@ class CostModel:
         if nbytes <= 0 or seconds <= 0 or src not in self.bandwidth:
             return
         self.bandwidth[src] = self._ewma(self.bandwidth[src], nbytes / seconds)
+        self.num_transfers_measured[src] += 1
 
     def observe_expert_moves(self, moves) -> None:
         """The copies of an ``ExpertsMoved`` (fetches and prefetches the worker timed): host -> device

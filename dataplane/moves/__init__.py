@@ -7,6 +7,9 @@
     disk   -> device   restore                  RestoreFromDisk
     host   -> disk     demote                   Demote
     disk   -> host     promote                  Promote
+
+A serving worker's mover lands restores layer by layer instead (``Mover.LAYERED``): RestoreByLayer
+from the host (moves/layered.py), RestoreFromDiskByLayer from disk (moves/layered_disk.py).
 """
 from residency.dataplane.moves.base import Hasher, InFlight, MoveContext
 from residency.dataplane.moves.copy import COPY_MODES, Copier, coalesce

@@ -40,6 +40,9 @@ from residency.kernels.checksum import block_checksums
 
 
 _DONE = object()
+# The fewest bytes of one block a restore from disk that lands by layer reads at a time
+# (moves/layered_disk.py: a band of layers; a smaller read costs a file's reopening for little)
+DISK_READ_BYTES = 256 << 10
 
 
 @dataclass
@@ -64,6 +67,8 @@ class MoveContext:
     dma: TorchDma | RawDma = field(default_factory=TorchDma)
     # what copies a device<->host move's blocks: Copier, or a bench's variant of it
     copier: Callable[..., Copier] = Copier
+    # the fewest bytes of a block a layer-by-layer restore from disk reads at a time (a band of layers)
+    disk_read_bytes: int = DISK_READ_BYTES
 
 
 class InFlight:
@@ -169,8 +174,24 @@ class InFlight:
         self.drain()
         self.rollback()
 
+    # Where a route keeps the destination slots it holds for its blocks, dropped by ``rollback``:
+    # ``claimed`` (slots taken off the free list, not yet recorded against the blocks) and the
+    # attribute named here (slots recorded as reserved: the blocks arrive there). None: a route
+    # that reserves nothing on a device or host pool (the disk writers keep their own).
+    reserved_slots: str | None = None
+
     def rollback(self) -> None:
-        """Drop destination reservations (subclasses)."""
+        """Drop the destination reservations: unclaim what was claimed and not recorded, cancel
+        what was recorded (the pool exactly as before the move). Idempotent."""
+        if self.reserved_slots is None:
+            return
+        pool = self.ctx.device if self.route[1] == "device" else self.ctx.host
+        if getattr(self, "claimed", None) is not None:
+            pool.table.unclaim(self.claimed)
+            self.claimed = None
+        if getattr(self, self.reserved_slots, None) is not None:
+            pool.cancel(self.ids)
+            setattr(self, self.reserved_slots, None)
 
     def after_compute(self, *streams) -> None:
         """Order ``streams`` after the work already queued on the caller's compute stream."""

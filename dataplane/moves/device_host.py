@@ -88,6 +88,7 @@ class _LinkFirst(InFlight):
 
 class SpillToHost(_LinkFirst):
     route = ("device", "host")
+    reserved_slots = "hslots"
 
     def claim(self, first_chunks: int = 1):
         c, s = self.ctx, self.ctx.streams
@@ -175,17 +176,11 @@ class SpillToHost(_LinkFirst):
         self.hslots = None
         return self.acked(freed, packed)
 
-    def rollback(self) -> None:
-        if getattr(self, "claimed", None) is not None:
-            self.ctx.host.table.unclaim(self.claimed)
-            self.claimed = None
-        if getattr(self, "hslots", None) is not None:
-            self.ctx.host.cancel(self.ids)
-            self.hslots = None
 
 
 class RestoreFromHost(_LinkFirst):
     route = ("host", "device")
+    reserved_slots = "dslots"
 
     def claim(self, first_chunks: int = 1):
         c, s = self.ctx, self.ctx.streams
@@ -312,11 +307,3 @@ class RestoreFromHost(_LinkFirst):
         self.dslots = None
         s.wait_event(self.compute, self.hashed)
         return self.acked(self.free_source(), self.expected)
-
-    def rollback(self) -> None:
-        if getattr(self, "claimed", None) is not None:
-            self.ctx.device.table.unclaim(self.claimed)
-            self.claimed = None
-        if getattr(self, "dslots", None) is not None:
-            self.ctx.device.cancel(self.ids)
-            self.dslots = None

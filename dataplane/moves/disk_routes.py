@@ -51,6 +51,10 @@ class SpillToDisk(_DiskWriter):
         self.hashed = self.hasher.done()
 
     def finish(self):
+        with self.ctx.ring.lock:             # the ring's rows are this move's until it returns
+            return self._finish_through_ring()
+
+    def _finish_through_ring(self):
         c, s = self.ctx, self.ctx.streams
         ring, n = c.ring, len(self.ids)
         self.hashed.synchronize()
@@ -79,6 +83,7 @@ class SpillToDisk(_DiskWriter):
 
 class RestoreFromDisk(_DiskReader):
     route = ("disk", "device")
+    reserved_slots = "dslots"
 
     def begin(self) -> None:
         c, s = self.ctx, self.ctx.streams
@@ -87,6 +92,10 @@ class RestoreFromDisk(_DiskReader):
         self.after_compute(s.h2d)   # see RestoreFromHost: old readers of these slots
 
     def finish(self):
+        with self.ctx.ring.lock:             # the ring's rows are this move's until it returns
+            return self._finish_through_ring()
+
+    def _finish_through_ring(self):
         c, s = self.ctx, self.ctx.streams
         ring = c.ring
         headers: list[int] = []
@@ -121,11 +130,6 @@ class RestoreFromDisk(_DiskReader):
         s.wait_event(self.compute, done)
         return self.acked(self.free_source(), sums)
 
-    def rollback(self) -> None:
-        if getattr(self, "dslots", None) is not None:
-            self.ctx.device.cancel(self.ids)
-            self.dslots = None
-
 
 class Demote(_DiskWriter):
     route = ("host", "disk")
@@ -159,6 +163,7 @@ class Demote(_DiskWriter):
 
 class Promote(_DiskReader):
     route = ("disk", "host")
+    reserved_slots = "hslots"
 
     def begin(self) -> None:
         c = self.ctx
@@ -192,8 +197,3 @@ class Promote(_DiskReader):
         c.host.publish(self.ids)
         self.hslots = None
         return self.acked(self.free_source(), sums)
-
-    def rollback(self) -> None:
-        if getattr(self, "hslots", None) is not None:
-            self.ctx.host.cancel(self.ids)
-            self.hslots = None

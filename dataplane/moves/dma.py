@@ -72,6 +72,15 @@ class TorchDma:
         for a, b, n in runs:
             dst[b : b + n, lo:hi].copy_(src[a : a + n, lo:hi], non_blocking=True)
 
+    def copy_rows_to_cols(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]],
+                          lo: int) -> None:
+        """Whole rows of ``src`` (a band of a block's layers each: ``src.shape[1]`` words) into
+        columns [lo, lo + that) of rows of ``dst``: ``src[a:a+n]`` to ``dst[b:b+n, lo:...]`` per run
+        (a restore from disk: a band read into staging, then copied to its place in each block)."""
+        w = src.shape[1]
+        for a, b, n in runs:
+            dst[b : b + n, lo : lo + w].copy_(src[a : a + n], non_blocking=True)
+
 
 class RawDma:
     name = "cudaMemcpyAsync"
@@ -183,6 +192,32 @@ class RawDma:
         s0, d0, handle = src.data_ptr() + off, dst.data_ptr() + off, stream.cuda_stream
         for a, b, n in runs:
             err = self._memcpy2d(d0 + b * rb, rb, s0 + a * rb, rb, width, n, _CUDA_MEMCPY_DEFAULT, handle)
+            if err:
+                raise RuntimeError(f"cudaMemcpy2DAsync of {n} rows x {width} bytes failed: cudaError {err} "
+                                   f"({self._error_string(err).decode(errors='replace')})")
+
+    def copy_rows_to_cols(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]],
+                          lo: int) -> None:
+        """``TorchDma.copy_rows_to_cols``, one ``cudaMemcpy2DAsync`` per run (n rows, the source's
+        row pitch and the destination's apart); torch's strided copy without the 2-D call bound."""
+        if self._memcpy2d is None:
+            TorchDma.copy_rows_to_cols(self, stream, dst, src, runs, lo)
+            return
+        spitch, dpitch = _row_bytes(src, "DMA source"), _row_bytes(dst, "DMA destination")
+        w = src.shape[1]
+        if dst.dtype != src.dtype or not 0 <= lo <= lo + w <= dst.shape[1]:
+            raise ValueError(f"rows of {w} {src.dtype} do not fit columns [{lo}, {lo + w}) of rows of "
+                             f"{dst.shape[1]} {dst.dtype}")
+        s_rows, d_rows = src.shape[0], dst.shape[0]
+        for a, b, n in runs:
+            if n < 1 or a < 0 or b < 0 or a + n > s_rows or b + n > d_rows:
+                raise IndexError(f"DMA run (source row {a}, destination row {b}, {n} rows) is outside "
+                                 f"source rows [0, {s_rows}) or destination rows [0, {d_rows})")
+        es = src.element_size()
+        width, s0, d0, handle = w * es, src.data_ptr(), dst.data_ptr() + lo * es, stream.cuda_stream
+        for a, b, n in runs:
+            err = self._memcpy2d(d0 + b * dpitch, dpitch, s0 + a * spitch, spitch, width, n, _CUDA_MEMCPY_DEFAULT,
+                                 handle)
             if err:
                 raise RuntimeError(f"cudaMemcpy2DAsync of {n} rows x {width} bytes failed: cudaError {err} "
                                    f"({self._error_string(err).decode(errors='replace')})")

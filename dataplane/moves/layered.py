@@ -33,7 +33,68 @@ from residency.dataplane.moves.copy import coalesce
 from residency.dataplane.pools.errors import ChecksumMismatch
 
 
-class RestoreByLayer(InFlight):
+class LandsByLayer(InFlight):
+    """What every restore that lands layer by layer shares: claimed device slots, one gate per
+    layer, the landing a reader joins, and the verify-then-commit of ``finish`` (the routes:
+    ``RestoreByLayer`` from the host, ``RestoreFromDiskByLayer`` from disk, moves/layered_disk.py)."""
+
+    reserved_slots = "dslots"
+
+    def claim_device(self, order_ids: list[int]) -> None:
+        """Claim a device slot per block of ``order_ids`` (the walk order) and record them."""
+        c = self.ctx
+        self.order_ids = order_ids
+        self.claimed = c.device.table.claim(len(order_ids))
+        c.device.table.record_reserved(order_ids, self.claimed)
+        self.dslots, self.claimed = self.claimed, None
+        self.slot_by_block = dict(zip(order_ids, self.dslots))
+        self.bytes_moved = len(order_ids) * c.layout.block_bytes
+        self.error: BaseException | None = None
+        self.landed_ns: int | None = None
+        self.copier: threading.Thread | None = None
+
+    # ------------------------------------------------------------ what a reader joins
+    def landing(self) -> tuple[list, dict[int, int]]:
+        """(per layer, the wait for that layer's bytes; block -> the slot it is landing in)."""
+        return list(self.gates), dict(self.slot_by_block)
+
+    # ------------------------------------------------------------ finish: verify, then commit
+    def commit_verified(self, walked: list[int], expected_walk: list[int], expected: list[int], what: str):
+        """Compare the landed pages' checksums (walk order) with what they should be; publish and
+        ack, or roll back and fail naming the blocks. ``expected``: command order, for the ack."""
+        c, s = self.ctx, self.ctx.streams
+        self.mark("landed")
+        if walked != expected_walk:
+            got = dict(zip(self.order_ids, walked))
+            bad = [(b, e, got[b]) for b, e in zip(self.ids, expected) if got[b] != e]
+            self.rollback()
+            return self.failed(str(ChecksumMismatch(what, bad)))
+        c.device.publish(self.ids)               # raises, naming what is wrong
+        self.dslots = None
+        s.wait_event(self.compute, self.hashed)  # no compute kernel reads a page before it landed
+        ack = self.acked(self.free_source(), expected)
+        # NOTE: finished when the bytes landed and were hashed, not when this was called: a kept
+        # move is finished after the prefill that read it, and the control learns the link's
+        # bandwidth from these two times (CostModel.observe_transfer)
+        if self.landed_ns is not None and self.landed_ns < ack.finished_ns:
+            ack = msgspec.structs.replace(ack, finished_ns=max(self.landed_ns, self.started_ns))
+        return ack
+
+    def hash_landed(self) -> list[int]:
+        """The checksums of the landed pages, walk order (the copies are all in: hashed here)."""
+        c = self.ctx
+        self.hasher = Hasher(c, c.device.words, self.dslots, self.order_ids)
+        self.hasher.enqueue(0, len(self.ids), after=self.ctx.streams.mark(self.ctx.streams.h2d))
+        self.hashed = self.hasher.done()
+        return self.hasher.values()
+
+    def drain(self) -> None:
+        if getattr(self, "copier", None) is not None:
+            self.copier.join()               # nothing writes the slots once they are given back
+        super().drain()
+
+
+class RestoreByLayer(LandsByLayer):
     route = ("host", "device")
 
     # ------------------------------------------------------------ begin: claim, then copy by layer
@@ -42,22 +103,15 @@ class RestoreByLayer(InFlight):
         ids = self.ids
         hslots = c.host.slots_of(ids)
         order = sorted(range(len(ids)), key=hslots.__getitem__)     # host-slot order: long runs
-        self.order_ids = [ids[i] for i in order]
         src = [hslots[i] for i in order]
-        self.claimed = c.device.table.claim(len(ids))
-        c.device.table.record_reserved(self.order_ids, self.claimed)
-        self.dslots, self.claimed = self.claimed, None
-        self.slot_by_block = dict(zip(self.order_ids, self.dslots))
+        self.claim_device([ids[i] for i in order])
         self.expected = c.host.checksums_of(ids)
         self.expected_walk = [self.expected[i] for i in order]
-        self.bytes_moved = len(ids) * c.layout.block_bytes
         runs = coalesce(src, self.dslots)
         L = c.layout.num_layers
         width = c.layout.block_words // L
         self.cols = [(layer * width, (layer + 1) * width) for layer in range(L)]
-        self.error: BaseException | None = None
         self.mark("reserved")
-        self.landed_ns: int | None = None
         if s.cuda:
             import torch  # noqa: PLC0415
 
@@ -75,7 +129,6 @@ class RestoreByLayer(InFlight):
             self.hasher.enqueue(0, len(ids), after=self.gates[-1])
             self.hashed = self.hasher.done()
             self.timing[1].record(s.hash)
-            self.copier = None
         else:
             self.gates = [threading.Event() for _ in self.cols]
             self._landed = threading.Event()
@@ -100,59 +153,22 @@ class RestoreByLayer(InFlight):
                 gate.set()
             self._landed.set()
 
-    # ------------------------------------------------------------ what a reader joins
-    def landing(self) -> tuple[list, dict[int, int]]:
-        """(per layer, the wait for that layer's bytes; block -> the slot it is landing in)."""
-        return list(self.gates), dict(self.slot_by_block)
-
     def device_done(self) -> bool:
         if self.ctx.streams.cuda:
             return self.hashed.query()
         return self._landed.is_set()
 
-    # ------------------------------------------------------------ finish: verify, then commit
     def finish(self):
-        c, s = self.ctx, self.ctx.streams
         if self.copier is not None:
             self.copier.join()
             if self.error is not None:
                 raise self.error
-            self.hasher = Hasher(c, c.device.words, self.dslots, self.order_ids)
-            self.hasher.enqueue(0, len(self.ids))
-            self.hashed = self.hasher.done()
-        walked = self.hasher.values()            # waits for the last layer and its hashing
-        self.mark("landed")
-        if walked != self.expected_walk:
-            back = {b: k for k, b in enumerate(self.order_ids)}
-            bad = [(b, e, walked[back[b]]) for b, e in zip(self.ids, self.expected) if walked[back[b]] != e]
-            self.rollback()
-            return self.failed(str(ChecksumMismatch("restore host->device (by layer)", bad)))
-        c.device.publish(self.ids)               # raises, naming what is wrong
-        self.dslots = None
-        s.wait_event(self.compute, self.hashed)  # no compute kernel reads a page before it landed
-        ack = self.acked(self.free_source(), self.expected)
-        # NOTE: finished when the bytes landed and were hashed, not when this was called: a kept
-        # move is finished after the prefill that read it, and the control learns the link's
-        # bandwidth from these two times (CostModel.observe_transfer)
-        if s.cuda:
+            walked = self.hash_landed()
+        else:
+            walked = self.hasher.values()        # waits for the last layer and its hashing
             self.timing[1].synchronize()
             self.landed_ns = self.started_ns + int(self.timing[0].elapsed_time(self.timing[1]) * 1e6)
-        if self.landed_ns is not None and self.landed_ns < ack.finished_ns:
-            ack = msgspec.structs.replace(ack, finished_ns=max(self.landed_ns, self.started_ns))
-        return ack
-
-    def drain(self) -> None:
-        if getattr(self, "copier", None) is not None:
-            self.copier.join()
-        super().drain()
-
-    def rollback(self) -> None:
-        if getattr(self, "claimed", None) is not None:
-            self.ctx.device.table.unclaim(self.claimed)
-            self.claimed = None
-        if getattr(self, "dslots", None) is not None:
-            self.ctx.device.cancel(self.ids)
-            self.dslots = None
+        return self.commit_verified(walked, self.expected_walk, self.expected, "restore host->device (by layer)")
 
 
-__all__ = ["RestoreByLayer"]
+__all__ = ["LandsByLayer", "RestoreByLayer"]

@@ -7,6 +7,8 @@ budget before they are allocated, like every other pinned buffer.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from residency.dataplane.moves.streams import CopyStreams, Done
@@ -24,6 +26,10 @@ class StagingRing:
         self.buffer = budget.alloc(owner, (num_slots, layout.block_words), torch.int32)
         self.rows = self.buffer.tensor
         self._events = [Done() for _ in range(num_slots)]
+        # NOTE: held by whoever uses the rows: the mover's thread for a plain disk move, the reader
+        # thread of a restore from disk that lands layer by layer (moves/layered_disk.py), which
+        # runs beside the mover's thread; a disk move begun meanwhile waits for the ring
+        self.lock = threading.Lock()
 
     def acquire(self, k: int) -> torch.Tensor:
         """Row k, once the copy that last used it has completed."""

@@ -224,6 +224,39 @@ class DiskTier:
                 raise DiskCopyError(block_id, path, f"is longer than header + {self.block_bytes} bytes")
         return got, checksum
 
+    def read_span_into(self, block_id: int, out: torch.Tensor, offset_bytes: int, header: bool = False) -> int | None:
+        """Read ``out``'s size in payload bytes of a block, from ``offset_bytes`` on, into ``out`` (a
+        contiguous host tensor): one band of layers, for a restore that lands layer by layer
+        (dataplane/moves/layered_disk.py). The file's size is checked on every read; with
+        ``header`` its header too, as ``read_into`` checks it, and the header's checksum is
+        returned (else None). Raises DiskCopyError naming the block, as ``read_into`` does."""
+        path = self.path_of(block_id)
+        data = _as_bytes(out)
+        if offset_bytes < 0 or offset_bytes + len(data) > self.block_bytes:
+            raise ValueError(f"bytes [{offset_bytes}, {offset_bytes + len(data)}) are outside a block of "
+                             f"{self.block_bytes}")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise DiskCopyError(block_id, path, "is missing") from None
+        try:
+            checksum = self._check_header(block_id, path, os.pread(fd, HEADER_BYTES, 0)) if header else None
+            size = os.fstat(fd).st_size - HEADER_BYTES
+            if size < self.block_bytes:
+                raise DiskCopyError(block_id, path, f"is truncated: {max(0, size)} of {self.block_bytes} payload bytes")
+            if size > self.block_bytes:
+                raise DiskCopyError(block_id, path, f"is longer than header + {self.block_bytes} bytes")
+            done = 0
+            while done < len(data):
+                n = os.preadv(fd, [data[done:]], HEADER_BYTES + offset_bytes + done)
+                if not n:
+                    raise DiskCopyError(block_id, path, f"is truncated: {offset_bytes + done} of {self.block_bytes} "
+                                                        "payload bytes read")
+                done += n
+        finally:
+            os.close(fd)
+        return checksum
+
     def _check_header(self, block_id: int | None, path: str, head: bytes) -> int:
         bid = -1 if block_id is None else block_id
         if len(head) < HEADER_BYTES:

@@ -226,3 +226,38 @@ def test_on_a_gpu_with_batches_the_mover_copies_by_plain_dmas(tmp_path):
         batched = e.ctx.dma.batched
         assert batched == (e.ctx.dma.name == "cudaMemcpyBatchAsync")
         assert e.ctx.copy_modes == ({"d2h": "dma", "h2d": "dma"} if batched else {"d2h": "staged", "h2d": "staged"})
+
+
+def _memmove_2d(issuer: RawDma) -> RawDma:
+    """``cudaMemcpy2DAsync`` stood in for by one ``memmove`` per row (host pointers, same pitches)."""
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        return 0
+    issuer._memcpy2d = memcpy2d
+    return issuer
+
+
+@pytest.mark.parametrize("issuer", [TorchDma(), _memmove_2d(_memmove_issuer())], ids=["torch", "raw-2d"])
+def test_band_rows_land_in_their_columns_of_the_slots_rows(issuer):
+    """A restore from disk's copy: rows of a band (staging) into columns [lo, lo + band) of scattered
+    block rows; the other columns and rows untouched."""
+    band, lo = _rows(9, 12, 11), 24
+    dst = _rows(19, 60, 12)
+    expect = dst.clone()
+    dst_slots = [4, 5, 6, 0, 17, 18, 9, 2, 3]
+    for k, d in enumerate(dst_slots):
+        expect[d, lo:lo + 12] = band[k]
+    issuer.copy_rows_to_cols(NO_STREAM, dst, band, coalesce(range(9), dst_slots), lo)
+    assert torch.equal(dst, expect)
+
+
+def test_raw_refuses_a_band_outside_the_rows_or_their_columns_and_issues_nothing():
+    band, dst = _rows(4, 12, 13), _rows(6, 60, 14)
+    before = dst.clone()
+    issuer = _memmove_2d(_memmove_issuer())
+    with pytest.raises(IndexError, match="outside"):
+        issuer.copy_rows_to_cols(NO_STREAM, dst, band, [(0, 0, 2), (2, 5, 2)], 0)
+    with pytest.raises(ValueError, match="do not fit columns"):
+        issuer.copy_rows_to_cols(NO_STREAM, dst, band, [(0, 0, 1)], 50)
+    assert torch.equal(dst, before)

@@ -204,7 +204,9 @@ def test_a_session_parked_to_host_comes_back_by_a_pipelined_restore_like_one_nev
                 assert r.usage.model_extra["restored_tokens"] == r.usage.prompt_tokens_details.cached_tokens > 0
     assert convo["piped"] == convo["still"]
     text = httpx.get(quiet.url + "/metrics").text
-    assert 'residency_restores_total{path="pipelined"} 2.0' in text, text
+    # these two from the host, and the disk-parked session's turn above that restored from disk
+    assert 'residency_restores_total{path="pipelined"} 3.0' in text, text
+    assert 'residency_restores_total{path="plain"}' not in text, text
 
 
 def test_admin_routes_check_the_key_and_the_session(quiet):

@@ -226,6 +226,23 @@ def test_disk_pages_cost_the_disk_read_and_the_copy_up():
     assert cost.transfer_s({"host": 1000, "disk": 0}) == pytest.approx(1.0)
 
 
+def test_a_disk_restore_hides_behind_the_prefill_only_up_to_its_slower_link_and_once_measured():
+    cost = CostModel(host_to_device_bytes_per_s=1000.0, disk_to_host_bytes_per_s=500.0, prefill_tokens_per_s=100.0,
+                     fixed_restore_s=0.0, overlap=True, smoothing=1.0)
+    cost.observe_prefill(100, 1.0)                      # measured: 100 tokens/s
+    # 1000 bytes from disk: 2 s of read + 1 s of copy up; 900 new tokens: 9 s of prefill
+    assert cost.decide(cached_tokens=100, new_tokens=900, bytes_by_tier={"disk": 1000}).hidden_s == 0   # disk not timed
+    cost.observe_transfer("disk", 1000, 2.0)            # a disk restore timed: 500 B/s
+    d = cost.decide(cached_tokens=100, new_tokens=900, bytes_by_tier={"disk": 1000})
+    assert d.transfer_s == pytest.approx(3.0) and d.hidden_s == pytest.approx(2.0)   # the slower link: the read
+    assert d.restore_s == pytest.approx(1.0)            # the faster link's part always shows
+    cost.observe_transfer("host", 1000, 4.0)            # now the copy up is the slower link (250 B/s)
+    assert cost.decide(cached_tokens=100, new_tokens=900, bytes_by_tier={"disk": 1000}).hidden_s == pytest.approx(4.0)
+    assert cost.decide(cached_tokens=100, new_tokens=150, bytes_by_tier={"disk": 1000}).hidden_s == pytest.approx(1.5)
+    # pages from both tiers are two moves: a Generate awaits one, so nothing is priced as hidden
+    assert cost.decide(cached_tokens=100, new_tokens=900, bytes_by_tier={"disk": 500, "host": 500}).hidden_s == 0
+
+
 def test_measurements_move_the_cost_model():
     cost = CostModel(host_to_device_bytes_per_s=1e9, prefill_tokens_per_s=1000.0, smoothing=0.5)
     cost.observe_transfer("host", 4_000_000_000, 1.0)
