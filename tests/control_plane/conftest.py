@@ -189,6 +189,9 @@ class FakeWorker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity if identity is not None else b"w%d" % worker)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a DEALER with no connected peer blocks in send; a peer the control refused at the handshake
+        # has none, so a send gives up (zmq.Again) rather than hang the test run
+        self.sock.setsockopt(zmq.SNDTIMEO, 5000)
         if key is not None:      # a peer key proven in the handshake (a keyed control takes no other)
             handshake.apply(self.sock, handshake.client_options(key, endpoint, "worker"))
         self.sock.connect(endpoint)
