@@ -3,6 +3,9 @@
 An event is a tagged msgspec Struct (the tag is the class name) encoded ``array_like``: a stored
 payload is a positional msgpack array. The classes live by role (``events.memory_events``,
 ``events.serving_events``, ``events.rebind_events``); ``events.catalog`` holds their union.
+NOTE: because payloads are positional, a new field is only ever appended at the end of its class
+with a default; any other change bumps the class's ``SCHEMA_VERSION`` and adds an upcaster in
+``events.upcast`` (ledgers already written must still decode).
 """
 from __future__ import annotations
 

@@ -2,9 +2,8 @@
 their copies between tiers (requested, answered, stranded, settled late) and the sessions those
 moves park, restore and delete.
 
-NOTE: payloads are positional (``events.event``): a new field is only ever appended at the end,
-with a default; any other change bumps the class's ``SCHEMA_VERSION`` and adds an upcaster in
-``events.upcast``. The union and the registry of every event are ``events.catalog``.
+NOTE: a new field goes at the end of its class, with a default (``events.event`` says why); a new
+class joins the union in ``events.catalog``.
 """
 from __future__ import annotations
 

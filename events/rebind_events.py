@@ -3,9 +3,8 @@ new generation or the rebind is torn), the weights arena's loads and flips (slee
 model), and the device bytes an outside tenant is granted and gives back (a shrink and a grow of
 the pool, each a rebind).
 
-NOTE: payloads are positional (``events.event``): a new field is only ever appended at the end,
-with a default; any other change bumps the class's ``SCHEMA_VERSION`` and adds an upcaster in
-``events.upcast``. The union and the registry of every event are ``events.catalog``.
+NOTE: a new field goes at the end of its class, with a default (``events.event`` says why); a new
+class joins the union in ``events.catalog``.
 """
 from __future__ import annotations
 

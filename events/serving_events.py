@@ -3,9 +3,8 @@ requests they admit, queue, refuse and finish, the steps they run, their tensor-
 and the experts an offloaded MoE model moves each step. (The serving messages that never land in
 the ledger are ``events.serving``.)
 
-NOTE: payloads are positional (``events.event``): a new field is only ever appended at the end,
-with a default; any other change bumps the class's ``SCHEMA_VERSION`` and adds an upcaster in
-``events.upcast``. The union and the registry of every event are ``events.catalog``.
+NOTE: a new field goes at the end of its class, with a default (``events.event`` says why); a new
+class joins the union in ``events.catalog``.
 """
 from __future__ import annotations
 
