@@ -39,13 +39,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import residency.dataplane.model.runner as runner_mod  # noqa: E402
-from residency.dataplane.model import SeqInput, random_model  # noqa: E402
+from residency.dataplane.model import random_model  # noqa: E402
 from residency.dataplane.model.config import OLMOE_1B_7B, ModelConfig  # noqa: E402
 from residency.dataplane.model.hf_reference import build_hf_llama  # noqa: E402
 from residency.kernels.moe import fused_moe, fused_moe_ref, route  # noqa: E402
 
 from commit import git_commit  # noqa: E402  (bench/commit.py)
-from serve_common import PAGE, Timer, log  # noqa: E402
+from moe_decode import kv_pages, prefill, runner_step, timed_decode  # noqa: E402  (bench/moe_decode.py)
+from serve_common import Timer, log  # noqa: E402
 
 TINY = OLMOE_1B_7B.replace(name="tiny-olmoe", num_layers=2, hidden=128, num_heads=4, num_kv_heads=4, head_dim=32,
                            intermediate=64, vocab_size=512, num_experts=16, num_experts_per_tok=4)
@@ -86,32 +87,17 @@ class RoutingCounter:
 def decode_run(model, prompts: list[list[int]], steps: int, moe_fn, timer: Timer):
     """Prefill every prompt, then ``steps`` greedy decode steps of the whole batch. Returns
     (seconds of the decode steps, tokens generated per sequence, experts hit per layer-step)."""
-    runner, c = model.runner, model.config
-    b, P = len(prompts), len(prompts[0])
-    per_seq = -(-(P + steps + 1) // PAGE)
-    pool = runner.allocate_kv_pool(b * per_seq + 1, PAGE)
-    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)]
+    runner = model.runner
+    P = len(prompts[0])
+    _, pool, tables = kv_pages(runner, len(prompts), P, steps)
     runner_mod.fused_moe = moe_fn
     try:
-        chunk = max(1, 4096 // P)                         # prefill a few sequences per forward
-        last = []
-        for i in range(0, b, chunk):
-            lg = runner.forward([SeqInput(prompts[j], 0, tables[j]) for j in range(i, min(b, i + chunk))], pool)
-            last.extend(lg.argmax(-1).tolist())
-        out = [[t] for t in last]
+        out = prefill(runner, prompts, tables, pool)
         counter = RoutingCounter(moe_fn)
         runner_mod.fused_moe = counter                    # one instrumented step: routing of these states
-        runner.forward([SeqInput([out[j][-1]], P, tables[j]) for j in range(b)], pool.clone())
+        runner_step(runner, pool.clone(), tables, P)(0, out)
         runner_mod.fused_moe = moe_fn
-        timer.sync()
-        t0 = time.perf_counter()
-        for s in range(steps):
-            lg = runner.forward([SeqInput([out[j][-1]], P + s, tables[j]) for j in range(b)], pool)
-            nxt = lg.argmax(-1).tolist()
-            for j in range(b):
-                out[j].append(nxt[j])
-        timer.sync()
-        return time.perf_counter() - t0, out, counter.hits
+        return timed_decode(runner_step(runner, pool, tables, P), out, steps, timer), out, counter.hits
     finally:
         runner_mod.fused_moe = fused_moe
 
@@ -125,27 +111,18 @@ def graph_decode_run(model, prompts: list[list[int]], steps: int, timer: Timer):
 
     runner = model.runner
     b, P = len(prompts), len(prompts[0])
-    per_seq = -(-(P + steps + 1) // PAGE)
-    pool = runner.allocate_kv_pool(b * per_seq + 1, PAGE)
-    tables = np.array([list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)], dtype=np.int32)
-    chunk = max(1, 4096 // P)
-    last = []
-    for i in range(0, b, chunk):
-        lg = runner.forward([SeqInput(prompts[j], 0, tables[j].tolist()) for j in range(i, min(b, i + chunk))], pool)
-        last.extend(lg.argmax(-1).tolist())
+    per_seq, pool, tables = kv_pages(runner, b, P, steps)
+    out = prefill(runner, prompts, tables, pool)
     try:
         graphs = DecodeGraphs(runner, pool, max_blocks_per_seq=per_seq, scratch_slot=0, batch_sizes=(b,))
     except Exception as e:  # noqa: BLE001 - reported in the result, the other engines still run
         return None, f"{type(e).__name__}: {e}"
-    out = [[t] for t in last]
-    timer.sync()
-    t0 = time.perf_counter()
-    for s in range(steps):
-        lg = graphs.step(np.array([o[-1] for o in out], dtype=np.int32), np.full(b, P + s, dtype=np.int64), tables)
-        for j, t in enumerate(lg.argmax(-1).tolist()):
-            out[j].append(t)
-    timer.sync()
-    return time.perf_counter() - t0, out
+    table_ids = np.array(tables, dtype=np.int32)
+
+    def step(s, out):
+        return graphs.step(np.array([o[-1] for o in out], dtype=np.int32), np.full(b, P + s, dtype=np.int64), table_ids)
+
+    return timed_decode(step, out, steps, timer), out
 
 
 def hf_decode_seconds(hf, prompts: list[list[int]], steps: int, timer: Timer) -> tuple[float, list[list[int]]]:
@@ -287,12 +264,22 @@ def main() -> None:
     log("")
     for k, v in targets.items():
         log(f"target {k}: measured {v['measured']:.3f}, target {v['target']}, met {v['met']}")
-    res = {"bench": "moe", "date": date.today().isoformat(), "git_commit": git_commit(("kernels", "dataplane", "bench")),
-           "device": torch.cuda.get_device_name() if a.gpu else platform.processor() or "cpu",
-           "model": cfg.name, "dtype": str(dtype)[6:], "bandwidth_gbs": bw, "decode": rows, "moe_layer": layers,
-           "targets": targets, "note": None if a.gpu else "CPU: fused_moe runs its reference (the loop); flow check only"}
+    write_result(a, {**result_head(a, "moe", cfg, dtype), "bandwidth_gbs": bw, "decode": rows, "moe_layer": layers,
+                     "targets": targets,
+                     "note": None if a.gpu else "CPU: fused_moe runs its reference (the loop); flow check only"}, machine)
+
+
+def result_head(a, bench: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """What every result of this bench names first: the bench, the day, the commit, the device, the model."""
+    return {"bench": bench, "date": date.today().isoformat(), "git_commit": git_commit(("kernels", "dataplane", "bench")),
+            "device": torch.cuda.get_device_name() if a.gpu else platform.processor() or "cpu",
+            "model": cfg.name, "dtype": str(dtype)[6:]}
+
+
+def write_result(a, res: dict, machine: str) -> None:
+    """``res`` as JSON at ``--out`` (a .json path, or a directory; default bench/results/)."""
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    path = out if out.endswith(".json") else os.path.join(out, f"moe-{res['date']}-{machine}.json")
+    path = out if out.endswith(".json") else os.path.join(out, f"{res['bench']}-{res['date']}-{machine}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(res, f, indent=2, default=str)
@@ -304,17 +291,9 @@ def offload_main(a, model, cfg, dtype, device, P, steps, timer, gen, machine) ->
 
     batches = [int(x) for x in a.offload_batches.split(",")]
     rows, targets = offload_section(model, cfg, dtype, batches, P, steps, timer, gen)
-    res = {"bench": "moe-offload", "date": date.today().isoformat(),
-           "git_commit": git_commit(("kernels", "dataplane", "bench")),
-           "device": torch.cuda.get_device_name() if a.gpu else platform.processor() or "cpu",
-           "model": cfg.name, "dtype": str(dtype)[6:], "offload": rows, "targets": targets,
-           "note": None if a.gpu else "CPU: copies are synchronous and the expert math is the reference loop; flow check only"}
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    path = out if out.endswith(".json") else os.path.join(out, f"moe-offload-{res['date']}-{machine}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=2, default=str)
-    log(f"wrote {path}")
+    write_result(a, {**result_head(a, "moe-offload", cfg, dtype), "offload": rows, "targets": targets,
+                     "note": None if a.gpu else
+                     "CPU: copies are synchronous and the expert math is the reference loop; flow check only"}, machine)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from residency.dataplane.model import SeqInput
 from residency.dataplane.model.expert_policy import parse_expert_budget
 from residency.dataplane.model.experts import offload_model
 
-from serve_common import PAGE, log  # noqa: E402  (bench/serve_common.py)
+from moe_decode import kv_pages, prefill, runner_step, timed_decode  # noqa: E402  (bench/moe_decode.py)
+from serve_common import log  # noqa: E402  (bench/serve_common.py)
 
 BUDGETS = ("100%", "50%", "25%")
 
@@ -32,35 +32,25 @@ def decode(model, prompts: list[list[int]], steps: int, timer, offload=None) -> 
     """Prefill, then ``steps`` greedy decode steps of the whole batch: (seconds of the decode
     steps, tokens per sequence, what the offload moved and served during them)."""
     runner = model.runner
-    b, P = len(prompts), len(prompts[0])
-    per_seq = -(-(P + steps + 1) // PAGE)
-    pool = runner.allocate_kv_pool(b * per_seq + 1, PAGE)
-    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)]
-    chunk = max(1, 4096 // P)
-    last = []
-    for i in range(0, b, chunk):
-        lg = runner.forward([SeqInput(prompts[j], 0, tables[j]) for j in range(i, min(b, i + chunk))], pool)
-        last.extend(lg.argmax(-1).tolist())
-    out = [[t] for t in last]
+    P = len(prompts[0])
+    _, pool, tables = kv_pages(runner, len(prompts), P, steps)
+    out = prefill(runner, prompts, tables, pool)
     moved = {"fetch": 0, "prefetch": 0, "evict": 0, "copied_bytes": 0, "copy_ns": 0}
     if offload is not None:
         offload.drain(0, 0)
         before = offload.served_totals()
-    timer.sync()
-    t0 = time.perf_counter()
-    for s in range(steps):
-        lg = runner.forward([SeqInput([out[j][-1]], P + s, tables[j]) for j in range(b)], pool)
-        for j, t in enumerate(lg.argmax(-1).tolist()):
-            out[j].append(t)
-        if offload is not None:
-            for e in offload.drain(0, s + 1):
-                for m in e.moves:
-                    moved[m.kind] += 1
-                    if m.kind != "evict":
-                        moved["copied_bytes"] += m.bytes
-                        moved["copy_ns"] += m.ns or 0
-    timer.sync()
-    seconds = time.perf_counter() - t0
+
+    def drain(s):
+        if offload is None:
+            return
+        for e in offload.drain(0, s + 1):
+            for m in e.moves:
+                moved[m.kind] += 1
+                if m.kind != "evict":
+                    moved["copied_bytes"] += m.bytes
+                    moved["copy_ns"] += m.ns or 0
+
+    seconds = timed_decode(runner_step(runner, pool, tables, P), out, steps, timer, after=drain)
     if offload is not None:
         after = offload.served_totals()
         dev, fetched = after[0] - before[0], after[1] - before[1]

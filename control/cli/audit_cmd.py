@@ -106,11 +106,12 @@ def run(args) -> int:
             raise UserError(f"no audit of a ledger that does not verify: {report.problem} "
                             f"(`residency ledger verify --db {store.url}` says more)")
         if args.what == "tenants":
-            return _print_tenants(tenants(store, since, until), args.json)
+            return _answer("tenants", "tenants", tenants(store, since, until), args.json, NO_TENANTS, _print_tenants)
         if args.what == "experts":
-            from residency.control.cli.audit_experts import run_experts  # noqa: PLC0415
+            from residency.control.cli.audit_experts import NO_EXPERTS, expert_rows, print_experts  # noqa: PLC0415
 
-            return run_experts(store, since, until, args.limit, args.json)
+            return _answer("experts", "workers", expert_rows(store, since, until, args.limit), args.json,
+                           NO_EXPERTS, print_experts)
         totals, rows = query(store, args.what, args.by, since, until, args.limit)
     return _print_totals(args.what, args.by, totals, rows, args.json)
 
@@ -133,16 +134,24 @@ def _print_totals(what: str, by: str, totals: list[tuple], rows: list[dict], as_
     return 0
 
 
-def _print_tenants(rows: list[dict], as_json: bool) -> int:
+def _answer(what: str, key: str, rows: list[dict], as_json: bool, none_line: str, print_rows) -> int:
+    """An audit's rows as JSON (``{"what": what, key: rows}``), else the line saying there are none,
+    else drawn by ``print_rows``."""
     if as_json:
-        print(json.dumps({"what": "tenants", "tenants": rows}, indent=2))
-        return 0
-    if not rows:
-        print("no outside tenant was granted device memory")
-        return 0
+        print(json.dumps({"what": what, key: rows}, indent=2))
+    elif not rows:
+        print(none_line)
+    else:
+        print_rows(rows)
+    return 0
+
+
+NO_TENANTS = "no outside tenant was granted device memory"
+
+
+def _print_tenants(rows: list[dict]) -> None:
     print(f"  {'tenant':<16}{'worker':>7}{'granted':>14}{'released':>14}{'held':>14}{'reclaims':>10}{'failed':>8}")
     for r in rows:
         print(f"  {r['tenant']:<16}{r['worker']:>7}{human_bytes(r['granted_bytes']):>14}"
               f"{human_bytes(r['released_bytes']):>14}{human_bytes(r['held_bytes']):>14}{r['num_reclaims']:>10}"
               f"{r['num_failed']:>8}")
-    return 0

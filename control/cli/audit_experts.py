@@ -8,8 +8,6 @@ demand fetches comes from the control's own cost model, taught the same measured
 """
 from __future__ import annotations
 
-import json
-
 from residency.control.diagnose.experts import ExpertLedger, WorkerExperts
 from residency.control.diagnose.scan import run_pass
 from residency.control.scheduler.cost import CostModel
@@ -77,18 +75,20 @@ def summary(w: WorkerExperts, cost: CostModel, at_ns: int, limit: int) -> dict:
     }
 
 
-def run_experts(store, since_ns: int | None, until_ns: int | None, limit: int, as_json: bool) -> int:
+NO_EXPERTS = "no expert moved: no worker serves an offloaded MoE model in this ledger (serve --expert-budget)"
+
+
+def expert_rows(store, since_ns: int | None, until_ns: int | None, limit: int) -> list[dict]:
+    """A ``summary`` per worker that moved experts in [since, until], by worker."""
     led, cost = collect(store.read(1, store.last_seq()), since_ns, until_ns)
     rows = []
     for w in sorted(led.workers.values(), key=lambda w: w.worker):
         at = w.last_ts if until_ns is None else min(until_ns, max(w.last_ts, until_ns))
         rows.append(summary(w, cost, at, limit))
-    if as_json:
-        print(json.dumps({"what": "experts", "workers": rows}, indent=2))
-        return 0
-    if not rows:
-        print("no expert moved: no worker serves an offloaded MoE model in this ledger (serve --expert-budget)")
-        return 0
+    return rows
+
+
+def print_experts(rows: list[dict]) -> None:
     for r in rows:
         eb = r["expert_bytes"]
         frac = r["served_from_device"]
@@ -110,7 +110,6 @@ def run_experts(store, since_ns: int | None, until_ns: int | None, limit: int, a
             share = "-" if x["device_share"] is None else f"{x['device_share']:.0%}"
             print(f"    {x['layer']:>5} {x['expert']:>6} {x['fetches']:>8} {x['prefetches']:>8} {x['evictions']:>8} "
                   f"{share:>9}  {x['tier_now']}")
-    return 0
 
 
-__all__ = ["collect", "run_experts", "summary", "series_points"]
+__all__ = ["NO_EXPERTS", "collect", "expert_rows", "print_experts", "summary", "series_points"]

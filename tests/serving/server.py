@@ -44,14 +44,15 @@ class Server:
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 180.0) -> "Server":
+    def wait_ready(self, timeout_s: float = 180.0, model: str = MODEL) -> "Server":
+        """Wait until /v1/models lists ``model``; the server exiting first, or the timeout, raises."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"residency serve exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 r = httpx.get(f"{self.url}/v1/models", timeout=2)
-                if r.status_code == 200 and any(m["id"] == MODEL for m in r.json()["data"]):
+                if r.status_code == 200 and any(m["id"] == model for m in r.json()["data"]):
                     return self
             except httpx.HTTPError:
                 pass

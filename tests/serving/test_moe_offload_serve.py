@@ -10,42 +10,22 @@ import pytest
 import torch
 
 from residency.control.cli.main import main
-from residency.dataplane.model import SamplingParams, load_model, random_model
-from residency.dataplane.model.engine import generate
 from residency.events import catalog as ev
-from tests.model.helpers_model import write_hf_dir
 from tests.model.test_model_moe import TINY_OLMOE
-from tests.serving.server import Server, read_ledger
-from tests.serving.test_moe_serve import wait_for_model
+from tests.serving.helpers_moe import assert_runner_agrees, greedy_chat, tiny_olmoe_served
+from tests.serving.server import read_ledger
 
 pytestmark = [pytest.mark.slow]
 
-NAME = "tiny-olmoe"
-
 
 def test_experts_offloaded_to_a_quarter_serve_the_all_resident_text_and_every_move_is_recorded(tmp_path, rng, capsys):
-    path = str(tmp_path / NAME)
-    write_hf_dir(path, random_model(TINY_OLMOE, seed=rng.randrange(1 << 30)))
-    server = Server(tmp_path, "--model", path, "--no-policies", "--expert-budget", "25%")
     messages = [{"role": "user", "content": "which experts answer, and where do they live?"}]
-    try:
-        wait_for_model(server, NAME)
-        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-            "model": NAME, "messages": messages, "max_tokens": 16, "temperature": 0})
-        assert r.status_code == 200, r.text
-        body = r.json()
+    with tiny_olmoe_served(tmp_path, rng, "--expert-budget", "25%") as (server, path):
+        body = greedy_chat(server, messages, 16)
         scraped = httpx.get(f"{server.url}/metrics", timeout=30).text
-    finally:
-        assert server.stop() == 0, server.tail()
 
     # the all-resident model, through the runner alone
-    torch.set_num_threads(1)
-    model = load_model(path)
-    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    out = generate(model, [model.tokenizer.encode(prompt)], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    answer = body["choices"][0]["message"]["content"]
-    assert out.text.startswith(answer) and set(out.text[len(answer):]) <= {"\ufffd"}
-    assert body["usage"]["completion_tokens"] == len(out.token_ids)
+    assert_runner_agrees(path, messages, 16, body)
 
     events, _ = read_ledger(server.ledger)
     moved = [r.event for r in events if type(r.event) is ev.ExpertsMoved]
