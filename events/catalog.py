@@ -18,6 +18,7 @@ TIERS: tuple[str, ...] = ("device", "host", "disk")
 MoveKind = Literal["spill", "evict", "park", "restore", "promote", "demote"]
 MOVE_KINDS: tuple[str, ...] = ("spill", "evict", "park", "restore", "promote", "demote")
 StrandedWhy = Literal["deadline", "worker_lost", "silent_release"]
+DivergenceCaught = Literal["step", "ballot"]       # a group's ranks compared after a step ran, or before
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag=True, array_like=True, gc=False):
@@ -481,9 +482,17 @@ class FlipFailed(Event):
 
 # ---------------------------------------------------------------- groups
 class GroupDiverged(Event):
+    """The ranks of a group disagree: the first step whose digests differ, every rank's digest
+    keyed by its worker id. ``caught_by`` "step": the ranks' ``StepCompleted`` digests of a step
+    that ran; "ballot": their ballots before the step (``round`` on the group's store), for
+    ``request_id``: the step did not run on any rank."""
+
     group: str
     step: int
     digests_by_rank: dict[str, str]
+    caught_by: DivergenceCaught = "step"
+    round: int | None = None          # the ballot's round (None: not a ballot's)
+    request_id: str = ""              # the sequence whose ballots differ ("": a whole step's digest)
 
 
 class GroupStopped(Event):
@@ -627,5 +636,6 @@ def event_type_name(event: Event) -> str:
 
 __all__ = [name for name in EVENT_TYPES] + [
     "Event", "AnyEvent", "EVENT_TYPES", "TERMINAL_MOVE_EVENTS", "Tier", "TIERS",
-    "MoveKind", "MOVE_KINDS", "StrandedWhy", "event_type_name", "ExpertMove", "ExpertMoveKind", "EXPERT_MOVE_KINDS",
+    "MoveKind", "MOVE_KINDS", "StrandedWhy", "DivergenceCaught", "event_type_name", "ExpertMove", "ExpertMoveKind",
+    "EXPERT_MOVE_KINDS",
 ]
