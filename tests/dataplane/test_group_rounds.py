@@ -192,3 +192,17 @@ def test_without_the_ballot_fault_the_same_sequences_run(stores):
         g1.handle(cmd)
     both(g0.step, g1.step)
     assert l0.ran == l1.ran == [["a", "b"]] and g0.refused is None is g1.refused
+
+
+def test_the_table_fault_lands_after_the_ballots_agreed_so_that_step_runs_and_the_next_ballots_split(stores):
+    l0, l1 = Told([], worker=0), Told([], worker=1)
+    g0 = GroupLoop(l0, StepRounds(stores[0], 0, 2))
+    g1 = GroupLoop(l1, StepRounds(stores[1], 1, 2), WorkerFaults("on_rank=1,diverge_table=1"))
+    cmd = told("a")
+    g0.handle(cmd)
+    g1.handle(cmd)
+    both(g0.step, g1.step)
+    assert l0.ran == l1.ran == [["a"]]                  # the ballots agreed; rank 1's table changed after
+    (a,), (b,) = both(g0.step, g1.step)
+    assert l0.ran == l1.ran == [["a"]]                  # the next step ran nowhere
+    assert a.request_id == b.request_id == "a" and (a.round, a.step) == (b.round, b.step) == (1, 2)
