@@ -14,7 +14,7 @@ agreed here, step by step, over the group's store (docs/groups.md):
                   differs, NO rank runs it: each tells the control (StepRefused) and steps no more
                ─► the sampled tokens are rank 0's, told to the others (one decision, told)
 
-A rank with nothing to run still answers a round a peer opened (it posts an empty list), so no
+A rank with nothing to run still answers a round a peer opened (it posts an empty ballot), so no
 rank ever waits in a collective that a peer does not enter: the forward (and its all-reduces)
 runs only on a batch that every rank has agreed to. A cancel that arrives after a rank posted
 its round waits until that round has run, so the posted list stays true.
