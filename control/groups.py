@@ -13,7 +13,10 @@ every block of the group. The control process decides once for the group and tel
                          dropped (``for_policy``), an operator's ask naming it is refused
 
 ``StepDigests`` compares the ranks' ``StepCompleted`` digests per step: the first mismatch is a
-``GroupDiverged`` (every rank's digest) and the group stops (``GroupStopped``).
+``GroupDiverged`` (every rank's digest) and the group stops (``GroupStopped``). The ranks also
+compare their ballots before each step (dataplane/ballot.py); a split is told by every rank
+(``StepRefused``), and is judged once every step before it was (``StepDigests.ballot``): the
+earliest divergence is the one recorded.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import msgspec
 from residency.control.moves import InvalidAsk
 from residency.control.policy.proposals import Proposal
 from residency.events import catalog as ev
-from residency.events.commands import CancelGenerate, Generate
+from residency.events.commands import CancelGenerate, Generate, StepRefused
 
 TOLD_TO_EVERY_RANK = (Generate, CancelGenerate)
 KEEP_STEPS = 64          # steps a rank may trail the others before its reports are judged without it
@@ -104,6 +107,7 @@ class StepDigests:
         self.book = book
         self.pending: dict[str, dict[int, dict[int, str]]] = {}    # group -> step -> worker -> digest
         self.last: dict[str, int] = {}                             # group -> highest step judged
+        self.held: dict[str, list[ev.GroupDiverged]] = {}          # group -> ballot splits awaiting earlier steps
 
     def observe(self, worker: int, step: int, digest: str, live: set[int]) -> ev.GroupDiverged | None:
         """``worker`` reported ``digest`` for ``step``; ``live``: the group's ranks still alive. A
@@ -126,10 +130,40 @@ class StepDigests:
                 break
         return judged
 
+    def ballot(self, worker: int, refused: StepRefused) -> ev.GroupDiverged | None:
+        """A rank's ballots split before ``refused.step``: its ``GroupDiverged``, once every step
+        before it has been judged (each rank sent those steps' reports before it posted this
+        ballot, but on its own socket), else held for ``released``. None for a worker in no group."""
+        g = self.book.group_of.get(worker)
+        if g is None:
+            return None
+        self.held.setdefault(g, []).append(ballot_diverged(self.book, g, refused))
+        return self.released(g)
+
+    def released(self, group: str) -> ev.GroupDiverged | None:
+        """The earliest held ballot split of ``group`` whose earlier steps are all judged (None: none)."""
+        held = self.held.get(group)
+        if not held:
+            return None
+        first_open = min(self.pending.get(group, {}), default=None)
+        ready = [d for d in held if first_open is None or first_open >= d.step]
+        if not ready:
+            return None
+        self.held[group] = [d for d in held if d not in ready]
+        return min(ready, key=lambda d: d.step)
+
+
+def ballot_diverged(book: GroupBook, group: str, refused: StepRefused) -> ev.GroupDiverged:
+    """A ballot split as the ledger records it: each rank's digest keyed by its worker id."""
+    members = book.members[group]
+    digests = {str(members[r]): d for r, d in enumerate(refused.digests_by_rank) if r < len(members)}
+    return ev.GroupDiverged(group=group, step=refused.step, digests_by_rank=digests, caught_by="ballot",
+                            round=refused.round, request_id=refused.request_id)
+
 
 def step_digest(e: ev.StepCompleted) -> str:
     """What the ranks must agree on for a step: its batch and its block tables."""
     return f"{e.batch_digest}/{e.tables_digest}" if e.tables_digest else e.batch_digest
 
 
-__all__ = ["GroupBook", "StepDigests", "rank_copy", "step_digest", "TOLD_TO_EVERY_RANK"]
+__all__ = ["GroupBook", "StepDigests", "ballot_diverged", "rank_copy", "step_digest", "TOLD_TO_EVERY_RANK"]

@@ -6,12 +6,15 @@ rank makes of its shard. What a rank still decides locally is *when* a command i
 joins a forward step, because the commands reach the ranks at slightly different times. That is
 agreed here, step by step, over the group's store (docs/groups.md):
 
-    round k:   each rank posts the request ids it could run, in arrival order (the control sends
-               every rank its commands in one order, so arrival order is one canonical order)
-               ─► the step runs the ids that EVERY rank posted (the MIN over ranks), in rank 0's order
+    round k:   each rank posts its ballot: the request ids it could run, in arrival order (the
+               control sends every rank its commands in one order, so arrival order is one
+               canonical order), each with its digest of what it would run for that sequence
+               ─► the step runs the ids that EVERY rank posted (the MIN over ranks), in rank 0's
+                  order, if every rank's digest of each agrees (dataplane/ballot.py); if one
+                  differs, NO rank runs it: each tells the control (StepRefused) and steps no more
                ─► the sampled tokens are rank 0's, told to the others (one decision, told)
 
-A rank with nothing to run still answers a round a peer opened (it posts an empty list), so no
+A rank with nothing to run still answers a round a peer opened (it posts an empty ballot), so no
 rank ever waits in a collective that a peer does not enter: the forward (and its all-reduces)
 runs only on a batch that every rank has agreed to. A cancel that arrives after a rank posted
 its round waits until that round has run, so the posted list stays true.
@@ -30,8 +33,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from residency.dataplane.ballot import Verdict, agreed_order, encode_ballot, judge_posts, seq_digest
 from residency.dataplane.sizing import StartRefused
-from residency.events.commands import CancelGenerate, Generate
+from residency.events.commands import CancelGenerate, Generate, StepBallot, StepRefused
 
 log = structlog.get_logger("dataplane.group")
 ROUND_WAIT_S = 0.05        # how long a step waits for its peers' posts before the loop reads commands again
@@ -86,15 +90,6 @@ def open_store(spec: GroupSpec):
                     wait_for_workers=False)
 
 
-def agreed_order(posts: list[list[str]]) -> list[str]:
-    """The ids every rank posted, in the first rank's order: a request runs only once every rank
-    holds it (the MIN over ranks), never because one rank's local view had it."""
-    if not posts:
-        return []
-    others = [set(p) for p in posts[1:]]
-    return [i for i in posts[0] if all(i in o for o in others)]
-
-
 def tables_digest(tables: list[tuple[str, list[int]]]) -> str:
     """A digest of a step's block tables: each sequence's logical page ids, in batch order."""
     text = ";".join(f"{rid}:{','.join(map(str, ids))}" for rid, ids in tables)
@@ -111,8 +106,8 @@ class StepRounds:
     def _key(self, k: int, r: int) -> str:
         return f"r{k}/{r}"
 
-    def post(self, ids: list[str]) -> None:
-        self.store.set(self._key(self.round, self.rank), json.dumps(ids))
+    def post(self, ballot: StepBallot) -> None:
+        self.store.set(self._key(self.round, self.rank), encode_ballot(ballot))
         old = self.round - 2         # every rank has read round k-2: each posted k-1 after reading it
         if old >= 0:
             self.store.delete_key(self._key(old, self.rank))
@@ -123,14 +118,15 @@ class StepRounds:
         """A peer posted the current round (this rank must answer it, even with nothing)."""
         return any(self.store.check([self._key(self.round, r)]) for r in range(self.ranks) if r != self.rank)
 
-    def gather(self) -> list[list[str]] | None:
-        """Every rank's post of the current round, or None when one is not there within wait_s."""
+    def gather(self) -> list[bytes] | None:
+        """Every rank's post of the current round as stored (by rank), or None when one is not
+        there within wait_s."""
         keys = [self._key(self.round, r) for r in range(self.ranks)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=self.wait_s))
         except RuntimeError:          # the store's timeout (DistStoreError is one)
             return None
-        return [json.loads(v) for v in self.store.multi_get(keys)]     # one round trip for all
+        return [bytes(v) for v in self.store.multi_get(keys)]     # one round trip for all
 
     def tell_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's sampled tokens of this round, told to every rank."""
@@ -157,9 +153,13 @@ class GroupLoop:
         self.store_error: str | None = None        # the store failed (logged once)
         self.num_started = 0                       # Generates this rank was told
         self.diverge_id: str | None = None         # the sequence the diverge_table fault picked
+        self.ballot_fault_id: str | None = None    # the sequence the diverge_ballot fault picked
+        self.refused: StepRefused | None = None    # the ballots split: this rank steps no more
         loop.agree_tokens = self._tell
 
     def has_work(self) -> bool:
+        if self.refused is not None:
+            return False              # the group is stopped: only the control's cancels still come
         if self.loop.seqs or self.posted is not None:
             return True
         try:
@@ -175,6 +175,8 @@ class GroupLoop:
             self.num_started += 1
             if self.faults is not None and self.faults.diverge_table == self.num_started:
                 self.diverge_id = msg.request_id
+            if self.faults is not None and self.faults.diverge_ballot == self.num_started:
+                self.ballot_fault_id = msg.request_id
             return self.admit(msg)
         elif isinstance(msg, CancelGenerate) and self.posted is not None and msg.request_id in self.posted:
             self.cancel_after.append(msg)     # the posted round names it: it runs that round first
@@ -182,18 +184,22 @@ class GroupLoop:
         return self.loop.handle(msg)
 
     def step(self) -> list:
+        if self.refused is not None:
+            return []
         if self.posted is None:
             self.posted = list(self.loop.seqs)
-            self.rounds.post(self.posted)
+            self.rounds.post(self._ballot(self.posted))
         posts = self.rounds.gather()
         if posts is None:
             return []                 # a peer has not posted yet: read commands, try again
-        agreed = agreed_order(posts)
+        verdict = judge_posts(posts)  # the same posts on every rank: the same verdict
         out: list = []
         try:
-            if agreed:
-                self._inject(agreed)
-                out = self.loop.step(only=agreed)
+            if not verdict.runs:
+                out = [self._refuse(verdict)]
+            elif verdict.agreed:
+                self._inject(verdict.agreed)
+                out = self.loop.step(only=verdict.agreed)
         finally:        # the round is spent either way: the next one is posted afresh by every rank
             self.posted = None
             self.rounds.done()
@@ -201,6 +207,27 @@ class GroupLoop:
             out += self.loop.handle(c)
         self.cancel_after = []
         return out
+
+    def _ballot(self, ids: list[str]) -> StepBallot:
+        """This rank's ballot: each id with its digest of what it would run for that sequence."""
+        model = getattr(self.loop, "model_digest", "")
+        digests = [seq_digest(self.loop.seqs[i], model) for i in ids]
+        if self.ballot_fault_id in ids:       # the diverge_ballot fault: this rank's view of it differs
+            j = ids.index(self.ballot_fault_id)
+            digests[j] = hashlib.blake2b(f"fault:{digests[j]}".encode(), digest_size=8).hexdigest()
+            self.faults.counts["diverge_ballot"] = self.faults.counts.get("diverge_ballot", 0) + 1
+            log.warning("fault_injected_divergence", fault="diverge_ballot", round=self.rounds.round,
+                        request_id=self.ballot_fault_id)
+        return StepBallot(ids=list(ids), digests=digests)
+
+    def _refuse(self, verdict: Verdict) -> StepRefused:
+        """The ballots split: this rank runs no step from now on (no collective on inputs that
+        differ) and tells the control, which stops the group; its sequences wait for the cancels."""
+        self.refused = StepRefused(worker=self.loop.worker, round=self.rounds.round, step=self.loop.num_steps + 1,
+                                   request_id=verdict.split or "", digests_by_rank=list(verdict.digests))
+        log.error("group_step_refused", round=self.refused.round, step=self.refused.step,
+                  request_id=self.refused.request_id, digests=self.refused.digests_by_rank)
+        return self.refused
 
     def _tell(self, tokens: list[int]) -> list[int]:
         return self.rounds.tell_tokens([int(t) for t in tokens])
@@ -223,5 +250,5 @@ class GroupLoop:
                     request_id=s.request_id)
 
 
-__all__ = ["GroupRefused", "GroupSpec", "GroupLoop", "StepRounds", "agreed_order", "tables_digest", "group_spec", "add_group_args",
-           "open_store"]
+__all__ = ["GroupRefused", "GroupSpec", "GroupLoop", "StepRounds", "agreed_order", "tables_digest", "group_spec",
+           "add_group_args", "open_store"]

@@ -57,6 +57,7 @@ from residency.events.rebind_events import (  # noqa: F401  (re-exported: the ca
 )
 from residency.events.serving_events import (  # noqa: F401  (re-exported: the catalog is the package's API)
     EXPERT_MOVE_KINDS,
+    DivergenceCaught,
     ExpertMove,
     ExpertMoveKind,
     ServerStarted,
@@ -116,5 +117,6 @@ def event_type_name(event: Event) -> str:
 
 __all__ = [name for name in EVENT_TYPES] + [
     "Event", "AnyEvent", "EVENT_TYPES", "TERMINAL_MOVE_EVENTS", "Tier", "TIERS",
-    "MoveKind", "MOVE_KINDS", "StrandedWhy", "event_type_name", "ExpertMove", "ExpertMoveKind", "EXPERT_MOVE_KINDS",
+    "MoveKind", "MOVE_KINDS", "StrandedWhy", "DivergenceCaught", "event_type_name", "ExpertMove", "ExpertMoveKind",
+    "EXPERT_MOVE_KINDS",
 ]

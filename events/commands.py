@@ -15,8 +15,8 @@ from typing import Union
 from residency.events.catalog import ExpertsMoved, MoveAcked, MoveFailed, MoveKind, MoveRejected, StepCompleted, Tier
 from residency.events.message import Message
 from residency.events.serving import (
-    MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServedModel, ServingReady, TokenChoice,
-    TokenLogprobs,
+    MAX_LOGPROBS, CancelGenerate, ChatTurn, Generate, SamplingParams, ServedModel, ServingReady, StepBallot,
+    StepRefused, TokenChoice, TokenLogprobs,
     Tokenize, Tokenized, TokensGenerated,
 )
 
@@ -423,7 +423,7 @@ FromWorker = Union[
     Hello, LaneHello, Pong, MovesReport, ErrorReply,
     MoveAcked, MoveFailed, MoveRejected, MoveNearlyDone, BlocksWritten, BlocksReleased, CommandFailed,
     Inventory, DiskClaimed, PoolRebound, WeightsSwapped,
-    Tokenized, ServingReady, TokensGenerated, StepCompleted,
+    Tokenized, ServingReady, TokensGenerated, StepCompleted, StepRefused,
     MoveTimed,
     MemoryReport, PinnedChanged,
     ExpertsMoved,
@@ -436,7 +436,7 @@ __all__ = [
     "Hello", "LaneHello", "Pong", "BlocksWritten", "BlocksReleased", "MovesReport", "ErrorReply", "CommandFailed",
     "Inventory", "DiskClaimed", "MoveNearlyDone", "MoveTimed",
     "ChatTurn", "MAX_LOGPROBS", "SamplingParams", "TokenChoice", "TokenLogprobs", "Tokenize", "Tokenized",
-    "ServedModel", "ServingReady", "Generate", "CancelGenerate", "TokensGenerated",
+    "ServedModel", "ServingReady", "Generate", "CancelGenerate", "TokensGenerated", "StepBallot", "StepRefused",
     "ToWorker", "FromWorker", "AnyMessage",
     "PoolSizing", "QueryMemory", "MemoryReport", "PinnedChanged",
 ]

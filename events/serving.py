@@ -181,3 +181,28 @@ class TokensGenerated(Message):
     # with SamplingParams.logprobs: one per token of ``token_ids`` whose text is the answer's (an
     # end-of-turn token that stopped the sequence has none)
     logprobs: list[TokenLogprobs] = []
+
+
+# ---------------------------------------------------------------- a group's step ballots (docs/groups.md)
+class StepBallot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What one rank of a group posts to the group's store before a step (dataplane/ballot.py):
+    the request ids it could run, in arrival order, and for each its digest of what it would run
+    for that sequence (block table, positions, the move it awaits, the weights it holds). Every
+    rank reads every rank's ballot, so every rank reaches the same verdict. ``digests`` [] : not
+    said (an ids-only post), never compared."""
+
+    ids: list[str]
+    digests: list[str] = []
+
+
+class StepRefused(Message):
+    """A group's ranks did not run a step: for ``request_id`` (the first, in rank 0's order, of the
+    sequences every rank posted) their ballots' digests differ. Every rank saw the same ballots, so
+    every rank sends the same verdict; the control records it once as ``GroupDiverged`` and stops
+    the group. No rank entered the step's collectives."""
+
+    worker: int
+    round: int                        # the ballot's round on the group's store
+    step: int                         # the step it would have been (the rank's steps so far + 1)
+    request_id: str
+    digests_by_rank: list[str]        # each rank's digest of ``request_id``, by rank

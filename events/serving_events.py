@@ -153,10 +153,21 @@ class StepCompleted(Event):
 
 
 # ---------------------------------------------------------------- groups
+DivergenceCaught = Literal["step", "ballot"]       # a group's ranks compared after a step ran, or before
+
+
 class GroupDiverged(Event):
+    """The ranks of a group disagree: the first step whose digests differ, every rank's digest
+    keyed by its worker id. ``caught_by`` "step": the ranks' ``StepCompleted`` digests of a step
+    that ran; "ballot": their ballots before the step (``round`` on the group's store), for
+    ``request_id``: the step did not run on any rank."""
+
     group: str
     step: int
     digests_by_rank: dict[str, str]
+    caught_by: DivergenceCaught = "step"
+    round: int | None = None          # the ballot's round (None: not a ballot's)
+    request_id: str = ""              # the sequence whose ballots differ ("": a whole step's digest)
 
 
 class GroupStopped(Event):

@@ -12,7 +12,9 @@ Membership: ``params.groups`` when given; else the group a ``WorkerJoined`` name
 ``serve --tp N``); otherwise workers that ever agreed on the digest of a non-empty batch (independent data-parallel workers never do, and empty batches agree by accident,
 so they do not count). ``GroupDiverged`` rows recorded by the control plane open episodes too,
 under their own group name, and name their ranks as members; ``GroupStopped`` ends the episode
-without a recovery.
+without a recovery. A ``GroupDiverged`` caught by the ranks' ballots (``caught_by="ballot"``) has
+no ``StepCompleted`` behind it: the step did not run on any rank, and the finding says so, with
+the ballot's round and the request whose digests differ.
 """
 from __future__ import annotations
 
@@ -126,11 +128,12 @@ class GroupDivergence:
                 last = max(members.values(), key=lambda rep: rep[1])
                 self._recover(g, step, last[2], [rep[1] for rep in members.values()], "agree again")
 
-    def _diverge(self, group: str, step: int, digests: dict[str, str], ts: int, seqs: list[int]) -> None:
+    def _diverge(self, group: str, step: int, digests: dict[str, str], ts: int, seqs: list[int],
+                 ballot: GroupDiverged | None = None) -> None:
         ep = self.open.get(group)
         if ep is None:
             ep = self.open[group] = {"onset_ns": ts, "first_step": step, "num_steps": 0, "seqs": [],
-                                     "digests": digests}
+                                     "digests": digests, "ballot": ballot}
         ep["num_steps"] += 1
         ep["last_step"] = step
         ep["last_ns"] = ts
@@ -153,7 +156,8 @@ class GroupDivergence:
             self.alias[root] = ev.group
             if old in self.open and ev.group not in self.open:
                 self.open[ev.group] = self.open.pop(old)
-        self._diverge(ev.group, ev.step, dict(ev.digests_by_rank), rec.envelope.ts_ns, [rec.envelope.seq])
+        self._diverge(ev.group, ev.step, dict(ev.digests_by_rank), rec.envelope.ts_ns, [rec.envelope.seq],
+                      ballot=ev if ev.caught_by == "ballot" else None)
 
     def _stopped(self, rec: Recorded) -> None:
         self.stopped.add(rec.event.group)
@@ -171,20 +175,31 @@ class GroupDivergence:
         else:
             tail = f"; still diverged at step {ep['last_step']}"
             edge = []
+        ballot: GroupDiverged | None = ep.get("ballot")
+        caught = ""
+        if ballot is not None:
+            what = f"request {ballot.request_id}" if ballot.request_id else "an unreadable ballot"
+            caught = (f"; caught before step {ballot.step} ran, by the ranks' ballots of round {ballot.round} "
+                      f"for {what}")
         return Finding(
             detector=self.name,
             severity="info" if until is not None and until[0] >= 0 else ("warning" if until else "critical"),
             title=(f"group {group} diverged for {fmt_duration(end_ns - ep['onset_ns'])} "
-                   f"({ep['num_steps']} step(s) from step {ep['first_step']}): {split}{tail}"),
+                   f"({ep['num_steps']} step(s) from step {ep['first_step']}): {split}{caught}{tail}"),
             seqs=proof(ep["seqs"], key=list(edge)),
             subject=f"group {group}",
             onset_ns=ep["onset_ns"],
             until_ns=end_ns if until is not None else None,
             suggestion=("ranks computed different batches or block tables: compare their scheduler decisions at the "
-                        "onset step; outputs produced meanwhile are suspect"),
+                        "onset step; outputs produced meanwhile are suspect") if ballot is None else
+                       ("the ranks held different views of one sequence (its block table, positions, awaited move or "
+                        "weights) before the step: no rank ran it; compare the commands each rank was told for it"),
             detail={"group": group, "first_step": ep["first_step"], "last_diverged_step": ep["last_step"],
                     "num_steps_diverged": ep["num_steps"], "last_seen_ns": ep["last_ns"],
-                    "recovered_at_step": until[0] if until is not None and until[0] >= 0 else None},
+                    "recovered_at_step": until[0] if until is not None and until[0] >= 0 else None,
+                    "caught_by": "ballot" if ballot is not None else "step",
+                    "ballot_round": ballot.round if ballot is not None else None,
+                    "request_id": ballot.request_id if ballot is not None else None},
         )
 
     def finish(self, at_ns: int) -> list[Finding]:

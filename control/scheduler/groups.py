@@ -7,6 +7,9 @@ rank is accounted, the ranks' steps are compared. Loop thread only.
                    own pages (BlocksCommitted / BlocksFreed on that rank's books)
     StepCompleted  every rank's is recorded and compared (control/groups.py StepDigests): the
                    first step whose digests differ records GroupDiverged and GroupStopped
+    StepRefused    the ranks' ballots split before a step, which no rank ran: once every earlier
+                   step is judged, GroupDiverged(caught_by="ballot") and GroupStopped naming the
+                   ballot and the request (each rank tells the same verdict; the first one counts)
     WorkerLost     of any rank: GroupStopped naming the rank and the group's blocks it held
     a torn flip    of the group's weights (control/flip_group.py): GroupStopped naming each rank's state
 
@@ -22,7 +25,7 @@ import structlog
 
 from residency.control.groups import GroupBook, StepDigests, step_digest
 from residency.events import catalog as ev
-from residency.events.commands import ServingReady, TokensGenerated
+from residency.events.commands import ServingReady, StepRefused, TokensGenerated
 
 log = structlog.get_logger("control.groups")
 FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
@@ -37,7 +40,7 @@ class GroupServing:
         self.ready: dict[str, dict[int, tuple]] = {g: {} for g in book.members}   # group -> worker -> (link, msg)
         self.stopped: dict[str, ev.GroupStopped] = {}
         for msg_type, handler in ((ServingReady, self.on_ready), (TokensGenerated, self.on_tokens),
-                                  (ev.StepCompleted, self.on_step)):
+                                  (ev.StepCompleted, self.on_step), (StepRefused, self.on_refused)):
             proc.on_worker_message(msg_type, handler)
         proc.add_listener(self._on_recorded)
         # NOTE: chained before the serving path's own: a rank's process gone stops the group at
@@ -90,12 +93,30 @@ class GroupServing:
             return
         live = {w for w in self.book.members[g] if (ws := self.proc.state.workers.get(w)) is not None and ws.alive}
         diverged = self.digests.observe(link.worker, msg.step, step_digest(msg), live)
-        if diverged is not None:
-            self.proc.record(diverged)
-            log.error("group_diverged", group=g, step=diverged.step, digests=diverged.digests_by_rank)
-            self.stop(g, f"ranks diverged at step {diverged.step}: "
-                         + ", ".join(f"worker {w}={d}" for w, d in diverged.digests_by_rank.items()),
-                      step=diverged.step)
+        self._diverged(g, diverged or self.digests.released(g))
+
+    def on_refused(self, link, msg: StepRefused) -> None:
+        g = self.book.group_of.get(link.worker)
+        if g is None:
+            log.warning("step_refused_outside_a_group", worker=link.worker, request_id=msg.request_id)
+            return
+        if g not in self.stopped:
+            self._diverged(g, self.digests.ballot(link.worker, msg))
+
+    def _diverged(self, g: str, diverged: ev.GroupDiverged | None) -> None:
+        if diverged is None:
+            return
+        self.proc.record(diverged)
+        log.error("group_diverged", group=g, step=diverged.step, caught_by=diverged.caught_by,
+                  request_id=diverged.request_id, digests=diverged.digests_by_rank)
+        split = ", ".join(f"worker {w}={d}" for w, d in diverged.digests_by_rank.items())
+        if diverged.caught_by == "ballot":
+            what = f"request {diverged.request_id}" if diverged.request_id else "an unreadable ballot"
+            reason = (f"ranks' ballots differ for {what} at round {diverged.round}, before step {diverged.step} "
+                      f"ran on any rank: {split}")
+        else:
+            reason = f"ranks diverged at step {diverged.step}: {split}"
+        self.stop(g, reason, step=diverged.step)
 
     # ------------------------------------------------------------------ stop
     def _on_recorded(self, seq: int, event) -> None:

@@ -8,7 +8,7 @@ from residency.control.groups import GroupBook, StepDigests, step_digest
 from residency.control.moves import InvalidAsk
 from residency.control.policy.proposals import Proposal
 from residency.events import catalog as ev
-from residency.events.commands import CancelGenerate, Generate, SamplingParams, Tokenize
+from residency.events.commands import CancelGenerate, Generate, SamplingParams, StepRefused, Tokenize
 
 
 @pytest.fixture
@@ -75,3 +75,39 @@ def test_a_lost_rank_is_not_waited_for(book):
     assert d.observe(0, 1, "x", {0, 2}) is None
     e = d.observe(2, 1, "y", {0, 2})
     assert e is not None and e.digests_by_rank == {"0": "x", "2": "y"}
+
+
+def refused(worker: int, n: int, digests: list[str], rid: str = "cmpl-7") -> StepRefused:
+    return StepRefused(worker=worker, round=n + 2, step=n, request_id=rid, digests_by_rank=digests)
+
+
+def test_a_ballot_split_is_a_divergence_keyed_by_worker_and_caught_before_the_step():
+    book = GroupBook({"tp0": [4, 5, 6]})
+    d = StepDigests(book)
+    e = d.ballot(5, refused(5, 1, ["aa", "aa", "bb"]))        # no step before it: judged at once
+    assert type(e) is ev.GroupDiverged and (e.group, e.step, e.caught_by, e.round, e.request_id) == \
+        ("tp0", 1, "ballot", 3, "cmpl-7")
+    assert e.digests_by_rank == {"4": "aa", "5": "aa", "6": "bb"}
+    assert d.ballot(9, refused(9, 1, ["x"])) is None          # a worker in no group
+
+
+def test_a_ballot_split_waits_until_every_step_before_it_is_judged(book):
+    d = StepDigests(book)
+    live = {0, 1, 2}
+    assert d.observe(2, 3, "s3", live) is None                # rank 2 sent step 3, then refused step 4's ballot
+    assert d.ballot(2, refused(2, 4, ["x", "x", "y"])) is None        # ranks 0 and 1's step 3 not in yet: held
+    assert d.observe(0, 3, "s3", live) is None
+    assert d.observe(1, 3, "s3", live) is None                # step 3 agreed
+    e = d.released("tp0")
+    assert e is not None and e.step == 4 and e.caught_by == "ballot"
+    assert d.released("tp0") is None                          # told once
+
+
+def test_an_earlier_step_that_diverged_is_recorded_before_a_later_ballot_split(book):
+    d = StepDigests(book)
+    live = {0, 1, 2}
+    d.observe(2, 3, "other", live)
+    assert d.ballot(2, refused(2, 4, ["x", "x", "y"])) is None
+    d.observe(0, 3, "s3", live)
+    e = d.observe(1, 3, "s3", live)
+    assert e is not None and e.step == 3 and e.caught_by == "step"      # the onset is the earlier step

@@ -3,14 +3,16 @@ TCPStore with two ranks in threads; the serving loop is a stand-in that records 
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from residency.dataplane.faults import rank_faults as rank_faults_apply
+from residency.dataplane.faults import WorkerFaults, rank_faults as rank_faults_apply
 from residency.dataplane.group import GroupLoop, StepRounds, agreed_order, tables_digest
-from residency.events.commands import CancelGenerate
+from residency.events.commands import CancelGenerate, Generate, SamplingParams, StepRefused
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -30,11 +32,24 @@ def stores():
     return master, peer
 
 
+def told(rid: str, pages: list[int] | None = None) -> Generate:
+    pages = pages if pages is not None else random.Random(rid).sample(range(1, 1 << 20), 3)
+    return Generate(request_id=rid, session=None, token_ids=[11, 12], block_ids=pages, num_cached_tokens=0,
+                    sampling=SamplingParams(max_tokens=1))
+
+
+def seq(cmd: Generate) -> SimpleNamespace:
+    """What the ballot reads of a serving loop's sequence (dataplane/serving.py ``_Seq``)."""
+    return SimpleNamespace(cmd=cmd, request_id=cmd.request_id, tokens=list(cmd.token_ids),
+                           num_computed=cmd.num_cached_tokens)
+
+
 class FakeLoop:
     """The edge: what a ServingLoop exposes to GroupLoop (seqs in arrival order, step, handle)."""
 
-    def __init__(self, ids):
-        self.seqs = {i: object() for i in ids}
+    def __init__(self, ids, worker: int = 0):
+        self.seqs = {i: seq(told(i)) for i in ids}
+        self.worker = worker
         self.ran: list[list[str]] = []
         self.handled: list = []
         self.num_steps = 0
@@ -113,19 +128,15 @@ def test_a_fault_spec_part_applies_to_its_rank_only():
     assert rank_faults_apply(spec, 2) == "on_rank=2,diverge_table=3,seed=4"
 
 
+class Told(FakeLoop):
+    def handle(self, msg):
+        if isinstance(msg, Generate):
+            self.seqs[msg.request_id] = seq(msg)
+            return []
+        return super().handle(msg)
+
+
 def test_the_diverge_fault_changes_one_page_of_the_nth_sequence_before_its_first_step(stores):
-    from types import SimpleNamespace
-
-    from residency.dataplane.faults import WorkerFaults
-    from residency.events.commands import Generate, SamplingParams
-
-    class Told(FakeLoop):
-        def handle(self, msg):
-            if isinstance(msg, Generate):
-                self.seqs[msg.request_id] = SimpleNamespace(cmd=msg, request_id=msg.request_id)
-                return []
-            return super().handle(msg)
-
     faults = WorkerFaults("diverge_table=2")
     loop = Told([])
     g = GroupLoop(loop, StepRounds(stores[0], 0, 1), faults)      # a group of one: its own post agrees
@@ -138,3 +149,60 @@ def test_the_diverge_fault_changes_one_page_of_the_nth_sequence_before_its_first
     assert loop.seqs["b"].cmd.block_ids == [7, 8, 9 + (1 << 40)] and faults.counts == {"diverge_table": 1}
     g.step()
     assert loop.seqs["b"].cmd.block_ids == [7, 8, 9 + (1 << 40)]     # once
+
+
+def test_ranks_whose_views_of_a_sequence_differ_run_no_step_and_tell_one_verdict(stores):
+    pages = random.Random().sample(range(1, 1 << 30), 4)
+    l0, l1 = FakeLoop([], worker=0), FakeLoop([], worker=5)
+    l0.seqs["r1"] = seq(told("r1", pages))
+    l1.seqs["r1"] = seq(told("r1", pages[:-1] + [pages[-1] + 1]))       # rank 1's table differs by one page
+    g0, g1 = GroupLoop(l0, StepRounds(stores[0], 0, 2)), GroupLoop(l1, StepRounds(stores[1], 1, 2))
+    (a,), (b,) = both(g0.step, g1.step)
+    assert l0.ran == l1.ran == []                               # no rank entered the step
+    assert type(a) is type(b) is StepRefused and (a.worker, b.worker) == (0, 5)
+    assert (a.round, a.step, a.request_id) == (b.round, b.step, b.request_id) == (0, 1, "r1")
+    assert a.digests_by_rank == b.digests_by_rank and len(set(a.digests_by_rank)) == 2
+    # the group is stopped: the ranks post no more rounds and a cancel frees the sequence at once
+    assert not g0.has_work() and not g1.has_work() and g0.step() == [] == g1.step()
+    assert g0.rounds.round == g1.rounds.round == 1 and not stores[0].check(["r1/0"])
+    assert g1.handle(CancelGenerate(request_id="r1", reason="group_stopped")) == [("cancelled", "r1")]
+
+
+def test_the_ballot_fault_splits_the_nth_sequence_only_and_names_it(stores):
+    l0, l1 = Told([], worker=0), Told([], worker=1)
+    g0 = GroupLoop(l0, StepRounds(stores[0], 0, 2))
+    faults = WorkerFaults("on_rank=1,diverge_ballot=2")
+    g1 = GroupLoop(l1, StepRounds(stores[1], 1, 2), faults)
+    for rid in ("a", "b"):
+        cmd = told(rid)
+        g0.handle(cmd)
+        g1.handle(cmd)
+    (a,), (b,) = both(g0.step, g1.step)
+    assert l0.ran == l1.ran == []
+    assert a.request_id == b.request_id == "b" and a.digests_by_rank == b.digests_by_rank    # "a" agreed
+    assert faults.counts == {"diverge_ballot": 1} and faults.enabled
+
+
+def test_without_the_ballot_fault_the_same_sequences_run(stores):
+    l0, l1 = Told([], worker=0), Told([], worker=1)
+    g0, g1 = GroupLoop(l0, StepRounds(stores[0], 0, 2)), GroupLoop(l1, StepRounds(stores[1], 1, 2))
+    for rid in ("a", "b"):
+        cmd = told(rid)
+        g0.handle(cmd)
+        g1.handle(cmd)
+    both(g0.step, g1.step)
+    assert l0.ran == l1.ran == [["a", "b"]] and g0.refused is None is g1.refused
+
+
+def test_the_table_fault_lands_after_the_ballots_agreed_so_that_step_runs_and_the_next_ballots_split(stores):
+    l0, l1 = Told([], worker=0), Told([], worker=1)
+    g0 = GroupLoop(l0, StepRounds(stores[0], 0, 2))
+    g1 = GroupLoop(l1, StepRounds(stores[1], 1, 2), WorkerFaults("on_rank=1,diverge_table=1"))
+    cmd = told("a")
+    g0.handle(cmd)
+    g1.handle(cmd)
+    both(g0.step, g1.step)
+    assert l0.ran == l1.ran == [["a"]]                  # the ballots agreed; rank 1's table changed after
+    (a,), (b,) = both(g0.step, g1.step)
+    assert l0.ran == l1.ran == [["a"]]                  # the next step ran nowhere
+    assert a.request_id == b.request_id == "a" and (a.round, a.step) == (b.round, b.step) == (1, 2)

@@ -112,3 +112,32 @@ def test_ranks_a_worker_joined_names_diverge_on_their_block_tables_and_the_stop_
     assert f.subject == "group tp0"                 # named by WorkerJoined, though batches agreed
     assert f.onset_ns == recs[(4, 0)].envelope.ts_ns and f.detail["first_step"] == 4
     assert f.until_ns == stop.envelope.ts_ns and "stopped: ranks diverged at step 4" in f.title
+
+
+def test_a_split_caught_by_the_ballot_shows_its_onset_and_that_no_rank_ran_the_step(L):
+    for w in range(2):
+        L.add(ev.WorkerJoined(worker=w, device="cpu", block_bytes=4096, tiers={"device": 1 << 20},
+                              group="tp0", rank=w))
+    for s in range(1, 4):
+        batch = f"{L.rng.getrandbits(64):016x}"
+        for w in range(2):
+            L.add(ev.StepCompleted(worker=w, step=s, batch_digest=batch, num_seqs=1, num_tokens=1, duration_ns=MS,
+                                   tables_digest="t"))
+    a, b = (f"{L.rng.getrandbits(64):016x}" for _ in range(2))
+    div = L.add(ev.GroupDiverged(group="tp0", step=4, digests_by_rank={"0": a, "1": b}, caught_by="ballot",
+                                 round=6, request_id="cmpl-9"))
+    stop = L.add(ev.GroupStopped(group="tp0", reason="ranks' ballots differ for request cmpl-9", step=4))
+    [f] = detect_group_divergence(L.events, at_ns=L.now)
+    assert f.subject == "group tp0" and f.onset_ns == div.envelope.ts_ns and f.until_ns == stop.envelope.ts_ns
+    assert f.detail["first_step"] == 4 and f.detail["caught_by"] == "ballot"
+    assert f.detail["ballot_round"] == 6 and f.detail["request_id"] == "cmpl-9"
+    assert "caught before step 4 ran, by the ranks' ballots of round 6 for request cmpl-9" in f.title
+    assert f"rank 0={a[:8]}" in f.title and f"rank 1={b[:8]}" in f.title
+
+
+def test_a_split_caught_after_the_step_says_so(L):
+    L.worker(0)
+    L.worker(1)
+    run_steps(L, range(1, 6), diverge={3})
+    [f] = detect_group_divergence(L.events, at_ns=L.now)
+    assert f.detail["caught_by"] == "step" and f.detail["request_id"] is None and "ballot" not in f.title

@@ -54,6 +54,17 @@ def test_a_payload_stored_under_blocks_freed_v1_is_upcast_to_v2():
     assert ev.BlocksFreed.SCHEMA_VERSION == 2
 
 
+def test_a_group_diverged_row_written_before_ballots_reads_as_caught_after_its_step():
+    rng = random.Random()
+    digests = {str(w): f"{rng.getrandbits(64):016x}" for w in range(3)}
+    old = msgspec.msgpack.encode(["GroupDiverged", "tp0", 41, digests])
+    e = decode_event(old, "GroupDiverged", 1)
+    assert e == ev.GroupDiverged(group="tp0", step=41, digests_by_rank=digests)
+    assert (e.caught_by, e.round, e.request_id) == ("step", None, "")
+    new = ev.GroupDiverged(group="tp0", step=42, digests_by_rank=digests, caught_by="ballot", round=50, request_id="r")
+    assert decode_event(encode_event(new), "GroupDiverged", 1) == new
+
+
 def test_a_row_whose_type_disagrees_with_its_payload_is_named():
     e = _random_event(random.Random())
     with pytest.raises(DecodeError, match="row says MoveAcked but payload is MoveRequested"):
