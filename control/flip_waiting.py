@@ -107,6 +107,8 @@ class HeldRequests:
             self.refuse(r, verdict.status, verdict.code, verdict.message, verdict.param)
             return
         r.tokenized = msg
+        log.info("held_request_tokenized", request_id=r.request_id, model=r.req.model, worker=worker,
+                 prompt_tokens=len(msg.token_ids))
         self.settled()
 
     def _out(self, r, now_ns: int) -> bool:
