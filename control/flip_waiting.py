@@ -96,7 +96,7 @@ class HeldRequests:
             self.left(r)
             return
         code = (msg.error or "").partition(": ")[0]
-        if msg.error is not None and code in NOT_HERE:
+        if (msg.error is not None and code in NOT_HERE) or not self.alive(worker):    # its card may be gone too
             log.info("held_tokenize_not_here", request_id=r.request_id, worker=worker, error=msg.error)
             self.settled()
             return

@@ -129,3 +129,13 @@ def test_a_request_tokenized_before_is_not_tokenized_again(loop):
     r.tokenized = answer("r1", 5)
     h.hold(r, "model_not_resident", "b", worker=0, tokenizers=[0])
     assert h.proc.sent == [] and list(h.backlog()) == ["b"]
+
+
+def test_an_answer_from_a_worker_lost_meanwhile_is_not_checked(loop):
+    h = held()
+    h.check = lambda r, msg, worker: pytest.fail("checked against the card of a worker no longer alive")
+    r = request(loop, "r1")
+    h.hold(r, "model_not_resident", "b", worker=0, tokenizers=[0])
+    h.alive = lambda w: False
+    h.on_tokenized(r, 0, answer("r1", 5))
+    assert r.tokenized is None and h.held == [r] and h.tokenizing == {} and list(h.backlog()) == ["b"]
