@@ -14,10 +14,12 @@ that wait for a model meanwhile (the pure steps are control/flip.py and control/
     growing       a wake that completed (or a sleep the worker refused): the pool grows back to the
                   size the sleep took it from, then requests flow again
 
-Requests for a model no worker serves now are held before they are tokenized (``gate``), since
-a worker tokenizes with its resident model: released to a worker once one serves it, else
-answered 503 after ``wait_s`` naming what they waited for (the sleep, the flip, or a model not
-resident). While a model has requests held and its worker's policy says so, a flip starts.
+Requests for a model no worker serves now are held (``gate``) and tokenized meanwhile by a worker
+that lists the model (its own tokenizer needs no weights): one the checks refuse is answered 400
+at once; the others are released to a worker once one serves their model, keeping their tokens,
+else answered 503 after ``wait_s`` naming what they waited for (the sleep, the flip, or a model
+not resident). While a model has requests held that passed their checks (or could not be
+tokenized early) and its worker's policy says so, a flip starts.
 
 A tensor-parallel group (``serve --tp N``) flips, sleeps and wakes as one run asked of its leader
 (a follower's ask is refused naming the leader): the leader's requests drain, its sessions park
@@ -65,6 +67,9 @@ class Flipper:
         self.asker = asker
         self.drain_ns = int(drain_s * S)
         self.waiting = HeldRequests(proc, requests, wait_s)      # requests held for a model
+        # a held request's early Tokenize was answered: it may go now, or count for the policy
+        self.waiting.settled = lambda: (self.release(), self.consider())
+        self.waiting.alive = lambda w: w in self.workers.alive()
         self.pool = KVPoolSteps(proc, lambda run: self.runs.get(run.worker) is run)
         self.deadline_s = deadline_s
         self.deadline_bytes_per_s = deadline_bytes_per_s
@@ -153,7 +158,8 @@ class Flipper:
         if self.workers.sched is None or not self.workers.alive() or self.serving(r.req.model):
             return False
         cands = self.workers.alive()
-        self.waiting.hold(r, *self._why_held(r.req.model), worker=cands[0] if cands else -1)
+        lists = [w for w in cands if any(m.name == r.req.model for m in self.workers.ready[w].models)]
+        self.waiting.hold(r, *self._why_held(r.req.model), worker=cands[0] if cands else -1, tokenizers=lists)
         self.consider()
         return True
 
@@ -416,6 +422,7 @@ class Flipper:
             if run.phase == "draining":
                 self._advance(run)
         self.waiting.expire(time.monotonic_ns(), self._why_held)
+        self.release()          # one whose Tokenize went unanswered (its worker lost or stalled) goes now
         self.consider()
         self._refresh()
 

@@ -6,11 +6,16 @@ room, restore the prefix, run. Loop thread only.
                                                                         admitted again when room appears
                                                               Admit  ─► RequestAdmitted, release superseded
                                                                         pages, restore the prefix ─► run
+
+A request held for a model no worker serves now (the Flipper's gate) is tokenized while it waits
+(control/flip_waiting.py) and checked by the same ``check_tokens``; when it starts over it keeps
+its Tokenized and is not tokenized again.
 """
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -35,6 +40,42 @@ log = structlog.get_logger("control.serving")
 RETRY_AFTER_S = 1
 
 
+@dataclass(frozen=True)
+class TokensRefused:
+    """Why a tokenized prompt cannot run on a model: the 400 its client is answered with."""
+    code: str
+    message: str
+    param: str | None
+    status: int = 400
+
+
+def check_tokens(req, msg: Tokenized, ready, default_max_tokens: int | None) -> TokensRefused | int:
+    """The checks of a ``Tokenized`` answer against the model it names on a worker (``ready``: that
+    worker's ServingReady): the worker's own refusal, logit_bias ids outside the vocabulary, a prompt
+    or prompt plus max_tokens past the model's context. Returns the max_tokens the request runs with
+    (the rest of the context, capped by ``default_max_tokens``, when the client named none), or why
+    not. Pure: run when a request is tokenized and again when a request tokenized while it was held
+    for its model starts over on the worker that serves it."""
+    param = "messages" if req.kind == "chat" else "prompt"
+    if msg.error is not None:
+        code, _, detail = msg.error.partition(": ")
+        return TokensRefused(code, detail or msg.error, param)
+    outside = sorted(t for t in req.sampling.logit_bias if msg.vocab_size is not None and t >= msg.vocab_size)
+    if outside:
+        return TokensRefused("invalid_token_id", f"logit_bias names token id {outside[0]}, outside this model's "
+                                                 f"vocabulary of {msg.vocab_size} tokens", "logit_bias")
+    n, ctx = len(msg.token_ids), next((m.max_context for m in ready.models if m.name == req.model), ready.max_context)
+    if n >= ctx:
+        return TokensRefused("context_length_exceeded",
+                             f"this model's context window is {ctx} tokens; the prompt is {n} tokens", param)
+    max_tokens = req.sampling.max_tokens if req.max_tokens_given else min(ctx - n, default_max_tokens or ctx)
+    if n + max_tokens > ctx:
+        return TokensRefused("context_length_exceeded", f"this model's context window is {ctx} tokens; the prompt "
+                                                        f"({n}) plus max_tokens ({max_tokens}) is {n + max_tokens}",
+                             "max_tokens")
+    return max_tokens
+
+
 class Admission:
     def __init__(self, proc, workers: ServingWorkers, requests: RequestTable, router: Router, asker: Asker, *,
                  retain_fraction: float, max_waiting: int, wait_timeout_s: float, default_max_tokens: int | None,
@@ -55,6 +96,8 @@ class Admission:
         # (True: held, it comes back here once one does), and why a worker takes no request now
         self.gate: Callable[[RequestState], bool] = lambda r: False
         self.flip_holds: Callable[[RequestState], tuple[str, str] | None] = lambda r: None
+        # the answer to a Tokenize sent for a request while it is held (HeldRequests.on_tokenized)
+        self.held_tokenized: Callable[[RequestState, int, Tokenized], None] = lambda r, worker, msg: None
         # restores whose turn ran: "pipelined" (its Generate sent once the restore was dispatched,
         # the prefill reading layers as they land) or "plain" (sent after the restore's ack)
         self.restores: collections.Counter = collections.Counter()
@@ -78,6 +121,9 @@ class Admission:
             return
         r.worker, r.phase = worker, "tokenizing"
         self.requests.add(r)
+        if r.tokenized is not None:     # tokenized while held for its model: checked here, not tokenized again
+            self._tokens(r, r.tokenized)
+            return
         req = r.req
         msg = Tokenize(request_id=r.request_id, messages=req.messages, prompt=req.prompt,
                        prompt_token_ids=req.prompt_token_ids, model=self._model_arg(worker, req.model))
@@ -88,38 +134,30 @@ class Admission:
 
     def on_tokenized(self, link, msg: Tokenized) -> None:
         r = self.requests.get(msg.request_id)
-        if r is None or r.phase != "tokenizing":
+        if r is None:
+            return
+        if r.phase == "held":           # tokenized while it waits for its model
+            self.held_tokenized(r, link.worker, msg)
+            return
+        if r.phase != "tokenizing":
             return
         if r.cancelled:
             self.requests.forget(r)
             return
-        req = r.req
-        param = "messages" if req.kind == "chat" else "prompt"
-        if msg.error is not None:
-            code, _, detail = msg.error.partition(": ")
-            self.refuse(r, 400, code, detail or msg.error, param)
+        self._tokens(r, msg)
+
+    def check(self, r: RequestState, msg: Tokenized, worker: int) -> TokensRefused | int:
+        """``check_tokens`` against ``worker``'s card of the request's model."""
+        return check_tokens(r.req, msg, self.workers.ready[worker], self.default_max_tokens)
+
+    def _tokens(self, r: RequestState, msg: Tokenized) -> None:
+        """Run the checks on ``r``'s worker; refused (400), or routed and admitted with its tokens."""
+        verdict = self.check(r, msg, r.worker)
+        if isinstance(verdict, TokensRefused):
+            self.refuse(r, verdict.status, verdict.code, verdict.message, verdict.param)
             return
-        outside = sorted(t for t in req.sampling.logit_bias if msg.vocab_size is not None and t >= msg.vocab_size)
-        if outside:
-            self.refuse(r, 400, "invalid_token_id", f"logit_bias names token id {outside[0]}, outside this model's "
-                                                    f"vocabulary of {msg.vocab_size} tokens", "logit_bias")
-            return
-        ready = self.workers.ready[r.worker]
-        n, ctx = len(msg.token_ids), next((m.max_context for m in ready.models if m.name == req.model), ready.max_context)
-        if n >= ctx:
-            self.refuse(r, 400, "context_length_exceeded",
-                        f"this model's context window is {ctx} tokens; the prompt is {n} tokens", param)
-            return
-        if req.max_tokens_given:
-            max_tokens = req.sampling.max_tokens
-        else:
-            max_tokens = min(ctx - n, self.default_max_tokens or ctx)
-        if n + max_tokens > ctx:
-            self.refuse(r, 400, "context_length_exceeded",
-                        f"this model's context window is {ctx} tokens; the prompt ({n}) plus max_tokens "
-                        f"({max_tokens}) is {n + max_tokens}", "max_tokens")
-            return
-        r.token_ids, r.keys, r.max_tokens = list(msg.token_ids), list(msg.keys), max_tokens
+        r.tokenized = msg
+        r.token_ids, r.keys, r.max_tokens = list(msg.token_ids), list(msg.keys), verdict
         self.router.route(r)
         self.admit(r)
 

@@ -27,6 +27,9 @@ class RequestState:
         self.token_ids: list[int] = []
         self.keys: list[str] = []
         self.max_tokens = 0
+        # its Tokenized once tokenized (perhaps while held for its model): a request that starts
+        # over (a flip moved its model out before it ran) is checked again, not tokenized again
+        self.tokenized = None
         self.admit = None               # control.scheduler.core.Admit once admitted
         self.cancelled: str | None = None
         self.num_generated = 0

@@ -94,6 +94,7 @@ class ServingService:
         held = self.flips.waiting
         held.begin, held.refuse, self.flips.changed = self.admission.begin, self.admission.refuse, self.admission.retry_soon
         self.admission.gate, self.admission.flip_holds = self.flips.gate, self.flips.holds
+        self.admission.held_tokenized, held.check = held.on_tokenized, self.admission.check
         held.left = lambda r: self.admission.end_waiting(
             r, r.cancelled or "disconnected", BackendError(499, "the client went away", code="client_disconnected"),
             client_left=True)

@@ -7,6 +7,7 @@ A sleep shrinks the device KV pool to one block through the dial and the wake gr
 a budget floor the dial refuses the shrink and the sleep completes all the same, saying why."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,21 +61,29 @@ def text_of(r: httpx.Response) -> str:
 DEVICE = os.environ.get("RESIDENCY_TEST_DEVICE", "cpu")
 
 
-def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
+def serve_two(tmp_path, dirs) -> tuple[Server, dict]:
+    """``residency serve`` with models a and b, once a is resident; its model cards."""
     srv = Server(tmp_path, "--device", DEVICE, "--dtype", "float32", "--kv-layout", "2,4,2,16,float32", "--model", f"a={dirs['a']}",
                  "--model", f"b={dirs['b']}", "--flip-min-residency-s", "0", device_blocks=64)
+    deadline = time.monotonic() + 180
+    while True:
+        if srv.proc.poll() is not None:
+            raise AssertionError(srv.tail())
+        try:
+            cards = {m["id"]: m for m in httpx.get(f"{srv.url}/v1/models", timeout=2).json()["data"]}
+            if cards.get("a", {}).get("residency") == "resident":
+                return srv, cards
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            srv.stop()
+            raise AssertionError(srv.tail())
+        time.sleep(0.3)
+
+
+def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
+    srv, cards = serve_two(tmp_path, dirs)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert srv.proc.poll() is None, srv.tail()
-            try:
-                cards = {m["id"]: m for m in httpx.get(f"{srv.url}/v1/models", timeout=2).json()["data"]}
-                if cards.get("a", {}).get("residency") == "resident":
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, srv.tail()
-            time.sleep(0.3)
         assert cards["b"]["residency"] in ("host", "file")
         before = text_of(chat(srv, "a", "the same words"))
 
@@ -152,3 +161,43 @@ def test_two_models_flip_sleep_and_wake_on_a_real_server(tmp_path, dirs):
     assert (arena.model, arena.asleep, arena.stranded, arena.num_flips) == ("a", False, None, 6)
     found = [f.detector for f in diagnose(events).findings if f.detector.startswith("flip_")]
     assert found == []
+
+
+def test_a_request_held_for_the_other_model_is_tokenized_while_it_waits(tmp_path, dirs):
+    """b is not resident: a prompt too long for b's context is refused 400 before any flip (nothing
+    else wants b, so none is asked); a good request for b is tokenized with b's tokenizer while it
+    is held, and after the flip it runs with those tokens: the same greedy text as b gives once
+    resident, tokenized the usual way."""
+    srv, cards = serve_two(tmp_path, dirs)
+    try:
+        too_long = chat(srv, "b", "many words " * 200)
+        assert too_long.status_code == 400, too_long.text
+        assert too_long.json()["error"]["code"] == "context_length_exceeded", too_long.text
+        cards = {m["id"]: m for m in httpx.get(f"{srv.url}/v1/models").json()["data"]}
+        assert cards["a"]["residency"] == "resident" and cards["b"]["residency"] in ("host", "file")
+
+        held = text_of(chat(srv, "b", "the other model"))       # held, tokenized, flipped to, run
+        cards = {m["id"]: m for m in httpx.get(f"{srv.url}/v1/models").json()["data"]}
+        assert cards["b"]["residency"] == "resident"
+        assert text_of(chat(srv, "b", "the other model")) == held      # tokenized once b is resident
+    finally:
+        assert srv.stop() == 0, srv.tail()
+
+    events, state = read_ledger(srv.ledger)
+    state.check_integrity()
+    flips = [r for r in events if type(r.event) is ev.FlipRequested]
+    assert [(f.event.action, f.event.to_model) for f in flips] == [("flip", "b")]
+    refused = [r for r in events if type(r.event) is ev.RequestRefused]
+    [q_long, q_held] = [r for r in events if type(r.event) is ev.RequestQueued]
+    assert [r.event.request_id for r in refused] == [q_long.event.request_id]
+    assert refused[0].event.reason.startswith("context_length_exceeded") and refused[0].seq < flips[0].seq
+    admitted = next(r for r in events if type(r.event) is ev.RequestAdmitted
+                    and r.event.request_id == q_held.event.request_id)
+    completed = next(r for r in events if type(r.event) is ev.FlipCompleted)
+    assert q_held.seq < flips[0].seq < completed.seq < admitted.seq
+    # the held request's Tokenize was answered before the flip was sent, and it was the only one
+    lines = [json.loads(x) for x in srv.log_path.read_text(errors="replace").splitlines() if x.startswith("{")]
+    said = [x["event"] for x in lines if x.get("event") in ("held_request_tokenized", "flip_sent")]
+    assert said == ["held_request_tokenized", "flip_sent"], said
+    found = [(f.detector, f.title) for f in diagnose(events).findings]
+    assert found == [], found
