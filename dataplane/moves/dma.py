@@ -41,6 +41,14 @@ _SRC_ACCESS_ORDER_STREAM = 1      # cudaMemcpySrcAccessOrderStream: sources read
 _PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute: copy engines, not SMs
 
 
+
+def _check_runs(runs: Sequence[tuple[int, int, int]], s_rows: int, d_rows: int) -> None:
+    """Every run (source row, destination row, rows) inside both tensors' rows, or IndexError."""
+    for a, b, n in runs:
+        if n < 1 or a < 0 or b < 0 or a + n > s_rows or b + n > d_rows:
+            raise IndexError(f"DMA run (source row {a}, destination row {b}, {n} rows) is outside "
+                             f"source rows [0, {s_rows}) or destination rows [0, {d_rows})")
+
 class _MemcpyAttributes(ctypes.Structure):
     """cudaMemcpyAttributes (driver_types.h, CUDA 12.8 on): the access order, two location hints
     (cudaMemLocation: type, id; type 0 = no hint) and flags."""
@@ -182,19 +190,10 @@ class RawDma:
                              f"{dst.dtype} x {dst.shape[1]}")
         if not 0 <= lo < hi <= src.shape[1]:
             raise IndexError(f"columns [{lo}, {hi}) are outside the rows' [0, {src.shape[1]})")
-        s_rows, d_rows = src.shape[0], dst.shape[0]
-        for a, b, n in runs:
-            if n < 1 or a < 0 or b < 0 or a + n > s_rows or b + n > d_rows:
-                raise IndexError(f"DMA run (source row {a}, destination row {b}, {n} rows) is outside "
-                                 f"source rows [0, {s_rows}) or destination rows [0, {d_rows})")
+        _check_runs(runs, src.shape[0], dst.shape[0])
         es = src.element_size()
         off, width = lo * es, (hi - lo) * es
-        s0, d0, handle = src.data_ptr() + off, dst.data_ptr() + off, stream.cuda_stream
-        for a, b, n in runs:
-            err = self._memcpy2d(d0 + b * rb, rb, s0 + a * rb, rb, width, n, _CUDA_MEMCPY_DEFAULT, handle)
-            if err:
-                raise RuntimeError(f"cudaMemcpy2DAsync of {n} rows x {width} bytes failed: cudaError {err} "
-                                   f"({self._error_string(err).decode(errors='replace')})")
+        self._copy_2d(stream, dst.data_ptr() + off, rb, src.data_ptr() + off, rb, width, runs)
 
     def copy_rows_to_cols(self, stream, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]],
                           lo: int) -> None:
@@ -208,16 +207,17 @@ class RawDma:
         if dst.dtype != src.dtype or not 0 <= lo <= lo + w <= dst.shape[1]:
             raise ValueError(f"rows of {w} {src.dtype} do not fit columns [{lo}, {lo + w}) of rows of "
                              f"{dst.shape[1]} {dst.dtype}")
-        s_rows, d_rows = src.shape[0], dst.shape[0]
-        for a, b, n in runs:
-            if n < 1 or a < 0 or b < 0 or a + n > s_rows or b + n > d_rows:
-                raise IndexError(f"DMA run (source row {a}, destination row {b}, {n} rows) is outside "
-                                 f"source rows [0, {s_rows}) or destination rows [0, {d_rows})")
+        _check_runs(runs, src.shape[0], dst.shape[0])
         es = src.element_size()
-        width, s0, d0, handle = w * es, src.data_ptr(), dst.data_ptr() + lo * es, stream.cuda_stream
+        self._copy_2d(stream, dst.data_ptr() + lo * es, dpitch, src.data_ptr(), spitch, w * es, runs)
+
+    def _copy_2d(self, stream, d0: int, dpitch: int, s0: int, spitch: int, width: int,
+                 runs: Sequence[tuple[int, int, int]]) -> None:
+        """One ``cudaMemcpy2DAsync`` per run: ``n`` rows of ``width`` bytes from source row ``a``
+        (``spitch`` apart from ``s0``) to destination row ``b`` (``dpitch`` apart from ``d0``)."""
         for a, b, n in runs:
             err = self._memcpy2d(d0 + b * dpitch, dpitch, s0 + a * spitch, spitch, width, n, _CUDA_MEMCPY_DEFAULT,
-                                 handle)
+                                 stream.cuda_stream)
             if err:
                 raise RuntimeError(f"cudaMemcpy2DAsync of {n} rows x {width} bytes failed: cudaError {err} "
                                    f"({self._error_string(err).decode(errors='replace')})")

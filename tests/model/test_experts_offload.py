@@ -128,11 +128,13 @@ def test_a_layer_routed_to_a_hot_set_keeps_it_resident_through_a_cold_visitor(ol
     assert not set(evicted) & set(hot)
 
 
-def test_the_next_layers_hot_experts_are_prefetched_while_this_layer_runs(olmoe):
-    """Layer 1's hot set was pushed out by visitors; running layer 0 brings it back ahead of
-    time (recorded as prefetches), and layer 1 then finds it on the device: nothing fetched."""
+@pytest.mark.parametrize("hot_layer,run_layer", [(1, 0), (0, -1)], ids=["next_layer", "layer_0_after_the_last"])
+def test_a_layers_hot_experts_are_prefetched_while_the_layer_before_it_runs(olmoe, hot_layer, run_layer):
+    """A layer's hot set was pushed out by visitors; running the layer before it (for layer 0: the
+    step's last layer, ahead of the next step) brings it back ahead of time (recorded as
+    prefetches), and the layer then finds it on the device: nothing fetched."""
     _, off = offload_model(olmoe, parse_expert_budget("25%"))      # 4 slots of 16
-    H = TINY_OLMOE.hidden
+    H, run_layer = TINY_OLMOE.hidden, run_layer % off.L
     x = torch.randn(1, H)
 
     def router_for(experts: list[int]) -> torch.Tensor:
@@ -143,46 +145,17 @@ def test_the_next_layers_hot_experts_are_prefetched_while_this_layer_runs(olmoe)
 
     hot, visitors = [10, 11, 12, 13], [0, 1, 2, 3]
     for _ in range(5):
-        off.mlp(x, 1, router_for(hot), fused=False)
-    off.mlp(x, 1, router_for(visitors), fused=False)                # the hot set leaves layer 1
-    assert not set(hot) & set(off.expert_slot[1])
+        off.mlp(x, hot_layer, router_for(hot), fused=False)
+    off.mlp(x, hot_layer, router_for(visitors), fused=False)        # the hot set leaves its layer
+    assert not set(hot) & set(off.expert_slot[hot_layer])
     off.drain(0, 1)
-    off.mlp(x, 0, router_for(visitors), fused=False)                # layer 0 runs: layer 1's prefetch goes out
+    off.mlp(x, run_layer, router_for(visitors), fused=False)        # the layer before runs: the prefetch goes out
     prefetched = [(m.layer, m.expert) for m in off.drain(0, 2)[0].moves if m.kind == "prefetch"]
-    assert sorted(prefetched) == [(1, e) for e in hot]
+    assert sorted(prefetched) == [(hot_layer, e) for e in hot]
     before = off.served_totals()
-    off.mlp(x, 1, router_for(hot), fused=False)
+    off.mlp(x, hot_layer, router_for(hot), fused=False)
     after = off.served_totals()
     assert (after[0] - before[0], after[1] - before[1]) == (4 * off.expert_bytes, 0)    # all four on the device
-    assert not [m for e in off.drain(0, 3) for m in e.moves if m.kind == "fetch"]
-
-
-def test_the_last_layer_prefetches_layer_0_for_the_next_step(olmoe):
-    """Layer 0 has no layer before it in a step: its hot set, pushed out by visitors, comes back
-    while the last layer runs, so the next step's layer 0 finds it on the device."""
-    _, off = offload_model(olmoe, parse_expert_budget("25%"))      # 4 slots of 16
-    H, last = TINY_OLMOE.hidden, off.L - 1
-    x = torch.randn(1, H)
-
-    def router_for(experts: list[int]) -> torch.Tensor:
-        r = torch.zeros(TINY_OLMOE.num_experts, H)
-        for rank, e in enumerate(experts):
-            r[e] = x[0] / x[0].dot(x[0]) * (4.0 - 0.5 * rank)
-        return r
-
-    hot, visitors = [5, 7, 9, 14], [0, 1, 2, 3]
-    for _ in range(5):
-        off.mlp(x, 0, router_for(hot), fused=False)
-    off.mlp(x, 0, router_for(visitors), fused=False)                # the hot set leaves layer 0
-    assert not set(hot) & set(off.expert_slot[0])
-    off.drain(0, 1)
-    off.mlp(x, last, router_for(visitors), fused=False)             # the step's last layer: layer 0's prefetch
-    prefetched = [(m.layer, m.expert) for m in off.drain(0, 2)[0].moves if m.kind == "prefetch"]
-    assert sorted(prefetched) == [(0, e) for e in hot]
-    before = off.served_totals()
-    off.mlp(x, 0, router_for(hot), fused=False)
-    after = off.served_totals()
-    assert (after[0] - before[0], after[1] - before[1]) == (4 * off.expert_bytes, 0)
     assert not [m for e in off.drain(0, 3) for m in e.moves if m.kind == "fetch"]
 
 

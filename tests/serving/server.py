@@ -23,7 +23,9 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, tmp: Path, *extra: str, name: str = "serve", ledger: str | None = None,
-                 device_blocks: int | None = 192):
+                 device_blocks: int | None = 192, faults: str | None = None):
+        """``faults``: the workers' ``RESIDENCY_WORKER_FAULTS`` for this server alone (None: as the
+        test process has it)."""
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -40,6 +42,8 @@ class Server:
         # set by the caller wins.
         env = dict(os.environ, RESIDENCY_LOG_FORMAT="json", RESIDENCY_WORKER_LOG_LEVEL="info",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        if faults is not None:
+            env["RESIDENCY_WORKER_FAULTS"] = faults
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

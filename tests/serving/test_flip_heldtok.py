@@ -98,12 +98,19 @@ def test_a_prompt_too_long_for_the_held_model_is_refused_before_any_flip(stack):
     live_equals_replay(s)
 
 
-def test_a_held_request_that_passes_runs_after_the_flip_with_its_early_tokens(stack):
+def tiny_answered_then_flipped_to_other(stack):
+    """A stack serving "tiny" and "other": tiny's greedy answer taken, then the arena flipped to
+    other, so a request for tiny is held. -> (stack, the stand-in worker, tiny's answer)."""
     s = stack(device_blocks=32)
     worker = stand_in(s, {"tiny": TINY_WEIGHTS_BYTES, "other": OTHER_BYTES})
     two_models(s, other_context=256)
     before = chat_model(s, "tiny", "the same words every time", max_tokens=8).json()["choices"][0]["message"]
     assert s.client.post("/admin/flip", json={"to": "other"}).json()["outcome"] == "completed"
+    return s, worker, before
+
+
+def test_a_held_request_that_passes_runs_after_the_flip_with_its_early_tokens(stack):
+    s, worker, before = tiny_answered_then_flipped_to_other(stack)
     order: list[str] = []
     tok = Tokenizes(s)
     swap = s.worker.core.handlers[SwapWeights]
@@ -160,11 +167,7 @@ def test_a_held_request_whose_client_leaves_while_it_is_tokenized_leaves_nothing
 
 
 def test_a_worker_that_cannot_tokenize_the_held_model_yet_leaves_it_to_after_the_flip(stack):
-    s = stack(device_blocks=32)
-    worker = stand_in(s, {"tiny": TINY_WEIGHTS_BYTES, "other": OTHER_BYTES})
-    two_models(s, other_context=256)
-    before = chat_model(s, "tiny", "the same words every time", max_tokens=8).json()["choices"][0]["message"]
-    assert s.client.post("/admin/flip", json={"to": "other"}).json()["outcome"] == "completed"
+    s, worker, before = tiny_answered_then_flipped_to_other(stack)
     tok = Tokenizes(s, older_than=worker)   # answers model_not_resident for a model not on the device
 
     r = chat_model(s, "tiny", "the same words every time", max_tokens=8)

@@ -47,16 +47,8 @@ STALLED = 9       # rank 1 of "flip" stalls its 9th SwapWeights: the flip after 
 
 
 def start(tmp, name: str, small: str, faults: str = "") -> Server:
-    old = os.environ.get("RESIDENCY_WORKER_FAULTS")
-    os.environ["RESIDENCY_WORKER_FAULTS"] = faults
-    try:
-        return Server(tmp, *COMMON, "--model", "smol=embedded", "--model", f"small={small}", name=name,
-                      device_blocks=48)
-    finally:
-        if old is None:
-            os.environ.pop("RESIDENCY_WORKER_FAULTS", None)
-        else:
-            os.environ["RESIDENCY_WORKER_FAULTS"] = old
+    return Server(tmp, *COMMON, "--model", "smol=embedded", "--model", f"small={small}", name=name,
+                  device_blocks=48, faults=faults)
 
 
 @pytest.fixture(scope="module")

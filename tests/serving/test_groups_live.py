@@ -43,15 +43,7 @@ TINY_LLAMA = ModelConfig(name="tiny-llama", num_layers=2, hidden=64, num_heads=4
 
 
 def start(tmp, name: str, *extra: str, faults: str = "") -> Server:
-    old = os.environ.get("RESIDENCY_WORKER_FAULTS")
-    os.environ["RESIDENCY_WORKER_FAULTS"] = faults
-    try:
-        return Server(tmp, *COMMON, *extra, name=name)
-    finally:
-        if old is None:
-            os.environ.pop("RESIDENCY_WORKER_FAULTS", None)
-        else:
-            os.environ["RESIDENCY_WORKER_FAULTS"] = old
+    return Server(tmp, *COMMON, *extra, name=name, faults=faults)
 
 
 @pytest.fixture(scope="module")

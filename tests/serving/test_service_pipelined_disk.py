@@ -79,10 +79,11 @@ def test_a_session_parked_to_disk_is_restored_pipelined_with_the_tokens_of_a_pla
     assert not piped.worker.core.mover.device_pool.table.reserved_blocks()
 
 
-def flip_a_byte(s: Stack) -> int:
-    """A flipped bit in the payload of one of the worker's spill files; the block."""
+def flip_a_byte(s: Stack, bad: int | None = None) -> int:
+    """A flipped bit in the payload of one of the worker's spill files (``bad``'s, else a random
+    one's); the block."""
     disk = s.worker.core.mover.disk_tier
-    bad = random.choice(disk.blocks())
+    bad = random.choice(disk.blocks()) if bad is None else bad
     with open(disk.path_of(bad), "r+b") as f:
         at = HEADER_BYTES + random.randrange(disk.block_bytes)
         f.seek(at)
@@ -121,13 +122,20 @@ def test_a_corrupted_spill_file_fails_its_pipelined_turn_cleanly_and_the_next_tu
     assert state.workers[0].tiers["device"].used_bytes == mover.device_pool.used_bytes
 
 
-def test_a_parked_donors_shared_prefix_is_restored_pipelined_for_a_copy_and_for_a_reader_in_place(stack):
+def donor_parked_to_disk(stack):
+    """Session a (the donor) answered on a sharing stack and on one without sharing, then parked
+    to disk on the first. -> (sharing stack, the other, b's question that opens as a's did)."""
     s = joined(stack(device_blocks=160, restore_policy="restore"))
     off = stack(share_prefixes=False, device_blocks=160)
     ask_b = [SYSTEM, {"role": "user", "content": "second question"}]
     for st in (s, off):
         st.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
     assert s.client.post("/admin/sessions/a/park", json={"tier": "disk"}).status_code == 200
+    return s, off, ask_b
+
+
+def test_a_parked_donors_shared_prefix_is_restored_pipelined_for_a_copy_and_for_a_reader_in_place(stack):
+    s, off, ask_b = donor_parked_to_disk(stack)
     poison_free_slots(s)
     b = s.chat(ask_b, session="b", max_tokens=8).json()           # a session's turn: copies a's pages
     opening = len("<system>" + SYSTEM["content"] + "<user>") // P_TOKENS * P_TOKENS
@@ -154,19 +162,8 @@ P_TOKENS = 4     # tests.serving.stack.P
 
 
 def test_a_donors_corrupted_spill_file_fails_the_sharing_turn_and_the_donor_gives_up_those_pages(stack):
-    s = joined(stack(device_blocks=160, restore_policy="restore"))
-    off = stack(share_prefixes=False, device_blocks=160)
-    ask_b = [SYSTEM, {"role": "user", "content": "second question"}]
-    for st in (s, off):
-        st.chat([SYSTEM, {"role": "user", "content": "first question"}], session="a", max_tokens=4)
-    assert s.client.post("/admin/sessions/a/park", json={"tier": "disk"}).status_code == 200
-    disk = s.worker.core.mover.disk_tier
-    bad = sorted(disk.blocks())[0]                       # a's first page: in the prefix b shares
-    with open(disk.path_of(bad), "r+b") as f:
-        f.seek(HEADER_BYTES + 5)
-        was = f.read(1)[0]
-        f.seek(HEADER_BYTES + 5)
-        f.write(bytes([was ^ 0x10]))
+    s, off, ask_b = donor_parked_to_disk(stack)
+    bad = flip_a_byte(s, sorted(s.worker.core.mover.disk_tier.blocks())[0])   # a's first page: in b's prefix
     r = s.chat(ask_b, session="b", max_tokens=8)
     assert r.status_code == 500 and f"block {bad}" in r.json()["error"]["message"], r.text
     again = s.chat(ask_b, session="b", max_tokens=8)      # nothing of a's broken prefix is offered again
