@@ -83,3 +83,18 @@ def assert_same(a, b):
                 assert torch.equal(a[k][blk], b[k][blk]), f"{k} block {blk} changed"
         else:
             assert a[k] == b[k], k
+
+
+def moved_off_device(mover, blocks, to: str):
+    """Fresh random pages of ``blocks`` committed on the device, evicted to ``to`` ("host" or
+    "disk"); the device slots a restore will claim then hold another random pattern (never zeros:
+    stale bytes there would pass for landed ones). -> the pages' words."""
+    import torch  # noqa: PLC0415
+
+    from residency.events.catalog import MoveAcked  # noqa: PLC0415
+
+    data = commit(mover, "device", blocks)
+    assert isinstance(mover.execute(move("evict", "device", to, blocks)), MoveAcked)
+    mover.device_pool.words.copy_(torch.randint(-2**31, 2**31 - 1, mover.device_pool.words.shape,
+                                                dtype=torch.int32).to(mover.device_pool.words.device))
+    return data

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from residency.events.catalog import MoveAcked, MoveFailed
-from tests.dataplane.helpers_dataplane import LAYOUT, MOVER_DEVICES, commit, make_mover, move, words_of
+from tests.dataplane.helpers_dataplane import (LAYOUT, MOVER_DEVICES, commit, make_mover, move, moved_off_device,
+                                               words_of)
 
 L = LAYOUT.num_layers
 COLS = LAYOUT.block_words // L
@@ -21,13 +22,7 @@ def layered(tmp_path, request):
 
 
 def parked(mover, blocks):
-    data = commit(mover, "device", blocks)
-    assert isinstance(mover.execute(move("evict", "device", "host", blocks)), MoveAcked)
-    # fill the device slots the restore will claim with another pattern (never zeros): stale bytes
-    # there would pass for landed ones
-    mover.device_pool.words.copy_(torch.randint(-2**31, 2**31 - 1, mover.device_pool.words.shape,
-                                                dtype=torch.int32).to(mover.device_pool.words.device))
-    return data
+    return moved_off_device(mover, blocks, "host")
 
 
 def test_a_layered_restore_lands_every_byte_and_is_verified(layered):

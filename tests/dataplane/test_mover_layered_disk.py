@@ -11,20 +11,15 @@ import torch
 from residency.dataplane.moves.layered_disk import layer_bands
 from residency.dataplane.pools.disk import HEADER_BYTES
 from residency.events.catalog import MoveAcked, MoveFailed
-from tests.dataplane.helpers_dataplane import LAYOUT, MOVER_DEVICES, commit, make_mover, move, words_of
+from tests.dataplane.helpers_dataplane import (LAYOUT, MOVER_DEVICES, commit, make_mover, move, moved_off_device,
+                                               words_of)
 
 L = LAYOUT.num_layers
 COLS = LAYOUT.block_words // L
 
 
 def on_disk(mover, blocks):
-    data = commit(mover, "device", blocks)
-    assert isinstance(mover.execute(move("evict", "device", "disk", blocks)), MoveAcked)
-    # the device slots the restore will claim hold another pattern (never zeros): stale bytes there
-    # would pass for landed ones
-    mover.device_pool.words.copy_(torch.randint(-2**31, 2**31 - 1, mover.device_pool.words.shape,
-                                                dtype=torch.int32).to(mover.device_pool.words.device))
-    return data
+    return moved_off_device(mover, blocks, "disk")
 
 
 class HeldDma:

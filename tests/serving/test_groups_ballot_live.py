@@ -11,7 +11,6 @@ ledger replays true and ``residency diagnose`` says it was caught before the ste
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -36,15 +35,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ballot")
     tiny = str(tmp / "tiny-llama")
     write_hf_dir(tiny, random_model(TINY_LLAMA, seed=random.randrange(1 << 30)))
-    old = os.environ.get("RESIDENCY_WORKER_FAULTS")
-    os.environ["RESIDENCY_WORKER_FAULTS"] = "on_rank=1,diverge_ballot=2"
-    try:
-        s = Server(tmp, *COMMON, "--tp", "2", "--model", tiny, "--max-context", "512", name="ballot")
-    finally:
-        if old is None:
-            os.environ.pop("RESIDENCY_WORKER_FAULTS", None)
-        else:
-            os.environ["RESIDENCY_WORKER_FAULTS"] = old
+    s = Server(tmp, *COMMON, "--tp", "2", "--model", tiny, "--max-context", "512", name="ballot",
+               faults="on_rank=1,diverge_ballot=2")
     try:
         yield s
     finally:
