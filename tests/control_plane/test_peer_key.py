@@ -5,7 +5,6 @@ from __future__ import annotations
 import secrets
 import socket
 import subprocess
-import sys
 import time
 
 import pytest

@@ -20,7 +20,7 @@ from residency.control.diagnose import diagnose
 from residency.dataplane.model import ModelConfig, random_model
 from residency.events import catalog as ev
 from tests.model.helpers_model import write_hf_dir
-from tests.serving.server import ADMIN_KEY, Server, read_ledger
+from tests.serving.server import Server, read_ledger
 
 
 def cfg(name: str, hidden: int, heads: int, inter: int, vocab: int, tie: bool) -> ModelConfig:
