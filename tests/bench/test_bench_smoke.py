@@ -138,8 +138,10 @@ def test_the_prefix_sharing_bench_shares_a_system_prompt_and_answers_the_same(tm
     assert s["answers_identical_with_and_without_sharing"] is True
 
 
-def test_the_sampler_penalties_bench_runs_on_the_cpu():
+def test_the_sampler_penalties_bench_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "penalties.json"
     p = _run(["bench/sampler_penalties.py", "--batch", "3", "--vocab", "97", "--prompt", "5", "--generated", "4",
-              "--device", "cpu", "--repeat", "2"])
-    res = json.loads(p.stdout)
-    assert {"ms_none", "ms_all", "ms_half", "commit"} <= set(res)
+              "--device", "cpu", "--repeat", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert {"ms_none", "ms_all", "ms_half", "git_commit", "targets"} <= set(res)
+    assert "all_rows_penalized_over_plain" in res["targets"] and "penalized rows" in p.stdout
