@@ -51,6 +51,9 @@ class WorkerFaults:
         diverge_ballot=N     a rank of a group posts another digest for the Nth sequence it is
                              told to run, in every ballot naming it: the ranks' ballots split
                              before that sequence's first step, and no rank runs it
+        fail_seq=N           a rank of a group fails the Nth sequence it is told to run, alone,
+                             before that sequence's first step (as a restore of its shard that
+                             failed its checksum would): the control cancels it on the peers
         refuse_swap=N        the Nth SwapWeights this worker is sent is refused before anything
                              moves (with on_rank=R: one rank of a group refuses while its peers
                              swap, so the group's flip is torn)
@@ -72,6 +75,7 @@ class WorkerFaults:
         self.miss_stamp: str | None = None
         self.diverge_table = 0
         self.diverge_ballot = 0
+        self.fail_seq = 0
         self.refuse_swap = 0
         self.stall_swap, self.stall_swap_ms = 0, 0.0
         self.num_swaps = 0
@@ -99,6 +103,8 @@ class WorkerFaults:
                 self.diverge_table = int(value)
             elif name == "diverge_ballot":
                 self.diverge_ballot = int(value)
+            elif name == "fail_seq":
+                self.fail_seq = int(value)
             elif name == "stall_swap":
                 n, _, ms = value.partition(":")
                 self.stall_swap, self.stall_swap_ms = int(n), float(ms or 10_000)
@@ -112,7 +118,8 @@ class WorkerFaults:
                 raise ValueError(f"unknown worker fault {name!r}; see dataplane.faults.WorkerFaults")
         self.rng = random.Random(seed)
         self.enabled = bool(self.p or self.delay_p or self.crash_after_moves or self.exec_delay_ms or self.stall_step
-                            or self.miss_stamp or self.diverge_table or self.diverge_ballot or self.refuse_swap
+                            or self.miss_stamp or self.diverge_table or self.diverge_ballot or self.fail_seq
+                            or self.refuse_swap
                             or self.stall_swap)
         self.counts: dict[str, int] = {}
         self.num_moves = 0

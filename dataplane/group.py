@@ -154,6 +154,7 @@ class GroupLoop:
         self.num_started = 0                       # Generates this rank was told
         self.diverge_id: str | None = None         # the sequence the diverge_table fault picked
         self.ballot_fault_id: str | None = None    # the sequence the diverge_ballot fault picked
+        self.fail_id: str | None = None            # the sequence the fail_seq fault picked
         self.refused: StepRefused | None = None    # the ballots split: this rank steps no more
         loop.agree_tokens = self._tell
 
@@ -177,6 +178,8 @@ class GroupLoop:
                 self.diverge_id = msg.request_id
             if self.faults is not None and self.faults.diverge_ballot == self.num_started:
                 self.ballot_fault_id = msg.request_id
+            if self.faults is not None and self.faults.fail_seq == self.num_started:
+                self.fail_id = msg.request_id
             return self.admit(msg)
         elif isinstance(msg, CancelGenerate) and self.posted is not None and msg.request_id in self.posted:
             self.cancel_after.append(msg)     # the posted round names it: it runs that round first
@@ -186,6 +189,7 @@ class GroupLoop:
     def step(self) -> list:
         if self.refused is not None:
             return []
+        failed = self._fail_fault()
         if self.posted is None:
             self.posted = list(self.loop.seqs)
             self.rounds.post(self._ballot(self.posted))
@@ -206,7 +210,18 @@ class GroupLoop:
         for c in self.cancel_after:
             out += self.loop.handle(c)
         self.cancel_after = []
-        return out
+        return failed + out
+
+    def _fail_fault(self) -> list:
+        """The ``fail_seq`` fault: this rank alone fails the sequence, before its first step, as a
+        restore of its own shard that failed its checksum would. The sequence leaves this rank's
+        posts; the control, told by its error report, cancels it on the peers."""
+        if self.fail_id is None or self.fail_id not in self.loop.seqs or self.posted is not None:
+            return []
+        rid, self.fail_id = self.fail_id, None
+        self.faults.counts["fail_seq"] = 1
+        log.warning("fault_injected_sequence_failure", fault="fail_seq", request_id=rid)
+        return self.loop.fail(rid, "fault fail_seq: this rank failed the sequence alone")
 
     def _ballot(self, ids: list[str]) -> StepBallot:
         """This rank's ballot: each id with its digest of what it would run for that sequence."""

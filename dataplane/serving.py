@@ -464,6 +464,11 @@ class ServingLoop:
         return TokensGenerated(request_id=s.request_id, worker=self.worker, token_ids=[token], text=delta,
                                blocks_written=blocks, keys_written=keys, logprobs=lps)
 
+    def fail(self, request_id: str, error: str) -> list:
+        """End one sequence with ``error`` (its pages freed and reported, as a failed step's)."""
+        s = self.seqs.get(request_id)
+        return [] if s is None else [self._finish(s, "error", error=error)]
+
     def _finish(self, s: _Seq, reason: str, *, last: list[int] | None = None, text: str = "",
                 error: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> TokensGenerated:
         """The sequence leaves: report its last pages, free what it must, hand back the rest."""

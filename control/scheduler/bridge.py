@@ -32,6 +32,7 @@ class RequestState:
         self.tokenized = None
         self.admit = None               # control.scheduler.core.Admit once admitted
         self.cancelled: str | None = None
+        self.rank_failed: str | None = None     # a group's rank ended it with an error (named here)
         self.num_generated = 0
         self.wait_since_ns = 0
         self.wait_code, self.wait_reason = "insufficient_kv_capacity", ""     # the scheduler's last Wait

@@ -4,7 +4,10 @@ rank is accounted, the ranks' steps are compared. Loop thread only.
     ServingReady   a follower's is noted; the leader's is held until every rank has said it
                    (the group serves once all its ranks do)
     TokensGenerated  the leader's drive the request's stream; each follower's record only its
-                   own pages (BlocksCommitted / BlocksFreed on that rank's books)
+                   own pages (BlocksCommitted / BlocksFreed on that rank's books). A sequence
+                   that fails on one rank alone (a restore of its shard, say) is cancelled on
+                   every other rank, and the client is answered the error naming that rank: a
+                   sequence one rank dropped is never agreed again, so it would wait forever
     StepCompleted  every rank's is recorded and compared (control/groups.py StepDigests): the
                    first step whose digests differ records GroupDiverged and GroupStopped
     StepRefused    the ranks' ballots split before a step, which no rank ran: once every earlier
@@ -25,7 +28,7 @@ import structlog
 
 from residency.control.groups import GroupBook, StepDigests, step_digest
 from residency.events import catalog as ev
-from residency.events.commands import ServingReady, StepRefused, TokensGenerated
+from residency.events.commands import CancelGenerate, ServingReady, StepRefused, TokensGenerated
 
 log = structlog.get_logger("control.groups")
 FREE_REASON = {"stop": "finished", "length": "finished", "error": "error"}
@@ -68,7 +71,11 @@ class GroupServing:
     def on_tokens(self, link, msg: TokensGenerated) -> None:
         if not self.book.is_follower(link.worker):
             self.service.streams.on_tokens(link, msg)
+            if msg.finish_reason == "error" and link.worker in self.book.group_of:
+                self._failed_alone(link.worker, msg)
             return
+        if msg.finish_reason == "error":
+            self._failed_alone(link.worker, msg)
         # a rank's own pages, on its own books; the request's stream is the leader's
         w = link.worker
         bb = self.proc.state.workers[w].block_bytes
@@ -81,6 +88,20 @@ class GroupServing:
             self.proc.record(ev.BlocksFreed(worker=w, tier="device", blocks=list(msg.blocks_freed),
                                             bytes=msg.bytes_freed, reason=FREE_REASON.get(reason, reason)),
                              correlation=msg.request_id)
+
+    def _failed_alone(self, worker: int, msg: TokensGenerated) -> None:
+        """One rank ended a sequence with an error: every other rank still holding it is told to
+        cancel it (through the leader, which fans out), and the client's answer names the rank."""
+        g, rank = self.book.group_of[worker], self.book.rank_of(worker)
+        r = self.service.requests.get(msg.request_id)
+        if r is not None and r.rank_failed is None:
+            r.rank_failed = f"rank {rank} (worker {worker}) of group {g} failed it: {msg.error}"
+        log.error("group_sequence_failed_on_a_rank", group=g, rank=rank, worker=worker, request_id=msg.request_id,
+                  error=msg.error)
+        cancel = CancelGenerate(request_id=msg.request_id, reason="rank_failed")
+        for w in self.book.members[g]:
+            if w != worker and (ws := self.proc.state.workers.get(w)) is not None and ws.alive:
+                self.proc.workers.send_to_worker(w, cancel)
 
     # ------------------------------------------------------------------ steps
     def on_step(self, link, msg: ev.StepCompleted) -> None:

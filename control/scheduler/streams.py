@@ -65,7 +65,9 @@ class GenerationStreams:
             if msg.token_ids or msg.text:
                 r.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs)))
             return
-        reason = msg.finish_reason
+        reason, error = msg.finish_reason, msg.error
+        if reason == "cancelled" and r.rank_failed is not None and not r.cancelled:
+            reason, error = "error", r.rank_failed      # cancelled here because a peer rank failed it
         why = (r.cancelled or "cancelled") if reason == "cancelled" else FREE_REASON.get(reason, reason)
         if msg.blocks_freed:
             self.proc.record(ev.BlocksFreed(worker=link.worker, tier="device", blocks=list(msg.blocks_freed),
@@ -80,7 +82,7 @@ class GenerationStreams:
                       computed_tokens=msg.num_computed_tokens,
                       shared_tokens=len(a.shared) * sched.cfg.page_tokens)
         r.push(Chunk(text=msg.text, token_ids=list(msg.token_ids), finish_reason=reason, usage=usage,
-                     error=msg.error, logprobs=list(msg.logprobs)))
+                     error=error, logprobs=list(msg.logprobs)))
         if is_retained(r.session):
             self.book.evict_retained()
         self.admission.retry_soon()
