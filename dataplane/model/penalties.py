@@ -20,6 +20,7 @@ and the log-probabilities (the model's own distribution) read them.
 """
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence
 
@@ -37,12 +38,15 @@ def _pairs(seqs: list[Sequence[int]], rows: list[int], vocab: int, device: torch
     if not flat:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty
-    lo, hi = min(flat), max(flat)
+    # a list of ints through array's buffer: ~12x faster than torch.tensor(list) for a batch's
+    # histories (tens of thousands of ids), which had been most of a penalized step's cost
+    host = torch.frombuffer(array.array("q", flat), dtype=torch.long)
+    lo, hi = (int(v) for v in torch.aminmax(host))
     if lo < 0 or hi >= vocab:
         # NOTE: checked here, on the host: an index out of range in a CUDA gather is a device-side
         # assert that ends the process, not an exception one sequence can be failed with
         raise ValueError(f"token id {hi if hi >= vocab else lo} in a sequence is outside the logits' {vocab} ids")
-    ids = torch.tensor(flat, dtype=torch.long, device=device)
+    ids = host.to(device=device, copy=True)      # owns its memory (the array goes with this frame)
     lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long, device=device)
     row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device), lengths)
     return torch.unique(row * vocab + ids, return_counts=True)
