@@ -28,10 +28,9 @@ rank (``<fid>.r<rank>``), SwapWeights to each, and one verdict once every rank a
 deadline, or when a rank is lost: all completed, all refused, or torn and the group stopped
 (control/flip_group.py).
 
-The Flipper runs the state machine above; it hands out what has a table of its own: the requests
-held for a model (control/flip_waiting.py), the KV pool a sleep gives back (control/flip_pool.py),
-the model cards the API shows (control/flip_cards.py); the policy's choice is pure
-(control/flip_policy.py ``pick``).
+The Flipper runs the state machine above; what has a table of its own is elsewhere: held requests
+(control/flip_waiting.py), the pool a sleep gives back (control/flip_pool.py), the API's model
+cards (control/flip_cards.py), the policy's pure choice (control/flip_policy.py ``pick``).
 
 Loop thread only; ``cards`` and ``sleeping`` are snapshots replaced whole, read by the API.
 """
