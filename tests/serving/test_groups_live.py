@@ -20,26 +20,21 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from residency.dataplane.model import ModelConfig, random_model
+from residency.dataplane.model import random_model
 from tests.model.helpers_model import write_hf_dir
+from tests.serving.helpers_groups import CLI, COMMON, TINY_LLAMA
 from tests.serving.server import MODEL, Server, read_ledger
 
-CLI = [sys.executable, "-m", "residency.control.cli.main"]
-COMMON = ("--drain-s", "0", "--no-policies", "--retain-prefixes", "0", "--no-keep-disk", "--move-deadline-s", "1")
 PROMPTS = ["The capital of France is", "Write one sentence about the sea and a lighthouse keeper."]
 # requests 1-2: the greedy prompts, 3-4: alice's and bob's turns, 5: the one whose table rank 2 changes
 FAULTS = "on_rank=1,drop_ack=1,exec_delay_ms=3000;on_rank=2,diverge_table=5"
 PAIR_FAULTS = "on_rank=1,miss_stamp=serving"       # rank 1 only, on the group's first rebind
-TINY_LLAMA = ModelConfig(name="tiny-llama", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                         intermediate=128, vocab_size=320, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5,
-                         max_position=2048, tie_embeddings=True)
 
 
 def start(tmp, name: str, *extra: str, faults: str = "") -> Server:

@@ -9,29 +9,18 @@ fails the 2nd sequence it is told (``fail_seq=2``).
 """
 from __future__ import annotations
 
-import random
 import subprocess
 
 import httpx
 import pytest
 
-from residency.dataplane.model import random_model
-from tests.model.helpers_model import write_hf_dir
-from tests.serving.server import Server, read_ledger
-from tests.serving.test_groups_ballot_live import CLI, COMMON, TINY_LLAMA, wait_healthy
+from tests.serving.helpers_groups import CLI, tiny_tp2, wait_healthy
+from tests.serving.server import read_ledger
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rank-failure")
-    tiny = str(tmp / "tiny-llama")
-    write_hf_dir(tiny, random_model(TINY_LLAMA, seed=random.randrange(1 << 30)))
-    s = Server(tmp, *COMMON, "--tp", "2", "--model", tiny, "--max-context", "512", name="rankfail",
-               faults="on_rank=1,fail_seq=2")
-    try:
-        yield s
-    finally:
-        s.stop()
+    yield from tiny_tp2(tmp_path_factory, "rankfail", "on_rank=1,fail_seq=2")
 
 
 def test_a_sequence_one_rank_fails_is_cancelled_on_its_peers_and_answered_naming_the_rank(server):
