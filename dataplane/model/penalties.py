@@ -14,9 +14,10 @@ completion generated, not the prompt.
 Every rule touches only the (row, id) pairs a history or a bias names, never the whole vocabulary:
 the batch's histories become one flat tensor of ``row * vocab + id`` on the logits' device,
 ``torch.unique`` counts it, and one gather and one scatter (``index_add_``, ``index_put_``) apply a
-rule. So past one copy of the rows that ask, a step's cost is O(tokens in their histories), the
-same on CPU and GPU, with no Python loop over the vocabulary. The step's logits are never written: a captured graph's output buffer
-and the log-probabilities (the model's own distribution) read them.
+rule. So past one float32 copy of the step's logits, its cost is O(tokens in the histories of the
+rows that ask), the same on CPU and GPU, with no Python loop over the vocabulary. The step's logits
+are never written: a captured graph's output buffer and the log-probabilities (the model's own
+distribution) read them.
 """
 from __future__ import annotations
 
@@ -52,9 +53,12 @@ def _pairs(seqs: list[Sequence[int]], rows: list[int], vocab: int, device: torch
     return torch.unique(row * vocab + ids, return_counts=True)
 
 
-def _per_pair(values: list[float], pairs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Each pair's row's value (``values`` indexed by row)."""
-    return torch.tensor(values, dtype=torch.float32, device=pairs.device)[pairs // vocab]
+def _per_pair(values: dict[int, float], pairs: torch.Tensor, vocab: int, num_rows: int) -> torch.Tensor:
+    """Each pair's row's value (``values``: row -> value; rows not named: 0)."""
+    per_row = [0.0] * num_rows
+    for row, v in values.items():
+        per_row[row] = v
+    return torch.tensor(per_row, dtype=torch.float32, device=pairs.device)[pairs // vocab]
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[History] | None) -> torch.Tensor:
@@ -68,12 +72,15 @@ def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[
     if not rows:
         return logits
     vocab, dev = logits.shape[1], logits.device
-    x = logits[rows].float()                    # advanced indexing: a copy
+    # one float32 copy of the whole step's logits, written in place at the rows that ask (their
+    # indices below are the batch's own), never a copy of those rows and a second one to put back
+    x = logits.to(torch.float32, copy=True).contiguous()
     ps = [params[i] for i in rows]
 
     bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias.items()]
     if bias:
         js, ts, bs = zip(*bias)
+        js = [rows[j] for j in js]
         out_of_range = [t for t in ts if not 0 <= t < vocab]
         if out_of_range:
             raise ValueError(f"logit_bias token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
@@ -88,8 +95,8 @@ def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[
     flat_x = x.view(-1)                          # x is a fresh contiguous copy
     rep = [j for j, p in enumerate(ps) if p.repetition_penalty != 1.0]
     if rep:
-        seen, _ = _pairs([histories[rows[j]][0] for j in rep], rep, vocab, dev)
-        r = _per_pair([p.repetition_penalty for p in ps], seen, vocab)
+        seen, _ = _pairs([histories[rows[j]][0] for j in rep], [rows[j] for j in rep], vocab, dev)
+        r = _per_pair({rows[j]: p.repetition_penalty for j, p in enumerate(ps)}, seen, vocab, len(params))
         y = flat_x[seen]
         flat_x[seen] = torch.where(y > 0, y / r, y * r)
 
@@ -99,13 +106,9 @@ def apply_penalties(logits: torch.Tensor, params: Sequence, histories: Sequence[
         for j in fp:
             tokens, num_prompt = histories[rows[j]]
             gen.append(tokens[num_prompt:])
-        pairs, counts = _pairs(gen, fp, vocab, dev)
-        freq = _per_pair([p.frequency_penalty for p in ps], pairs, vocab)
-        pres = _per_pair([p.presence_penalty for p in ps], pairs, vocab)
+        pairs, counts = _pairs(gen, [rows[j] for j in fp], vocab, dev)
+        freq = _per_pair({rows[j]: p.frequency_penalty for j, p in enumerate(ps)}, pairs, vocab, len(params))
+        pres = _per_pair({rows[j]: p.presence_penalty for j, p in enumerate(ps)}, pairs, vocab, len(params))
         flat_x.index_add_(0, pairs, -(freq * counts + pres))
 
-    if len(rows) == logits.shape[0]:
-        return x
-    out = logits.float().clone()
-    out[rows] = x
-    return out
+    return x
