@@ -59,11 +59,17 @@ def seq_digest(s, model_digest: str = "") -> str:
     """A rank's digest of what it would run for sequence ``s`` (a serving loop's ``_Seq``: its
     ``cmd`` as the control told it, ``tokens``, ``num_computed``) on the weights ``model_digest``."""
     cmd = s.cmd
+    # the command's part (its block table: hundreds of ids at long contexts) is hashed once per
+    # command and weights, not at every step of every sequence: kept on the sequence, redone when
+    # its command is another object (a fault's replaced table) or the weights changed
+    told = getattr(s, "_ballot_told", None)
+    if told is None or told[0] is not cmd or told[1] != model_digest:
+        text = "|".join((cmd.request_id, ",".join(map(str, cmd.block_ids)), f"{cmd.num_cached_tokens}",
+                         ",".join(map(str, cmd.copy_from)), cmd.awaits_move, model_digest))
+        told = (cmd, model_digest, hashlib.blake2b(text.encode(), digest_size=8).hexdigest())
+        s._ballot_told = told
     last = s.tokens[-1] if s.tokens else -1
-    text = "|".join((
-        cmd.request_id, ",".join(map(str, cmd.block_ids)), f"{s.num_computed}/{len(s.tokens)}/{last}",
-        f"{cmd.num_cached_tokens}", ",".join(map(str, cmd.copy_from)), cmd.awaits_move, model_digest,
-    ))
+    text = f"{told[2]}|{s.num_computed}/{len(s.tokens)}/{last}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

@@ -104,3 +104,13 @@ def test_a_sequences_digest_covers_what_every_rank_must_hold_alike_and_not_what_
     ]
     assert all(seq_digest(x, "kv1") != d for x in changed)
     assert seq_digest(s(), "kv2") != d                     # other weights
+    # one sequence digested step after step (the command's part kept on it): what changes still shows
+    one = s()
+    assert seq_digest(one, "kv1") == d
+    one.tokens.append(5)
+    one.num_computed += 1
+    assert seq_digest(one, "kv1") == seq_digest(s(tokens=tokens + [5], num_computed=9), "kv1") != d
+    one.cmd = msgspec.structs.replace(cmd, block_ids=pages[:-1] + [pages[-1] + 1])
+    assert seq_digest(one, "kv1") == seq_digest(s(cmd=one.cmd, tokens=tokens + [5], num_computed=9), "kv1")
+    assert seq_digest(one, "kv1") != seq_digest(s(tokens=tokens + [5], num_computed=9), "kv1")
+    assert seq_digest(one, "kv2") != seq_digest(one, "kv1")
